@@ -1,0 +1,217 @@
+"""Every message on the client socket: tagged msgspec Structs, one Union per direction.
+
+Requests carry a client-chosen ``id``; every reply carries it back, so one
+connection multiplexes many requests. A request ends with exactly one final
+reply: ``Embeddings``, ``End``, ``Error`` or a management reply.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from protocol.errors import ErrorCode
+
+PROTOCOL_VERSION = 1
+
+Priority = Literal["critical", "high", "normal", "low", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("critical", "high", "normal", "low", "batch")
+Capability = Literal["text_embedding", "text_to_text", "image_embedding", "vision", "text_to_image"]
+
+MAX_TEXTS = 4096
+MAX_TOKENS = 1 << 20
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defaults=True):
+    pass
+
+
+class _Request(_Msg, frozen=True, kw_only=True):
+    id: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    model: str = ""  # "" asks for the default model of the capability
+    priority: Priority = "normal"
+    timeout_s: PositiveSeconds | None = None  # None: the daemon's default
+    deadline_s: PositiveSeconds | None = None  # seconds from sending; expired work never runs
+
+
+# ---- client -> daemon -------------------------------------------------------------
+
+
+class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
+    protocol_version: int
+    client: str = ""
+
+
+class Embed(_Request, frozen=True, kw_only=True, tag="embed"):
+    texts: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_TEXTS)]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str
+    content: str
+
+
+class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
+    prompt: str = ""
+    messages: list[ChatMessage] = []
+    raw: bool = False  # True: send the prompt as-is, without the model's chat template
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 256
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0  # 0: greedy
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    seed: int | None = None
+    stop: Annotated[list[str], msgspec.Meta(max_length=16)] = []
+    ignore_eos: bool = False
+
+
+class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
+    id: int  # the id of the request to cancel
+
+
+class GetStatus(_Msg, frozen=True, kw_only=True, tag="status"):
+    id: int
+
+
+class ListModels(_Msg, frozen=True, kw_only=True, tag="models"):
+    id: int
+
+
+class LoadModel(_Msg, frozen=True, kw_only=True, tag="load"):
+    id: int
+    model: str
+    workers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+
+
+class UnloadModel(_Msg, frozen=True, kw_only=True, tag="unload"):
+    id: int
+    model: str
+
+
+class StopDaemon(_Msg, frozen=True, kw_only=True, tag="stop"):
+    id: int
+
+
+WorkRequest = Embed | Generate
+ClientMessage = (
+    Hello | Embed | Generate | Cancel | GetStatus | ListModels | LoadModel | UnloadModel
+    | StopDaemon
+)
+
+
+# ---- daemon -> client -------------------------------------------------------------
+
+
+class Welcome(_Msg, frozen=True, kw_only=True, tag="welcome"):
+    protocol_version: int
+    server_version: str
+    max_frame_bytes: int
+    default_models: dict[str, str] = {}  # capability -> model key
+
+
+class Embeddings(_Msg, frozen=True, kw_only=True, tag="embeddings"):
+    id: int
+    data: bytes  # raw little-endian float32, row-major
+    shape: list[int]
+    dtype: str = "float32"
+    model: str = ""
+
+
+class Chunk(_Msg, frozen=True, kw_only=True, tag="chunk"):
+    id: int
+    seq: int
+    text: str
+
+
+class End(_Msg, frozen=True, kw_only=True, tag="end"):
+    id: int
+    finish_reason: str  # "stop" (eos or stop string) | "length" | "cancelled"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model: str = ""
+
+
+class Error(_Msg, frozen=True, kw_only=True, tag="error"):
+    id: int | None  # None: the frame could not be tied to a request
+    code: ErrorCode
+    message: str
+    retry_after_s: float | None = None
+
+
+class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: int
+    pid: int | None
+    state: str  # starting | loading | idle | busy | stopping
+    inflight: int
+    started_s_ago: float
+    idle_s: float | None
+    uss_mb: float | None
+    last_heartbeat_s: float | None
+
+
+class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
+    key: str
+    capability: Capability
+    state: str  # cold | loading | ready | failed | draining
+    queued: int
+    running: int
+    completed: int
+    failed: int
+    workers: list[WorkerStatus]
+    last_error: str | None = None
+
+
+class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
+    budget_mb: float
+    used_mb: float
+    total_mb: float
+    available_mb: float
+
+
+class PoolStatus(msgspec.Struct, frozen=True, kw_only=True):
+    pid: int
+    version: str
+    uptime_s: float
+    socket: str
+    shutting_down: bool
+    models: list[ModelStatus]
+    memory: MemoryStatus
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    key: str
+    capability: Capability
+    aliases: list[str]
+    source: str
+    default: bool
+    state: str
+
+
+class StatusReply(_Msg, frozen=True, kw_only=True, tag="status_reply"):
+    id: int
+    status: PoolStatus
+
+
+class ModelsReply(_Msg, frozen=True, kw_only=True, tag="models_reply"):
+    id: int
+    models: list[ModelInfo]
+
+
+class Ack(_Msg, frozen=True, kw_only=True, tag="ack"):
+    id: int
+    message: str = ""
+
+
+ServerMessage = (
+    Welcome | Embeddings | Chunk | End | Error | StatusReply | ModelsReply | Ack
+)
+
+# Built once: msgspec decoders and encoders are cheap to call and costly to build.
+client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+server_decoder = msgspec.msgpack.Decoder(ServerMessage)
+encoder = msgspec.msgpack.Encoder()
+
+
+def to_builtins(obj: Any) -> Any:
+    """Plain dicts and lists for JSON output (status --json)."""
+    return msgspec.to_builtins(obj)

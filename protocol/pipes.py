@@ -1,0 +1,72 @@
+"""Messages between the supervisor and one worker, on that worker's own pipes.
+
+A worker's replies reuse the client reply types (Embeddings, Chunk, End, Error)
+with ``id`` set to the supervisor's job id, so the supervisor forwards them by
+swapping in the client's id and never needs to understand their payload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defaults=True):
+    pass
+
+
+# ---- supervisor -> worker ---------------------------------------------------------
+
+
+class WorkItem(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: int
+    request: Embed | Generate
+
+
+class Work(_Msg, frozen=True, kw_only=True, tag="work"):
+    items: list[WorkItem]  # several only for batchable capabilities
+
+
+class Abort(_Msg, frozen=True, kw_only=True, tag="abort"):
+    job_id: int  # stop this job soon; the worker ends it with End(finish_reason="cancelled")
+
+
+class Shutdown(_Msg, frozen=True, kw_only=True, tag="shutdown"):
+    pass
+
+
+ToWorker = Work | Abort | Shutdown
+
+
+# ---- worker -> supervisor ---------------------------------------------------------
+
+
+class Ready(_Msg, frozen=True, kw_only=True, tag="ready"):
+    pid: int
+    load_s: float
+    uss_mb: float | None = None
+    info: dict[str, Any] = {}  # capability facts, e.g. {"dim": 384} or {"context": 2048}
+
+
+class LoadFailed(_Msg, frozen=True, kw_only=True, tag="load_failed"):
+    cause: str
+
+
+class WantWork(_Msg, frozen=True, kw_only=True, tag="want_work"):
+    pass
+
+
+FromWorker = Ready | LoadFailed | WantWork | Embeddings | Chunk | End | Error
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    seq: int
+    progress: int  # advanced per batch, token or diffusion step
+
+
+to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
+heartbeat_decoder = msgspec.msgpack.Decoder(Heartbeat)

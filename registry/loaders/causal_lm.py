@@ -1,0 +1,129 @@
+"""Causal language models with transformers: token-by-token decoding with a KV cache,
+so the worker can stream, count progress and stop between any two tokens."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from protocol.errors import ErrorCode, PoolError
+from protocol.messages import Generate
+from registry.loaders.common import pretrained_kwargs, require_dir
+from registry.spec import ModelSpec
+from workers.capabilities.text_to_text import GenerationStats
+
+
+class CausalLM:
+    def __init__(self, key: str, tokenizer: Any, model: Any) -> None:
+        self.key = key
+        self.tokenizer = tokenizer
+        self.model = model.eval()
+        config = model.config
+        self.context = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    def info(self) -> dict[str, Any]:
+        return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template)}
+
+    def prompt_ids(self, request: Generate) -> list[int]:
+        template = self.tokenizer.chat_template
+        if request.messages or (template and not request.raw):
+            if not template:
+                raise PoolError(ErrorCode.BAD_REQUEST,
+                                f"model {self.key!r} has no chat template: send a prompt")
+            messages = [{"role": m.role, "content": m.content} for m in request.messages] or [
+                {"role": "user", "content": request.prompt}]
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(request.prompt)["input_ids"])
+
+    @torch.inference_mode()
+    def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
+        ids = self.prompt_ids(request)
+        stats.prompt_tokens = len(ids)
+        if len(ids) >= self.context:
+            raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {len(ids)} tokens; model "
+                            f"{self.key!r} has a context of {self.context}")
+        budget = min(request.max_tokens, self.context - len(ids))
+        seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
+        generator = torch.Generator().manual_seed(seed)
+        detok = IncrementalDecoder(self.tokenizer)
+        step_input, past = torch.tensor([ids]), None
+        stats.finish_reason = "length"
+        for _ in range(budget):
+            out = self.model(input_ids=step_input, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = sample(out.logits[0, -1].float(), request.temperature, request.top_p,
+                           generator)
+            if token in self.eos_ids and not request.ignore_eos:
+                stats.finish_reason = "stop"
+                break
+            stats.completion_tokens += 1
+            if piece := detok.add(token):
+                yield piece
+            step_input = torch.tensor([[token]])
+        if tail := detok.flush():
+            yield tail
+
+
+class IncrementalDecoder:
+    """Turns tokens into text pieces without splitting a multi-byte character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = 0  # characters of the decoded text already yielded
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            return ""
+        piece, self.emitted = text[self.emitted :], len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        piece, self.emitted = text[self.emitted :], len(text)
+        return piece
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float,
+           generator: torch.Generator) -> int:
+    """Greedy at temperature 0, else temperature + nucleus (top_p) sampling."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
+    model_dir = require_dir(spec, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **pretrained_kwargs(spec))
+    return CausalLM(spec.key, tokenizer, model)

@@ -1,0 +1,32 @@
+"""Helpers shared by the transformers-based loaders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from registry.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def require_dir(spec: ModelSpec, model_dir: Path | None) -> Path:
+    if model_dir is None:
+        raise ValueError(f"model {spec.key!r} has no files: give it a path, package or repo")
+    return model_dir
+
+
+def pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """from_pretrained arguments every loader honours: dtype, weight format, remote code."""
+    dtype_name = spec.options.get("dtype", "float32")
+    if dtype_name not in DTYPES:
+        raise ValueError(f"model {spec.key!r}: dtype {dtype_name!r} not in {sorted(DTYPES)}")
+    return {
+        "dtype": DTYPES[dtype_name],
+        # Pickle-based weights run arbitrary code on load: only when the entry opts in.
+        "use_safetensors": not spec.allow_pickle,
+        "trust_remote_code": spec.trust_remote_code,
+        "local_files_only": True,
+    }

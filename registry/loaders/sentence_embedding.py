@@ -1,0 +1,120 @@
+"""Sentence embeddings with plain transformers, pooled and normalised as the model's
+sentence-transformers files (modules.json, 1_Pooling/config.json) say."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from registry.loaders.common import pretrained_kwargs, require_dir
+from registry.spec import ModelSpec
+
+POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
+
+
+class SentenceEmbedder:
+    def __init__(self, tokenizer: Any, model: Any, pooling: str, normalize: bool,
+                 max_seq_length: int, lowercase: bool) -> None:
+        self.tokenizer = tokenizer
+        self.model = model.eval()
+        self.pooling = pooling
+        self.normalize = normalize
+        self.max_seq_length = max_seq_length
+        self.lowercase = lowercase
+        self.dim = int(model.config.hidden_size)
+
+    def info(self) -> dict[str, Any]:
+        return {"dim": self.dim, "max_seq_length": self.max_seq_length, "pooling": self.pooling}
+
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        if self.lowercase:
+            texts = [t.lower() for t in texts]
+        batch = self.tokenizer(list(texts), padding=True, truncation=True,
+                               max_length=self.max_seq_length, return_tensors="pt")
+        hidden = self.model(**batch).last_hidden_state
+        pooled = pool(hidden, batch["attention_mask"], self.pooling)
+        if self.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.float().numpy()
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "cls":
+        return hidden[:, 0]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "max":
+        return hidden.masked_fill(weights == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
+    if mode == "lasttoken":
+        last = mask.sum(dim=1) - 1  # right padding: the last real token of each row
+        return hidden[torch.arange(hidden.shape[0]), last]
+    summed = (hidden * weights).sum(dim=1)
+    counts = weights.sum(dim=1).clamp(min=1e-9)
+    return summed / (counts.sqrt() if mode == "mean_sqrt_len" else counts)
+
+
+def load(spec: ModelSpec, model_dir: Path | None) -> SentenceEmbedder:
+    model_dir = require_dir(spec, model_dir)
+    layout = _read_layout(model_dir)
+    pooling = spec.options.get("pooling", layout["pooling"])
+    if pooling not in POOLING_MODES:
+        raise ValueError(f"model {spec.key!r}: pooling {pooling!r} not in {POOLING_MODES}")
+    transformer_dir = model_dir / layout["transformer_path"]
+    kwargs = pretrained_kwargs(spec)
+    tokenizer = AutoTokenizer.from_pretrained(
+        transformer_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+    model = AutoModel.from_pretrained(transformer_dir, **kwargs)
+    limit = int(getattr(model.config, "max_position_embeddings", 512))
+    max_len = spec.options.get("max_seq_length", layout["max_seq_length"]) or limit
+    return SentenceEmbedder(
+        tokenizer, model, pooling,
+        normalize=bool(spec.options.get("normalize", layout["normalize"])),
+        max_seq_length=min(int(max_len), limit),
+        lowercase=bool(layout["lowercase"]),
+    )
+
+
+def _read_layout(model_dir: Path) -> dict[str, Any]:
+    """The sentence-transformers pipeline of a model dir; mean + normalise without one."""
+    layout: dict[str, Any] = {"transformer_path": "", "pooling": "mean", "normalize": True,
+                              "max_seq_length": None, "lowercase": False}
+    modules_file = model_dir / "modules.json"
+    if not modules_file.exists():
+        return layout
+    modules = json.loads(modules_file.read_text())
+    layout["normalize"] = any(m["type"].endswith("Normalize") for m in modules)
+    for module in modules:
+        kind, path = module["type"], module.get("path", "")
+        if kind.endswith("Transformer"):
+            layout["transformer_path"] = path
+            _read_st_config(model_dir / path / "sentence_bert_config.json", layout)
+        elif kind.endswith("Pooling"):
+            layout["pooling"] = _pooling_mode(json.loads((model_dir / path / "config.json")
+                                                         .read_text()))
+    return layout
+
+
+def _read_st_config(path: Path, layout: dict[str, Any]) -> None:
+    if path.exists():
+        config = json.loads(path.read_text())
+        layout["max_seq_length"] = config.get("max_seq_length")
+        layout["lowercase"] = config.get("do_lower_case", False)
+
+
+def _pooling_mode(config: dict[str, Any]) -> str:
+    if "pooling_mode" in config:
+        return {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(
+            config["pooling_mode"], config["pooling_mode"])
+    for mode in POOLING_MODES:
+        flag = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
+                "max": "pooling_mode_max_tokens", "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
+                "lasttoken": "pooling_mode_lasttoken"}[mode]
+        if config.get(flag):
+            return mode
+    return "mean"

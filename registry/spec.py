@@ -1,0 +1,140 @@
+"""What a model is and where it comes from: the ModelSpec, the catalogue, and lookup.
+
+This module must stay free of torch and transformers: the supervisor imports it.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from protocol.messages import Capability
+
+BATCHED_CAPABILITIES: frozenset[str] = frozenset({"text_embedding", "image_embedding"})
+STREAMING_CAPABILITIES: frozenset[str] = frozenset({"text_to_text", "vision", "text_to_image"})
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    key: str
+    capability: Capability
+    aliases: list[str] = []
+    # Source: exactly one of path, package, repo, unless a custom loader needs none.
+    path: str | None = None  # a local directory
+    package: str | None = None  # an installed Python package that ships the files
+    repo: str | None = None  # a hub repo, fetched with huggingface_hub into its cache
+    revision: str = "main"
+    subdir: str = ""  # inside the package or repo
+    loader: str | None = None  # "package.module:function"; default: by capability
+    options: dict[str, Any] = {}  # handed to the loader (e.g. dtype, max_seq_length)
+    allow_pickle: bool = False  # permit .bin/.pt weights (runs pickle: trusted files only)
+    trust_remote_code: bool = False
+    default: bool = False  # the model used when a request names none for its capability
+    # Memory estimates in MiB, replaced by measurements once a worker has loaded.
+    weights_mb: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    per_worker_mb: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # Per-model overrides of [pool] knobs; None: the pool's value.
+    max_workers: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_batch: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    def __post_init__(self) -> None:
+        sources = [s for s in (self.path, self.package, self.repo) if s]
+        if len(sources) > 1:
+            raise ValueError(f"model {self.key!r}: give only one of path, package, repo")
+        if not sources and not self.loader:
+            raise ValueError(f"model {self.key!r}: needs path, package or repo (or a loader)")
+
+    @property
+    def batched(self) -> bool:
+        return self.capability in BATCHED_CAPABILITIES
+
+    @property
+    def streaming(self) -> bool:
+        return self.capability in STREAMING_CAPABILITIES
+
+    @property
+    def source(self) -> str:
+        if self.path:
+            return f"path:{self.path}"
+        if self.package:
+            return f"package:{self.package}/{self.subdir}".rstrip("/")
+        if self.repo:
+            return f"hub:{self.repo}@{self.revision}"
+        return f"loader:{self.loader}"
+
+
+class _Catalog(msgspec.Struct, forbid_unknown_fields=True):
+    models: list[ModelSpec]
+
+
+def load_catalog() -> list[ModelSpec]:
+    """The built-in models, from registry/catalog.toml."""
+    data = importlib.resources.files("registry").joinpath("catalog.toml").read_bytes()
+    return msgspec.toml.decode(data, type=_Catalog).models
+
+
+class Registry:
+    """The known models: the catalogue, overridden and extended by the config."""
+
+    def __init__(self, specs: list[ModelSpec]) -> None:
+        self.specs: dict[str, ModelSpec] = {}
+        self._names: dict[str, str] = {}
+        for spec in specs:
+            if spec.key in self.specs:
+                self._drop(self.specs[spec.key])
+            self.specs[spec.key] = spec
+            for name in [spec.key, *spec.aliases]:
+                self._names[name.lower()] = spec.key
+        self.defaults = self._pick_defaults()
+
+    def _drop(self, spec: ModelSpec) -> None:
+        for name in [spec.key, *spec.aliases]:
+            self._names.pop(name.lower(), None)
+
+    def _pick_defaults(self) -> dict[str, str]:
+        defaults: dict[str, str] = {}
+        for spec in self.specs.values():  # a later explicit default wins over an earlier one
+            if spec.default or spec.capability not in defaults:
+                defaults[spec.capability] = spec.key
+        return defaults
+
+    def resolve(self, name: str) -> ModelSpec | None:
+        key = self._names.get(name.lower())
+        return self.specs[key] if key else None
+
+
+def preload_modules(specs: list[ModelSpec]) -> list[str]:
+    """transformers modelling modules of the configured local models, for the forkserver.
+
+    Importing an architecture's module costs ~1 s; doing it once in the forkserver
+    means every forked worker starts with it already imported and shared.
+    """
+    modules: set[str] = set()
+    for spec in specs:
+        config = _local_config(spec)
+        model_type = config.get("model_type") if config else None
+        if isinstance(model_type, str) and model_type.isidentifier():
+            modules.add(f"transformers.models.{model_type}.modeling_{model_type}")
+    return sorted(modules)
+
+
+def _local_config(spec: ModelSpec) -> dict[str, Any] | None:
+    base: Path | None = None
+    if spec.path:
+        base = Path(spec.path).expanduser()
+    elif spec.package:
+        found = importlib.util.find_spec(spec.package)
+        if found and found.origin:
+            base = Path(found.origin).parent
+    if base is None:
+        return None
+    try:
+        return json.loads((base / spec.subdir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None

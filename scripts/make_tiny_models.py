@@ -1,0 +1,258 @@
+#!/usr/bin/env python
+"""Build tiny random-weight models that load exactly like real Hugging Face hub models.
+
+Tests and local runs of modelpool need real model directories (config, safetensors weights,
+tokenizer, chat template) to exercise the loaders end to end, but CI has no network access
+and real checkpoints are far too large to commit. Every model here is therefore built from
+code, deterministically, in a few seconds, and stays small on disk (tiny-llm is ~0.6 MB).
+
+Usage:
+    python scripts/make_tiny_models.py OUTDIR [--only NAME ...] [--force]
+
+Each model lands in OUTDIR/NAME/. A marker file is written last, so a directory that has
+one is complete and is skipped on later runs unless --force is given or this script has
+changed since it was built.
+
+To add a model, write a ``build_<name>(outdir) -> Path`` function that writes
+OUTDIR/<name>/ and register it in BUILDERS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# Heavy imports (torch, transformers, tokenizers) happen inside the builders so that
+# `--help` and fully up-to-date runs stay instant.
+
+MARKER_NAME = ".tiny-model-complete"
+SEED = 0
+
+# Byte-level BPE has no unknown token, so these five are all the specials we need. Their
+# order fixes their ids (pad=0, bos=1, eos=2), which config.json must agree with.
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
+LLM_VOCAB_SIZE = 1024
+
+# ChatML, as used by Qwen and many others; loaders under test must cope with this shape.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Hand-written so the tokenizer is reproducible without any download. Varied enough that
+# BPE finds LLM_VOCAB_SIZE worth of merges; the trainer needs no more than that.
+CORPUS = """\
+Once upon a time, there was a tiny model who lived in a pool of workers. Every morning it
+woke up, loaded its weights, and waited for requests to arrive over a small Unix socket.
+Some days brought only a few questions; other days brought thousands, and the model had to
+answer each one quickly and politely before the next client knocked on the door.
+
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
+single step. She sells sea shells by the sea shore, and the shells she sells are surely
+sea shells. Peter Piper picked a peck of pickled peppers; how many pickled peppers did
+Peter Piper pick? How much wood would a woodchuck chuck if a woodchuck could chuck wood?
+
+In the garden behind the old stone house, tomatoes ripened in the warm afternoon sun. The
+children carried baskets of apples, pears, and plums to the kitchen, where their
+grandmother was baking bread and cinnamon cakes. The smell drifted through the open
+windows and down the quiet street, past the library, the bakery, and the little school.
+
+Computers store numbers as bits, and a byte holds eight of them. Programs read input,
+transform it, and write output. When a process crashes, a careful supervisor notices,
+records what happened, and starts a fresh worker so that nobody waiting in the queue is
+left without an answer. Memory is limited, so old models are evicted when new ones load.
+
+Rain fell softly on the mountains during the night. By dawn the rivers were full and fast,
+rushing over smooth rocks toward the valley. Birds sang from the branches of tall pine
+trees, and a family of deer stepped carefully along the edge of the forest, listening for
+any sound that might mean danger was near.
+
+What time is it? It is half past seven in the evening, on Tuesday, the 14th of March 2023.
+The train leaves at 8:45 from platform 9, and the ticket costs 12.50 dollars. Please bring
+your passport, your phone, and a warm jacket, because the weather report says it will be
+cold and windy tomorrow, with a chance of snow after midnight.
+
+Learning a new language takes patience. You start with simple words like hello, thank you,
+yes, and no. Then you build sentences, ask questions, and make mistakes. Each mistake
+teaches you something. After many weeks of practice, you can read a short story, write a
+letter to a friend, or order dinner at a restaurant without looking at a dictionary.
+
+The engineer opened her laptop and reviewed the logs. Requests had been slow since noon.
+She measured the latency, compared it with yesterday, and found that one worker was
+swapping to disk. After restarting it with a smaller batch size, the graphs turned green
+again, and she wrote a short note explaining the cause, the fix, and the next steps.
+"""
+
+
+def _corpus_lines() -> list[str]:
+    # Lines rather than one blob so merges never span paragraphs; the repeats give rarer
+    # pairs enough counts to be merged in a stable order.
+    lines = [line for line in CORPUS.splitlines() if line.strip()]
+    return lines * 8
+
+
+def train_tokenizer(vocab_size: int) -> Any:
+    """Train a byte-level BPE tokenizer (GPT-2/Qwen style) on the embedded corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    # Byte-level pre-tokenizer + decoder: any text encodes and decodes back exactly,
+    # spaces included, with no unknown tokens.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
+    return tokenizer
+
+
+def save_hf_tokenizer(tokenizer: Any, model_dir: Path, max_length: int) -> Any:
+    """Wrap a `tokenizers.Tokenizer` as a transformers fast tokenizer and save it."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=max_length,
+        chat_template=CHAT_TEMPLATE,
+    )
+    # Keep the chat template inside tokenizer_config.json (the pre-5.x layout) rather than
+    # a separate chat_template.jinja, so older transformers releases see it too.
+    hf_tokenizer.save_pretrained(model_dir, save_jinja_files=False)
+    # transformers 5.x records "TokenizersBackend", a class 4.x does not know; the old
+    # name still resolves to the same class in 5.x (pyproject allows transformers>=4.46).
+    _update_json(model_dir / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
+    return hf_tokenizer
+
+
+def _update_json(path: Path, **updates: Any) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.update(updates)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def save_llama(model_dir: Path, vocab_size: int, token_ids: dict[str, int]) -> None:
+    """Save a seeded, randomly initialised tiny Llama (about 140k parameters)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention, like current real models
+        max_position_embeddings=2048,  # long enough for realistic prompts in tests
+        tie_word_embeddings=True,  # halves the size; the loaders must handle tying anyway
+        **token_ids,
+    )
+    # fork_rng keeps the caller's global RNG untouched while making the weights identical
+    # on every run.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(**token_ids)
+    model.save_pretrained(model_dir, safe_serialization=True)
+
+
+def build_tiny_llm(outdir: Path) -> Path:
+    """Write OUTDIR/tiny-llm: a tiny Llama causal LM with a byte-level BPE tokenizer."""
+    model_dir = outdir / "tiny-llm"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_hf_tokenizer(train_tokenizer(LLM_VOCAB_SIZE), model_dir, max_length=2048)
+    token_ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    # len() counts added special tokens too, so every id the tokenizer can emit has an
+    # embedding row.
+    save_llama(model_dir, len(tokenizer), token_ids)
+    return model_dir
+
+
+Builder = Callable[[Path], Path]
+
+BUILDERS: dict[str, Builder] = {
+    "tiny-llm": build_tiny_llm,
+}
+
+
+def _script_digest() -> str:
+    # Stored in the marker so that editing a builder invalidates directories built by the
+    # old code instead of silently serving stale fixtures.
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def is_complete(model_dir: Path) -> bool:
+    """True if model_dir was fully built by the current version of this script."""
+    marker = model_dir / MARKER_NAME
+    return marker.is_file() and marker.read_text(encoding="utf-8").strip() == _script_digest()
+
+
+def build_model(name: str, outdir: Path) -> Path:
+    """Build registered model `name` from scratch under outdir and mark it complete."""
+    model_dir = outdir / name
+    # Start clean so files from an interrupted or older build cannot linger.
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    built_dir = BUILDERS[name](outdir)
+    # Written last: its presence means every other file is in place.
+    (built_dir / MARKER_NAME).write_text(_script_digest() + "\n", encoding="utf-8")
+    return built_dir
+
+
+def _quiet_transformers() -> None:
+    # transformers 5.x draws tqdm bars ("Writing model shards") on save; a fixture
+    # generator should only print the paths it wrote.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    parser.add_argument("outdir", type=Path, help="directory to write the models into")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(BUILDERS),
+        metavar="NAME",
+        help=f"build only this model (repeatable); one of: {', '.join(sorted(BUILDERS))}",
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = list(dict.fromkeys(args.only)) if args.only else list(BUILDERS)
+    pending = [n for n in names if args.force or not is_complete(args.outdir / n)]
+    # Only import transformers when there is work to do, so up-to-date runs stay instant.
+    if pending:
+        _quiet_transformers()
+    for name in pending:
+        print(build_model(name, args.outdir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The `modelpool` command: run the daemon, or talk to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from protocol.errors import PoolError
+from protocol.messages import PRIORITIES
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PoolError as exc:
+        print(f"modelpool: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelpool", description=__doc__)
+    parser.add_argument("--socket", help="daemon socket (default: $MODELPOOL_SOCKET, "
+                        "$XDG_RUNTIME_DIR/modelpool.sock, or /tmp/modelpool-$USER/)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve.add_argument("--config", help="TOML config (default: $MODELPOOL_CONFIG, else built-in)")
+    serve.set_defaults(func=_serve)
+
+    embed = sub.add_parser("embed", help="embed texts; prints one JSON vector per line")
+    embed.add_argument("texts", nargs="+")
+    _request_flags(embed)
+    embed.set_defaults(func=_embed)
+
+    gen = sub.add_parser("generate", help="stream generated text")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--raw", action="store_true", help="skip the model's chat template")
+    _request_flags(gen)
+    gen.set_defaults(func=_generate)
+
+    for name, helptext, func in (("status", "pool state", _status),
+                                 ("models", "known models and their state", _models)):
+        cmd = sub.add_parser(name, help=helptext)
+        cmd.add_argument("--json", action="store_true")
+        cmd.set_defaults(func=func)
+
+    load = sub.add_parser("load", help="start a model's workers now")
+    load.add_argument("model")
+    load.add_argument("--workers", type=int, default=1)
+    load.set_defaults(func=lambda a: _ack(a, lambda c: c.load(a.model, a.workers)))
+    unload = sub.add_parser("unload", help="stop a model's workers")
+    unload.add_argument("model")
+    unload.set_defaults(func=lambda a: _ack(a, lambda c: c.unload(a.model)))
+    stop = sub.add_parser("stop", help="stop the daemon gracefully")
+    stop.set_defaults(func=lambda a: _ack(a, lambda c: c.stop()))
+    return parser
+
+
+def _request_flags(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--model", help="model key or alias (default: the capability's default)")
+    cmd.add_argument("--priority", choices=PRIORITIES, default="normal")
+    cmd.add_argument("--timeout", type=float, dest="timeout_s")
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from protocol.client import Client
+
+    return Client(socket_path=args.socket)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import msgspec
+
+    from supervisor.config import ConfigError, load_config
+    from supervisor.server import AlreadyRunning, serve
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"modelpool: {exc}", file=sys.stderr)
+        return 2
+    if args.socket:
+        config = msgspec.structs.replace(
+            config, daemon=msgspec.structs.replace(config.daemon, socket=args.socket))
+    logging.basicConfig(level=config.daemon.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except AlreadyRunning as exc:
+        print(f"modelpool: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _embed(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        vectors = client.embed(list(args.texts), model=args.model, priority=args.priority,
+                               timeout_s=args.timeout_s)
+    for row in vectors:
+        print(json.dumps([round(float(x), 7) for x in row]))
+
+
+def _generate(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        for chunk in client.generate(
+                args.prompt, model=args.model, max_tokens=args.max_tokens,
+                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                stop=args.stop, ignore_eos=args.ignore_eos, raw=args.raw,
+                priority=args.priority, timeout_s=args.timeout_s):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            if chunk.finish_reason:
+                sys.stdout.write("\n")
+                print(f"[{chunk.finish_reason}: {chunk.prompt_tokens} prompt + "
+                      f"{chunk.completion_tokens} generated tokens]", file=sys.stderr)
+
+
+def _status(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return
+    print(f"{'MODEL':<42} {'CAPABILITY':<15} {'STATE':<9} {'QUEUED':>6} {'RUNNING':>7}  WORKERS")
+    for model in status["models"]:
+        workers = ", ".join(f"{w['pid']}:{w['state']}" for w in model["workers"]) or "-"
+        print(f"{model['key']:<42} {model['capability']:<15} {model['state']:<9} "
+              f"{model['queued']:>6} {model['running']:>7}  {workers}")
+        if model.get("last_error"):
+            print(f"    last error: {model['last_error']}")
+    mem = status["memory"]
+    print(f"memory: {mem['used_mb']:.0f} MiB charged of a {mem['budget_mb']:.0f} MiB budget "
+          f"({mem['available_mb']:.0f} MiB available); daemon pid {status['pid']}, "
+          f"up {status['uptime_s']:.0f}s")
+
+
+def _models(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        models = client.models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return
+    for m in models:
+        mark = "*" if m["default"] else " "
+        print(f"{mark} {m['key']:<42} {m['capability']:<15} {m['state']:<9} {m['source']}")
+
+
+def _ack(args: argparse.Namespace, call: Any) -> None:
+    with _client(args) as client:
+        print(call(client))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The daemon's configuration: a TOML file decoded into msgspec Structs.
+
+A wrong field is reported with its path (e.g. "Expected `int`, got `str` - at
+`$.pool.max_workers_per_model`"), an unknown one is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from protocol.paths import default_socket_path
+from registry.spec import ModelSpec, Registry, load_catalog
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    socket: str = msgspec.field(default_factory=default_socket_path)
+    socket_group: str | None = None  # set: socket is 0660 and owned by this group
+    log_level: str = "INFO"
+    max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024
+    max_client_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024
+
+
+class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    timeout_s: Positive = 30.0  # default per-request bound on total time
+    cold_start_workers: Annotated[int, msgspec.Meta(ge=1)] = 2
+    max_workers_per_model: Annotated[int, msgspec.Meta(ge=1)] = 4
+    cooldown_idle_s: Positive = 60.0
+    max_concurrent_loads: Annotated[int, msgspec.Meta(ge=1)] = 2
+    memory_fraction: Fraction = 0.80
+    max_batch: Annotated[int, msgspec.Meta(ge=1)] = 32
+    threads_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: torch's default
+    heartbeat_interval_s: Positive = 0.5
+    heartbeat_timeout_s: Positive = 5.0
+    shutdown_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    load_backoff_s: Positive = 1.0  # first respawn delay after a load failure; doubles
+    load_backoff_max_s: Positive = 60.0
+    max_load_failures: Annotated[int, msgspec.Meta(ge=1)] = 3
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    models: list[ModelSpec] = []
+
+    def registry(self) -> Registry:
+        return Registry([*load_catalog(), *self.models])
+
+
+class ConfigError(Exception):
+    pass
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read the config from path, else $MODELPOOL_CONFIG, else the defaults."""
+    path = path or os.environ.get("MODELPOOL_CONFIG")
+    if not path:
+        return Config()
+    try:
+        data = Path(path).read_bytes()
+        return msgspec.toml.decode(data, type=Config)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        raise ConfigError(f"bad config {path}: {exc}") from exc

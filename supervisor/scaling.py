@@ -1,0 +1,53 @@
+"""When to start and stop a model's workers: pure functions of (model load, clock, memory).
+
+Rules (DESIGN.md, "Pool semantics"):
+- cold start: a model with no live worker and waiting work starts `cold_start_workers`
+  at once (fewer if memory or the load limit allow fewer);
+- scale up: +1 when every worker is busy, work is waiting and no start is in flight;
+- scale down: -1 per `cooldown_idle_s` of whole-model idleness, down to 0;
+- nothing starts while a failed load backs off or after the model is marked failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    queued: int
+    live: int  # workers not stopping and not dead
+    starting: int  # of live: still starting or loading
+    idle: int  # of live: ready and waiting for work
+    busy: int  # of live: running work
+    max_workers: int
+    last_active: float  # last arrival or completion of a request
+    last_scale_down: float
+    blocked_until: float = 0.0  # load back-off
+    failed: bool = False
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    cold_start_workers: int = 2
+    cooldown_idle_s: float = 60.0
+
+
+def workers_to_start(load: ModelLoad, policy: ScalingPolicy, now: float, room: int) -> int:
+    """How many workers to start now; room is what memory and the load limit allow."""
+    if load.failed or now < load.blocked_until or load.queued == 0 or room <= 0:
+        return 0
+    headroom = load.max_workers - load.live
+    if load.live == 0:
+        return max(0, min(policy.cold_start_workers, headroom, room))
+    if load.starting == 0 and load.idle == 0 and headroom > 0:
+        return 1
+    return 0
+
+
+def should_stop_one(load: ModelLoad, policy: ScalingPolicy, now: float) -> bool:
+    """True when the whole model has been idle for a full cooldown since the last change."""
+    if load.live == 0 or load.queued or load.busy or load.starting:
+        return False
+    idle_since = max(load.last_active, load.last_scale_down)
+    return now - idle_since >= policy.cooldown_idle_s

@@ -1,0 +1,275 @@
+"""The daemon: the Unix socket, one connection handler per client, signals, start and stop.
+
+One thread, one event loop. Signal handlers only set an event; the loop does the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from typing import Any
+
+import msgspec
+
+from protocol.errors import ErrorCode
+from protocol.framing import HEADER, frame
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Cancel,
+    Embed,
+    Error,
+    Generate,
+    GetStatus,
+    Hello,
+    ListModels,
+    LoadModel,
+    ModelsReply,
+    StatusReply,
+    StopDaemon,
+    UnloadModel,
+    Welcome,
+    client_decoder,
+    encoder,
+)
+from supervisor import management
+from supervisor.config import Config
+from supervisor.pool import Pool
+from supervisor.shutdown import drain_and_stop
+from supervisor.workers import Launcher, forkserver_context
+
+log = logging.getLogger("modelpool.server")
+
+SCALE_TICK_S = 1.0
+
+
+class AlreadyRunning(Exception):
+    pass
+
+
+class Connection:
+    """One client connection; the ReplySink of every job it submitted."""
+
+    def __init__(self, writer: asyncio.StreamWriter, max_buffer: int) -> None:
+        self.writer = writer
+        self.max_buffer = max_buffer
+        self.jobs: dict[int, Any] = {}
+        self.closed = False
+
+    def send(self, msg: msgspec.Struct) -> None:
+        if self.closed:
+            return
+        self.writer.write(frame(encoder.encode(msg)))
+        if self.writer.transport.get_write_buffer_size() > self.max_buffer:
+            # A client that does not read its replies must not grow our memory.
+            log.warning("dropping a client that stopped reading (%d bytes unsent)",
+                        self.writer.transport.get_write_buffer_size())
+            self.close(abort=True)
+
+    def close(self, abort: bool = False) -> None:
+        if not self.closed:
+            self.closed = True
+            if abort:
+                self.writer.transport.abort()
+            else:
+                self.writer.close()
+
+
+def bind_unix_socket(path: str, group: str | None) -> socket.socket:
+    """Bind with the right mode from the start (umask before bind, not chmod after)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise AlreadyRunning(f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise AlreadyRunning(f"another daemon is serving {path}")
+        except ConnectionRefusedError:
+            os.unlink(path)  # stale: its daemon died without cleaning up
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o117 if group else 0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old_umask)
+    if group:
+        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class Server:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.socket_path = os.path.abspath(config.daemon.socket)
+        self.stop_requested = asyncio.Event()
+        self.started_at = time.monotonic()
+        registry = config.registry()
+        from registry.spec import preload_modules
+
+        ctx = forkserver_context(preload_modules(list(registry.specs.values())))
+        self.launcher = Launcher(ctx, self._on_worker_message, self._on_worker_exit)
+        self.pool = Pool(config, registry, self.launcher)
+        self._socket_inode: int | None = None
+
+    def _on_worker_message(self, worker: Any, msg: Any) -> None:
+        self.pool.on_worker_message(worker, msg)
+
+    def _on_worker_exit(self, worker: Any, exitcode: int | None) -> None:
+        self.pool.on_worker_exit(worker, exitcode)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
+        self._socket_inode = os.stat(self.socket_path).st_ino
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        server = await asyncio.start_unix_server(self._serve_client, sock=sock)
+        warm = loop.create_task(self.launcher.warm_up())
+        ticker = loop.create_task(self._scale_ticker())
+        log.info("modelpool serving on %s (pid %d, %d models known)", self.socket_path,
+                 os.getpid(), len(self.pool.models))
+        try:
+            await self.stop_requested.wait()
+            log.info("stopping: refusing new work, draining")
+            server.close()
+            await drain_and_stop(self.pool)
+        finally:
+            ticker.cancel()
+            warm.cancel()
+            self._remove_socket()
+            server.close()
+
+    def _remove_socket(self) -> None:
+        with contextlib.suppress(OSError):
+            if os.stat(self.socket_path).st_ino == self._socket_inode:
+                os.unlink(self.socket_path)
+
+    async def _scale_ticker(self) -> None:
+        while True:
+            await asyncio.sleep(min(SCALE_TICK_S, self.config.pool.cooldown_idle_s / 4))
+            management.scale_down_tick(self.pool)
+
+    # ---- one client --------------------------------------------------------------------
+
+    async def _serve_client(self, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> None:
+        conn = Connection(writer, self.config.daemon.max_client_buffer_bytes)
+        try:
+            if await self._handshake(conn, reader):
+                while (payload := await self._read_frame(conn, reader)) is not None:
+                    self._handle_frame(conn, payload)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.exception("client connection failed")
+        finally:
+            self.pool.forget_sink(conn)
+            conn.close()
+
+    async def _handshake(self, conn: Connection, reader: asyncio.StreamReader) -> bool:
+        payload = await self._read_frame(conn, reader)
+        if payload is None:
+            return False
+        try:
+            hello = msgspec.msgpack.decode(payload, type=Hello)
+        except msgspec.DecodeError as exc:
+            conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
+                            message=f"the first frame must be a hello: {exc}"))
+            return False
+        if hello.protocol_version != PROTOCOL_VERSION:
+            conn.send(Error(id=None, code=ErrorCode.PROTOCOL_VERSION,
+                            message=f"client speaks protocol {hello.protocol_version}, "
+                                    f"daemon speaks {PROTOCOL_VERSION}"))
+            return False
+        conn.send(Welcome(protocol_version=PROTOCOL_VERSION,
+                          server_version=management._version(),
+                          max_frame_bytes=self.config.daemon.max_frame_bytes,
+                          default_models=dict(self.pool.registry.defaults)))
+        return True
+
+    async def _read_frame(self, conn: Connection, reader: asyncio.StreamReader) -> bytes | None:
+        """The next frame; None at end of stream. Oversized frames are skipped, not fatal."""
+        limit = self.config.daemon.max_frame_bytes
+        while True:
+            try:
+                (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+                if size <= limit:
+                    return await reader.readexactly(size)
+                await _discard(reader, size)
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
+                                    message=f"truncated frame: the stream ended after "
+                                            f"{len(exc.partial)} bytes"))
+                return None
+            conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
+                            message=f"frame of {size} bytes exceeds the limit of {limit}"))
+
+    def _handle_frame(self, conn: Connection, payload: bytes) -> None:
+        try:
+            msg = client_decoder.decode(payload)
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+            conn.send(Error(id=_guess_id(payload), code=ErrorCode.BAD_REQUEST,
+                            message=f"invalid request: {exc}"))
+            return
+        try:
+            self._dispatch(conn, msg)
+        except management.ManagementError as exc:
+            conn.send(Error(id=getattr(msg, "id", None), code=exc.code, message=exc.message))
+        except Exception as exc:
+            log.exception("internal error handling %s", type(msg).__name__)
+            conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.INTERNAL,
+                            message=f"{type(exc).__name__}: {exc}"))
+
+    def _dispatch(self, conn: Connection, msg: Any) -> None:
+        match msg:
+            case Embed() | Generate():
+                self.pool.submit(conn, msg)
+            case Cancel(id=client_id):
+                self.pool.cancel(conn, client_id)
+            case GetStatus(id=rid):
+                status = management.build_status(self.pool, self.socket_path, self.started_at)
+                conn.send(StatusReply(id=rid, status=status))
+            case ListModels(id=rid):
+                conn.send(ModelsReply(id=rid, models=management.models_info(self.pool)))
+            case LoadModel(id=rid, model=name, workers=count):
+                conn.send(Ack(id=rid, message=management.load_model(self.pool, name, count)))
+            case UnloadModel(id=rid, model=name):
+                conn.send(Ack(id=rid, message=management.unload_model(self.pool, name)))
+            case StopDaemon(id=rid):
+                conn.send(Ack(id=rid, message="stopping"))
+                self.stop_requested.set()
+            case Hello():
+                conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST, message="already greeted"))
+
+
+async def _discard(reader: asyncio.StreamReader, size: int) -> None:
+    while size > 0:
+        size -= len(await reader.readexactly(min(size, 1 << 16)))
+
+
+def _guess_id(payload: bytes) -> int | None:
+    """The request id of a frame that failed typed decoding, so the error can name it."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+
+
+async def serve(config: Config) -> None:
+    await Server(config).run()

@@ -1,0 +1,17 @@
+"""The capability adapters: turn work items into calls on a loaded model and replies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from protocol.pipes import WorkItem
+from workers.capabilities import text_embedding, text_to_text
+from workers.capabilities.base import Outbox
+
+Adapter = Callable[[Any, list[WorkItem], Outbox, int], None]
+
+ADAPTERS: dict[str, Adapter] = {
+    "text_embedding": text_embedding.run,
+    "text_to_text": text_to_text.run,
+}

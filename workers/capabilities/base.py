@@ -1,0 +1,28 @@
+"""What a capability adapter may do with its worker: send replies, mark progress, see aborts."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from protocol.errors import ErrorCode, PoolError
+from protocol.messages import Error
+
+
+class Outbox(Protocol):
+    def send(self, msg: msgspec.Struct) -> None:
+        """Send one reply up the work pipe."""
+
+    def tick(self) -> None:
+        """Advance the progress counter the heartbeat reports (per batch, token, step)."""
+
+    def aborted(self, job_id: int) -> bool:
+        """True once the supervisor asked to stop this job (cancel, timeout, shutdown)."""
+
+
+def error_reply(job_id: int, exc: BaseException) -> Error:
+    """A typed error for a request that failed inside the model; the worker lives on."""
+    if isinstance(exc, PoolError):
+        return Error(id=job_id, code=exc.code, message=exc.message)
+    return Error(id=job_id, code=ErrorCode.MODEL_ERROR, message=f"{type(exc).__name__}: {exc}")

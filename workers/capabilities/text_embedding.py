@@ -1,0 +1,55 @@
+"""text_embedding: texts in, one float32 vector per text out, many requests per forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from protocol.messages import Embeddings
+from protocol.pipes import WorkItem
+from workers.capabilities.base import Outbox, error_reply
+
+
+class TextEmbeddingModel(Protocol):
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """A float32 array of shape (len(texts), dim)."""
+
+    def info(self) -> dict[str, Any]:
+        """Facts for the supervisor's status, e.g. {"dim": 384}."""
+
+
+def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
+    """Embed every item's texts in forward passes of at most max_batch texts."""
+    texts = [text for item in items for text in item.request.texts]  # type: ignore[union-attr]
+    try:
+        vectors = _embed_in_slices(model, texts, out, max_batch)
+    except Exception as exc:
+        if len(items) == 1:
+            out.send(error_reply(items[0].job_id, exc))
+            return
+        # One bad input must not fail the requests it was batched with.
+        for item in items:
+            run(model, [item], out, max_batch)
+        return
+    row = 0
+    for item in items:
+        count = len(item.request.texts)  # type: ignore[union-attr]
+        block = vectors[row : row + count]
+        row += count
+        out.send(Embeddings(id=item.job_id, data=block.tobytes(), shape=list(block.shape)))
+
+
+def _embed_in_slices(
+    model: TextEmbeddingModel, texts: list[str], out: Outbox, max_batch: int
+) -> np.ndarray:
+    parts = []
+    for start in range(0, len(texts), max_batch):
+        chunk = texts[start : start + max_batch]
+        vectors = np.ascontiguousarray(model.embed(chunk), dtype=np.float32)
+        if vectors.ndim != 2 or vectors.shape[0] != len(chunk):
+            raise ValueError(f"model returned shape {vectors.shape} for {len(chunk)} texts")
+        parts.append(vectors)
+        out.tick()
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

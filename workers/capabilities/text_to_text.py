@@ -1,0 +1,94 @@
+"""text_to_text: a prompt in, a stream of text chunks out, one request at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from protocol.messages import Chunk, End, Generate
+from protocol.pipes import WorkItem
+from workers.capabilities.base import Outbox, error_reply
+
+
+@dataclass
+class GenerationStats:
+    """Filled in by the model while it generates."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "length"  # the model sets "stop" when it emits end-of-sequence
+
+
+class TextGenerationModel(Protocol):
+    def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
+        """Yield decoded text pieces, one or more tokens each, until done."""
+
+    def info(self) -> dict[str, Any]:
+        """Facts for the supervisor's status, e.g. {"context": 2048}."""
+
+
+class StopMatcher:
+    """Cuts the stream at the first stop string, holding back text that may start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop string was hit."""
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            text, self.pending = self.pending[: min(hits)], ""
+            return text, True
+        cut = len(self.pending) - self.holdback
+        if cut <= 0:
+            return "", False
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+def run(model: TextGenerationModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
+    for item in items:  # the supervisor sends one item at a time for streaming capabilities
+        _run_one(model, item, out)
+
+
+def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
+    request = item.request
+    assert isinstance(request, Generate)
+    stats = GenerationStats()
+    stop = StopMatcher(request.stop)
+    seq = 0
+    try:
+        for piece in model.generate(request, stats):
+            out.tick()
+            if out.aborted(item.job_id):
+                stats.finish_reason = "cancelled"
+                break
+            text, hit = stop.feed(piece)
+            if text:
+                out.send(Chunk(id=item.job_id, seq=seq, text=text))
+                seq += 1
+            if hit:
+                stats.finish_reason = "stop"
+                break
+        else:
+            if text := stop.flush():
+                out.send(Chunk(id=item.job_id, seq=seq, text=text))
+    except Exception as exc:
+        out.send(error_reply(item.job_id, exc))
+        return
+    out.send(
+        End(
+            id=item.job_id,
+            finish_reason=stats.finish_reason,
+            prompt_tokens=stats.prompt_tokens,
+            completion_tokens=stats.completion_tokens,
+        )
+    )

@@ -1,0 +1,159 @@
+"""The worker process: load one model, say Ready, then ask for work, run it, reply.
+
+Started by the supervisor from a forkserver. Talks only through typed msgspec
+messages on two sockets: the duplex work pipe and the one-way heartbeat pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import NoReturn
+
+import msgspec
+
+from protocol.framing import FrameTooLarge, recv_frame, send_frame
+from protocol.messages import encoder
+from protocol.pipes import (
+    Abort,
+    Heartbeat,
+    LoadFailed,
+    Ready,
+    Shutdown,
+    WantWork,
+    Work,
+    to_worker_decoder,
+)
+from registry.spec import ModelSpec
+from workers import exitcodes
+
+
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: int
+    spec: ModelSpec
+    threads: int = 0  # 0: torch's default
+    max_batch: int = 32
+    heartbeat_interval_s: float = 0.5
+
+
+class Worker:
+    """The Outbox the capability adapters write to; owns the work pipe on the worker side."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.progress = 0
+        self.aborts: set[int] = set()
+        self.stopping = False
+
+    def send(self, msg: msgspec.Struct) -> None:
+        try:
+            send_frame(self.sock, encoder.encode(msg))
+        except OSError:
+            os._exit(exitcodes.SUPERVISOR_GONE)
+
+    def tick(self) -> None:
+        self.progress += 1
+
+    def aborted(self, job_id: int) -> bool:
+        # Drain whatever the supervisor sent while we were busy: only Abort/Shutdown can come.
+        while select.select([self.sock], [], [], 0)[0]:
+            self._handle_control(self.receive())
+        return job_id in self.aborts or self.stopping
+
+    def receive(self) -> Work | Abort | Shutdown:
+        try:
+            return to_worker_decoder.decode(recv_frame(self.sock))
+        except (EOFError, OSError):
+            os._exit(exitcodes.SUPERVISOR_GONE)
+        except (msgspec.DecodeError, FrameTooLarge):
+            os._exit(exitcodes.PROTOCOL_ERROR)
+
+    def _handle_control(self, msg: Work | Abort | Shutdown) -> None:
+        match msg:
+            case Abort(job_id=job_id):
+                self.aborts.add(job_id)
+            case Shutdown():
+                self.stopping = True
+            case Work():
+                os._exit(exitcodes.PROTOCOL_ERROR)  # work is only sent when we ask for it
+
+
+def heartbeat_loop(sock: socket.socket, worker: Worker, interval: float) -> None:
+    seq = 0
+    while True:
+        try:
+            send_frame(sock, encoder.encode(Heartbeat(seq=seq, progress=worker.progress)))
+        except OSError:
+            return  # the supervisor is gone; the work pipe will tell the main thread
+        seq += 1
+        time.sleep(interval)
+
+
+def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socket.socket) -> None:
+    """Entry point in the child process."""
+    # Ctrl-C at a terminal signals the whole process group; the supervisor decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    settings = msgspec.msgpack.decode(settings_bytes, type=WorkerSettings)
+    worker = Worker(work_sock)
+    threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
+                     args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
+    model = _load(settings, worker)
+    serve(model, settings, worker)
+
+
+def _load(settings: WorkerSettings, worker: Worker) -> object:
+    started = time.perf_counter()
+    try:
+        import torch
+
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        from registry.loaders import load_model
+
+        model = load_model(settings.spec)
+    except BaseException as exc:
+        worker.send(LoadFailed(cause=f"{type(exc).__name__}: {exc}"))
+        _exit(exitcodes.LOAD_FAILED)
+    info = model.info() if hasattr(model, "info") else {}
+    worker.send(Ready(pid=os.getpid(), load_s=time.perf_counter() - started,
+                      uss_mb=_uss_mb(), info=info))
+    return model
+
+
+def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
+    from workers.capabilities import ADAPTERS
+
+    adapter = ADAPTERS[settings.spec.capability]
+    while not worker.stopping:
+        worker.send(WantWork())
+        msg = worker.receive()
+        match msg:
+            case Work(items=items):
+                worker.aborts.difference_update(i.job_id for i in items)
+                adapter(model, items, worker, settings.max_batch)
+                worker.tick()
+            case Abort(job_id=job_id):
+                worker.aborts.add(job_id)
+            case Shutdown():
+                worker.stopping = True
+    _exit(exitcodes.OK)
+
+
+def _uss_mb() -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process().memory_full_info().uss / 2**20
+    except Exception:
+        return None
+
+
+def _exit(code: int) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,23 @@
+"""Imported once by the forkserver so every forked worker starts with these in memory.
+
+Never touch CUDA here: a forked child of a process that initialised CUDA cannot use it.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Loading progress bars would spam the daemon's log from every worker.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: F401
+import transformers  # noqa: F401
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+import registry.loaders
+import registry.loaders.causal_lm
+import registry.loaders.sentence_embedding  # noqa: F401
+import workers.capabilities
+import workers.main  # noqa: F401
