@@ -99,7 +99,8 @@ class Pool:
         key = self.registry.defaults.get(CAPABILITY_OF[type(request)])
         return self.registry.specs.get(key) if key else None
 
-    def _admission_error(self, sink: Any, request: Embed | Generate) -> tuple[ErrorCode, str] | None:
+    def _admission_error(self, sink: Any,
+                         request: Embed | Generate) -> tuple[ErrorCode, str] | None:
         if request.id in sink.jobs:
             return ErrorCode.BAD_REQUEST, f"request id {request.id} is already in flight"
         if self.shutting_down:

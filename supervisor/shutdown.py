@@ -4,6 +4,7 @@ against one deadline. Every accepted request gets exactly one final reply."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -45,10 +46,8 @@ async def stop_all_workers(pool: Pool, grace_s: float) -> None:
     deadline = time.monotonic() + grace_s + 2.0
     while any(m.workers for m in pool.models.values()) and time.monotonic() < deadline:
         pool.changed.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(pool.changed.wait(), timeout=0.05)
-        except TimeoutError:
-            pass
     for model in pool.models.values():
         for worker in list(model.workers.values()):
             log.warning("worker %d (pid %s) did not exit; killing it", worker.worker_id,

@@ -7,6 +7,7 @@ Nothing here decides anything; the pool calls these and is called back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import multiprocessing
@@ -182,7 +183,5 @@ class Launcher:
 
     def kill(self, handle: WorkerHandle) -> None:
         if handle.pid is not None and handle.state is not WorkerState.DEAD:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass

@@ -16,6 +16,13 @@ from registry.loaders.common import pretrained_kwargs, require_dir
 from registry.spec import ModelSpec
 
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
+_POOLING_FLAGS = {  # sentence-transformers' 1_Pooling/config.json names
+    "cls": "pooling_mode_cls_token",
+    "mean": "pooling_mode_mean_tokens",
+    "max": "pooling_mode_max_tokens",
+    "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}
 
 
 class SentenceEmbedder:
@@ -111,10 +118,7 @@ def _pooling_mode(config: dict[str, Any]) -> str:
     if "pooling_mode" in config:
         return {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(
             config["pooling_mode"], config["pooling_mode"])
-    for mode in POOLING_MODES:
-        flag = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
-                "max": "pooling_mode_max_tokens", "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
-                "lasttoken": "pooling_mode_lasttoken"}[mode]
+    for mode, flag in _POOLING_FLAGS.items():
         if config.get(flag):
             return mode
     return "mean"
