@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -217,9 +218,10 @@ class Client:
             raise
         finally:
             self._inbox.pop(rid, None)
-            if not finished:
+            if not finished and self._sock.fileno() != -1:  # a closed client needs no cancel
                 self._dropped.add(rid)
-                self._send(Cancel(id=rid))
+                with contextlib.suppress(PoolError):
+                    self._send(Cancel(id=rid))
 
     def status(self) -> dict[str, Any]:
         return to_builtins(self._call(GetStatus(id=next(self._ids))).status)
@@ -271,7 +273,7 @@ class AsyncClient:
             self._reader_task.cancel()
         if self._writer is not None:
             self._writer.close()
-            with _suppress_connection_errors():
+            with contextlib.suppress(ConnectionError, OSError):
                 await self._writer.wait_closed()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -358,9 +360,3 @@ class AsyncClient:
 
     async def stop(self) -> str:
         return (await self._call(StopDaemon(id=next(self._ids)))).message
-
-
-def _suppress_connection_errors() -> Any:
-    import contextlib
-
-    return contextlib.suppress(ConnectionError, OSError)

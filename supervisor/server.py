@@ -146,6 +146,7 @@ class Server:
             log.info("stopping: refusing new work, draining")
             server.close()
             await drain_and_stop(self.pool)
+            await self.launcher.close()
         finally:
             ticker.cancel()
             warm.cancel()

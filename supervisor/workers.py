@@ -99,6 +99,24 @@ class Launcher:
 
         await asyncio.get_running_loop().run_in_executor(None, forkserver.ensure_running)
 
+    async def close(self, grace_s: float = 1.0) -> None:
+        """Stop the forkserver so no process outlives the daemon. It notices on its own
+        only after finishing its imports, which may take seconds."""
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver  # CPython has no public API for this
+        pid = getattr(server, "_forkserver_pid", None)
+        if pid is None:
+            return
+        loop = asyncio.get_running_loop()
+        stopping = loop.run_in_executor(None, server._stop)
+        try:
+            await asyncio.wait_for(asyncio.shield(stopping), grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await stopping
+
     async def start(self, handle: WorkerHandle, settings: msgspec.Struct) -> None:
         from workers.main import run_worker  # imported by reference only: no torch here
 

@@ -1,0 +1,117 @@
+"""Real daemons for integration tests: a subprocess running `modelpool serve` with a
+config written per test module, the real socket, real worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from protocol.client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen[bytes]
+    socket_path: str
+    log_path: Path
+
+    def client(self, timeout_s: float = 60) -> Client:
+        return Client(socket_path=self.socket_path, timeout_s=timeout_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout_s: float = 20) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+def _wait_for_socket(daemon: Daemon, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if daemon.process.poll() is not None:
+            raise RuntimeError(f"daemon exited early:\n{daemon.log()}")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(daemon.socket_path)
+                return
+            except OSError:
+                time.sleep(0.05)
+    raise RuntimeError(f"daemon did not listen within {timeout_s}s:\n{daemon.log()}")
+
+
+def daemon_env(socket_path: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(MODELPOOL_SOCKET=socket_path, HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    env.pop("MODELPOOL_CONFIG", None)
+    return env
+
+
+def fresh_socket_path() -> str:
+    # Unix socket paths are limited to ~107 bytes: keep it short, outside pytest's tmp tree.
+    return f"/tmp/mpt-{os.getpid()}-{time.monotonic_ns() % 10**9}/mp.sock"
+
+
+def start_daemon(workdir: Path, config_toml: str, socket_path: str | None = None) -> Daemon:
+    socket_path = socket_path or fresh_socket_path()
+    config = workdir / "modelpool.toml"
+    config.write_text(textwrap.dedent(config_toml))
+    log_path = workdir / "daemon.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "--socket", socket_path, "serve",
+             "--config", str(config)],
+            cwd=ROOT, env=daemon_env(socket_path), stdout=log, stderr=subprocess.STDOUT)
+    daemon = Daemon(process, socket_path, log_path)
+    _wait_for_socket(daemon, 30)
+    return daemon
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_dir(tiny_models_dir: Path) -> Path:
+    return tiny_models_dir / "tiny-llm"
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Start a daemon with the given TOML config; stopped after the test."""
+    started: list[Daemon] = []
+
+    def make(config_toml: str, socket_path: str | None = None) -> Daemon:
+        daemon = start_daemon(tmp_path, config_toml, socket_path)
+        started.append(daemon)
+        return daemon
+
+    yield make
+    for daemon in started:
+        try:
+            daemon.stop()
+        finally:
+            for child in daemon.descendants():
+                child.kill()

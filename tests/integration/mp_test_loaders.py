@@ -1,0 +1,71 @@
+"""Custom loaders for integration tests, plugged in through the product's `loader = ...`
+model option: slow, failing and crashing models without test-only switches in modelpool.
+
+Imported inside worker processes (the test daemon has this directory on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protocol.messages import Generate
+from registry.spec import ModelSpec
+from workers.capabilities.text_to_text import GenerationStats
+
+DIM = 8
+
+
+class SlowEmbedder:
+    """Embeds text as a deterministic vector after run_s seconds; "CRASH" kills the worker."""
+
+    def __init__(self, run_s: float) -> None:
+        self.run_s = run_s
+
+    def info(self) -> dict[str, Any]:
+        return {"dim": DIM}
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        if any(t == "CRASH" for t in texts):
+            os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(self.run_s)
+        rows = [[float(len(t))] + [float(i) for i in range(1, DIM)] for t in texts]
+        return np.asarray(rows, dtype=np.float32)
+
+
+class CountingGenerator:
+    """Streams "tok0 tok1 ..." one token per step_s seconds."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def info(self) -> dict[str, Any]:
+        return {"context": 1 << 20}
+
+    def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
+        stats.prompt_tokens = len(request.prompt.split())
+        for i in range(request.max_tokens):
+            time.sleep(self.step_s)
+            stats.completion_tokens += 1
+            yield f"tok{i} "
+        stats.finish_reason = "length"
+
+
+def slow_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowEmbedder:
+    time.sleep(float(spec.options.get("load_s", 0)))
+    return SlowEmbedder(float(spec.options.get("run_s", 0)))
+
+
+def counting_generator(spec: ModelSpec, model_dir: Path | None) -> CountingGenerator:
+    time.sleep(float(spec.options.get("load_s", 0)))
+    return CountingGenerator(float(spec.options.get("step_s", 0.01)))
+
+
+def failing(spec: ModelSpec, model_dir: Path | None) -> None:
+    raise RuntimeError("boom: this loader always fails")
