@@ -147,6 +147,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     idle_s: float | None
     uss_mb: float | None
     last_heartbeat_s: float | None
+    load_s: float | None = None
 
 
 class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,12 +30,12 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     timeout_s: Positive = 30.0  # default per-request bound on total time
     cold_start_workers: Annotated[int, msgspec.Meta(ge=1)] = 2
-    max_workers_per_model: Annotated[int, msgspec.Meta(ge=1)] = 4
+    max_workers_per_model: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: cpus / threads
     cooldown_idle_s: Positive = 60.0
     max_concurrent_loads: Annotated[int, msgspec.Meta(ge=1)] = 2
     memory_fraction: Fraction = 0.80
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 32
-    threads_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: torch's default
+    threads_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: cpus / cold start
     heartbeat_interval_s: Positive = 0.5
     heartbeat_timeout_s: Positive = 5.0
     shutdown_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0

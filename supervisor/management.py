@@ -50,8 +50,7 @@ def load_model(pool: Pool, name: str, workers: int) -> str:
     """Start workers now (clearing a failed state) so first requests do not wait."""
     model = _model(pool, name)
     model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
-    cap = model.spec.max_workers or pool.pool_config.max_workers_per_model
-    want = min(workers, cap) - len(model.live_workers())
+    want = min(workers, pool.cpu_plan(model)[1]) - len(model.live_workers())
     for _ in range(max(0, want)):
         pool.start_worker(model)
     model.last_active = pool.clock()
@@ -114,6 +113,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
             uss_mb=round(w.uss_mb, 1) if w.uss_mb is not None else None,
             last_heartbeat_s=(round(time.monotonic() - w.last_heartbeat, 3)
                               if w.last_heartbeat is not None else None),
+            load_s=w.load_s,
         )
         for w in model.workers.values()
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -145,10 +146,10 @@ class Pool:
             del job.sink.jobs[job.client_id]
         if isinstance(reply, Error):
             model.failed += 1
-        else:
+        elif reply is not None:  # None: the client is gone, nobody to answer
             model.completed += 1
         model.last_active = self.clock()
-        if not job.sink.closed:
+        if reply is not None and not job.sink.closed:
             job.sink.send(reply)
         self.changed.set()
 
@@ -210,9 +211,12 @@ class Pool:
                     self.finish(job, self._client_reply(job, msg))
             case WantWork():
                 worker.wants_work = True
-                if worker.state is WorkerState.BUSY or worker.state is WorkerState.LOADING:
+                was_loading = worker.state is WorkerState.LOADING
+                if worker.state in (WorkerState.BUSY, WorkerState.LOADING):
                     worker.state = WorkerState.IDLE
-                self._dispatch(model)
+                self.reconcile(model)
+                if was_loading:
+                    self._reconcile_waiting()  # a load slot just freed
             case Ready():
                 self._on_ready(model, worker, msg)
             case LoadFailed(cause=cause):
@@ -224,8 +228,8 @@ class Pool:
         return msgspec.structs.replace(msg, id=job.client_id, model=job.model_key)
 
     def _on_ready(self, model: ModelState, worker: WorkerHandle, msg: Ready) -> None:
-        worker.info, worker.uss_mb = msg.info, msg.uss_mb
-        worker.last_used = self.clock()
+        worker.info, worker.uss_mb, worker.load_s = msg.info, msg.uss_mb, round(msg.load_s, 3)
+        worker.last_used = worker.ready_at = self.clock()
         model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
         if msg.uss_mb is not None:
             model.measured_uss_mb = msg.uss_mb
@@ -239,7 +243,7 @@ class Pool:
         level = logging.INFO if expected else logging.WARNING
         log.log(level, "worker %d (pid %s) of %s exited: %s", worker.worker_id, worker.pid,
                 model.spec.key, exitcodes.describe(exitcode))
-        if worker.info == {} and worker.load_error is None and exitcode != exitcodes.OK:
+        if worker.ready_at is None and worker.load_error is None and exitcode != exitcodes.OK:
             worker.load_error = f"worker exited while loading: {exitcodes.describe(exitcode)}"
         if worker.load_error is not None:
             self._load_failed(model, worker.load_error)
@@ -247,8 +251,7 @@ class Pool:
             self._recover(job, worker, exitcode)
         worker.jobs.clear()
         self.changed.set()
-        if not self.shutting_down or len(model.queue):
-            self.reconcile(model)
+        self._reconcile_waiting()  # its memory and maybe its load slot are free again
 
     def _recover(self, job: Job, worker: WorkerHandle, exitcode: int | None) -> None:
         if job.state is JobState.DONE:
@@ -281,12 +284,17 @@ class Pool:
     # ---- scaling and dispatch ----------------------------------------------------------
 
     def reconcile(self, model: ModelState) -> None:
-        """Start workers the policy asks for, then hand waiting work to free workers."""
+        """Hand waiting work to free workers, then start workers the policy asks for."""
+        self._dispatch(model)
         count = scaling.workers_to_start(self.load_view(model), self.policy, self.clock(),
                                          self._room(model))
         for _ in range(count):
             self.start_worker(model)
-        self._dispatch(model)
+
+    def _reconcile_waiting(self) -> None:
+        for model in self.models.values():
+            if len(model.queue):
+                self.reconcile(model)
 
     def load_view(self, model: ModelState) -> scaling.ModelLoad:
         live = model.live_workers()
@@ -296,12 +304,19 @@ class Pool:
             starting=sum(w.state in (WorkerState.STARTING, WorkerState.LOADING) for w in live),
             idle=sum(w.state is WorkerState.IDLE for w in live),
             busy=sum(w.state is WorkerState.BUSY for w in live),
-            max_workers=model.spec.max_workers or self.pool_config.max_workers_per_model,
+            max_workers=self.cpu_plan(model)[1],
             last_active=model.last_active,
             last_scale_down=model.last_scale_down,
             blocked_until=model.blocked_until,
             failed=model.load_failures >= self.pool_config.max_load_failures,
         )
+
+    def cpu_plan(self, model: ModelState) -> tuple[int, int]:
+        """(threads per worker, max workers) for this model."""
+        return scaling.cpu_plan(
+            os.cpu_count() or 1, self.pool_config.cold_start_workers,
+            model.spec.threads or self.pool_config.threads_per_worker,
+            model.spec.max_workers or self.pool_config.max_workers_per_model)
 
     def _room(self, model: ModelState) -> int:
         loading = sum(w.state in (WorkerState.STARTING, WorkerState.LOADING)
@@ -340,7 +355,7 @@ class Pool:
         model.workers[worker.worker_id] = worker
         settings = WorkerSettings(
             worker_id=worker.worker_id, spec=model.spec,
-            threads=model.spec.threads or self.pool_config.threads_per_worker,
+            threads=self.cpu_plan(model)[0],
             max_batch=model.spec.max_batch or self.pool_config.max_batch,
             heartbeat_interval_s=self.pool_config.heartbeat_interval_s)
         asyncio.get_running_loop().create_task(self._launch(model, worker, settings))

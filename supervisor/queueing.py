@@ -95,13 +95,15 @@ class JobQueue:
         if not batched:
             return batch
         size = batch[0].size
-        while self._heap and size < max_size:
+        while size < max_size:
+            self._drop_dead_top()
+            if not self._heap:
+                break
             nxt = self._heap[0][2]
             if nxt.size + size > max_size:
                 break
             batch.append(self._pop())
             size += nxt.size
-            self._drop_dead_top()
         return batch
 
     def jobs(self) -> list[Job]:

@@ -33,6 +33,16 @@ class ScalingPolicy:
     cooldown_idle_s: float = 60.0
 
 
+def cpu_plan(cpus: int, cold_start_workers: int, threads: int, max_workers: int) -> tuple[int, int]:
+    """(threads per worker, max workers) for CPU models; 0 in the config means auto.
+
+    On the CPU more busy threads than cores only adds contention, so by default the
+    cold-start workers share the cores, and a model grows no further than the cores
+    it can keep busy."""
+    threads = threads or max(1, cpus // cold_start_workers)
+    return threads, max_workers or max(cold_start_workers, cpus // threads)
+
+
 def workers_to_start(load: ModelLoad, policy: ScalingPolicy, now: float, room: int) -> int:
     """How many workers to start now; room is what memory and the load limit allow."""
     if load.failed or now < load.blocked_until or load.queued == 0 or room <= 0:

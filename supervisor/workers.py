@@ -50,9 +50,11 @@ class WorkerHandle:
     wants_work: bool = False
     jobs: dict[int, Job] = field(default_factory=dict)
     last_used: float = 0.0
+    ready_at: float | None = None
     last_heartbeat: float | None = None
     progress: int = 0
     uss_mb: float | None = None
+    load_s: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     load_error: str | None = None
     writer: asyncio.StreamWriter | None = None

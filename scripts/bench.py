@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""Benchmarks of modelpool against an in-process baseline measured in the same run.
+
+Prints one JSON object. Nothing here asserts: the figures are for people (and for the
+issue tracker), the tests assert behaviour.
+
+    python scripts/bench.py            # full run, ~2 minutes on 2 cores
+    python scripts/bench.py --quick    # fewer samples
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from protocol.client import AsyncClient, Client  # noqa: E402
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+WORDS = [
+    "model", "pool", "worker", "request", "socket", "memory", "queue", "batch", "token",
+    "stream", "image", "text", "vector", "daemon", "latency", "throughput", "supervisor",
+    "process", "weights", "cache", "tensor",
+]
+
+
+def corpus(n: int, seed: int = 0) -> list[str]:
+    """Sentences of 8 to 40 words: the spread of a typical retrieval workload."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40))) for _ in range(n)]
+
+
+def percentiles(samples_s: list[float]) -> dict[str, float]:
+    ms = np.asarray(samples_s) * 1000
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3),
+            "p99_ms": round(float(np.percentile(ms, 99)), 3), "n": len(samples_s)}
+
+
+# ---- in-process baseline --------------------------------------------------------------
+
+
+def baseline(texts: list[str], singles: int) -> dict[str, Any]:
+    import torch
+
+    from registry.loaders import load_model
+    from registry.spec import Registry, load_catalog
+
+    model = load_model(Registry(load_catalog()).resolve(MINILM))  # type: ignore[arg-type]
+    for _ in range(5):
+        model.embed(texts[:1])
+    lat = []
+    for text in texts[:singles]:
+        t0 = time.perf_counter()
+        model.embed([text])
+        lat.append(time.perf_counter() - t0)
+    by_batch = {}
+    for batch in (1, 8, 16, 32, 64):
+        t0 = time.perf_counter()
+        done = 0
+        while done < len(texts):
+            model.embed(texts[done : done + batch])
+            done += batch
+        by_batch[batch] = round(len(texts) / (time.perf_counter() - t0), 1)
+    best = max(by_batch, key=by_batch.__getitem__)
+    return {"threads": torch.get_num_threads(), "single": percentiles(lat),
+            "texts_per_s_by_batch": by_batch, "best_batch": best,
+            "best_texts_per_s": by_batch[best]}
+
+
+# ---- the daemon -----------------------------------------------------------------------
+
+
+class Daemon:
+    def __init__(self, config: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="mpbench-"))
+        self.socket = str(self.dir / "mp.sock")
+        (self.dir / "config.toml").write_text(config)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", MODELPOOL_SOCKET=self.socket)
+        self.started = time.perf_counter()
+        with open(self.dir / "log", "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "supervisor.cli", "serve", "--config",
+                 str(self.dir / "config.toml")],
+                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+    def wait_listening(self) -> None:
+        while True:
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(self.socket)
+                    return
+                except OSError:
+                    time.sleep(0.01)
+
+    def pss_mb(self) -> dict[str, float]:
+        root = psutil.Process(self.process.pid)
+        procs = [root, *root.children(recursive=True)]
+        return {f"{p.pid}:{' '.join(p.cmdline()[1:3])[:40]}":
+                round(p.memory_full_info().pss / 2**20, 1) for p in procs}
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(30)
+
+
+async def latency_through(sock: str, texts: list[str]) -> dict[str, float]:
+    async with AsyncClient(sock) as c:
+        for text in texts[:10]:
+            await c.embed(text)
+        lat = []
+        for text in texts:
+            t0 = time.perf_counter()
+            await c.embed(text)
+            lat.append(time.perf_counter() - t0)
+    return percentiles(lat)
+
+
+async def throughput_through(sock: str, texts: list[str], in_flight: int) -> float:
+    async with AsyncClient(sock) as c:
+        await asyncio.gather(*(c.embed(t) for t in texts[:in_flight]))  # warm both workers
+        queue = list(texts)
+        t0 = time.perf_counter()
+
+        async def lane() -> None:
+            while queue:
+                await c.embed(queue.pop())
+
+        await asyncio.gather(*(lane() for _ in range(in_flight)))
+        return round(len(texts) / (time.perf_counter() - t0), 1)
+
+
+def daemon_figures(texts: list[str], singles: int, cold_start: int) -> dict[str, Any]:
+    daemon = Daemon(f"[pool]\ncold_start_workers = {cold_start}\n")
+    try:
+        daemon.wait_listening()
+        listening = time.perf_counter() - daemon.started
+        with Client(socket_path=daemon.socket) as c:
+            c.embed("first")
+            first_reply = time.perf_counter() - daemon.started
+            status = c.status()
+        model = next(m for m in status["models"] if m["key"] == MINILM)
+        figures = {
+            "cold_start_workers": cold_start,
+            "start_to_listening_s": round(listening, 3),
+            "start_to_first_embedding_s": round(first_reply, 3),
+            "workers": len(model["workers"]),
+            "single": asyncio.run(latency_through(daemon.socket, texts[:singles])),
+            "texts_per_s_64_in_flight": asyncio.run(
+                throughput_through(daemon.socket, texts, 64)),
+        }
+        figures["pss_mb"] = daemon.pss_mb()
+        figures["pss_total_mb"] = round(sum(figures["pss_mb"].values()), 1)
+        return figures
+    finally:
+        daemon.stop()
+
+
+def cold_model_figures() -> dict[str, Any]:
+    """A daemon already up (forkserver warm): first request to a cold model."""
+    daemon = Daemon("[pool]\ncold_start_workers = 1\n")
+    try:
+        daemon.wait_listening()
+        time.sleep(6)  # let the forkserver finish importing torch and transformers
+        with Client(socket_path=daemon.socket) as c:
+            t0 = time.perf_counter()
+            c.embed("first")
+            first = time.perf_counter() - t0
+            load_s = next(w for m in c.status()["models"] if m["key"] == MINILM
+                          for w in m["workers"])["load_s"]
+        return {"cold_model_first_reply_s": round(first, 3), "weight_load_s": load_s,
+                "overhead_s": round(first - (load_s or 0), 3)}
+    finally:
+        daemon.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    texts = corpus(512 if args.quick else 2048)
+    singles = 100 if args.quick else 400
+    base = baseline(texts, singles)
+    one = daemon_figures(texts, singles, cold_start=1)
+    two = daemon_figures(texts, singles, cold_start=2)
+    report = {
+        "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
+        "texts": {"count": len(texts), "words": "8-40"},
+        "in_process": base,
+        "daemon_1_worker": one,
+        "daemon_2_workers": two,
+        "cold_model": cold_model_figures(),
+        "ratios": {
+            "single_p50_overhead_ms_1w": round(one["single"]["p50_ms"]
+                                               - base["single"]["p50_ms"], 3),
+            "throughput_vs_best_batch_1w": round(one["texts_per_s_64_in_flight"]
+                                                 / base["best_texts_per_s"], 3),
+            "throughput_vs_best_batch_2w": round(two["texts_per_s_64_in_flight"]
+                                                 / base["best_texts_per_s"], 3),
+        },
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Wire messages: round trips, golden bytes, validation and the worker-pipe messages."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import msgspec
+import pytest
+
+from protocol import pipes
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Cancel,
+    ChatMessage,
+    Chunk,
+    ClientMessage,
+    Embed,
+    Embeddings,
+    End,
+    Error,
+    Generate,
+    GetStatus,
+    Hello,
+    ListModels,
+    LoadModel,
+    MemoryStatus,
+    ModelInfo,
+    ModelsReply,
+    ModelStatus,
+    PoolStatus,
+    ServerMessage,
+    StatusReply,
+    StopDaemon,
+    UnloadModel,
+    Welcome,
+    WorkerStatus,
+    client_decoder,
+    encoder,
+    server_decoder,
+)
+
+CLIENT_MESSAGES: list[msgspec.Struct] = [
+    Hello(protocol_version=PROTOCOL_VERSION, client="pytest"),
+    Embed(id=1, texts=["a", "b"], model="minilm", priority="high", timeout_s=2.5,
+          deadline_s=1.0),
+    Generate(id=2, prompt="Once", max_tokens=8, temperature=0.0, top_p=0.9, seed=3,
+             stop=["\n"], ignore_eos=True, raw=True, priority="batch"),
+    Generate(id=3, messages=[ChatMessage(role="system", content="be brief"),
+                             ChatMessage(role="user", content="hi")]),
+    Cancel(id=2),
+    GetStatus(id=4),
+    ListModels(id=5),
+    LoadModel(id=6, model="minilm", workers=3),
+    UnloadModel(id=7, model="minilm"),
+    StopDaemon(id=8),
+]
+
+
+def _status() -> PoolStatus:
+    worker = WorkerStatus(worker_id=1, pid=1234, state="busy", inflight=2, started_s_ago=3.5,
+                          idle_s=None, uss_mb=101.5, last_heartbeat_s=0.2)
+    model = ModelStatus(key="m", capability="text_embedding", state="ready", queued=1,
+                        running=2, completed=3, failed=4, workers=[worker], last_error="boom")
+    memory = MemoryStatus(budget_mb=800.0, used_mb=210.0, total_mb=1000.0, available_mb=600.0)
+    return PoolStatus(pid=42, version="0.1.0", uptime_s=9.5, socket="/tmp/s.sock",
+                      shutting_down=False, models=[model], memory=memory)
+
+
+SERVER_MESSAGES: list[msgspec.Struct] = [
+    Welcome(protocol_version=1, server_version="0.1.0", max_frame_bytes=1 << 20,
+            default_models={"text_embedding": "minilm"}),
+    Embeddings(id=1, data=b"\x00" * 8, shape=[2, 1], model="minilm"),
+    Chunk(id=2, seq=0, text="Hel"),
+    End(id=2, finish_reason="length", prompt_tokens=3, completion_tokens=8, model="llm"),
+    Error(id=None, code=ErrorCode.BAD_REQUEST, message="undecodable frame"),
+    Error(id=9, code=ErrorCode.QUEUE_FULL, message="full", retry_after_s=0.5),
+    StatusReply(id=3, status=_status()),
+    ModelsReply(id=4, models=[ModelInfo(key="m", capability="vision", aliases=["v"],
+                                        source="path:/m", default=True, state="cold")]),
+    Ack(id=5, message="loaded"),
+]
+
+
+@pytest.mark.parametrize("msg", CLIENT_MESSAGES, ids=lambda m: type(m).__name__)
+def test_client_message_round_trip(msg: msgspec.Struct) -> None:
+    decoded = client_decoder.decode(encoder.encode(msg))
+    assert type(decoded) is type(msg)
+    assert decoded == msg
+
+
+@pytest.mark.parametrize("msg", SERVER_MESSAGES, ids=lambda m: type(m).__name__)
+def test_server_message_round_trip(msg: msgspec.Struct) -> None:
+    decoded = server_decoder.decode(encoder.encode(msg))
+    assert type(decoded) is type(msg)
+    assert decoded == msg
+
+
+@pytest.mark.parametrize(("union", "cases"), [(ClientMessage, CLIENT_MESSAGES),
+                                              (ServerMessage, SERVER_MESSAGES)])
+def test_every_union_member_has_a_round_trip_case(union: Any, cases: list[Any]) -> None:
+    # A message type added to a Union without a round-trip case above fails here.
+    assert set(typing.get_args(union)) == {type(m) for m in cases}
+
+
+def test_nested_status_survives_the_wire() -> None:
+    decoded = server_decoder.decode(encoder.encode(StatusReply(id=3, status=_status())))
+    assert isinstance(decoded, StatusReply)
+    worker = decoded.status.models[0].workers[0]
+    assert isinstance(worker, WorkerStatus) and worker.uss_mb == 101.5 and worker.idle_s is None
+    assert isinstance(decoded.status.memory, MemoryStatus)
+    assert decoded.status.memory.available_mb == 600.0
+
+
+def test_server_decoder_refuses_client_messages() -> None:
+    # The two directions are separate Unions: a daemon never accepts its own replies.
+    with pytest.raises(msgspec.ValidationError):
+        client_decoder.decode(encoder.encode(Ack(id=1)))
+    with pytest.raises(msgspec.ValidationError):
+        server_decoder.decode(encoder.encode(Cancel(id=1)))
+
+
+# The wire is an API: clients in other languages and older Python clients encode these
+# bytes by hand. A refactor that renames a field, a tag or changes omit_defaults would
+# still round-trip in Python but break every deployed client, so pin exact bytes.
+HELLO_GOLDEN = "83a26f70a568656c6c6fb070726f746f636f6c5f76657273696f6e01a6636c69656e74a178"
+EMBEDDINGS_GOLDEN = (
+    "84a26f70aa656d62656464696e6773a2696407a464617461c4040000803fa57368617065920101"
+)
+
+
+def test_golden_bytes_hello() -> None:
+    assert encoder.encode(Hello(protocol_version=1, client="x")).hex() == HELLO_GOLDEN
+    assert client_decoder.decode(bytes.fromhex(HELLO_GOLDEN)) == Hello(protocol_version=1,
+                                                                       client="x")
+
+
+def test_golden_bytes_embeddings() -> None:
+    msg = Embeddings(id=7, data=b"\x00\x00\x80\x3f", shape=[1, 1])
+    assert encoder.encode(msg).hex() == EMBEDDINGS_GOLDEN
+    assert server_decoder.decode(bytes.fromhex(EMBEDDINGS_GOLDEN)) == msg
+
+
+def test_defaults_are_omitted_on_the_wire() -> None:
+    raw = msgspec.msgpack.decode(encoder.encode(Embed(id=1, texts=["a"])))
+    assert raw == {"op": "embed", "id": 1, "texts": ["a"]}
+    raw = msgspec.msgpack.decode(encoder.encode(Embed(id=1, texts=["a"], priority="low")))
+    assert raw["priority"] == "low"
+
+
+def _raw(**fields: Any) -> bytes:
+    return msgspec.msgpack.encode(fields)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _raw(op="embed", id=1, texts=[]),
+        _raw(op="generate", id=1, prompt="x", max_tokens=0),
+        _raw(op="generate", id=1, prompt="x", top_p=0),
+        _raw(op="generate", id=1, prompt="x", temperature=-1),
+        _raw(op="embed", id=-1, texts=["a"]),
+        _raw(op="embed", id=1, texts=["a"], priority="urgent"),
+        _raw(op="embed", id=1, texts=["a"], timeout_s=0),
+        _raw(op="teleport", id=1),
+        _raw(id=1, texts=["a"]),
+        _raw(op="embed", texts=["a"]),
+    ],
+    ids=["empty-texts", "max-tokens-0", "top-p-0", "temperature-neg", "negative-id",
+         "unknown-priority", "timeout-0", "unknown-op", "no-op", "no-id"],
+)
+def test_invalid_requests_are_refused(payload: bytes) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        client_decoder.decode(payload)
+
+
+def test_boundary_values_are_accepted() -> None:
+    # The counterpart of the refusals above: the limits themselves are legal.
+    msg = client_decoder.decode(_raw(op="generate", id=0, prompt="x", max_tokens=1, top_p=1,
+                                     temperature=0))
+    assert isinstance(msg, Generate) and msg.max_tokens == 1 and msg.temperature == 0
+
+
+def test_undecodable_bytes_raise_decode_error() -> None:
+    with pytest.raises(msgspec.DecodeError):
+        client_decoder.decode(b"\xc1")
+
+
+# ---- worker pipes ------------------------------------------------------------------
+
+
+def test_work_round_trip_with_embed_and_generate() -> None:
+    work = pipes.Work(items=[
+        pipes.WorkItem(job_id=10, request=Embed(id=1, texts=["a", "b"])),
+        pipes.WorkItem(job_id=11, request=Generate(id=2, prompt="hi", max_tokens=4)),
+    ])
+    decoded = pipes.to_worker_decoder.decode(encoder.encode(work))
+    assert decoded == work
+    assert isinstance(decoded.items[0].request, Embed)
+    assert isinstance(decoded.items[1].request, Generate)
+
+
+@pytest.mark.parametrize("msg", [pipes.Abort(job_id=3), pipes.Shutdown()],
+                         ids=lambda m: type(m).__name__)
+def test_to_worker_round_trip(msg: msgspec.Struct) -> None:
+    decoded = pipes.to_worker_decoder.decode(encoder.encode(msg))
+    assert type(decoded) is type(msg) and decoded == msg
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        pipes.Ready(pid=99, load_s=0.25, uss_mb=100.0, info={"dim": 384}),
+        pipes.Ready(pid=99, load_s=0.25),
+        pipes.LoadFailed(cause="OSError: no weights"),
+        pipes.WantWork(),
+        Embeddings(id=10, data=b"\x00" * 4, shape=[1, 1]),
+        Chunk(id=11, seq=2, text="x"),
+        End(id=11, finish_reason="stop"),
+        Error(id=11, code=ErrorCode.MODEL_ERROR, message="raised"),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_from_worker_round_trip(msg: msgspec.Struct) -> None:
+    decoded = pipes.from_worker_decoder.decode(encoder.encode(msg))
+    assert type(decoded) is type(msg) and decoded == msg
+
+
+def test_heartbeat_is_a_compact_array() -> None:
+    payload = encoder.encode(pipes.Heartbeat(seq=5, progress=17))
+    assert msgspec.msgpack.decode(payload) == [5, 17]  # array_like: no field names
+    assert pipes.heartbeat_decoder.decode(payload) == pipes.Heartbeat(seq=5, progress=17)

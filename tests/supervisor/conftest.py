@@ -1,0 +1,236 @@
+"""Fakes for driving the Pool as the event loop would, without processes.
+
+A fake launcher "starts" a worker by giving its handle a pid and a fake writer that
+decodes every frame the pool sends; the test then plays the worker by calling
+pool.on_worker_message / pool.on_worker_exit. A fake clock drives the pool's own
+timestamps (scale-down, back-off); request timeouts use the loop's real clock.
+
+`async def` tests in this directory run under asyncio.run (pytest-asyncio is not used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from protocol.framing import HEADER
+from protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
+from protocol.pipes import Ready, ToWorker, WantWork, Work, to_worker_decoder
+from registry.spec import ModelSpec
+from supervisor.config import Config, PoolConfig
+from supervisor.pool import Pool
+from supervisor.queueing import Job
+from supervisor.workers import WorkerHandle, WorkerState
+
+ASYNC_TEST_TIMEOUT_S = 5.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run `async def` tests in a fresh event loop."""
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    names = pyfuncitem._fixtureinfo.argnames
+    kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**kwargs), ASYNC_TEST_TIMEOUT_S))
+    return True
+
+
+class FakeClock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeWriter:
+    """Stands in for a worker's work-pipe StreamWriter; decodes what the pool sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[ToWorker] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        (size,) = HEADER.unpack(data[: HEADER.size])
+        assert size == len(data) - HEADER.size, "one write must be one whole frame"
+        self.sent.append(to_worker_decoder.decode(data[HEADER.size:]))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+
+class FakeLauncher:
+    """Records starts, stops and kills. stop() makes the worker exit with code 0 on the
+    next loop iteration, as a worker honouring Shutdown would."""
+
+    def __init__(self) -> None:
+        self.pool: Pool | None = None
+        self.started: list[WorkerHandle] = []
+        self.settings: list[Any] = []
+        self.stopped: list[WorkerHandle] = []
+        self.killed: list[WorkerHandle] = []
+        self.exit_on_stop = True
+        self._pids = itertools.count(4001)
+
+    async def start(self, handle: WorkerHandle, settings: Any) -> None:
+        handle.pid = next(self._pids)
+        handle.writer = FakeWriter()  # type: ignore[assignment]
+        self.started.append(handle)
+        self.settings.append(settings)
+
+    def stop(self, handle: WorkerHandle, grace_s: float) -> None:
+        if handle.state in (WorkerState.STOPPING, WorkerState.DEAD):
+            return
+        handle.state = WorkerState.STOPPING
+        self.stopped.append(handle)
+        if self.exit_on_stop:
+            asyncio.get_running_loop().call_soon(self.exit, handle, 0)
+
+    def kill(self, handle: WorkerHandle) -> None:
+        self.killed.append(handle)
+
+    def exit(self, handle: WorkerHandle, exitcode: int | None) -> None:
+        """The process is gone: what the real launcher does when the sentinel fires."""
+        if handle.state is WorkerState.DEAD:
+            return
+        handle.state = WorkerState.DEAD
+        assert self.pool is not None
+        self.pool.on_worker_exit(handle, exitcode)
+
+
+class FakeSink:
+    """A client connection: records every reply."""
+
+    def __init__(self, name: str = "client") -> None:
+        self.name = name
+        self.closed = False
+        self.jobs: dict[int, Job] = {}
+        self.messages: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.messages.append(msg)
+
+    def errors(self) -> list[Error]:
+        return [m for m in self.messages if isinstance(m, Error)]
+
+    def finals(self, client_id: int) -> list[Any]:
+        """The final replies (Embeddings, End, Error) this sink got for one request."""
+        return [m for m in self.messages
+                if isinstance(m, Embeddings | End | Error) and m.id == client_id]
+
+
+def make_config(models: list[ModelSpec] | None = None, **pool: Any) -> Config:
+    if models is None:
+        models = [
+            ModelSpec(key="emb", capability="text_embedding", path="/nonexistent",
+                      weights_mb=10, per_worker_mb=10),
+            ModelSpec(key="gen", capability="text_to_text", path="/nonexistent",
+                      weights_mb=10, per_worker_mb=10),
+        ]
+    return Config(pool=PoolConfig(**pool), models=models)
+
+
+def rows(*values: float) -> bytes:
+    """float32 bytes, so each reply carries recognisable data."""
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+class Harness:
+    """A Pool wired to the fakes, plus the moves of a worker and a client."""
+
+    def __init__(self, config: Config) -> None:
+        self.clock = FakeClock()
+        self.launcher = FakeLauncher()
+        self.pool = Pool(config, config.registry(), self.launcher,  # type: ignore[arg-type]
+                         clock=self.clock)
+        self.launcher.pool = self.pool
+        self._ids = itertools.count(1)
+
+    # ---- client side -----------------------------------------------------------------
+
+    def sink(self, name: str = "client") -> FakeSink:
+        return FakeSink(name)
+
+    def embed(self, sink: FakeSink, texts: list[str], model: str = "emb",
+              **kw: Any) -> int:
+        client_id = kw.pop("id", None) or next(self._ids)
+        self.pool.submit(sink, Embed(id=client_id, model=model, texts=texts, **kw))
+        return client_id
+
+    def generate(self, sink: FakeSink, prompt: str = "hi", model: str = "gen",
+                 **kw: Any) -> int:
+        client_id = kw.pop("id", None) or next(self._ids)
+        self.pool.submit(sink, Generate(id=client_id, model=model, prompt=prompt, **kw))
+        return client_id
+
+    # ---- worker side -----------------------------------------------------------------
+
+    async def settle(self) -> None:
+        """Let launch tasks and call_soon callbacks run."""
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    def workers(self, model: str) -> list[WorkerHandle]:
+        return [w for w in self.launcher.started if w.model_key == model]
+
+    def ready(self, worker: WorkerHandle, want_work: bool = True,
+              info: dict[str, Any] | None = None) -> None:
+        assert worker.pid is not None
+        self.pool.on_worker_message(worker, Ready(pid=worker.pid, load_s=0.1,
+                                                  info=info if info is not None else {"dim": 2}))
+        if want_work:
+            self.want_work(worker)
+
+    def want_work(self, worker: WorkerHandle) -> None:
+        self.pool.on_worker_message(worker, WantWork())
+
+    def sent(self, worker: WorkerHandle) -> list[ToWorker]:
+        writer = worker.writer
+        assert isinstance(writer, FakeWriter)
+        return writer.sent
+
+    def works(self, worker: WorkerHandle) -> list[Work]:
+        return [m for m in self.sent(worker) if isinstance(m, Work)]
+
+    def job_ids(self, worker: WorkerHandle) -> list[int]:
+        """Job ids of every item the worker was handed, in order."""
+        return [item.job_id for work in self.works(worker) for item in work.items]
+
+    def reply_embeddings(self, worker: WorkerHandle, job_id: int, *values: float) -> bytes:
+        """One row of float32 values for job_id; returns the bytes sent."""
+        data = rows(*values)
+        self.pool.on_worker_message(worker, Embeddings(id=job_id, data=data,
+                                                       shape=[1, len(values)]))
+        return data
+
+    def chunk(self, worker: WorkerHandle, job_id: int, seq: int, text: str) -> None:
+        self.pool.on_worker_message(worker, Chunk(id=job_id, seq=seq, text=text))
+
+    def end(self, worker: WorkerHandle, job_id: int, reason: str = "stop") -> None:
+        self.pool.on_worker_message(worker, End(id=job_id, finish_reason=reason,
+                                                completion_tokens=3))
+
+    def die(self, worker: WorkerHandle, exitcode: int | None) -> None:
+        self.launcher.exit(worker, exitcode)
+
+
+@pytest.fixture
+def make_harness() -> Callable[..., Harness]:
+    """make_harness(**pool_config) -> Harness; make_harness(models=[...]) for other specs."""
+    def make(models: list[ModelSpec] | None = None, **pool: Any) -> Harness:
+        return Harness(make_config(models, **pool))
+
+    return make

@@ -1,0 +1,267 @@
+"""JobQueue: priority then age, push_front, batch coalescing and lazy removal."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from protocol.messages import PRIORITIES, Embed, Generate, Priority
+from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState
+
+
+@dataclass
+class FakeSink:
+    closed: bool = False
+    jobs: dict[int, Job] = field(default_factory=dict)
+    sent: list[Any] = field(default_factory=list)
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+_ids = itertools.count(1)
+
+
+def make_job(priority: Priority = "normal", texts: int = 1, generate: bool = False) -> Job:
+    jid = next(_ids)
+    request: Embed | Generate
+    if generate:
+        request = Generate(id=jid, prompt="p", priority=priority)
+    else:
+        request = Embed(id=jid, texts=["t"] * texts, priority=priority)
+    return Job(job_id=jid, request=request, sink=FakeSink(), model_key="m", accepted_at=0.0)
+
+
+def cancel(queue: JobQueue, job: Job) -> None:
+    """What the pool does on cancel/timeout of a queued job."""
+    job.state = JobState.DONE
+    queue.discard(job)
+
+
+def drain(queue: JobQueue) -> list[Job]:
+    out: list[Job] = []
+    while batch := queue.pop_batch(1, batched=False):
+        out.extend(batch)
+    return out
+
+
+def test_priority_order_then_fifo() -> None:
+    queue = JobQueue()
+    jobs = [make_job(p) for p in ("batch", "low", "normal", "high", "critical")
+            for _ in range(2)]
+    for job in jobs:
+        queue.push(job)
+    popped = drain(queue)
+    assert [j.request.priority for j in popped] == [
+        "critical", "critical", "high", "high", "normal", "normal", "low", "low", "batch",
+        "batch"]
+    for prio in PRIORITIES:
+        same = [j.job_id for j in popped if j.request.priority == prio]
+        assert same == sorted(same)  # FIFO within one priority
+    assert len(queue) == 0
+
+
+def test_push_front_goes_ahead_of_same_priority_only() -> None:
+    queue = JobQueue()
+    high, normal1, normal2 = make_job("high"), make_job("normal"), make_job("normal")
+    for job in (high, normal1, normal2):
+        queue.push(job)
+    retried = make_job("normal")
+    queue.push_front(retried)
+    assert len(queue) == 4
+    assert drain(queue) == [high, retried, normal1, normal2]
+
+
+def test_pop_batch_coalesces_up_to_max_size() -> None:
+    queue = JobQueue()
+    a, b, c, d = make_job(texts=3), make_job(texts=4), make_job(texts=2), make_job(texts=1)
+    for job in (a, b, c, d):
+        queue.push(job)
+    # 3 + 4 = 7; adding c (2) would make 9 > 8, so the batch stops before c (not skip it).
+    assert queue.pop_batch(8, batched=True) == [a, b]
+    assert len(queue) == 2
+    assert queue.pop_batch(8, batched=True) == [c, d]
+    assert queue.pop_batch(8, batched=True) == []
+
+
+def test_pop_batch_exact_fit() -> None:
+    queue = JobQueue()
+    jobs = [make_job(texts=2) for _ in range(3)]
+    for job in jobs:
+        queue.push(job)
+    assert queue.pop_batch(4, batched=True) == jobs[:2]
+    assert len(queue) == 1
+
+
+def test_oversized_job_is_returned_alone() -> None:
+    queue = JobQueue()
+    big, small = make_job(texts=50), make_job(texts=1)
+    queue.push(big)
+    queue.push(small)
+    assert queue.pop_batch(8, batched=True) == [big]
+    assert queue.pop_batch(8, batched=True) == [small]
+
+
+def test_batch_respects_priority_order() -> None:
+    queue = JobQueue()
+    low, crit, normal = make_job("low"), make_job("critical"), make_job("normal")
+    for job in (low, crit, normal):
+        queue.push(job)
+    assert queue.pop_batch(10, batched=True) == [crit, normal, low]
+
+
+def test_non_batched_returns_one_job() -> None:
+    queue = JobQueue()
+    jobs = [make_job(generate=True) for _ in range(3)]
+    for job in jobs:
+        queue.push(job)
+    assert jobs[0].size == 1
+    assert queue.pop_batch(32, batched=False) == [jobs[0]]
+    assert len(queue) == 2
+
+
+def test_discarded_top_job_is_skipped() -> None:
+    queue = JobQueue()
+    a, b = make_job(), make_job()
+    queue.push(a)
+    queue.push(b)
+    cancel(queue, a)
+    assert len(queue) == 1
+    assert queue.jobs() == [b]
+    assert queue.pop_batch(1, batched=False) == [b]
+    assert len(queue) == 0
+    assert queue.pop_batch(1, batched=False) == []
+
+
+def test_discarded_job_never_returned_unbatched() -> None:
+    queue = JobQueue()
+    a, b, c = make_job(), make_job(), make_job()
+    for job in (a, b, c):
+        queue.push(job)
+    cancel(queue, b)
+    assert len(queue) == 2
+    assert drain(queue) == [a, c]
+    assert len(queue) == 0
+
+
+def test_discarded_job_never_returned_in_a_batch() -> None:
+    queue = JobQueue()
+    a, b, c = make_job(), make_job(), make_job()
+    for job in (a, b, c):
+        queue.push(job)
+    cancel(queue, b)  # b is not at the top, so it stays in the heap until it surfaces
+    assert queue.pop_batch(10, batched=True) == [a, c]
+    assert len(queue) == 0
+
+
+def test_priority_rank_follows_priorities() -> None:
+    assert [PRIORITY_RANK[p] for p in ("critical", "high", "normal", "low", "batch")] == [
+        0, 1, 2, 3, 4]
+
+
+# ---- property: a reference model of the queue ---------------------------------------
+
+Op = tuple[Any, ...]
+prio_st = st.sampled_from(PRIORITIES)
+op_st = st.one_of(
+    st.tuples(st.just("push"), prio_st, st.integers(1, 4)),
+    st.tuples(st.just("push_front"), prio_st, st.integers(1, 4)),
+    st.tuples(st.just("cancel"), st.integers(0, 1000)),
+    st.tuples(st.just("pop"), st.integers(1, 6)),
+)
+
+
+def check_ops(ops: list[Op], batched: bool) -> None:
+    """Run ops on a JobQueue and on a sorted-list model; they must agree at every step.
+
+    The model orders by (rank, key): push keys count up, push_front keys count down, so
+    a later push_front goes ahead of an earlier one (it is a stack within its priority).
+    """
+    queue = JobQueue()
+    model: dict[Job, tuple[int, int]] = {}
+    up, down = itertools.count(), itertools.count(-1, -1)
+    popped: list[Job] = []
+    discarded: set[int] = set()
+    pushed: list[Job] = []
+    for op in ops:
+        if op[0] in ("push", "push_front"):
+            job = make_job(op[1], texts=op[2])
+            pushed.append(job)
+            front = op[0] == "push_front"
+            (queue.push_front if front else queue.push)(job)
+            model[job] = (PRIORITY_RANK[op[1]], next(down) if front else next(up))
+        elif op[0] == "cancel" and model:
+            victim = sorted(model, key=lambda j: j.job_id)[op[1] % len(model)]
+            del model[victim]
+            discarded.add(victim.job_id)
+            cancel(queue, victim)
+        elif op[0] == "pop":
+            expected = _model_pop(model, op[1], batched)
+            got = queue.pop_batch(op[1], batched)
+            assert got == expected
+            for job in got:
+                job.state = JobState.RUNNING
+                del model[job]
+            popped.extend(got)
+        assert len(queue) == len(model)
+        assert set(queue.jobs()) == set(model)
+    popped.extend(drain(queue))
+    ids = [j.job_id for j in popped]
+    assert len(ids) == len(set(ids)), "a job was popped twice"
+    assert not set(ids) & discarded, "a discarded job was popped"
+    assert set(ids) | discarded == {j.job_id for j in pushed}
+    assert len(queue) == 0
+
+
+def _model_pop(model: dict[Job, tuple[int, int]], max_size: int, batched: bool) -> list[Job]:
+    order = sorted(model, key=lambda j: model[j])
+    if not order:
+        return []
+    batch, size = [order[0]], order[0].size
+    for job in order[1:] if batched else []:
+        if size >= max_size or size + job.size > max_size:
+            break
+        batch.append(job)
+        size += job.size
+    return batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op_st, max_size=40))
+def test_queue_matches_model_unbatched(ops: list[Op]) -> None:
+    check_ops(ops, batched=False)
+
+
+@settings(max_examples=300, deadline=None)
+@example([("push", "normal", 1), ("push", "normal", 1), ("push", "normal", 1),
+          ("cancel", 1), ("pop", 6)])
+@given(st.lists(op_st, max_size=40))
+def test_queue_matches_model_batched(ops: list[Op]) -> None:
+    check_ops(ops, batched=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(prio_st, st.booleans()), max_size=30))
+def test_push_order_within_priority(items: list[tuple[Priority, bool]]) -> None:
+    """Jobs added with push() leave in arrival order within their priority."""
+    queue = JobQueue()
+    fronted: set[int] = set()
+    for prio, front in items:
+        job = make_job(prio)
+        if front:
+            fronted.add(job.job_id)
+            queue.push_front(job)
+        else:
+            queue.push(job)
+    popped = drain(queue)
+    assert len(popped) == len(items)
+    ranks = [PRIORITY_RANK[j.request.priority] for j in popped]
+    assert ranks == sorted(ranks)
+    for prio in PRIORITIES:
+        pushed = [j.job_id for j in popped
+                  if j.request.priority == prio and j.job_id not in fronted]
+        assert pushed == sorted(pushed)
