@@ -129,16 +129,20 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
     from workers.capabilities import ADAPTERS
 
     adapter = ADAPTERS[settings.spec.capability]
+    want_work = True
     while not worker.stopping:
-        worker.send(WantWork())
+        if want_work:  # exactly one WantWork per free slot: the supervisor counts on it
+            worker.send(WantWork())
         msg = worker.receive()
+        want_work = False
         match msg:
             case Work(items=items):
-                worker.aborts.difference_update(i.job_id for i in items)
                 adapter(model, items, worker, settings.max_batch)
+                worker.aborts.clear()  # job ids never repeat: old aborts mean nothing
                 worker.tick()
-            case Abort(job_id=job_id):
-                worker.aborts.add(job_id)
+                want_work = True
+            case Abort():
+                pass  # for a job already finished: its reply crossed the abort
             case Shutdown():
                 worker.stopping = True
     _exit(exitcodes.OK)

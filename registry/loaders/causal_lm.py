@@ -65,33 +65,42 @@ class CausalLM:
                 stats.finish_reason = "stop"
                 break
             stats.completion_tokens += 1
-            if piece := detok.add(token):
-                yield piece
+            yield detok.add(token)  # maybe "": the adapter still ticks and checks aborts
             step_input = torch.tensor([[token]])
         if tail := detok.flush():
             yield tail
 
 
 class IncrementalDecoder:
-    """Turns tokens into text pieces without splitting a multi-byte character."""
+    """Turns tokens into text pieces without splitting a multi-byte character.
+
+    Decodes only a short window (from the last emitted boundary), so each token costs
+    the same however long the output grows."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
-        self.emitted = 0  # characters of the decoded text already yielded
+        self.prefix_offset = 0  # window start: tokens before it are fully emitted
+        self.read_offset = 0  # tokens before it have had their text emitted
+
+    def _window(self) -> tuple[str, str]:
+        decode = self.tokenizer.decode
+        prefix = decode(self.tokens[self.prefix_offset : self.read_offset],
+                        skip_special_tokens=True)
+        return prefix, decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
 
     def add(self, token: int) -> str:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
-            return ""
-        piece, self.emitted = text[self.emitted :], len(text)
-        return piece
+        prefix, text = self._window()
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # nothing new yet, or an incomplete UTF-8 sequence: wait for more
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return text[len(prefix) :]
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        piece, self.emitted = text[self.emitted :], len(text)
-        return piece
+        prefix, text = self._window()
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return text[len(prefix) :]
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float,

@@ -104,6 +104,9 @@ def _read_layout(model_dir: Path) -> dict[str, Any]:
         elif kind.endswith("Pooling"):
             layout["pooling"] = _pooling_mode(json.loads((model_dir / path / "config.json")
                                                          .read_text()))
+        elif not kind.endswith("Normalize"):
+            raise ValueError(f"unsupported sentence-transformers module {kind!r} "
+                             f"(supported: Transformer, Pooling, Normalize)")
     return layout
 
 
@@ -118,7 +121,9 @@ def _pooling_mode(config: dict[str, Any]) -> str:
     if "pooling_mode" in config:
         return {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(
             config["pooling_mode"], config["pooling_mode"])
-    for mode, flag in _POOLING_FLAGS.items():
-        if config.get(flag):
-            return mode
-    return "mean"
+    enabled = [k for k, v in config.items() if k.startswith("pooling_mode_") and v]
+    modes = [mode for mode, flag in _POOLING_FLAGS.items() if flag in enabled]
+    if len(enabled) != 1 or len(modes) != 1:
+        # Weighted mean, or several modes concatenated: refusing beats wrong vectors.
+        raise ValueError(f"unsupported sentence-transformers pooling {enabled}")
+    return modes[0]

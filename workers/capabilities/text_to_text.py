@@ -22,7 +22,8 @@ class GenerationStats:
 
 class TextGenerationModel(Protocol):
     def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
-        """Yield decoded text pieces, one or more tokens each, until done."""
+        """Yield one text piece per generated token (possibly "", e.g. half a character),
+        so the worker can mark progress and honour aborts at every step."""
 
     def info(self) -> dict[str, Any]:
         """Facts for the supervisor's status, e.g. {"context": 2048}."""

@@ -1,0 +1,214 @@
+"""The causal-LM loader on the tiny random-weight Llama: prompt building, the KV-cache
+decoding loop, sampling and incremental detokenisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocol.errors import ErrorCode, PoolError
+from protocol.messages import ChatMessage, Generate
+from registry.loaders import load_model
+from registry.loaders.causal_lm import CausalLM, IncrementalDecoder, sample
+from registry.spec import ModelSpec
+from workers.capabilities.text_to_text import GenerationStats
+
+PROMPT = "Once upon a time, there was a tiny model"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models_dir: Path) -> CausalLM:
+    spec = ModelSpec(key="tiny-llm", capability="text_to_text",
+                     path=str(tiny_models_dir / "tiny-llm"))
+    model = load_model(spec)
+    assert isinstance(model, CausalLM)
+    return model
+
+
+def _generate(llm: CausalLM, **fields: object) -> tuple[list[str], GenerationStats]:
+    stats = GenerationStats()
+    pieces = list(llm.generate(Generate(id=1, **fields), stats))  # type: ignore[arg-type]
+    return pieces, stats
+
+
+def _text(llm: CausalLM, **fields: object) -> str:
+    return "".join(_generate(llm, **fields)[0])
+
+
+def _decode_without_cache(llm: CausalLM, ids: list[int], steps: int,
+                          temperature: float = 0.0, seed: int = 0) -> list[int]:
+    """Reference decoding: a full forward pass per token, no KV cache."""
+    seq, out = list(ids), []
+    generator = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = llm.model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+            token = sample(logits, temperature, 1.0, generator)
+            seq.append(token)
+            out.append(token)
+    return out
+
+
+def test_info(llm: CausalLM) -> None:
+    assert llm.info() == {"context": 2048, "chat_template": True}
+    assert llm.tokenizer.eos_token_id in llm.eos_ids
+
+
+def test_greedy_is_deterministic_and_matches_uncached_decoding(llm: CausalLM) -> None:
+    fields = {"prompt": PROMPT, "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    first, stats = _generate(llm, **fields)
+    second, _ = _generate(llm, **fields)
+    assert first == second
+    expected = _decode_without_cache(llm, llm.prompt_ids(Generate(id=1, prompt=PROMPT)), 12)
+    assert "".join(first) == llm.tokenizer.decode(expected, skip_special_tokens=True)
+    assert stats.completion_tokens == 12
+
+
+def test_sampling_matches_uncached_decoding(llm: CausalLM) -> None:
+    # Greedy output of random weights is often one repeated token; sampled output is
+    # varied, so this catches a decoding loop that loses the context (e.g. the KV cache).
+    fields = {"prompt": PROMPT, "raw": True, "temperature": 1.0, "seed": 5,
+              "max_tokens": 16, "ignore_eos": True}
+    pieces, _ = _generate(llm, **fields)
+    ids = llm.prompt_ids(Generate(id=1, prompt=PROMPT, raw=True))
+    expected = _decode_without_cache(llm, ids, 16, temperature=1.0, seed=5)
+    assert len(set(expected)) > 4
+    assert "".join(pieces) == llm.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_seed_makes_sampling_reproducible(llm: CausalLM) -> None:
+    fields = {"prompt": PROMPT, "temperature": 1.0, "max_tokens": 10, "ignore_eos": True}
+    assert _text(llm, seed=7, **fields) == _text(llm, seed=7, **fields)
+    texts = {_text(llm, seed=seed, **fields) for seed in range(1, 6)}
+    assert len(texts) > 1
+
+
+def test_tiny_top_p_behaves_like_greedy(llm: CausalLM) -> None:
+    common = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    greedy = _text(llm, temperature=0.0, **common)
+    assert _text(llm, temperature=1.0, top_p=1e-6, seed=3, **common) == greedy
+    assert _text(llm, temperature=1.0, top_p=1e-6, seed=4, **common) == greedy
+
+
+def test_ignore_eos_runs_to_max_tokens(llm: CausalLM) -> None:
+    pieces, stats = _generate(llm, prompt=PROMPT, raw=True, temperature=1.0, seed=11,
+                              max_tokens=12, ignore_eos=True)
+    assert stats.completion_tokens == 12
+    assert stats.finish_reason == "length"
+    # One piece per token (maybe "" mid-character) plus at most one flushed tail.
+    assert len(pieces) in (12, 13) and all(isinstance(p, str) for p in pieces)
+    assert "".join(pieces)
+    assert not any(p.endswith("\ufffd") for p in pieces[:-1])
+
+
+def test_eos_stops_generation(llm: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The random model rarely picks its real EOS; declare its first greedy token EOS.
+    ids = llm.prompt_ids(Generate(id=1, prompt=PROMPT))
+    first = _decode_without_cache(llm, ids, 1)[0]
+    monkeypatch.setattr(llm, "eos_ids", {first})
+    pieces, stats = _generate(llm, prompt=PROMPT, temperature=0.0, max_tokens=8)
+    assert (pieces, stats.finish_reason, stats.completion_tokens) == ([], "stop", 0)
+    _, stats = _generate(llm, prompt=PROMPT, temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert (stats.finish_reason, stats.completion_tokens) == ("length", 8)
+
+
+def test_prompt_tokens_and_chat_template(llm: CausalLM) -> None:
+    tok = llm.tokenizer
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    templated = llm.prompt_ids(Generate(id=1, prompt="hi there"))
+    expected_text = tok.apply_chat_template([{"role": "user", "content": "hi there"}],
+                                            add_generation_prompt=True, tokenize=False)
+    assert templated == tok(expected_text, add_special_tokens=False)["input_ids"]
+    assert im_start in templated
+    raw = llm.prompt_ids(Generate(id=1, prompt="hi there", raw=True))
+    assert im_start not in raw
+    assert raw == tok("hi there")["input_ids"]
+    _, stats = _generate(llm, prompt="hi there", temperature=0.0, max_tokens=2)
+    assert stats.prompt_tokens == len(templated)
+    _, stats = _generate(llm, prompt="hi there", raw=True, temperature=0.0, max_tokens=2)
+    assert stats.prompt_tokens == len(raw)
+
+
+def test_messages_use_the_chat_template(llm: CausalLM) -> None:
+    messages = [ChatMessage(role="system", content="Be brief."),
+                ChatMessage(role="user", content="What time is it?")]
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages],
+        add_generation_prompt=True, tokenize=False)
+    expected = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert text.count("<|im_start|>") == 3
+    _, stats = _generate(llm, messages=messages, temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert stats.prompt_tokens == len(expected)
+    assert stats.completion_tokens == 4
+
+
+def test_messages_without_a_chat_template_are_refused(
+    llm: CausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(llm.tokenizer, "chat_template", None)
+    with pytest.raises(PoolError) as err:
+        llm.prompt_ids(Generate(id=1, messages=[ChatMessage(role="user", content="hi")]))
+    assert err.value.code == ErrorCode.BAD_REQUEST
+    # A plain prompt still works, untemplated.
+    assert llm.prompt_ids(Generate(id=1, prompt="hi")) == llm.tokenizer("hi")["input_ids"]
+
+
+def test_prompt_longer_than_context_is_a_bad_request(llm: CausalLM) -> None:
+    prompt = "~" * 2048  # one token per "~": the tiny BPE learned no merge for it
+    assert len(llm.tokenizer(prompt)["input_ids"]) >= llm.context
+    with pytest.raises(PoolError) as err:
+        _generate(llm, prompt=prompt, raw=True, max_tokens=4)
+    assert err.value.code == ErrorCode.BAD_REQUEST
+    assert "2048" in err.value.message
+
+
+def test_budget_is_capped_by_the_context(llm: CausalLM) -> None:
+    prompt = "~" * (llm.context - 1)
+    _, stats = _generate(llm, prompt=prompt, raw=True, temperature=0.0, max_tokens=5,
+                         ignore_eos=True)
+    assert (stats.prompt_tokens, stats.completion_tokens) == (llm.context - 1, 1)
+    assert stats.finish_reason == "length"
+
+
+# ---- sample() --------------------------------------------------------------------------
+
+
+def test_sample_at_temperature_zero_is_argmax() -> None:
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
+    generator = torch.Generator().manual_seed(0)
+    assert {sample(logits, 0.0, 1.0, generator) for _ in range(20)} == {1}
+    assert sample(logits, 0.0, 0.5, generator) == 1
+
+
+def _draws(probs: list[float], top_p: float, n: int = 2000) -> set[int]:
+    logits = torch.log(torch.tensor(probs))
+    generator = torch.Generator().manual_seed(1234)
+    return {sample(logits, 1.0, top_p, generator) for _ in range(n)}
+
+
+def test_top_p_excludes_the_tail() -> None:
+    assert _draws([0.5, 0.3, 0.2], top_p=1.0) == {0, 1, 2}
+    assert _draws([0.5, 0.3, 0.2], top_p=0.6) == {0, 1}
+    # Unsorted logits: the nucleus is chosen by probability, not by position.
+    assert _draws([0.2, 0.5, 0.3], top_p=0.6) == {1, 2}
+    assert _draws([0.2, 0.5, 0.3], top_p=1e-6) == {1}
+
+
+# ---- IncrementalDecoder ----------------------------------------------------------------
+
+
+def test_incremental_decoder_never_splits_a_character(llm: CausalLM) -> None:
+    text = "héllo wörld ✓"
+    ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    # The tiny tokenizer has no merges for these characters: their bytes arrive one by one.
+    assert len(ids) > len(text.split())
+    assert any(llm.tokenizer.decode([i]).endswith("\ufffd") for i in ids)
+    decoder = IncrementalDecoder(llm.tokenizer)
+    pieces = [decoder.add(token) for token in ids]
+    pieces.append(decoder.flush())
+    assert not any(p.endswith("\ufffd") for p in pieces)
+    assert "".join(pieces) == text == llm.tokenizer.decode(ids)
+    assert any("é" in p for p in pieces)
+    assert decoder.flush() == ""

@@ -1,0 +1,140 @@
+"""The text_embedding adapter: batching across requests, slicing by max_batch, and failure
+isolation, with a fake model and a fake outbox (no torch, no processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from protocol.errors import ErrorCode
+from protocol.messages import Embed, Embeddings, Error
+from protocol.pipes import WorkItem
+from workers.capabilities import text_embedding
+
+DIM = 3
+
+
+def _row(text: str) -> list[float]:
+    """The fake model's vector for a text: distinct per text, exact in float32."""
+    code = sum(ord(c) for c in text)
+    return [float(len(text)), code / 4.0, -float(code % 7)]
+
+
+class FakeEmbedder:
+    """Embeds with _row (as float64, to check the adapter converts); records call sizes."""
+
+    def __init__(self, poison: str | None = None, drop_rows: int = 0) -> None:
+        self.calls: list[list[str]] = []
+        self.poison = poison
+        self.drop_rows = drop_rows
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        self.calls.append(list(texts))
+        if self.poison is not None and self.poison in texts:
+            raise ValueError(f"cannot embed {self.poison!r}")
+        rows = [_row(t) for t in texts]
+        return np.array(rows[: len(rows) - self.drop_rows], dtype=np.float64).reshape(-1, DIM)
+
+    def info(self) -> dict[str, int]:
+        return {"dim": DIM}
+
+
+class FakeOutbox:
+    def __init__(self) -> None:
+        self.sent: list[msgspec.Struct] = []
+        self.ticks = 0
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.sent.append(msg)
+
+    def tick(self) -> None:
+        self.ticks += 1
+
+    def aborted(self, job_id: int) -> bool:
+        return False
+
+
+def _items(*texts: list[str]) -> list[WorkItem]:
+    return [WorkItem(job_id=100 + i, request=Embed(id=i, texts=t)) for i, t in enumerate(texts)]
+
+
+def _expected(item: WorkItem) -> Embeddings:
+    assert isinstance(item.request, Embed)
+    rows = np.array([_row(t) for t in item.request.texts], dtype=np.float32)
+    return Embeddings(id=item.job_id, data=rows.tobytes(), shape=[len(rows), DIM])
+
+
+def _decode(msg: Embeddings) -> np.ndarray:
+    return np.frombuffer(msg.data, dtype=np.float32).reshape(msg.shape)
+
+
+def test_rows_are_split_per_item() -> None:
+    items = _items(["alpha", "beta"], ["gamma"], ["delta", "epsilon", "zeta"])
+    model, out = FakeEmbedder(), FakeOutbox()
+    text_embedding.run(model, items, out, 32)
+    assert model.calls == [["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]]
+    assert out.sent == [_expected(item) for item in items]
+    first = out.sent[0]
+    assert isinstance(first, Embeddings) and first.dtype == "float32"
+    np.testing.assert_array_equal(_decode(first), [_row("alpha"), _row("beta")])
+    assert out.ticks == 1
+
+
+def test_inputs_over_max_batch_are_embedded_in_slices() -> None:
+    items = _items([f"a{i}" for i in range(5)], [f"b{i}" for i in range(3)])
+    model, out = FakeEmbedder(), FakeOutbox()
+    text_embedding.run(model, items, out, 3)
+    assert [len(call) for call in model.calls] == [3, 3, 2]
+    assert [t for call in model.calls for t in call] == [*items[0].request.texts,
+                                                         *items[1].request.texts]
+    assert out.ticks == 3  # one per forward pass
+    # The slice boundary (after a2, after b0) must not leak into the per-item split.
+    assert out.sent == [_expected(item) for item in items]
+
+
+def test_max_batch_of_one() -> None:
+    items = _items(["x", "y"])
+    model, out = FakeEmbedder(), FakeOutbox()
+    text_embedding.run(model, items, out, 1)
+    assert model.calls == [["x"], ["y"]]
+    assert out.sent == [_expected(items[0])]
+
+
+def test_a_poison_input_fails_only_its_own_request() -> None:
+    items = _items(["fine", "also fine"], ["ok", "poison"], ["last one"])
+    model, out = FakeEmbedder(poison="poison"), FakeOutbox()
+    text_embedding.run(model, items, out, 32)
+    by_id = {m.id: m for m in out.sent}  # type: ignore[attr-defined]
+    assert len(out.sent) == 3 and set(by_id) == {100, 101, 102}
+    assert by_id[100] == _expected(items[0])
+    assert by_id[102] == _expected(items[2])
+    error = by_id[101]
+    assert isinstance(error, Error)
+    assert error.code == ErrorCode.MODEL_ERROR
+    assert "poison" in error.message
+
+
+def test_a_single_failing_request_gets_an_error() -> None:
+    out = FakeOutbox()
+    text_embedding.run(FakeEmbedder(poison="poison"), _items(["poison"]), out, 32)
+    assert len(out.sent) == 1
+    error = out.sent[0]
+    assert isinstance(error, Error) and error.id == 100 and error.code == ErrorCode.MODEL_ERROR
+
+
+def test_wrong_number_of_rows_is_an_error() -> None:
+    out = FakeOutbox()
+    text_embedding.run(FakeEmbedder(drop_rows=1), _items(["a", "b"]), out, 32)
+    assert len(out.sent) == 1
+    error = out.sent[0]
+    assert isinstance(error, Error) and error.code == ErrorCode.MODEL_ERROR
+    assert "2 texts" in error.message
+
+
+def test_wrong_rows_in_a_batch_fail_every_request_once() -> None:
+    out = FakeOutbox()
+    text_embedding.run(FakeEmbedder(drop_rows=1), _items(["a"], ["b", "c"]), out, 32)
+    assert sorted(m.id for m in out.sent) == [100, 101]  # type: ignore[attr-defined]
+    assert all(isinstance(m, Error) and m.code == ErrorCode.MODEL_ERROR for m in out.sent)

@@ -1,0 +1,186 @@
+"""The text_to_text adapter: stop strings, chunk sequencing, aborts and errors, with a fake
+model and a fake outbox (no torch, no processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from protocol.errors import ErrorCode, PoolError
+from protocol.messages import Chunk, End, Error, Generate
+from protocol.pipes import WorkItem
+from workers.capabilities import text_to_text
+from workers.capabilities.text_to_text import GenerationStats, StopMatcher
+
+
+class FakeOutbox:
+    """Records replies and ticks; aborted() turns True from its abort_on-th call on."""
+
+    def __init__(self, abort_on: int | None = None) -> None:
+        self.sent: list[msgspec.Struct] = []
+        self.ticks = 0
+        self.abort_calls = 0
+        self.abort_on = abort_on
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.sent.append(msg)
+
+    def tick(self) -> None:
+        self.ticks += 1
+
+    def aborted(self, job_id: int) -> bool:
+        self.abort_calls += 1
+        return self.abort_on is not None and self.abort_calls >= self.abort_on
+
+    def chunks(self) -> list[Chunk]:
+        return [m for m in self.sent if isinstance(m, Chunk)]
+
+
+class FakeModel:
+    """Yields the given pieces, one token each; raises `fail` after them if given."""
+
+    def __init__(self, pieces: list[str], fail: Exception | None = None,
+                 finish_reason: str = "stop") -> None:
+        self.pieces = pieces
+        self.fail = fail
+        self.finish_reason = finish_reason
+        self.pulled = 0
+
+    def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
+        stats.prompt_tokens = len(request.prompt.split())
+        for piece in self.pieces:
+            stats.completion_tokens += 1
+            self.pulled += 1
+            yield piece
+        if self.fail is not None:
+            raise self.fail
+        stats.finish_reason = self.finish_reason
+
+    def info(self) -> dict[str, int]:
+        return {"context": 64}
+
+
+def _run(model: FakeModel, out: FakeOutbox, job_id: int = 9, **fields: object) -> None:
+    request = Generate(id=1, prompt="three word prompt", **fields)  # type: ignore[arg-type]
+    text_to_text.run(model, [WorkItem(job_id=job_id, request=request)], out, 1)
+
+
+# ---- StopMatcher -----------------------------------------------------------------------
+
+
+def _feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:
+    emitted: list[str] = []
+    for piece in pieces:
+        text, hit = matcher.feed(piece)
+        emitted.append(text)
+        if hit:
+            return emitted, True
+    return emitted, False
+
+
+def test_stop_split_across_pieces_is_cut_and_never_emitted() -> None:
+    matcher = StopMatcher(["<END>"])
+    emitted, hit = _feed_all(matcher, ["Hello wor", "ld<E", "N", "D> tail"])
+    assert hit
+    assert "".join(emitted) == "Hello world"
+    assert not any("<" in e for e in emitted)
+
+
+def test_holdback_releases_text_that_was_not_a_stop() -> None:
+    matcher = StopMatcher(["STOP"])
+    assert matcher.feed("abcST") == ("ab", False)  # "cST" could still start "STOP"
+    assert matcher.feed("ART") == ("cST", False)
+    assert matcher.flush() == "ART"
+    assert matcher.flush() == ""
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    matcher = StopMatcher(["\n\n", "###"])
+    emitted, hit = _feed_all(matcher, ["one ##", "# two\n\nthree"])
+    assert hit and "".join(emitted) == "one "
+
+
+def test_empty_stop_list_passes_everything_through() -> None:
+    for stops in ([], [""]):
+        matcher = StopMatcher(stops)
+        assert matcher.feed("a") == ("a", False)
+        assert matcher.feed("bc") == ("bc", False)
+        assert matcher.flush() == ""
+
+
+# ---- the adapter -----------------------------------------------------------------------
+
+
+def test_chunks_are_sequenced_and_end_carries_the_stats() -> None:
+    out = FakeOutbox()
+    _run(FakeModel(["Hel", "lo", " world", "!"]), out)
+    chunks = out.chunks()
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert all(c.id == 9 for c in chunks)
+    assert "".join(c.text for c in chunks) == "Hello world!"
+    assert out.sent[-1] == End(id=9, finish_reason="stop", prompt_tokens=3, completion_tokens=4)
+    assert out.ticks == 4
+
+
+def test_length_finish_reason_is_passed_on() -> None:
+    out = FakeOutbox()
+    _run(FakeModel(["a", "b"], finish_reason="length"), out)
+    assert out.sent[-1] == End(id=9, finish_reason="length", prompt_tokens=3, completion_tokens=2)
+
+
+def test_stop_string_ends_the_stream_with_stop() -> None:
+    model = FakeModel(["The answer", " is 42.\nQ", "uestion: more", " and more", " and more"])
+    out = FakeOutbox()
+    _run(model, out, stop=["\nQuestion:"])
+    chunks = out.chunks()
+    assert "".join(c.text for c in chunks) == "The answer is 42."
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    end = out.sent[-1]
+    assert isinstance(end, End) and end.finish_reason == "stop"
+    assert model.pulled == 3  # generation stopped right at the stop string
+    assert sum(isinstance(m, End) for m in out.sent) == 1
+
+
+def test_held_back_text_is_flushed_at_the_end() -> None:
+    out = FakeOutbox()
+    _run(FakeModel(["done", " ST"]), out, stop=["STOP"])
+    assert "".join(c.text for c in out.chunks()) == "done ST"
+    assert isinstance(out.sent[-1], End)
+
+
+def test_abort_ends_with_cancelled() -> None:
+    model = FakeModel([f"w{i} " for i in range(10)])
+    out = FakeOutbox(abort_on=3)
+    _run(model, out)
+    assert [c.text for c in out.chunks()] == ["w0 ", "w1 "]
+    end = out.sent[-1]
+    assert isinstance(end, End) and end.finish_reason == "cancelled"
+    assert model.pulled == 3
+
+
+def test_model_exception_mid_stream_is_a_model_error_without_end() -> None:
+    out = FakeOutbox()
+    _run(FakeModel(["partial ", "text"], fail=ValueError("tensor blew up")), out)
+    assert [c.text for c in out.chunks()] == ["partial ", "text"]
+    errors = [m for m in out.sent if isinstance(m, Error)]
+    assert len(errors) == 1 and out.sent[-1] is errors[0]
+    assert errors[0].id == 9 and errors[0].code == ErrorCode.MODEL_ERROR
+    assert "ValueError" in errors[0].message and "tensor blew up" in errors[0].message
+    assert not any(isinstance(m, End) for m in out.sent)
+
+
+def test_pool_error_keeps_its_code() -> None:
+    out = FakeOutbox()
+    _run(FakeModel([], fail=PoolError(ErrorCode.BAD_REQUEST, "prompt too long")), out)
+    assert out.sent == [Error(id=9, code=ErrorCode.BAD_REQUEST, message="prompt too long")]
+
+
+@pytest.mark.parametrize("abort_on", [None, 2])
+def test_each_item_gets_exactly_one_final_reply(abort_on: int | None) -> None:
+    out = FakeOutbox(abort_on=abort_on)
+    items = [WorkItem(job_id=j, request=Generate(id=j, prompt="p")) for j in (1, 2)]
+    text_to_text.run(FakeModel(["x", "y", "z"]), items, out, 1)
+    finals = [m for m in out.sent if isinstance(m, End | Error)]
+    assert [m.id for m in finals] == [1, 2]
