@@ -286,9 +286,10 @@ class Pool:
     def reconcile(self, model: ModelState) -> None:
         """Hand waiting work to free workers, then start workers the policy asks for."""
         self._dispatch(model)
-        count = scaling.workers_to_start(self.load_view(model), self.policy, self.clock(),
-                                         self._room(model))
-        for _ in range(count):
+        view, now = self.load_view(model), self.clock()
+        if not scaling.workers_to_start(view, self.policy, now, room=1 << 16):
+            return  # the common case; skip reading /proc/meminfo on every request
+        for _ in range(scaling.workers_to_start(view, self.policy, now, self._room(model))):
             self.start_worker(model)
 
     def _reconcile_waiting(self) -> None:
