@@ -5,6 +5,7 @@ Never touch CUDA here: a forked child of a process that initialised CUDA cannot 
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Loading progress bars would spam the daemon's log from every worker.
@@ -21,3 +22,8 @@ import registry.loaders.causal_lm
 import registry.loaders.sentence_embedding  # noqa: F401
 import workers.capabilities
 import workers.main  # noqa: F401
+
+# Everything imported above is shared copy-on-write with every forked worker. Moving it
+# out of the garbage collector's reach keeps a collection in a worker from writing to
+# (and so copying) every page of those objects.
+gc.freeze()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Daemon, start_daemon
+from conftest import ROOT, Daemon, start_daemon
 
 from protocol.client import AsyncClient, PoolError
 from protocol.errors import ErrorCode
@@ -176,3 +179,25 @@ def test_status_and_models(daemon: Daemon) -> None:
     by_key = {m["key"]: m for m in models}
     assert by_key[MINILM]["default"] and "minilm" in by_key[MINILM]["aliases"]
     assert by_key["tiny-llm"]["capability"] == "text_to_text"
+
+
+def _cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor.cli", "--socket",
+                           daemon.socket_path, *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_cli_commands(daemon: Daemon) -> None:
+    embed = _cli(daemon, "embed", "hello world", "second")
+    assert embed.returncode == 0, embed.stderr
+    rows = [json.loads(line) for line in embed.stdout.splitlines()]
+    assert len(rows) == 2 and len(rows[0]) == 384
+    gen = _cli(daemon, "generate", "--model", "tiny-llm", "--max-tokens", "5", "--ignore-eos",
+               "Once upon a time")
+    assert gen.returncode == 0 and "5 generated tokens" in gen.stderr
+    status = json.loads(_cli(daemon, "status", "--json").stdout)
+    assert {m["key"] for m in status["models"]} >= {MINILM, "tiny-llm"}
+    assert "tiny-llm" in _cli(daemon, "status").stdout
+    assert "tiny-llm" in _cli(daemon, "models").stdout
+    bad = _cli(daemon, "embed", "--model", "nope", "x")
+    assert bad.returncode == 1 and "UNKNOWN_MODEL" in bad.stderr
