@@ -65,6 +65,40 @@ class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     ignore_eos: bool = False
 
 
+class ImageInput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One image: its encoded bytes (PNG, JPEG, ...) or an http(s) URL the daemon may
+    fetch when its config allows. Decoded only inside a worker."""
+
+    data: bytes | None = None
+    url: str | None = None
+
+
+class EmbedImage(_Request, frozen=True, kw_only=True, tag="embed_image"):
+    images: Annotated[list[ImageInput], msgspec.Meta(min_length=1, max_length=1024)]
+
+
+class Describe(_Request, frozen=True, kw_only=True, tag="describe"):
+    image: ImageInput
+    prompt: str = ""  # the question; "" asks for a caption
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 256
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    seed: int | None = None
+    stop: Annotated[list[str], msgspec.Meta(max_length=16)] = []
+    ignore_eos: bool = False
+
+
+class GenerateImage(_Request, frozen=True, kw_only=True, tag="generate_image"):
+    prompt: str
+    negative_prompt: str = ""
+    steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 25
+    width: Annotated[int, msgspec.Meta(ge=8, le=4096, multiple_of=8)] = 512
+    height: Annotated[int, msgspec.Meta(ge=8, le=4096, multiple_of=8)] = 512
+    seed: int | None = None
+    guidance: Annotated[float, msgspec.Meta(ge=0, le=100)] = 7.5
+    preview_every: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: no previews
+
+
 class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
     id: int  # the id of the request to cancel
 
@@ -92,10 +126,10 @@ class StopDaemon(_Msg, frozen=True, kw_only=True, tag="stop"):
     id: int
 
 
-WorkRequest = Embed | Generate
+WorkRequest = Embed | Generate | EmbedImage | Describe | GenerateImage
 ClientMessage = (
-    Hello | Embed | Generate | Cancel | GetStatus | ListModels | LoadModel | UnloadModel
-    | StopDaemon
+    Hello | Embed | Generate | EmbedImage | Describe | GenerateImage | Cancel | GetStatus
+    | ListModels | LoadModel | UnloadModel | StopDaemon
 )
 
 
@@ -128,6 +162,25 @@ class End(_Msg, frozen=True, kw_only=True, tag="end"):
     finish_reason: str  # "stop" (eos or stop string) | "length" | "cancelled"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    model: str = ""
+
+
+class ImageProgress(_Msg, frozen=True, kw_only=True, tag="image_progress"):
+    id: int
+    seq: int
+    step: int
+    total_steps: int
+    preview_png: bytes | None = None  # a low-resolution preview, when asked for
+
+
+class Image(_Msg, frozen=True, kw_only=True, tag="image"):
+    """The final reply of generate_image."""
+
+    id: int
+    png: bytes
+    width: int
+    height: int
+    seed: int
     model: str = ""
 
 
@@ -204,7 +257,8 @@ class Ack(_Msg, frozen=True, kw_only=True, tag="ack"):
 
 
 ServerMessage = (
-    Welcome | Embeddings | Chunk | End | Error | StatusReply | ModelsReply | Ack
+    Welcome | Embeddings | Chunk | End | ImageProgress | Image | Error | StatusReply
+    | ModelsReply | Ack
 )
 
 # Built once: msgspec decoders and encoders are cheap to call and costly to build.
