@@ -213,6 +213,7 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     failed: int
     workers: list[WorkerStatus]
     last_error: str | None = None
+    memory_mb: float = 0.0  # charged against the budget: weights once + each worker
 
 
 class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -47,7 +47,8 @@ ToWorker = Work | Abort | Shutdown
 class Ready(_Msg, frozen=True, kw_only=True, tag="ready"):
     pid: int
     load_s: float
-    uss_mb: float | None = None
+    uss_mb: float | None = None  # private memory after loading
+    weights_mb: float | None = None  # size of the weight files (shared by all workers)
     info: dict[str, Any] = {}  # capability facts, e.g. {"dim": 384} or {"context": 2048}
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 
+import psutil
+
 from protocol.errors import ErrorCode
 from protocol.messages import (
     MemoryStatus,
@@ -30,13 +32,25 @@ def scale_down_tick(pool: Pool) -> None:
     """Retire one least-recently-used idle worker of each model idle for a full cooldown."""
     now = pool.clock()
     for model in pool.models.values():
-        if not scaling.should_stop_one(pool.load_view(model), pool.policy, now):
+        if not scaling.should_stop_one(pool.capacity.load_view(model), pool.policy, now):
             continue
         idle = [w for w in model.live_workers() if w.state is WorkerState.IDLE]
         if idle:
             victim = min(idle, key=lambda w: w.last_used)
             pool.launcher.stop(victim, pool.pool_config.shutdown_timeout_s + 1)
             model.last_scale_down = now
+
+
+def refresh_memory(pool: Pool) -> None:
+    """Re-measure every ready worker's private memory (it grows with the batches it ran)."""
+    for model in pool.models.values():
+        for worker in model.workers.values():
+            if worker.ready and worker.pid is not None:
+                try:
+                    uss = psutil.Process(worker.pid).memory_full_info().uss / 2**20
+                except psutil.Error:
+                    continue  # exiting: its sentinel will tell
+                pool.capacity.note_uss(model, worker, uss)
 
 
 def _model(pool: Pool, name: str) -> ModelState:
@@ -47,19 +61,24 @@ def _model(pool: Pool, name: str) -> ModelState:
 
 
 def load_model(pool: Pool, name: str, workers: int) -> str:
-    """Start workers now (clearing a failed state) so first requests do not wait."""
+    """Keep `workers` workers up (clearing a failed state) until `unload`, so requests
+    never wait for a load. They start as load slots and memory allow."""
     model = _model(pool, name)
+    if memory.never_fits(pool.capacity.charge(model), pool.capacity.budget_mb):
+        raise ManagementError(ErrorCode.INSUFFICIENT_MEMORY,
+                              f"model {model.spec.key!r} can never fit the memory budget")
     model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
-    want = min(workers, pool.cpu_plan(model)[1]) - len(model.live_workers())
-    for _ in range(max(0, want)):
-        pool.start_worker(model)
+    model.warm_target = min(workers, pool.capacity.cpu_plan(model)[1])
     model.last_active = pool.clock()
-    return f"{model.spec.key}: {len(model.live_workers())} worker(s) live or starting"
+    pool.reconcile(model)
+    return (f"{model.spec.key}: keeping {model.warm_target} worker(s) up; "
+            f"{len(model.live_workers())} live or starting")
 
 
 def unload_model(pool: Pool, name: str) -> str:
     """Stop every worker of the model once its current work is done."""
     model = _model(pool, name)
+    model.warm_target = 0
     live = model.live_workers()
     for worker in live:
         pool.launcher.stop(worker, pool.pool_config.shutdown_timeout_s + 1)
@@ -77,7 +96,7 @@ def model_state(pool: Pool, model: ModelState) -> str:
     if workers:
         return "draining"
     if len(model.queue):
-        return "waiting"  # work waits but no worker could start (memory or load slots)
+        return "waiting-for-memory" if model.waiting_for_memory else "waiting"
     return "cold"
 
 
@@ -94,7 +113,7 @@ def build_status(pool: Pool, socket_path: str, started_at: float) -> PoolStatus:
         models=models,
         memory=MemoryStatus(
             budget_mb=round(pool.pool_config.memory_fraction * facts.total_mb, 1),
-            used_mb=round(pool.used_mb(), 1),
+            used_mb=round(pool.capacity.used_mb(), 1),
             total_mb=round(facts.total_mb, 1),
             available_mb=round(facts.available_mb, 1),
         ),
@@ -121,6 +140,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         key=model.spec.key, capability=model.spec.capability, state=model_state(pool, model),
         queued=len(model.queue), running=model.running(), completed=model.completed,
         failed=model.failed, workers=workers, last_error=model.last_error,
+        memory_mb=round(pool.capacity.charge(model).charged_mb, 1),
     )
 
 

@@ -1,5 +1,10 @@
-"""The memory budget: memory_fraction x RAM, charged per model from registry estimates
-(replaced by a worker's measured USS once it has loaded)."""
+"""The memory budget: memory_fraction x RAM, and what each model is charged against it.
+
+A model costs its weights once (its workers share them: on the CPU safetensors weights
+are file-backed mappings every worker maps from the page cache) plus each worker's
+private memory. Registry estimates are used until a worker has loaded and been
+measured. Pure functions: the pool passes in the numbers.
+"""
 
 from __future__ import annotations
 
@@ -19,16 +24,59 @@ def read_memory() -> MemoryFacts:
     return MemoryFacts(total_mb=vm.total / 2**20, available_mb=vm.available / 2**20)
 
 
-def worker_cost_mb(weights_mb: float, per_worker_mb: float, measured_uss_mb: float | None) -> float:
-    """What one more worker of a model costs. Each worker holds its own weights for now;
-    a measured USS (weights included) beats the registry's estimate."""
-    if measured_uss_mb is not None:
-        return measured_uss_mb
-    return weights_mb + per_worker_mb
+@dataclass(frozen=True)
+class ModelCharge:
+    weights_mb: float
+    per_worker_mb: float
+    workers: int  # workers holding memory: every one not yet dead, stopping ones included
+
+    @property
+    def charged_mb(self) -> float:
+        return self.weights_mb + self.workers * self.per_worker_mb if self.workers else 0.0
+
+    @property
+    def next_worker_mb(self) -> float:
+        """What one more worker adds: the weights too when it is the first."""
+        return self.per_worker_mb + (0.0 if self.workers else self.weights_mb)
 
 
-def room_for(cost_mb: float, used_mb: float, budget_mb: float) -> int:
-    """How many workers of this cost still fit the budget."""
-    if cost_mb <= 0:
+def never_fits(charge: ModelCharge, budget_mb: float) -> bool:
+    """Even alone, one worker of this model exceeds the whole budget."""
+    return charge.weights_mb + charge.per_worker_mb > budget_mb
+
+
+def room_for(charge: ModelCharge, used_mb: float, budget_mb: float) -> int:
+    """How many more workers of this model fit in what the budget has left."""
+    free = budget_mb - used_mb
+    first = charge.next_worker_mb
+    if free < first:
+        return 0
+    if charge.per_worker_mb <= 0:
         return 1 << 16
-    return max(0, int((budget_mb - used_mb) // cost_mb))
+    return 1 + int((free - first) // charge.per_worker_mb)
+
+
+@dataclass(frozen=True)
+class EvictionCandidate:
+    worker_id: int
+    model_key: str
+    last_used: float
+    per_worker_mb: float
+    weights_mb: float
+    model_workers: int  # workers of that model holding memory, this one included
+
+
+def pick_evictions(candidates: list[EvictionCandidate], need_mb: float) -> list[int]:
+    """Least recently used idle workers whose exit frees at least need_mb, or [] when even
+    all of them would not be enough (evicting then would only hurt)."""
+    chosen: list[int] = []
+    freed = 0.0
+    remaining: dict[str, int] = {}
+    for cand in sorted(candidates, key=lambda c: c.last_used):
+        if freed >= need_mb:
+            break
+        left = remaining.get(cand.model_key, cand.model_workers) - 1
+        remaining[cand.model_key] = left
+        freed += cand.per_worker_mb + (cand.weights_mb if left == 0 else 0.0)
+        chosen.append(cand.worker_id)
+    return chosen if freed >= need_mb else []

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
 from protocol.pipes import Abort, FromWorker, LoadFailed, Ready, WantWork, Work, WorkItem
 from registry.spec import ModelSpec, Registry
 from supervisor import memory, scaling
+from supervisor.capacity import Capacity
 from supervisor.config import Config
 from supervisor.queueing import Job, JobQueue, JobState
 from supervisor.workers import Launcher, WorkerHandle, WorkerState
@@ -44,7 +44,10 @@ class ModelState:
     load_failures: int = 0
     blocked_until: float = 0.0
     last_error: str | None = None
-    measured_uss_mb: float | None = None
+    measured_weights_mb: float | None = None  # file-backed weights, reported at Ready
+    measured_per_worker_mb: float | None = None  # largest private memory (USS) seen
+    waiting_for_memory: bool = False
+    warm_target: int = 0  # workers kept up without traffic, set by `modelpool load`
     completed: int = 0
     failed: int = 0
 
@@ -65,6 +68,7 @@ class Pool:
         self.launcher = launcher
         self.clock = clock
         self.models = {key: ModelState(spec) for key, spec in registry.specs.items()}
+        self.capacity = Capacity(self.models, config.pool, launcher)
         self.policy = scaling.ScalingPolicy(config.pool.cold_start_workers,
                                             config.pool.cooldown_idle_s)
         self.shutting_down = False
@@ -116,7 +120,16 @@ class Pool:
                     f"model {spec.key!r} is {spec.capability}, not {capability}")
         if isinstance(request, Generate) and not (request.prompt or request.messages):
             return ErrorCode.BAD_REQUEST, "generate needs a prompt or messages"
-        return self._load_error(self.models[spec.key])
+        return self._load_error(self.models[spec.key]) or self._memory_error(spec.key)
+
+    def _memory_error(self, key: str) -> tuple[ErrorCode, str] | None:
+        charge = self.capacity.charge(self.models[key])
+        if not memory.never_fits(charge, self.capacity.budget_mb):
+            return None
+        return (ErrorCode.INSUFFICIENT_MEMORY,
+                f"model {key!r} needs ~{charge.weights_mb + charge.per_worker_mb:.0f} MiB "
+                f"(weights {charge.weights_mb:.0f} + one worker {charge.per_worker_mb:.0f}); "
+                f"the budget is {self.capacity.budget_mb:.0f} MiB (memory_fraction x RAM)")
 
     def _load_error(self, model: ModelState) -> tuple[ErrorCode, str] | None:
         key, now = model.spec.key, self.clock()
@@ -164,7 +177,8 @@ class Pool:
             cause = f"running on worker pid {worker.pid if worker else '?'}"
             self._abort_running(job)
         elif not model.workers:
-            cause = "no worker was started (waiting for memory or a load slot)"
+            cause = ("waiting for memory" if model.waiting_for_memory
+                     else "waiting for a load slot")
         elif not any(w.ready for w in model.workers.values()):
             cause = "the model was still loading"
         else:
@@ -228,11 +242,12 @@ class Pool:
         return msgspec.structs.replace(msg, id=job.client_id, model=job.model_key)
 
     def _on_ready(self, model: ModelState, worker: WorkerHandle, msg: Ready) -> None:
-        worker.info, worker.uss_mb, worker.load_s = msg.info, msg.uss_mb, round(msg.load_s, 3)
+        worker.info, worker.load_s = msg.info, round(msg.load_s, 3)
         worker.last_used = worker.ready_at = self.clock()
         model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
-        if msg.uss_mb is not None:
-            model.measured_uss_mb = msg.uss_mb
+        if msg.weights_mb is not None:
+            model.measured_weights_mb = msg.weights_mb
+        self.capacity.note_uss(model, worker, msg.uss_mb)
         log.info("worker %d of %s ready: pid %d, loaded in %.2fs, USS %.0f MiB",
                  worker.worker_id, model.spec.key, msg.pid, msg.load_s, msg.uss_mb or 0)
 
@@ -286,54 +301,16 @@ class Pool:
     def reconcile(self, model: ModelState) -> None:
         """Hand waiting work to free workers, then start workers the policy asks for."""
         self._dispatch(model)
-        view, now = self.load_view(model), self.clock()
-        if not scaling.workers_to_start(view, self.policy, now, room=1 << 16):
+        view, now = self.capacity.load_view(model), self.clock()
+        if self.shutting_down or not scaling.workers_to_start(view, self.policy, now, 1 << 16):
             return  # the common case; skip reading /proc/meminfo on every request
-        for _ in range(scaling.workers_to_start(view, self.policy, now, self._room(model))):
+        for _ in range(scaling.workers_to_start(view, self.policy, now, self.capacity.room(model))):
             self.start_worker(model)
 
     def _reconcile_waiting(self) -> None:
         for model in self.models.values():
-            if len(model.queue):
+            if len(model.queue) or len(model.live_workers()) < model.warm_target:
                 self.reconcile(model)
-
-    def load_view(self, model: ModelState) -> scaling.ModelLoad:
-        live = model.live_workers()
-        return scaling.ModelLoad(
-            queued=len(model.queue),
-            live=len(live),
-            starting=sum(w.state in (WorkerState.STARTING, WorkerState.LOADING) for w in live),
-            idle=sum(w.state is WorkerState.IDLE for w in live),
-            busy=sum(w.state is WorkerState.BUSY for w in live),
-            max_workers=self.cpu_plan(model)[1],
-            last_active=model.last_active,
-            last_scale_down=model.last_scale_down,
-            blocked_until=model.blocked_until,
-            failed=model.load_failures >= self.pool_config.max_load_failures,
-        )
-
-    def cpu_plan(self, model: ModelState) -> tuple[int, int]:
-        """(threads per worker, max workers) for this model."""
-        return scaling.cpu_plan(
-            os.cpu_count() or 1, self.pool_config.cold_start_workers,
-            model.spec.threads or self.pool_config.threads_per_worker,
-            model.spec.max_workers or self.pool_config.max_workers_per_model)
-
-    def _room(self, model: ModelState) -> int:
-        loading = sum(w.state in (WorkerState.STARTING, WorkerState.LOADING)
-                      for m in self.models.values() for w in m.workers.values())
-        load_slots = self.pool_config.max_concurrent_loads - loading
-        facts = memory.read_memory()
-        budget = self.pool_config.memory_fraction * facts.total_mb
-        cost = self.worker_cost(model)
-        return min(load_slots, memory.room_for(cost, self.used_mb(), budget))
-
-    def worker_cost(self, model: ModelState) -> float:
-        return memory.worker_cost_mb(model.spec.weights_mb, model.spec.per_worker_mb,
-                                     model.measured_uss_mb)
-
-    def used_mb(self) -> float:
-        return sum(self.worker_cost(m) * len(m.live_workers()) for m in self.models.values())
 
     def _dispatch(self, model: ModelState) -> None:
         free = [w for w in model.workers.values() if w.wants_work and w.state is WorkerState.IDLE]
@@ -356,7 +333,7 @@ class Pool:
         model.workers[worker.worker_id] = worker
         settings = WorkerSettings(
             worker_id=worker.worker_id, spec=model.spec,
-            threads=self.cpu_plan(model)[0],
+            threads=self.capacity.cpu_plan(model)[0],
             max_batch=model.spec.max_batch or self.pool_config.max_batch,
             heartbeat_interval_s=self.pool_config.heartbeat_interval_s)
         asyncio.get_running_loop().create_task(self._launch(model, worker, settings))

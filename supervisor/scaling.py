@@ -5,6 +5,7 @@ Rules (DESIGN.md, "Pool semantics"):
   at once (fewer if memory or the load limit allow fewer);
 - scale up: +1 when every worker is busy, work is waiting and no start is in flight;
 - scale down: -1 per `cooldown_idle_s` of whole-model idleness, down to 0;
+- `modelpool load` keeps a warm minimum up (and exempt from scale-down) until `unload`;
 - nothing starts while a failed load backs off or after the model is marked failed.
 """
 
@@ -25,6 +26,7 @@ class ModelLoad:
     last_scale_down: float
     blocked_until: float = 0.0  # load back-off
     failed: bool = False
+    warm: int = 0  # workers kept up even without work (`modelpool load`)
 
 
 @dataclass(frozen=True)
@@ -45,19 +47,21 @@ def cpu_plan(cpus: int, cold_start_workers: int, threads: int, max_workers: int)
 
 def workers_to_start(load: ModelLoad, policy: ScalingPolicy, now: float, room: int) -> int:
     """How many workers to start now; room is what memory and the load limit allow."""
-    if load.failed or now < load.blocked_until or load.queued == 0 or room <= 0:
+    if load.failed or now < load.blocked_until or room <= 0:
         return 0
     headroom = load.max_workers - load.live
-    if load.live == 0:
-        return max(0, min(policy.cold_start_workers, headroom, room))
-    if load.starting == 0 and load.idle == 0 and headroom > 0:
-        return 1
-    return 0
+    want = 0
+    if load.queued and load.live == 0:
+        want = policy.cold_start_workers
+    elif load.queued and load.starting == 0 and load.idle == 0:
+        want = 1
+    want = max(want, load.warm - load.live)
+    return max(0, min(want, headroom, room))
 
 
 def should_stop_one(load: ModelLoad, policy: ScalingPolicy, now: float) -> bool:
     """True when the whole model has been idle for a full cooldown since the last change."""
-    if load.live == 0 or load.queued or load.busy or load.starting:
+    if load.live <= load.warm or load.queued or load.busy or load.starting:
         return False
     idle_since = max(load.last_active, load.last_scale_down)
     return now - idle_since >= policy.cooldown_idle_s

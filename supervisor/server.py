@@ -48,6 +48,7 @@ from supervisor.workers import Launcher, forkserver_context
 log = logging.getLogger("modelpool.server")
 
 SCALE_TICK_S = 1.0
+MEMORY_REFRESH_TICKS = 5  # re-measure workers' USS every few ticks (~2 ms each)
 
 
 class AlreadyRunning(Exception):
@@ -159,9 +160,13 @@ class Server:
                 os.unlink(self.socket_path)
 
     async def _scale_ticker(self) -> None:
+        ticks = 0
         while True:
             await asyncio.sleep(min(SCALE_TICK_S, self.config.pool.cooldown_idle_s / 4))
             management.scale_down_tick(self.pool)
+            ticks += 1
+            if ticks % MEMORY_REFRESH_TICKS == 0:
+                management.refresh_memory(self.pool)
 
     # ---- one client --------------------------------------------------------------------
 

@@ -118,15 +118,16 @@ def _load(settings: WorkerSettings, worker: Worker) -> object:
 
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        from registry.loaders import load_model
+        from registry.loaders import load_model_with_dir, weights_size_mb
 
-        model = load_model(settings.spec)
+        model, model_dir = load_model_with_dir(settings.spec)
+        weights_mb = weights_size_mb(model_dir)
     except BaseException as exc:
         worker.send(LoadFailed(cause=f"{type(exc).__name__}: {exc}"))
         _exit(exitcodes.LOAD_FAILED)
     info = model.info() if hasattr(model, "info") else {}
     worker.send(Ready(pid=os.getpid(), load_s=time.perf_counter() - started,
-                      uss_mb=_uss_mb(), info=info))
+                      uss_mb=_uss_mb(), weights_mb=weights_mb, info=info))
     return model
 
 

@@ -36,5 +36,21 @@ def resolve_loader(spec: ModelSpec) -> Loader:
 
 
 def load_model(spec: ModelSpec) -> Any:
+    return load_model_with_dir(spec)[0]
+
+
+def load_model_with_dir(spec: ModelSpec) -> tuple[Any, Path | None]:
     loader = resolve_loader(spec)
-    return loader(spec, resolve_model_dir(spec))
+    model_dir = resolve_model_dir(spec)
+    return loader(spec, model_dir), model_dir
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weights_size_mb(model_dir: Path | None) -> float | None:
+    """Size of the weight files: what every worker maps and so is charged once."""
+    if model_dir is None:
+        return None
+    files = [p for p in model_dir.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    return sum(p.stat().st_size for p in files) / 2**20 if files else None

@@ -109,11 +109,14 @@ async def test_load_model_warms_workers_up_to_the_cap_by_alias(
         make_harness: MakeHarness) -> None:
     spec = ModelSpec(key="emb", capability="text_embedding", path="/nonexistent",
                      aliases=["e"])
-    h = make_harness(models=[spec], max_workers_per_model=3)
+    h = make_harness(models=[spec], max_workers_per_model=3, max_concurrent_loads=2)
     message = management.load_model(h.pool, "E", 10)
     await h.settle()
+    assert len(h.workers("emb")) == 2  # two load slots
+    assert "keeping 3 worker" in message
+    h.ready(h.workers("emb")[0])  # a slot frees: the third starts without any request
+    await h.settle()
     assert len(h.workers("emb")) == 3
-    assert "3 worker" in message
     management.load_model(h.pool, "emb", 2)
     await h.settle()
     assert len(h.workers("emb")) == 3  # already enough live or starting
