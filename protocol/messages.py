@@ -214,6 +214,7 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     workers: list[WorkerStatus]
     last_error: str | None = None
     memory_mb: float = 0.0  # charged against the budget: weights once + each worker
+    health: str = "ok"  # or why not (failed loads, hung or silent workers)
 
 
 class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -42,6 +42,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     max_batch: Annotated[int, msgspec.Meta(ge=1)] | None = None
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
     def __post_init__(self) -> None:
         sources = [s for s in (self.path, self.package, self.repo) if s]

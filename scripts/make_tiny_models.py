@@ -20,11 +20,12 @@ OUTDIR/<name>/ and register it in BUILDERS.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,12 +148,11 @@ def _update_json(path: Path, **updates: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def save_llama(model_dir: Path, vocab_size: int, token_ids: dict[str, int]) -> None:
-    """Save a seeded, randomly initialised tiny Llama (about 140k parameters)."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def llama_config(vocab_size: int, token_ids: dict[str, int]) -> Any:
+    """A tiny Llama (about 140k parameters): tiny-llm, and the text half of tiny-vision."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -163,11 +163,24 @@ def save_llama(model_dir: Path, vocab_size: int, token_ids: dict[str, int]) -> N
         tie_word_embeddings=True,  # halves the size; the loaders must handle tying anyway
         **token_ids,
     )
-    # fork_rng keeps the caller's global RNG untouched while making the weights identical
-    # on every run.
+
+
+@contextlib.contextmanager
+def _seeded() -> Iterator[None]:
+    """Weights identical on every run; fork_rng leaves the caller's global RNG untouched."""
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config).eval()
+        yield
+
+
+def save_llama(model_dir: Path, vocab_size: int, token_ids: dict[str, int]) -> None:
+    """Save a seeded, randomly initialised tiny Llama causal LM."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    with _seeded():
+        model = LlamaForCausalLM(llama_config(vocab_size, token_ids)).eval()
     model.generation_config = GenerationConfig(**token_ids)
     model.save_pretrained(model_dir, safe_serialization=True)
 
@@ -177,14 +190,175 @@ def build_tiny_llm(outdir: Path) -> Path:
     model_dir = outdir / "tiny-llm"
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = save_hf_tokenizer(train_tokenizer(LLM_VOCAB_SIZE), model_dir, max_length=2048)
-    token_ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
     # len() counts added special tokens too, so every id the tokenizer can emit has an
     # embedding row.
-    save_llama(model_dir, len(tokenizer), token_ids)
+    save_llama(model_dir, len(tokenizer), _token_ids(tokenizer))
+    return model_dir
+
+
+def _token_ids(tokenizer: Any) -> dict[str, int]:
+    return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+# ---- multimodal: tiny-clip, tiny-vision, tiny-sd ----------------------------------------
+
+# CLIP's specials come last in its vocabulary (as in openai/clip-*): the text tower's legacy
+# pooling takes the highest id in a row as its end-of-text position.
+CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+CLIP_TRAINER_VOCAB = 800  # the ~290 symbols the trainer starts from, plus ~510 merges
+CLIP_CONTEXT = 77
+IMAGE_SIZE, PATCH_SIZE = 32, 8  # 16 patches: tiny vision towers
+IMAGE_TOKEN = "<image>"
+
+# ChatML whose user content may be a list of parts, the way multimodal processors render
+# {"type": "image"} / {"type": "text"} messages (llava-hf templates have the same shape).
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>\\n' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_clip_tokenizer() -> Any:
+    """A CLIPTokenizer over a BPE trained like CLIP's: lower-cased words, byte-level
+    symbols, an end-of-word marker."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import CLIPTokenizer
+
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
+    # The normaliser and pre-tokeniser CLIPTokenizer puts around its vocabulary, so the
+    # merges learned here are the ones it will apply.
+    bpe.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
+    words = Regex(r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+")
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(words, behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=CLIP_TRAINER_VOCAB, end_of_word_suffix="</w>",
+                                  initial_alphabet=alphabet, show_progress=False)
+    bpe.train_from_iterator(_corpus_lines(), trainer=trainer)
+    merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
+    # CLIP's own layout: every byte alone and word-final (so no text is ever unknown), one
+    # token per merge in merge order, then the specials.
+    vocab = {token: i for i, token in enumerate(alphabet + [a + "</w>" for a in alphabet])}
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    for special in (CLIP_BOS, CLIP_EOS):
+        vocab[special] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=merges, bos_token=CLIP_BOS, eos_token=CLIP_EOS,
+                         unk_token=CLIP_EOS, pad_token=CLIP_EOS, model_max_length=CLIP_CONTEXT)
+
+
+def clip_text_config(tokenizer: Any) -> dict[str, Any]:
+    return {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": CLIP_CONTEXT, **_token_ids(tokenizer)}
+
+
+def clip_vision_config() -> dict[str, Any]:
+    return {"image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def clip_image_processor() -> Any:
+    # The PIL flavour builds without torchvision; the saved config names the standard
+    # CLIPImageProcessor either way, which loads with or without torchvision.
+    from transformers import CLIPImageProcessorPil
+
+    return CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                 crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+
+
+def build_tiny_clip(outdir: Path) -> Path:
+    """Write OUTDIR/tiny-clip: a CLIPModel (text + vision towers) with its CLIPProcessor."""
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
+
+    model_dir = outdir / "tiny-clip"
+    tokenizer = train_clip_tokenizer()
+    CLIPProcessor(image_processor=clip_image_processor(), tokenizer=tokenizer).save_pretrained(
+        model_dir)
+    config = CLIPConfig(text_config=clip_text_config(tokenizer),
+                        vision_config=clip_vision_config(), projection_dim=32)
+    with _seeded():
+        model = CLIPModel(config).eval()
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+def build_tiny_vision(outdir: Path) -> Path:
+    """Write OUTDIR/tiny-vision: a LLaVA (CLIP vision tower, projector, tiny Llama) with
+    a LlavaProcessor whose chat template places the image token."""
+    from transformers import (
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    model_dir = outdir / "tiny-vision"
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(LLM_VOCAB_SIZE), bos_token=BOS, eos_token=EOS,
+        pad_token=PAD, model_max_length=2048, extra_special_tokens={"image_token": IMAGE_TOKEN})
+    # "default" drops the vision tower's CLS output, so one placeholder per patch.
+    LlavaProcessor(image_processor=clip_image_processor(), tokenizer=tokenizer,
+                   patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, image_token=IMAGE_TOKEN,
+                   chat_template=VISION_CHAT_TEMPLATE).save_pretrained(model_dir)
+    token_ids = _token_ids(tokenizer)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**clip_vision_config()),
+        text_config=llama_config(len(tokenizer), token_ids),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        vision_feature_select_strategy="default", vision_feature_layer=-1,
+        tie_word_embeddings=True, **token_ids)
+    with _seeded():
+        model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(**token_ids)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+def build_tiny_sd(outdir: Path) -> Path:
+    """Write OUTDIR/tiny-sd: a StableDiffusionPipeline (UNet, VAE, CLIP text encoder and
+    tokenizer, Euler scheduler) without safety checker; 64x64 is its native size."""
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    model_dir = outdir / "tiny-sd"
+    tokenizer = train_clip_tokenizer()
+    with _seeded():
+        # A two-level VAE scales by 2, so 64x64 images are 32x32 latents; SD's own is 8x.
+        vae = AutoencoderKL(sample_size=64, block_out_channels=(8, 16), layers_per_block=1,
+                            down_block_types=("DownEncoderBlock2D",) * 2,
+                            up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4)
+        unet = UNet2DConditionModel(
+            sample_size=32, block_out_channels=(16, 32), layers_per_block=1,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
+        text_encoder = CLIPTextModel(CLIPTextConfig(**clip_text_config(tokenizer)))
+    # Stable Diffusion 1.x's noise schedule.
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012,
+                                       beta_schedule="scaled_linear", steps_offset=1)
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet,
+        scheduler=scheduler, safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False)
+    pipe.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
 
 
@@ -192,6 +366,9 @@ Builder = Callable[[Path], Path]
 
 BUILDERS: dict[str, Builder] = {
     "tiny-llm": build_tiny_llm,
+    "tiny-clip": build_tiny_clip,
+    "tiny-vision": build_tiny_vision,
+    "tiny-sd": build_tiny_sd,
 }
 
 

@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true")
         cmd.set_defaults(func=func)
 
+    health = sub.add_parser("health", help="exit 0 if the daemon and every model in use are "
+                            "healthy, 1 if not, 2 if the daemon is unreachable")
+    health.set_defaults(func=_health)
+
     load = sub.add_parser("load", help="start a model's workers now")
     load.add_argument("model")
     load.add_argument("--workers", type=int, default=1)
@@ -140,12 +144,32 @@ def _status(args: argparse.Namespace) -> None:
         workers = ", ".join(f"{w['pid']}:{w['state']}" for w in model["workers"]) or "-"
         print(f"{model['key']:<42} {model['capability']:<15} {model['state']:<9} "
               f"{model['queued']:>6} {model['running']:>7}  {workers}")
-        if model.get("last_error"):
+        if model["health"] != "ok":
+            print(f"    health: {model['health']}")
+        elif model.get("last_error"):
             print(f"    last error: {model['last_error']}")
     mem = status["memory"]
     print(f"memory: {mem['used_mb']:.0f} MiB charged of a {mem['budget_mb']:.0f} MiB budget "
           f"({mem['available_mb']:.0f} MiB available); daemon pid {status['pid']}, "
           f"up {status['uptime_s']:.0f}s")
+
+
+def _health(args: argparse.Namespace) -> int:
+    try:
+        with _client(args) as client:
+            status = client.status()
+    except PoolError as exc:
+        print(f"unhealthy: {exc.message}")
+        return 2
+    bad = [(m["key"], m["health"]) for m in status["models"] if m["health"] != "ok"]
+    if status["shutting_down"]:
+        bad.append(("daemon", "shutting down"))
+    for key, why in bad:
+        print(f"unhealthy: {key}: {why}")
+    if not bad:
+        active = sum(1 for m in status["models"] if m["workers"])
+        print(f"ok: daemon pid {status['pid']}, {active} model(s) with workers")
+    return 1 if bad else 0
 
 
 def _models(args: argparse.Namespace) -> None:

@@ -37,7 +37,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 32
     threads_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: cpus / cold start
     heartbeat_interval_s: Positive = 0.5
-    heartbeat_timeout_s: Positive = 5.0
+    heartbeat_timeout_s: Positive = 5.0  # silent this long: hung, killed, work re-queued
+    stall_timeout_s: Positive = 120.0  # holding work without progress this long: hung too
     shutdown_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     load_backoff_s: Positive = 1.0  # first respawn delay after a load failure; doubles
     load_backoff_max_s: Positive = 60.0

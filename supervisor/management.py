@@ -100,6 +100,24 @@ def model_state(pool: Pool, model: ModelState) -> str:
     return "cold"
 
 
+def model_health(pool: Pool, model: ModelState, now: float) -> str:
+    """"ok", or why not. Only models in use can be unhealthy: a cold one is fine."""
+    key = model.spec.key
+    if model.load_failures >= pool.pool_config.max_load_failures:
+        return f"failed: {model.last_error}"
+    if now < model.blocked_until and not any(w.ready for w in model.workers.values()):
+        return f"load failing, retry in {model.blocked_until - now:.1f}s: {model.last_error}"
+    timeout = pool.pool_config.heartbeat_timeout_s
+    for worker in model.workers.values():
+        if worker.hung:
+            return f"worker pid {worker.pid} hung ({worker.hung}), being replaced"
+        if worker.last_heartbeat is not None and now - worker.last_heartbeat > timeout:
+            return f"worker pid {worker.pid} silent for {now - worker.last_heartbeat:.1f}s"
+    if model.waiting_for_memory and len(model.queue):
+        return f"{key} waits for memory"
+    return "ok"
+
+
 def build_status(pool: Pool, socket_path: str, started_at: float) -> PoolStatus:
     now = pool.clock()
     models = [_model_status(pool, m, now) for m in pool.models.values()]
@@ -130,7 +148,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
             started_s_ago=round(now - w.started_at, 3),
             idle_s=round(now - w.last_used, 3) if w.state is WorkerState.IDLE else None,
             uss_mb=round(w.uss_mb, 1) if w.uss_mb is not None else None,
-            last_heartbeat_s=(round(time.monotonic() - w.last_heartbeat, 3)
+            last_heartbeat_s=(round(now - w.last_heartbeat, 3)
                               if w.last_heartbeat is not None else None),
             load_s=w.load_s,
         )
@@ -141,6 +159,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         queued=len(model.queue), running=model.running(), completed=model.completed,
         failed=model.failed, workers=workers, last_error=model.last_error,
         memory_mb=round(pool.capacity.charge(model).charged_mb, 1),
+        health=model_health(pool, model, now),
     )
 
 

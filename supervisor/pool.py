@@ -19,9 +19,18 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
-from protocol.pipes import Abort, FromWorker, LoadFailed, Ready, WantWork, Work, WorkItem
+from protocol.pipes import (
+    Abort,
+    FromWorker,
+    Heartbeat,
+    LoadFailed,
+    Ready,
+    WantWork,
+    Work,
+    WorkItem,
+)
 from registry.spec import ModelSpec, Registry
-from supervisor import memory, scaling
+from supervisor import health, memory, scaling
 from supervisor.capacity import Capacity
 from supervisor.config import Config
 from supervisor.queueing import Job, JobQueue, JobState
@@ -30,6 +39,8 @@ from workers import exitcodes
 from workers.main import WorkerSettings
 
 log = logging.getLogger("modelpool.pool")
+
+HUNG_KILL_GRACE_S = 1.0  # SIGTERM first so a worker can flush its logs; then SIGKILL
 
 CAPABILITY_OF = {Embed: "text_embedding", Generate: "text_to_text"}
 
@@ -236,6 +247,31 @@ class Pool:
             case LoadFailed(cause=cause):
                 worker.load_error = cause
 
+    def on_heartbeat(self, worker: WorkerHandle, beat: Heartbeat) -> None:
+        now = self.clock()
+        worker.last_heartbeat = now
+        if beat.progress != worker.progress:
+            worker.progress, worker.progress_changed_at = beat.progress, now
+
+    def check_health(self) -> None:
+        """Kill hung workers; their exit re-queues their work like any other death."""
+        now = self.clock()
+        for model in self.models.values():
+            stall_s = model.spec.stall_timeout_s or self.pool_config.stall_timeout_s
+            for worker in model.workers.values():
+                if worker.hung or worker.state in (WorkerState.STARTING, WorkerState.DEAD):
+                    continue
+                pulse = health.WorkerPulse(
+                    worker.started_at, worker.last_heartbeat,
+                    max(worker.progress_changed_at, worker.last_dispatch_at), bool(worker.jobs))
+                reason = health.hung_reason(pulse, now, self.pool_config.heartbeat_timeout_s,
+                                            stall_s)
+                if reason:
+                    worker.hung = reason
+                    log.warning("worker %d (pid %s) of %s is hung (%s): terminating it",
+                                worker.worker_id, worker.pid, model.spec.key, reason)
+                    self.launcher.terminate(worker, HUNG_KILL_GRACE_S)
+
     def _client_reply(self, job: Job, msg: Embeddings | End | Error) -> Any:
         if isinstance(msg, Error):
             return msgspec.structs.replace(msg, id=job.client_id)
@@ -313,7 +349,8 @@ class Pool:
                 self.reconcile(model)
 
     def _dispatch(self, model: ModelState) -> None:
-        free = [w for w in model.workers.values() if w.wants_work and w.state is WorkerState.IDLE]
+        free = [w for w in model.workers.values()
+                if w.wants_work and w.state is WorkerState.IDLE and not w.hung]
         free.sort(key=lambda w: w.last_used, reverse=True)  # keep the LRU ones idle to retire
         max_batch = model.spec.max_batch or self.pool_config.max_batch
         for worker in free:
@@ -325,6 +362,7 @@ class Pool:
                 job.state, job.worker_id, job.started_at = JobState.RUNNING, worker.worker_id, now
                 worker.jobs[job.job_id] = job
             worker.wants_work, worker.state, worker.last_used = False, WorkerState.BUSY, now
+            worker.last_dispatch_at = now
             worker.send(Work(items=[WorkItem(job_id=j.job_id, request=j.request) for j in batch]))
 
     def start_worker(self, model: ModelState) -> WorkerHandle:

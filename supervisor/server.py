@@ -121,7 +121,8 @@ class Server:
         from registry.spec import preload_modules
 
         ctx = forkserver_context(preload_modules(list(registry.specs.values())))
-        self.launcher = Launcher(ctx, self._on_worker_message, self._on_worker_exit)
+        self.launcher = Launcher(ctx, self._on_worker_message, self._on_worker_exit,
+                                 self._on_heartbeat)
         self.pool = Pool(config, registry, self.launcher)
         self._socket_inode: int | None = None
 
@@ -130,6 +131,9 @@ class Server:
 
     def _on_worker_exit(self, worker: Any, exitcode: int | None) -> None:
         self.pool.on_worker_exit(worker, exitcode)
+
+    def _on_heartbeat(self, worker: Any, beat: Any) -> None:
+        self.pool.on_heartbeat(worker, beat)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -140,6 +144,7 @@ class Server:
         server = await asyncio.start_unix_server(self._serve_client, sock=sock)
         warm = loop.create_task(self.launcher.warm_up())
         ticker = loop.create_task(self._scale_ticker())
+        health = loop.create_task(self._health_ticker())
         log.info("modelpool serving on %s (pid %d, %d models known)", self.socket_path,
                  os.getpid(), len(self.pool.models))
         try:
@@ -150,6 +155,7 @@ class Server:
             await self.launcher.close()
         finally:
             ticker.cancel()
+            health.cancel()
             warm.cancel()
             self._remove_socket()
             server.close()
@@ -167,6 +173,12 @@ class Server:
             ticks += 1
             if ticks % MEMORY_REFRESH_TICKS == 0:
                 management.refresh_memory(self.pool)
+
+    async def _health_ticker(self) -> None:
+        interval = min(1.0, self.config.pool.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.pool.check_health()
 
     # ---- one client --------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ import multiprocessing.context
 import os
 import signal
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +52,9 @@ class WorkerHandle:
     ready_at: float | None = None
     last_heartbeat: float | None = None
     progress: int = 0
+    progress_changed_at: float = 0.0
+    last_dispatch_at: float = 0.0  # a new job resets the stall clock
+    hung: str | None = None  # why it was judged hung and killed
     uss_mb: float | None = None
     load_s: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -90,10 +92,12 @@ class Launcher:
         ctx: multiprocessing.context.ForkServerContext,
         on_message: Callable[[WorkerHandle, FromWorker], None],
         on_exit: Callable[[WorkerHandle, int | None], None],
+        on_heartbeat: Callable[[WorkerHandle, Heartbeat], None],
     ) -> None:
         self.ctx = ctx
         self.on_message = on_message
         self.on_exit = on_exit
+        self.on_heartbeat = on_heartbeat
 
     async def warm_up(self) -> None:
         """Start the forkserver now so its imports overlap with the daemon's start-up."""
@@ -166,8 +170,7 @@ class Launcher:
                 beat: Heartbeat = heartbeat_decoder.decode(await read_frame(reader))
             except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
                 return
-            handle.last_heartbeat = time.monotonic()
-            handle.progress = beat.progress
+            self.on_heartbeat(handle, beat)
 
     def _exited(self, handle: WorkerHandle) -> None:
         process = handle.process
@@ -200,6 +203,15 @@ class Launcher:
             return
         loop = asyncio.get_running_loop()
         handle.kill_timer = loop.call_later(grace_s, self.kill, handle)
+
+    def terminate(self, handle: WorkerHandle, grace_s: float) -> None:
+        """SIGTERM now (a stopped process gets it when continued), SIGKILL after grace_s."""
+        if handle.pid is None or handle.state is WorkerState.DEAD:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(handle.pid, signal.SIGTERM)
+        if handle.kill_timer is None:
+            handle.kill_timer = asyncio.get_running_loop().call_later(grace_s, self.kill, handle)
 
     def kill(self, handle: WorkerHandle) -> None:
         if handle.pid is not None and handle.state is not WorkerState.DEAD:

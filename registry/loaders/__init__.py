@@ -18,6 +18,9 @@ Loader = Callable[[ModelSpec, Path | None], Any]
 DEFAULT_LOADERS: dict[str, str] = {
     "text_embedding": "registry.loaders.sentence_embedding:load",
     "text_to_text": "registry.loaders.causal_lm:load",
+    "image_embedding": "registry.loaders.clip:load",
+    "vision": "registry.loaders.vision_lm:load",
+    "text_to_image": "registry.loaders.diffusion:load",
 }
 
 

@@ -82,6 +82,7 @@ class FakeLauncher:
         self.settings: list[Any] = []
         self.stopped: list[WorkerHandle] = []
         self.killed: list[WorkerHandle] = []
+        self.terminated: list[WorkerHandle] = []
         self.exit_on_stop = True
         self._pids = itertools.count(4001)
 
@@ -101,6 +102,11 @@ class FakeLauncher:
 
     def kill(self, handle: WorkerHandle) -> None:
         self.killed.append(handle)
+
+    def terminate(self, handle: WorkerHandle, grace_s: float) -> None:
+        """A hung worker: it dies of the signal on the next loop iteration."""
+        self.terminated.append(handle)
+        asyncio.get_running_loop().call_soon(self.exit, handle, -15)
 
     def exit(self, handle: WorkerHandle, exitcode: int | None) -> None:
         """The process is gone: what the real launcher does when the sentinel fires."""

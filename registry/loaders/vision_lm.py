@@ -1,0 +1,109 @@
+"""Vision-language models (image + text in, text out: LLaVA and kin) with transformers.
+
+The image and question go through the processor's chat template; decoding then runs token
+by token with a KV cache, the image encoded once on the first step, and samples exactly as
+the causal LMs do, so the worker can stream, count progress and stop between tokens."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from protocol.errors import ErrorCode, PoolError
+from protocol.messages import Describe
+from registry.loaders.causal_lm import IncrementalDecoder, _eos_ids, sample
+from registry.loaders.common import pretrained_kwargs, require_dir
+from registry.spec import ModelSpec
+from workers.capabilities.text_to_text import GenerationStats
+
+DEFAULT_PROMPT = "Describe this image."
+
+
+class VisionLM:
+    def __init__(self, key: str, processor: Any, model: Any) -> None:
+        self.key = key
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.model = model.eval()
+        text_config = model.config.get_text_config()
+        self.context = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
+        self.eos_ids = _eos_ids(model, self.tokenizer) | _config_eos(text_config)
+
+    def info(self) -> dict[str, Any]:
+        return {"context": self.context,
+                "chat_template": bool(getattr(self.processor, "chat_template", None))}
+
+    def prompt_inputs(self, image: Image.Image, prompt: str) -> dict[str, torch.Tensor]:
+        """input_ids (image placeholders expanded), attention_mask, pixel_values, ..."""
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        question = prompt or DEFAULT_PROMPT
+        if getattr(self.processor, "chat_template", None):
+            messages = [{"role": "user", "content": [{"type": "image", "image": rgb},
+                                                     {"type": "text", "text": question}]}]
+            # sanitize_control_tokens: a question containing "<image>" or "<|im_end|>" is
+            # text, not a second image slot (a shape error) or a forged turn.
+            inputs = self.processor.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                return_tensors="pt", sanitize_control_tokens=True)
+        else:  # processors without a template (BLIP-style) place the image themselves
+            inputs = self.processor(images=rgb, text=question, return_tensors="pt")
+        return {name: value.to(self.model.dtype) if value.is_floating_point() else value
+                for name, value in inputs.items()}
+
+    @torch.inference_mode()
+    def describe(self, image: Image.Image, request: Describe,
+                 stats: GenerationStats) -> Iterator[str]:
+        inputs = self.prompt_inputs(image, request.prompt)
+        n_prompt = int(inputs["input_ids"].shape[1])  # image tokens included: they use context
+        stats.prompt_tokens = n_prompt
+        if n_prompt >= self.context:
+            raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "
+                            f"included); model {self.key!r} has a context of {self.context}")
+        budget = min(request.max_tokens, self.context - n_prompt)
+        seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
+        generator = torch.Generator().manual_seed(seed)
+        detok = IncrementalDecoder(self.tokenizer)
+        # The first step runs the whole prompt with the image; each later step only feeds
+        # the new token, the KV cache holding everything before it.
+        step_inputs, past = inputs, None
+        mask = inputs["attention_mask"]
+        stats.finish_reason = "length"
+        for _ in range(budget):
+            out = self.model(**step_inputs, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = sample(out.logits[0, -1].float(), request.temperature, request.top_p,
+                           generator)
+            if token in self.eos_ids and not request.ignore_eos:
+                stats.finish_reason = "stop"
+                break
+            stats.completion_tokens += 1
+            yield detok.add(token)  # maybe "": the adapter still ticks and checks aborts
+            # The full mask keeps positions right for models that derive them from it.
+            mask = torch.cat([mask, mask.new_ones((1, 1))], dim=1)
+            step_inputs = {"input_ids": torch.tensor([[token]]), "attention_mask": mask}
+        if tail := detok.flush():
+            yield tail
+
+
+def _config_eos(config: Any) -> set[int]:
+    # Composite configs may keep eos only in their text half.
+    value = getattr(config, "eos_token_id", None)
+    if isinstance(value, int):
+        return {value}
+    return {v for v in value if isinstance(v, int)} if isinstance(value, list) else set()
+
+
+def load(spec: ModelSpec, model_dir: Path | None) -> VisionLM:
+    model_dir = require_dir(spec, model_dir)
+    processor = AutoProcessor.from_pretrained(
+        model_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
+    if getattr(processor, "tokenizer", None) is None:
+        raise ValueError(f"model {spec.key!r}: its processor has no tokenizer")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, **pretrained_kwargs(spec))
+    return VisionLM(spec.key, processor, model)

@@ -1,0 +1,169 @@
+"""Health and recovery with real processes: killed, stopped and failing workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import psutil
+import pytest
+from conftest import ROOT, Daemon
+
+from protocol.client import AsyncClient, PoolError
+from protocol.errors import ErrorCode
+
+MakeDaemon = Callable[..., Daemon]
+SLOW = """
+    [[models]]
+    key = "slow"
+    capability = "text_embedding"
+    loader = "mp_test_loaders:slow_embedder"
+    options = {{ run_s = {run_s} }}
+    max_workers = 2
+"""
+BROKEN = """
+    [[models]]
+    key = "broken"
+    capability = "text_embedding"
+    loader = "mp_test_loaders:failing"
+"""
+
+
+def worker_pids(daemon: Daemon, key: str) -> list[int]:
+    with daemon.client() as c:
+        model = next(m for m in c.status()["models"] if m["key"] == key)
+    return [w["pid"] for w in model["workers"] if w["state"] in ("idle", "busy")]
+
+
+async def _round(daemon: Daemon, clients: list[AsyncClient], rng: random.Random) -> None:
+    texts = ["x" * rng.randint(1, 50) for _ in clients]
+    calls = [asyncio.ensure_future(c.embed(t, model="slow"))
+             for c, t in zip(clients, texts, strict=True)]
+    await asyncio.sleep(0.05)
+    pids = worker_pids(daemon, "slow")
+    if pids:
+        os.kill(rng.choice(pids), signal.SIGKILL)
+    results = await asyncio.wait_for(asyncio.gather(*calls), timeout=30)
+    assert [float(r[0]) for r in results] == [float(len(t)) for t in texts]
+
+
+def test_sigkill_mid_request_under_32_clients(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon(SLOW.format(run_s=0.05))
+
+    async def run() -> None:
+        clients = [await AsyncClient(daemon.socket_path).connect() for _ in range(32)]
+        try:
+            rng = random.Random(7)
+            for _ in range(10):
+                await _round(daemon, clients, rng)
+        finally:
+            for client in clients:
+                await client.close()
+
+    asyncio.run(run())
+    assert daemon.log().count("killed by SIGKILL") >= 5
+    deadline = time.monotonic() + 10
+    while len(worker_pids(daemon, "slow")) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with daemon.client() as c:  # a replacement is ready and serving
+        assert c.embed("abc", model="slow")[0] == 3.0
+
+
+def test_sigstopped_worker_is_detected_killed_and_its_work_requeued(
+        make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\nheartbeat_timeout_s = 1.0\ncold_start_workers = 1\n"
+                         + SLOW.format(run_s=0.3))
+    with daemon.client() as c:
+        c.embed("warm", model="slow")
+    (pid,) = worker_pids(daemon, "slow")
+
+    async def run() -> float:
+        async with AsyncClient(daemon.socket_path) as c:
+            call = asyncio.ensure_future(c.embed("abcd", model="slow"))
+            await asyncio.sleep(0.1)  # the worker has taken the job
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            result = await asyncio.wait_for(call, timeout=30)
+            assert result[0] == 4.0
+            return time.monotonic() - stopped
+
+    took = asyncio.run(run())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert "is hung (no heartbeat" in daemon.log()
+    assert took < 1.0 + 1.0 + 3.0  # detection within timeout + 1 s, then a respawn
+
+
+def test_failing_loader_backs_off_then_fails_and_load_resets_it(
+        make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\nload_backoff_s = 3\nmax_load_failures = 2\n" + BROKEN)
+    with daemon.client() as c:
+        started = time.monotonic()
+        with pytest.raises(PoolError) as first:
+            c.embed("x", model="broken")
+        assert time.monotonic() - started < 5
+        assert first.value.code is ErrorCode.MODEL_LOAD_FAILED and "boom" in first.value.message
+        while worker_pids(daemon, "broken") or any(
+                m["workers"] for m in c.status()["models"] if m["key"] == "broken"):
+            time.sleep(0.02)  # both cold-start workers have failed and exited
+        with pytest.raises(PoolError) as backing_off:  # within the back-off: at once
+            c.embed("x", model="broken")
+        assert "retrying in" in backing_off.value.message
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # after the back-off a request tries again
+            with pytest.raises(PoolError) as second:
+                c.embed("x", model="broken")
+            if "retrying in" not in second.value.message:
+                break
+            time.sleep(0.2)
+        assert "boom" in second.value.message  # the second attempt failed: now failed
+        status = next(m for m in c.status()["models"] if m["key"] == "broken")
+        assert status["state"] == "failed" and status["health"].startswith("failed")
+        health = subprocess.run([sys.executable, "-m", "supervisor.cli", "--socket",
+                                 daemon.socket_path, "health"], capture_output=True, text=True,
+                                cwd=ROOT, timeout=60)
+        assert health.returncode == 1 and "broken" in health.stdout
+        with pytest.raises(PoolError) as failed:
+            c.embed("x", model="broken")
+        assert "modelpool load broken" in failed.value.message
+        c.load("broken")  # resets the failure count; the load is attempted again
+        status = next(m for m in c.status()["models"] if m["key"] == "broken")
+        assert status["state"] != "failed"
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_no_leak_after_200_worker_kills(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + SLOW.format(run_s=0))
+    with daemon.client() as c:
+        c.load("slow", workers=1)
+        c.embed("x", model="slow")
+    supervisor = psutil.Process(daemon.process.pid)
+    fds_before, shm_before = supervisor.num_fds(), _shm_entries()
+    kills = 0
+    deadline = time.monotonic() + 120
+    while kills < 200 and time.monotonic() < deadline:
+        pids = worker_pids(daemon, "slow")
+        if not pids:
+            time.sleep(0.01)
+            continue
+        os.kill(pids[0], signal.SIGKILL)
+        kills += 1
+        while pids[0] in worker_pids(daemon, "slow"):
+            time.sleep(0.005)
+    assert kills == 200
+    with daemon.client() as c:
+        assert c.embed("abc", model="slow")[0] == 3.0
+    assert supervisor.num_fds() <= fds_before + 2  # the status client's own socket, at most
+    assert _shm_entries() <= shm_before
+    health = subprocess.run([sys.executable, "-m", "supervisor.cli", "--socket",
+                             daemon.socket_path, "health"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    assert health.returncode == 0, health.stdout

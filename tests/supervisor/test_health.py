@@ -1,0 +1,84 @@
+"""Hang detection: the pure verdict, and the pool acting on it with a fake clock."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from protocol.pipes import Heartbeat
+from supervisor import management
+from supervisor.health import WorkerPulse, hung_reason
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import Harness
+
+    MakeHarness = Callable[..., Harness]
+
+
+def pulse(last_heartbeat: float | None, progress_at: float = 0.0,
+          busy: bool = False) -> WorkerPulse:
+    return WorkerPulse(started_at=0.0, last_heartbeat=last_heartbeat,
+                       progress_changed_at=progress_at, busy=busy)
+
+
+def test_silence_past_the_timeout_is_a_hang() -> None:
+    assert hung_reason(pulse(10.0), now=14.9, heartbeat_timeout_s=5, stall_timeout_s=60) is None
+    reason = hung_reason(pulse(10.0), now=15.1, heartbeat_timeout_s=5, stall_timeout_s=60)
+    assert reason is not None and "no heartbeat" in reason
+
+
+def test_a_worker_that_never_beat_is_judged_from_its_start() -> None:
+    assert hung_reason(pulse(None), now=4.0, heartbeat_timeout_s=5, stall_timeout_s=60) is None
+    assert hung_reason(pulse(None), now=6.0, heartbeat_timeout_s=5, stall_timeout_s=60)
+
+
+def test_stalled_work_is_a_hang_only_while_busy() -> None:
+    stalled = pulse(99.0, progress_at=30.0, busy=True)
+    reason = hung_reason(stalled, now=100.0, heartbeat_timeout_s=5, stall_timeout_s=60)
+    assert reason is not None and "no progress" in reason
+    idle = pulse(99.0, progress_at=30.0, busy=False)
+    assert hung_reason(idle, now=100.0, heartbeat_timeout_s=5, stall_timeout_s=60) is None
+
+
+async def test_a_silent_worker_is_terminated_and_its_work_requeued(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(heartbeat_timeout_s=5, cold_start_workers=2)
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"])
+    await h.settle()
+    first, second = h.workers("emb")
+    h.ready(first)  # takes the job
+    h.ready(second, want_work=True)
+    for worker in (first, second):
+        h.pool.on_heartbeat(worker, Heartbeat(seq=0, progress=1))
+    h.clock.advance(4)
+    h.pool.on_heartbeat(second, Heartbeat(seq=1, progress=1))
+    h.pool.check_health()
+    assert h.launcher.terminated == []
+    h.clock.advance(2)  # first: silent for 6 s
+    h.pool.on_heartbeat(second, Heartbeat(seq=2, progress=1))
+    h.pool.check_health()
+    assert h.launcher.terminated == [first]
+    status = {m.key: m for m in management.build_status(h.pool, "/s", 0.0).models}
+    assert "hung" in status["emb"].health
+    await h.settle()
+    (job_id,) = h.job_ids(second)  # re-queued onto the healthy sibling
+    h.reply_embeddings(second, job_id, 3.0)
+    assert len(sink.finals(client_id)) == 1
+
+
+async def test_busy_worker_without_progress_is_terminated(make_harness: MakeHarness) -> None:
+    h = make_harness(heartbeat_timeout_s=5, stall_timeout_s=30, cold_start_workers=1)
+    h.generate(h.sink())
+    await h.settle()
+    (worker,) = h.workers("gen")
+    h.ready(worker)
+    for second in range(1, 40):
+        h.clock.advance(1)
+        h.pool.on_heartbeat(worker, Heartbeat(seq=second, progress=7))  # alive, stuck
+        h.pool.check_health()
+        if h.launcher.terminated:
+            break
+    assert h.launcher.terminated == [worker]
+    assert 30 <= second <= 32
