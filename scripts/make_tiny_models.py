@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -206,7 +208,7 @@ def _token_ids(tokenizer: Any) -> dict[str, int]:
 # CLIP's specials come last in its vocabulary (as in openai/clip-*): the text tower's legacy
 # pooling takes the highest id in a row as its end-of-text position.
 CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
-CLIP_TRAINER_VOCAB = 800  # the ~290 symbols the trainer starts from, plus ~510 merges
+CLIP_MERGES = 512
 CLIP_CONTEXT = 77
 IMAGE_SIZE, PATCH_SIZE = 32, 8  # 16 patches: tiny vision towers
 IMAGE_TOKEN = "<image>"
@@ -225,27 +227,23 @@ VISION_CHAT_TEMPLATE = (
 
 
 def train_clip_tokenizer() -> Any:
-    """A CLIPTokenizer over a BPE trained like CLIP's: lower-cased words, byte-level
-    symbols, an end-of-word marker."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    """A CLIPTokenizer whose BPE merges are learned from the corpus the way CLIP's were:
+    lower-cased words of byte-level symbols, the last one marked word-final ("</w>")."""
+    from tokenizers import pre_tokenizers
     from transformers import CLIPTokenizer
 
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    # The normaliser and pre-tokeniser CLIPTokenizer puts around its vocabulary, so the
-    # merges learned here are the ones it will apply.
-    bpe.normalizer = normalizers.Sequence(
-        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
-    words = Regex(r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+")
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(words, behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    trainer = trainers.BpeTrainer(vocab_size=CLIP_TRAINER_VOCAB, end_of_word_suffix="</w>",
-                                  initial_alphabet=alphabet, show_progress=False)
-    bpe.train_from_iterator(_corpus_lines(), trainer=trainer)
-    merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
+    # An empty CLIPTokenizer supplies CLIP's own normaliser and pre-tokeniser, so merges
+    # are learned on exactly the words they will later be applied to.
+    backend = CLIPTokenizer().backend_tokenizer
+    words: Counter[tuple[str, ...]] = Counter()
+    for line in _corpus_lines():
+        for word, _ in backend.pre_tokenizer.pre_tokenize_str(
+                backend.normalizer.normalize_str(line)):
+            words[(*word[:-1], word[-1] + "</w>")] += 1
+    merges = learn_bpe_merges(words, CLIP_MERGES)
     # CLIP's own layout: every byte alone and word-final (so no text is ever unknown), one
     # token per merge in merge order, then the specials.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {token: i for i, token in enumerate(alphabet + [a + "</w>" for a in alphabet])}
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
@@ -253,6 +251,40 @@ def train_clip_tokenizer() -> Any:
         vocab[special] = len(vocab)
     return CLIPTokenizer(vocab=vocab, merges=merges, bos_token=CLIP_BOS, eos_token=CLIP_EOS,
                          unk_token=CLIP_EOS, pad_token=CLIP_EOS, model_max_length=CLIP_CONTEXT)
+
+
+def learn_bpe_merges(words: Counter[tuple[str, ...]], count: int) -> list[tuple[str, str]]:
+    """Classic BPE: merge the most frequent adjacent pair, `count` times.
+
+    Ties go to the smallest pair, so every run learns the same merges. (The tokenizers
+    trainer breaks ties by symbol ids, which with an end-of-word suffix follow hash-map
+    order and change from run to run.)"""
+    merges: list[tuple[str, str]] = []
+    for _ in range(count):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for symbols, n in words.items():
+            for pair in itertools.pairwise(symbols):
+                pairs[pair] += n
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        # Distinct words stay distinct after a merge, so no counts are lost here.
+        words = Counter({_merge(symbols, best): n for symbols, n in words.items()})
+    return merges
+
+
+def _merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out: list[str] = []
+    i = 0
+    while i < len(symbols):
+        if symbols[i : i + 2] == pair:
+            out.append(pair[0] + pair[1])
+            i += 2
+        else:
+            out.append(symbols[i])
+            i += 1
+    return tuple(out)
 
 
 def clip_text_config(tokenizer: Any) -> dict[str, Any]:

@@ -23,7 +23,8 @@ class Capacity:
         self.models = models
         self.config = config
         self.launcher = launcher
-        self.budget_mb = config.memory_fraction * memory.read_memory().total_mb
+        self.budget_mb = (config.memory_budget_mb
+                          or config.memory_fraction * memory.read_memory().total_mb)
 
     def load_view(self, model: ModelState) -> scaling.ModelLoad:
         live = model.live_workers()

@@ -34,6 +34,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     cooldown_idle_s: Positive = 60.0
     max_concurrent_loads: Annotated[int, msgspec.Meta(ge=1)] = 2
     memory_fraction: Fraction = 0.80
+    memory_budget_mb: Annotated[float, msgspec.Meta(gt=0)] | None = None  # overrides fraction
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 32
     threads_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: cpus / cold start
     heartbeat_interval_s: Positive = 0.5

@@ -68,6 +68,7 @@ def load_model(pool: Pool, name: str, workers: int) -> str:
         raise ManagementError(ErrorCode.INSUFFICIENT_MEMORY,
                               f"model {model.spec.key!r} can never fit the memory budget")
     model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
+    model.last_failure_at = None
     model.warm_target = min(workers, pool.capacity.cpu_plan(model)[1])
     model.last_active = pool.clock()
     pool.reconcile(model)
@@ -130,7 +131,7 @@ def build_status(pool: Pool, socket_path: str, started_at: float) -> PoolStatus:
         shutting_down=pool.shutting_down,
         models=models,
         memory=MemoryStatus(
-            budget_mb=round(pool.pool_config.memory_fraction * facts.total_mb, 1),
+            budget_mb=round(pool.capacity.budget_mb, 1),
             used_mb=round(pool.capacity.used_mb(), 1),
             total_mb=round(facts.total_mb, 1),
             available_mb=round(facts.available_mb, 1),

@@ -58,6 +58,7 @@ class ModelState:
     measured_weights_mb: float | None = None  # file-backed weights, reported at Ready
     measured_per_worker_mb: float | None = None  # largest private memory (USS) seen
     waiting_for_memory: bool = False
+    last_failure_at: float | None = None
     warm_target: int = 0  # workers kept up without traffic, set by `modelpool load`
     completed: int = 0
     failed: int = 0
@@ -281,6 +282,7 @@ class Pool:
         worker.info, worker.load_s = msg.info, round(msg.load_s, 3)
         worker.last_used = worker.ready_at = self.clock()
         model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
+        model.last_failure_at = None
         if msg.weights_mb is not None:
             model.measured_weights_mb = msg.weights_mb
         self.capacity.note_uss(model, worker, msg.uss_mb)
@@ -297,7 +299,7 @@ class Pool:
         if worker.ready_at is None and worker.load_error is None and exitcode != exitcodes.OK:
             worker.load_error = f"worker exited while loading: {exitcodes.describe(exitcode)}"
         if worker.load_error is not None:
-            self._load_failed(model, worker.load_error)
+            self._load_failed(model, worker, worker.load_error)
         for job in worker.jobs.values():
             self._recover(job, worker, exitcode)
         worker.jobs.clear()
@@ -317,9 +319,11 @@ class Pool:
             job.state, job.worker_id = JobState.QUEUED, None
             self.models[job.model_key].queue.push_front(job)
 
-    def _load_failed(self, model: ModelState, cause: str) -> None:
+    def _load_failed(self, model: ModelState, worker: WorkerHandle, cause: str) -> None:
         now = self.clock()
-        if now >= model.blocked_until:  # siblings failing in the same attempt count once
+        # Workers started together fail together: one attempt, one failure.
+        if model.last_failure_at is None or worker.started_at > model.last_failure_at:
+            model.last_failure_at = now
             model.load_failures += 1
             backoff = min(self.pool_config.load_backoff_s * 2 ** (model.load_failures - 1),
                           self.pool_config.load_backoff_max_s)

@@ -60,6 +60,7 @@ class WorkerHandle:
     info: dict[str, Any] = field(default_factory=dict)
     load_error: str | None = None
     writer: asyncio.StreamWriter | None = None
+    beat_writer: asyncio.StreamWriter | None = None  # unused, owns the heartbeat socket
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     kill_timer: asyncio.TimerHandle | None = None
 
@@ -143,7 +144,8 @@ class Launcher:
             beat_child.close()
         handle.process, handle.pid = process, process.pid
         reader, handle.writer = await asyncio.open_unix_connection(sock=work_parent)
-        beat_reader, _ = await asyncio.open_unix_connection(sock=beat_parent)
+        # Keep the writer referenced: a collected StreamWriter closes its socket.
+        beat_reader, handle.beat_writer = await asyncio.open_unix_connection(sock=beat_parent)
         handle.tasks = [
             loop.create_task(self._read_work(handle, reader)),
             loop.create_task(self._read_heartbeats(handle, beat_reader)),
@@ -188,8 +190,9 @@ class Launcher:
             handle.kill_timer.cancel()
         for task in handle.tasks:
             task.cancel()
-        if handle.writer is not None:
-            handle.writer.close()
+        for writer in (handle.writer, handle.beat_writer):
+            if writer is not None:
+                writer.close()
 
     def stop(self, handle: WorkerHandle, grace_s: float) -> None:
         """Ask the worker to exit after its current job; SIGKILL it if it has not in grace_s."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.utils import is_accelerate_available
 from PIL import Image
 
 from protocol.errors import ErrorCode, PoolError
@@ -117,7 +118,10 @@ def _sample_size(pipe: Any) -> int:
 def load(spec: ModelSpec, model_dir: Path | None) -> Diffusion:
     model_dir = require_dir(spec, model_dir)
     # pretrained_kwargs' dtype is diffusers' own name since 0.42 (torch_dtype deprecated).
-    pipe = DiffusionPipeline.from_pretrained(model_dir, **pretrained_kwargs(spec))
+    # Without accelerate diffusers would warn on every load before falling back to the
+    # plain loading path; asking for that path up front keeps worker logs clean.
+    pipe = DiffusionPipeline.from_pretrained(
+        model_dir, low_cpu_mem_usage=is_accelerate_available(), **pretrained_kwargs(spec))
     if not hasattr(pipe, "image_processor") or not hasattr(pipe, "vae"):
         raise ValueError(f"model {spec.key!r}: {type(pipe).__name__} is not a text-to-image "
                          "pipeline with a VAE")

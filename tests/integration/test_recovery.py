@@ -81,7 +81,10 @@ def test_sigstopped_worker_is_detected_killed_and_its_work_requeued(
                          + SLOW.format(run_s=0.3))
     with daemon.client() as c:
         c.embed("warm", model="slow")
-    (pid,) = worker_pids(daemon, "slow")
+        time.sleep(1.5)  # longer than the timeout: a healthy idle worker keeps beating
+        (worker,) = next(m for m in c.status()["models"] if m["key"] == "slow")["workers"]
+    assert worker["last_heartbeat_s"] < 1.0 and "is hung" not in daemon.log()
+    pid = worker["pid"]
 
     async def run() -> float:
         async with AsyncClient(daemon.socket_path) as c:

@@ -1,0 +1,110 @@
+"""The elastic pool with real processes: cold start, growth, shrink, memory, isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import Daemon
+
+from protocol.client import AsyncClient, PoolError
+from protocol.errors import ErrorCode
+
+MakeDaemon = Callable[..., Daemon]
+
+
+def model(key: str, loader: str = "slow_embedder", **options: float) -> str:
+    opts = ", ".join(f"{k} = {v}" for k, v in options.items())
+    return f"""
+        [[models]]
+        key = "{key}"
+        capability = "text_embedding"
+        loader = "mp_test_loaders:{loader}"
+        options = {{ {opts} }}
+    """
+
+
+def status_of(daemon: Daemon, key: str) -> dict[str, Any]:
+    with daemon.client() as c:
+        return next(m for m in c.status()["models"] if m["key"] == key)
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s}s: {what}")
+
+
+def test_cold_start_two_then_grow_under_load_then_shrink_to_zero(
+        make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\ncooldown_idle_s = 1.0\nmax_workers_per_model = 3\n"
+                         + model("m", run_s=0.3) + "max_batch = 1\n")
+    assert status_of(daemon, "m")["workers"] == []  # nothing before the first request
+    with daemon.client() as c:
+        c.embed("first", model="m")
+    assert len(status_of(daemon, "m")["workers"]) == 2  # 0 -> 2 on the first request
+
+    async def burst() -> None:
+        async with AsyncClient(daemon.socket_path) as c:
+            await asyncio.gather(*(c.embed(f"t{i}", model="m") for i in range(24)))
+
+    asyncio.run(burst())
+    assert len(status_of(daemon, "m")["workers"]) == 3  # +1 while all were busy
+    wait_until(lambda: status_of(daemon, "m")["workers"] == [], 15, "scale down to 0")
+    assert status_of(daemon, "m")["memory_mb"] == 0
+
+
+def test_idle_model_is_evicted_for_one_that_needs_the_room(make_daemon: MakeDaemon) -> None:
+    big = 'weights_mb = 300\nper_worker_mb = 100\n'
+    daemon = make_daemon("[pool]\nmemory_budget_mb = 500\ncold_start_workers = 1\n"
+                         + model("a") + big + model("b") + big)
+    with daemon.client() as c:
+        c.embed("x", model="a")
+        assert len(status_of(daemon, "a")["workers"]) == 1
+        c.embed("y", model="b")  # a (idle) must go to make room
+        assert status_of(daemon, "a")["workers"] == []
+        assert len(status_of(daemon, "b")["workers"]) == 1
+    assert "evicting idle worker" in daemon.log()
+
+
+def test_a_model_that_can_never_fit_is_refused_at_once(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\nmemory_budget_mb = 500\n" + model("huge")
+                         + "weights_mb = 4000\n")
+    with daemon.client() as c, pytest.raises(PoolError) as err:
+        c.embed("x", model="huge")
+    assert err.value.code is ErrorCode.INSUFFICIENT_MEMORY
+    assert "huge" in err.value.message and "500" in err.value.message
+
+
+def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon(model("fast") + model("slow-a", load_s=4) + model("slow-b", load_s=4))
+    with daemon.client() as c:
+        c.embed("warm", model="fast")
+    done: list[float] = []
+
+    def load(key: str) -> None:
+        with daemon.client() as c:
+            c.embed("x", model=key)
+            done.append(time.monotonic())
+
+    started = time.monotonic()
+    loaders = [threading.Thread(target=load, args=(k,)) for k in ("slow-a", "slow-b")]
+    for thread in loaders:
+        thread.start()
+    latencies = []
+    with daemon.client() as c:
+        while time.monotonic() - started < 3:
+            t0 = time.monotonic()
+            c.embed("ping", model="fast")
+            latencies.append(time.monotonic() - t0)
+    for thread in loaders:
+        thread.join(30)
+    assert max(latencies) < 0.5, max(latencies)  # generous: ~1 ms is typical
+    assert len(done) == 2 and max(done) - started < 8  # the two loads ran side by side
