@@ -16,6 +16,7 @@ import collections
 import contextlib
 import itertools
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +102,9 @@ def _chunk(msg: Any) -> TextChunk:
 
 
 def _options(priority: Priority, timeout_s: float | None, deadline_s: float | None) -> dict:
-    return {"priority": priority, "timeout_s": timeout_s, "deadline_s": deadline_s}
+    # sent_at lets the daemon count a deadline from when the request left the client.
+    return {"priority": priority, "timeout_s": timeout_s, "deadline_s": deadline_s,
+            "sent_at": time.time() if deadline_s is not None else None}
 
 
 def _encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:

@@ -34,6 +34,7 @@ class _Request(_Msg, frozen=True, kw_only=True):
     priority: Priority = "normal"
     timeout_s: PositiveSeconds | None = None  # None: the daemon's default
     deadline_s: PositiveSeconds | None = None  # seconds from sending; expired work never runs
+    sent_at: float | None = None  # the client's time.time() at sending, for deadline_s
 
 
 # ---- client -> daemon -------------------------------------------------------------
@@ -203,6 +204,19 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     load_s: float | None = None
 
 
+class PriorityStats(msgspec.Struct, frozen=True, kw_only=True):
+    priority: Priority
+    queued: int
+    running: int
+    completed: int
+    failed: int
+    expired: int
+    deduplicated: int
+    rejected: dict[str, int]  # by error code
+    p50_ms: float | None
+    p99_ms: float | None
+
+
 class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     key: str
     capability: Capability
@@ -215,6 +229,8 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str | None = None
     memory_mb: float = 0.0  # charged against the budget: weights once + each worker
     health: str = "ok"  # or why not (failed loads, hung or silent workers)
+    priorities: list[PriorityStats] = []  # only priorities that have seen traffic
+    mean_batch: float = 0.0
 
 
 class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -40,6 +40,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # Per-model overrides of [pool] knobs; None: the pool's value.
     max_workers: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_batch: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_queue: Annotated[int, msgspec.Meta(ge=1)] | None = None
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None

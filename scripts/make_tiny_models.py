@@ -4,7 +4,12 @@
 Tests and local runs of modelpool need real model directories (config, safetensors weights,
 tokenizer, chat template) to exercise the loaders end to end, but CI has no network access
 and real checkpoints are far too large to commit. Every model here is therefore built from
-code, deterministically, in a few seconds, and stays small on disk (tiny-llm is ~0.6 MB).
+code, deterministically, in a few seconds, and stays small on disk:
+
+    tiny-llm     Llama causal LM, byte-level BPE, ChatML template           ~0.6 MB
+    tiny-clip    CLIPModel (text + vision towers) with its CLIPProcessor    ~0.4 MB
+    tiny-vision  LLaVA (CLIP vision tower + tiny Llama), LlavaProcessor     ~0.7 MB
+    tiny-sd      StableDiffusionPipeline (UNet, VAE, CLIP text encoder)     ~1.5 MB
 
 Usage:
     python scripts/make_tiny_models.py OUTDIR [--only NAME ...] [--force]
@@ -326,35 +331,28 @@ def build_tiny_clip(outdir: Path) -> Path:
 def build_tiny_vision(outdir: Path) -> Path:
     """Write OUTDIR/tiny-vision: a LLaVA (CLIP vision tower, projector, tiny Llama) with
     a LlavaProcessor whose chat template places the image token."""
-    from transformers import (
-        CLIPVisionConfig,
-        GenerationConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-        PreTrainedTokenizerFast,
-    )
+    import transformers as tf
 
     model_dir = outdir / "tiny-vision"
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = tf.PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(LLM_VOCAB_SIZE), bos_token=BOS, eos_token=EOS,
         pad_token=PAD, model_max_length=2048, extra_special_tokens={"image_token": IMAGE_TOKEN})
     # "default" drops the vision tower's CLS output, so one placeholder per patch.
-    LlavaProcessor(image_processor=clip_image_processor(), tokenizer=tokenizer,
-                   patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
-                   num_additional_image_tokens=1, image_token=IMAGE_TOKEN,
-                   chat_template=VISION_CHAT_TEMPLATE).save_pretrained(model_dir)
+    tf.LlavaProcessor(image_processor=clip_image_processor(), tokenizer=tokenizer,
+                      patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
+                      num_additional_image_tokens=1, image_token=IMAGE_TOKEN,
+                      chat_template=VISION_CHAT_TEMPLATE).save_pretrained(model_dir)
     token_ids = _token_ids(tokenizer)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(**clip_vision_config()),
+    config = tf.LlavaConfig(
+        vision_config=tf.CLIPVisionConfig(**clip_vision_config()),
         text_config=llama_config(len(tokenizer), token_ids),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
         vision_feature_select_strategy="default", vision_feature_layer=-1,
         tie_word_embeddings=True, **token_ids)
     with _seeded():
-        model = LlavaForConditionalGeneration(config).eval()
-    model.generation_config = GenerationConfig(**token_ids)
+        model = tf.LlavaForConditionalGeneration(config).eval()
+    model.generation_config = tf.GenerationConfig(**token_ids)
     model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
 
@@ -362,31 +360,26 @@ def build_tiny_vision(outdir: Path) -> Path:
 def build_tiny_sd(outdir: Path) -> Path:
     """Write OUTDIR/tiny-sd: a StableDiffusionPipeline (UNet, VAE, CLIP text encoder and
     tokenizer, Euler scheduler) without safety checker; 64x64 is its native size."""
-    from diffusers import (
-        AutoencoderKL,
-        EulerDiscreteScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
+    import diffusers
     from transformers import CLIPTextConfig, CLIPTextModel
 
     model_dir = outdir / "tiny-sd"
     tokenizer = train_clip_tokenizer()
     with _seeded():
         # A two-level VAE scales by 2, so 64x64 images are 32x32 latents; SD's own is 8x.
-        vae = AutoencoderKL(sample_size=64, block_out_channels=(8, 16), layers_per_block=1,
-                            down_block_types=("DownEncoderBlock2D",) * 2,
-                            up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4)
-        unet = UNet2DConditionModel(
+        vae = diffusers.AutoencoderKL(
+            sample_size=64, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4,
+            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+        unet = diffusers.UNet2DConditionModel(
             sample_size=32, block_out_channels=(16, 32), layers_per_block=1,
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
             cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
         text_encoder = CLIPTextModel(CLIPTextConfig(**clip_text_config(tokenizer)))
     # Stable Diffusion 1.x's noise schedule.
-    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012,
-                                       beta_schedule="scaled_linear", steps_offset=1)
-    pipe = StableDiffusionPipeline(
+    scheduler = diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012,
+                                                 beta_schedule="scaled_linear", steps_offset=1)
+    pipe = diffusers.StableDiffusionPipeline(
         vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet,
         scheduler=scheduler, safety_checker=None, feature_extractor=None,
         requires_safety_checker=False)

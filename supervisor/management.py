@@ -3,6 +3,7 @@ load/unload commands, and the status and model listings."""
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -155,13 +156,30 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         )
         for w in model.workers.values()
     ]
+    queued, running = _by_priority(model)
+    priorities = model.metrics.snapshot(queued, running)
     return ModelStatus(
         key=model.spec.key, capability=model.spec.capability, state=model_state(pool, model),
-        queued=len(model.queue), running=model.running(), completed=model.completed,
-        failed=model.failed, workers=workers, last_error=model.last_error,
+        queued=len(model.queue), running=model.running(),
+        completed=sum(p.completed for p in priorities),
+        failed=sum(p.failed + p.expired for p in priorities), workers=workers,
+        last_error=model.last_error,
         memory_mb=round(pool.capacity.charge(model).charged_mb, 1),
         health=model_health(pool, model, now),
+        priorities=priorities, mean_batch=round(model.metrics.mean_batch, 2),
     )
+
+
+def _by_priority(model: ModelState) -> tuple[dict[str, int], dict[str, int]]:
+    """Requesters waiting and running, per priority (a deduplicated job counts each)."""
+    queued: collections.Counter[str] = collections.Counter()
+    running: collections.Counter[str] = collections.Counter()
+    for job in model.queue.jobs():
+        queued.update(r.priority for r in job.live)
+    for worker in model.workers.values():
+        for job in worker.jobs.values():
+            running.update(r.priority for r in job.live)
+    return dict(queued), dict(running)
 
 
 def models_info(pool: Pool) -> list[ModelInfo]:

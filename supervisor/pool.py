@@ -1,4 +1,4 @@
-"""The pool: admission, per-model queues, dispatch to workers, replies, recovery.
+"""The pool: admission, per-model queues, dispatch to workers, routing of replies.
 
 Everything here runs on the supervisor's one event loop and is the only code that
 mutates pool state. It knows capabilities (batched or streaming) and memory figures,
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,31 +17,43 @@ from typing import Any
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
-from protocol.pipes import (
-    Abort,
-    FromWorker,
-    Heartbeat,
-    LoadFailed,
-    Ready,
-    WantWork,
-    Work,
-    WorkItem,
+from protocol.messages import (
+    Chunk,
+    Describe,
+    Embed,
+    Embeddings,
+    EmbedImage,
+    End,
+    Error,
+    Generate,
+    GenerateImage,
+    Image,
+    ImageProgress,
+    WorkRequest,
 )
+from protocol.pipes import Abort, FromWorker, Heartbeat, LoadFailed, Ready, WantWork, Work, WorkItem
 from registry.spec import ModelSpec, Registry
-from supervisor import health, memory, scaling
+from supervisor import memory, recovery, scaling
 from supervisor.capacity import Capacity
 from supervisor.config import Config
-from supervisor.queueing import Job, JobQueue, JobState
+from supervisor.jobs import JobBook
+from supervisor.metrics import ModelMetrics
+from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState, aged_rank
 from supervisor.workers import Launcher, WorkerHandle, WorkerState
-from workers import exitcodes
 from workers.main import WorkerSettings
 
-log = logging.getLogger("modelpool.pool")
-
-HUNG_KILL_GRACE_S = 1.0  # SIGTERM first so a worker can flush its logs; then SIGKILL
-
-CAPABILITY_OF = {Embed: "text_embedding", Generate: "text_to_text"}
+# Which models may serve a request: an image-embedding model with a text tower (CLIP)
+# also answers text embeddings, in the same space as its images.
+SERVED_BY: dict[type, tuple[str, ...]] = {
+    Embed: ("text_embedding", "image_embedding"),
+    Generate: ("text_to_text",),
+    EmbedImage: ("image_embedding",),
+    Describe: ("vision",),
+    GenerateImage: ("text_to_image",),
+}
+STREAMED = (Chunk, ImageProgress)
+FINAL = (Embeddings, End, Image, Error)
+Rejection = tuple[ErrorCode, str]
 
 
 @dataclass(eq=False)
@@ -50,18 +61,19 @@ class ModelState:
     spec: ModelSpec
     queue: JobQueue = field(default_factory=JobQueue)
     workers: dict[int, WorkerHandle] = field(default_factory=dict)
+    metrics: ModelMetrics = field(default_factory=ModelMetrics)
     last_active: float = 0.0
     last_scale_down: float = 0.0
     load_failures: int = 0
     blocked_until: float = 0.0
     last_error: str | None = None
+    last_failure_at: float | None = None
     measured_weights_mb: float | None = None  # file-backed weights, reported at Ready
     measured_per_worker_mb: float | None = None  # largest private memory (USS) seen
     waiting_for_memory: bool = False
-    last_failure_at: float | None = None
     warm_target: int = 0  # workers kept up without traffic, set by `modelpool load`
-    completed: int = 0
-    failed: int = 0
+    batch_timer: asyncio.TimerHandle | None = None
+    batch_waited: bool = False
 
     def live_workers(self) -> list[WorkerHandle]:
         return [w for w in self.workers.values()
@@ -83,67 +95,102 @@ class Pool:
         self.capacity = Capacity(self.models, config.pool, launcher)
         self.policy = scaling.ScalingPolicy(config.pool.cold_start_workers,
                                             config.pool.cooldown_idle_s)
+        self.book = JobBook(self)
         self.shutting_down = False
-        self._job_ids = itertools.count(1)
         self._worker_ids = itertools.count(1)
-        self.changed = asyncio.Event()  # set whenever a job finishes (the drain waits on it)
+        self.changed = asyncio.Event()  # set whenever a request ends (the drain waits on it)
 
     # ---- admission -------------------------------------------------------------------
 
-    def submit(self, sink: Any, request: Embed | Generate) -> None:
-        reject = self._admission_error(sink, request)
+    def submit(self, sink: Any, request: WorkRequest) -> None:
+        spec = self._resolve(request)
+        model = self.models[spec.key] if spec else None
+        deadline_in = self._deadline_in(request)
+        reject = self._admission_error(sink, request, spec)
+        if reject is None and deadline_in is not None and deadline_in <= 0:
+            reject = ErrorCode.DEADLINE_EXPIRED, "the deadline passed before the daemon got it"
+        leader = self.book.leader_for(request, model) if model and not reject else None
+        if reject is None and leader is None and model is not None:
+            reject = self._bounds_error(model)
         if reject is not None:
-            sink.send(Error(id=request.id, code=reject[0], message=reject[1]))
+            self._reject(sink, request, model, reject)
             return
-        model = self.models[self._resolve(request).key]  # type: ignore[union-attr]
-        now = self.clock()
-        job = Job(job_id=next(self._job_ids), request=request, sink=sink,
-                  model_key=model.spec.key, accepted_at=now)
-        sink.jobs[request.id] = job
+        assert model is not None
         timeout = request.timeout_s or model.spec.timeout_s or self.pool_config.timeout_s
-        loop = asyncio.get_running_loop()
-        if request.deadline_s is not None and request.deadline_s < timeout:
-            job.timer = loop.call_later(request.deadline_s, self._expired, job, True)
-        else:
-            job.timer = loop.call_later(timeout, self._expired, job, False)
-        model.queue.push(job)
-        model.last_active = now
+        req = self.book.requester(sink, request, timeout, deadline_in)
+        model.last_active = req.accepted_at
+        if leader is not None:
+            self.book.attach(req, leader, model)
+            return
+        model.queue.push(self.book.new_job(req, request, model))
         self.reconcile(model)
 
-    def _resolve(self, request: Embed | Generate) -> ModelSpec | None:
+    def _reject(self, sink: Any, request: WorkRequest, model: ModelState | None,
+                reject: Rejection) -> None:
+        code, message = reject
+        retry = self._retry_after(model) if code in (ErrorCode.QUEUE_FULL,
+                                                     ErrorCode.OVERLOADED) else None
+        if model is not None:
+            model.metrics.by_priority[request.priority].rejected[code.value] += 1
+        sink.send(Error(id=request.id, code=code, message=message, retry_after_s=retry))
+
+    def _deadline_in(self, request: WorkRequest) -> float | None:
+        """Seconds left of the client's deadline, counted from when the client sent it."""
+        if request.deadline_s is None:
+            return None
+        in_transit = max(0.0, time.time() - request.sent_at) if request.sent_at else 0.0
+        return request.deadline_s - in_transit
+
+    def _resolve(self, request: WorkRequest) -> ModelSpec | None:
         if request.model:
             return self.registry.resolve(request.model)
-        key = self.registry.defaults.get(CAPABILITY_OF[type(request)])
+        key = self.registry.defaults.get(SERVED_BY[type(request)][0])
         return self.registry.specs.get(key) if key else None
 
-    def _admission_error(self, sink: Any,
-                         request: Embed | Generate) -> tuple[ErrorCode, str] | None:
+    def _admission_error(self, sink: Any, request: WorkRequest,
+                         spec: ModelSpec | None) -> Rejection | None:
         if request.id in sink.jobs:
             return ErrorCode.BAD_REQUEST, f"request id {request.id} is already in flight"
         if self.shutting_down:
             return ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"
-        capability = CAPABILITY_OF[type(request)]
-        spec = self._resolve(request)
+        served_by = SERVED_BY[type(request)]
         if spec is None:
-            name = request.model or f"(default {capability} model)"
+            name = request.model or f"(default {served_by[0]} model)"
             return ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; see `modelpool models`"
-        if spec.capability != capability:
+        if spec.capability not in served_by:
             return (ErrorCode.WRONG_CAPABILITY,
-                    f"model {spec.key!r} is {spec.capability}, not {capability}")
+                    f"model {spec.key!r} is {spec.capability}, not {served_by[0]}")
         if isinstance(request, Generate) and not (request.prompt or request.messages):
             return ErrorCode.BAD_REQUEST, "generate needs a prompt or messages"
         return self._load_error(self.models[spec.key]) or self._memory_error(spec.key)
 
-    def _memory_error(self, key: str) -> tuple[ErrorCode, str] | None:
+    def _bounds_error(self, model: ModelState) -> Rejection | None:
+        limit = model.spec.max_queue or self.pool_config.max_queue
+        if len(model.queue) >= limit:
+            return ErrorCode.QUEUE_FULL, f"model {model.spec.key!r} has {limit} requests waiting"
+        total = sum(len(m.queue) for m in self.models.values())
+        if total >= self.pool_config.max_queued_total:
+            return ErrorCode.OVERLOADED, f"the daemon has {total} requests waiting"
+        return None
+
+    def _retry_after(self, model: ModelState | None) -> float:
+        """A hint: how long the work ahead should take to drain."""
+        if model is None or not model.metrics.service_s:
+            return 1.0
+        workers = max(1, len(model.live_workers()))
+        per_item = model.metrics.service_s / max(1.0, model.metrics.mean_batch)
+        return round(min(60.0, max(0.05, len(model.queue) * per_item / workers)), 3)
+
+    def _memory_error(self, key: str) -> Rejection | None:
         charge = self.capacity.charge(self.models[key])
         if not memory.never_fits(charge, self.capacity.budget_mb):
             return None
         return (ErrorCode.INSUFFICIENT_MEMORY,
                 f"model {key!r} needs ~{charge.weights_mb + charge.per_worker_mb:.0f} MiB "
                 f"(weights {charge.weights_mb:.0f} + one worker {charge.per_worker_mb:.0f}); "
-                f"the budget is {self.capacity.budget_mb:.0f} MiB (memory_fraction x RAM)")
+                f"the budget is {self.capacity.budget_mb:.0f} MiB")
 
-    def _load_error(self, model: ModelState) -> tuple[ErrorCode, str] | None:
+    def _load_error(self, model: ModelState) -> Rejection | None:
         key, now = model.spec.key, self.clock()
         if model.load_failures >= self.pool_config.max_load_failures:
             return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} failed to load "
@@ -154,187 +201,73 @@ class Pool:
                     f"({model.last_error}); retrying in {model.blocked_until - now:.1f}s")
         return None
 
-    # ---- finishing jobs ----------------------------------------------------------------
-
-    def finish(self, job: Job, reply: Any) -> None:
-        """Send a job's one final reply; later attempts to finish it are ignored."""
-        if job.state is JobState.DONE:
-            return
-        model = self.models[job.model_key]
-        if job.state is JobState.QUEUED:
-            job.state = JobState.DONE
-            model.queue.discard(job)
-        job.state = JobState.DONE
-        if job.timer is not None:
-            job.timer.cancel()
-        if job.sink.jobs.get(job.client_id) is job:
-            del job.sink.jobs[job.client_id]
-        if isinstance(reply, Error):
-            model.failed += 1
-        elif reply is not None:  # None: the client is gone, nobody to answer
-            model.completed += 1
-        model.last_active = self.clock()
-        if reply is not None and not job.sink.closed:
-            job.sink.send(reply)
-        self.changed.set()
-
-    def fail(self, job: Job, code: ErrorCode, message: str) -> None:
-        self.finish(job, Error(id=job.client_id, code=code, message=message))
-
-    def _expired(self, job: Job, deadline: bool) -> None:
-        model = self.models[job.model_key]
-        waited = self.clock() - job.accepted_at
-        if job.state is JobState.RUNNING:
-            worker = model.workers.get(job.worker_id or 0)
-            cause = f"running on worker pid {worker.pid if worker else '?'}"
-            self._abort_running(job)
-        elif not model.workers:
-            cause = ("waiting for memory" if model.waiting_for_memory
-                     else "waiting for a load slot")
-        elif not any(w.ready for w in model.workers.values()):
-            cause = "the model was still loading"
-        else:
-            cause = f"waiting in a queue of {len(model.queue)}"
-        if deadline:
-            self.fail(job, ErrorCode.DEADLINE_EXPIRED,
-                      f"model {job.model_key!r}: deadline passed after {waited:.1f}s ({cause})")
-        else:
-            self.fail(job, ErrorCode.TIMEOUT,
-                      f"model {job.model_key!r}: no reply within {waited:.1f}s ({cause})")
+    # ---- requests that end early ---------------------------------------------------------
 
     def cancel(self, sink: Any, client_id: int) -> None:
-        job = sink.jobs.get(client_id)
-        if job is None:
-            return  # already finished: the final reply is on its way or sent
-        self._abort_running(job)
-        self.fail(job, ErrorCode.CANCELLED, f"request {client_id} cancelled by the client")
+        self.book.cancel(sink, client_id)
 
     def forget_sink(self, sink: Any) -> None:
         """The client went away: free its waiting work and stop its streams."""
-        for job in list(sink.jobs.values()):
-            self._abort_running(job)
-            self.finish(job, None)
+        self.book.forget_sink(sink)
 
-    def _abort_running(self, job: Job) -> None:
-        if job.state is JobState.RUNNING and isinstance(job.request, Generate):
-            worker = self.models[job.model_key].workers.get(job.worker_id or 0)
+    def abandon(self, job: Job) -> None:
+        """Nobody waits for this job any more: stop it if a worker is streaming it."""
+        model = self.models[job.model_key]
+        if job.state is JobState.RUNNING and model.spec.streaming:
+            worker = model.workers.get(job.worker_id or 0)
             if worker is not None:
                 worker.send(Abort(job_id=job.job_id))
+
+    def wait_cause(self, job: Job) -> str:
+        """Why a job has not finished yet, for TIMEOUT and DEADLINE_EXPIRED messages."""
+        model = self.models[job.model_key]
+        if job.state is JobState.RUNNING:
+            worker = model.workers.get(job.worker_id or 0)
+            return f"running on worker pid {worker.pid if worker else '?'}"
+        if not model.workers:
+            return "waiting for memory" if model.waiting_for_memory else "waiting for a worker"
+        if not any(w.ready for w in model.workers.values()):
+            return "the model was still loading"
+        return f"waiting in a queue of {len(model.queue)}"
 
     # ---- worker messages ---------------------------------------------------------------
 
     def on_worker_message(self, worker: WorkerHandle, msg: FromWorker) -> None:
         model = self.models[worker.model_key]
-        match msg:
-            case Chunk():
-                job = worker.jobs.get(msg.id)
-                if job is not None and job.state is JobState.RUNNING and not job.sink.closed:
-                    job.chunks_sent += 1
-                    job.sink.send(msgspec.structs.replace(msg, id=job.client_id))
-            case Embeddings() | End() | Error():
-                job = worker.jobs.pop(msg.id, None)
-                if job is not None:
-                    self.finish(job, self._client_reply(job, msg))
-            case WantWork():
-                worker.wants_work = True
-                was_loading = worker.state is WorkerState.LOADING
-                if worker.state in (WorkerState.BUSY, WorkerState.LOADING):
-                    worker.state = WorkerState.IDLE
-                self.reconcile(model)
-                if was_loading:
-                    self._reconcile_waiting()  # a load slot just freed
-            case Ready():
-                self._on_ready(model, worker, msg)
-            case LoadFailed(cause=cause):
-                worker.load_error = cause
+        if isinstance(msg, STREAMED):
+            job = worker.jobs.get(msg.id)
+            if job is not None and job.state is JobState.RUNNING:
+                self.book.forward(job, msg)
+        elif isinstance(msg, FINAL):
+            job = worker.jobs.pop(msg.id, None)
+            if job is not None:
+                if job.started_at is not None:
+                    model.metrics.ran(self.clock() - job.started_at)
+                reply = msg if isinstance(msg, Error) else msgspec.structs.replace(
+                    msg, model=job.model_key)
+                self.book.finish(job, reply)
+        elif isinstance(msg, WantWork):
+            worker.wants_work = True
+            was_loading = worker.state is WorkerState.LOADING
+            if worker.state in (WorkerState.BUSY, WorkerState.LOADING):
+                worker.state = WorkerState.IDLE
+            self.reconcile(model)
+            if was_loading or any(m.waiting_for_memory for m in self.models.values()):
+                self._reconcile_waiting()  # a load slot freed, or an evictable worker
+        elif isinstance(msg, Ready):
+            recovery.on_ready(self, model, worker, msg)
+        elif isinstance(msg, LoadFailed):
+            worker.load_error = msg.cause
 
     def on_heartbeat(self, worker: WorkerHandle, beat: Heartbeat) -> None:
-        now = self.clock()
-        worker.last_heartbeat = now
-        if beat.progress != worker.progress:
-            worker.progress, worker.progress_changed_at = beat.progress, now
+        recovery.on_heartbeat(self, worker, beat)
 
     def check_health(self) -> None:
-        """Kill hung workers; their exit re-queues their work like any other death."""
-        now = self.clock()
-        for model in self.models.values():
-            stall_s = model.spec.stall_timeout_s or self.pool_config.stall_timeout_s
-            for worker in model.workers.values():
-                if worker.hung or worker.state in (WorkerState.STARTING, WorkerState.DEAD):
-                    continue
-                pulse = health.WorkerPulse(
-                    worker.started_at, worker.last_heartbeat,
-                    max(worker.progress_changed_at, worker.last_dispatch_at), bool(worker.jobs))
-                reason = health.hung_reason(pulse, now, self.pool_config.heartbeat_timeout_s,
-                                            stall_s)
-                if reason:
-                    worker.hung = reason
-                    log.warning("worker %d (pid %s) of %s is hung (%s): terminating it",
-                                worker.worker_id, worker.pid, model.spec.key, reason)
-                    self.launcher.terminate(worker, HUNG_KILL_GRACE_S)
-
-    def _client_reply(self, job: Job, msg: Embeddings | End | Error) -> Any:
-        if isinstance(msg, Error):
-            return msgspec.structs.replace(msg, id=job.client_id)
-        return msgspec.structs.replace(msg, id=job.client_id, model=job.model_key)
-
-    def _on_ready(self, model: ModelState, worker: WorkerHandle, msg: Ready) -> None:
-        worker.info, worker.load_s = msg.info, round(msg.load_s, 3)
-        worker.last_used = worker.ready_at = self.clock()
-        model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
-        model.last_failure_at = None
-        if msg.weights_mb is not None:
-            model.measured_weights_mb = msg.weights_mb
-        self.capacity.note_uss(model, worker, msg.uss_mb)
-        log.info("worker %d of %s ready: pid %d, loaded in %.2fs, USS %.0f MiB",
-                 worker.worker_id, model.spec.key, msg.pid, msg.load_s, msg.uss_mb or 0)
+        recovery.check_health(self)
 
     def on_worker_exit(self, worker: WorkerHandle, exitcode: int | None) -> None:
-        model = self.models[worker.model_key]
-        model.workers.pop(worker.worker_id, None)
-        expected = exitcode == exitcodes.OK and not worker.jobs
-        level = logging.INFO if expected else logging.WARNING
-        log.log(level, "worker %d (pid %s) of %s exited: %s", worker.worker_id, worker.pid,
-                model.spec.key, exitcodes.describe(exitcode))
-        if worker.ready_at is None and worker.load_error is None and exitcode != exitcodes.OK:
-            worker.load_error = f"worker exited while loading: {exitcodes.describe(exitcode)}"
-        if worker.load_error is not None:
-            self._load_failed(model, worker, worker.load_error)
-        for job in worker.jobs.values():
-            self._recover(job, worker, exitcode)
-        worker.jobs.clear()
-        self.changed.set()
+        recovery.on_exit(self, worker, exitcode)
         self._reconcile_waiting()  # its memory and maybe its load slot are free again
-
-    def _recover(self, job: Job, worker: WorkerHandle, exitcode: int | None) -> None:
-        if job.state is JobState.DONE:
-            return
-        why = f"worker pid {worker.pid} of {job.model_key!r} died ({exitcodes.describe(exitcode)})"
-        if job.chunks_sent > 0:
-            self.fail(job, ErrorCode.WORKER_DIED, f"{why} after streaming {job.chunks_sent} chunks")
-        elif job.retries >= 1:
-            self.fail(job, ErrorCode.WORKER_DIED, f"{why}; the request was already retried once")
-        else:
-            job.retries += 1
-            job.state, job.worker_id = JobState.QUEUED, None
-            self.models[job.model_key].queue.push_front(job)
-
-    def _load_failed(self, model: ModelState, worker: WorkerHandle, cause: str) -> None:
-        now = self.clock()
-        # Workers started together fail together: one attempt, one failure.
-        if model.last_failure_at is None or worker.started_at > model.last_failure_at:
-            model.last_failure_at = now
-            model.load_failures += 1
-            backoff = min(self.pool_config.load_backoff_s * 2 ** (model.load_failures - 1),
-                          self.pool_config.load_backoff_max_s)
-            model.blocked_until = now + backoff
-        model.last_error = cause
-        log.error("model %s failed to load (%d in a row): %s", model.spec.key,
-                  model.load_failures, cause)
-        if any(w.ready for w in model.workers.values()):
-            return  # a sibling serves; the queue keeps waiting for it
-        for job in model.queue.jobs():
-            self.fail(job, ErrorCode.MODEL_LOAD_FAILED, f"model {model.spec.key!r}: {cause}")
 
     # ---- scaling and dispatch ----------------------------------------------------------
 
@@ -352,22 +285,64 @@ class Pool:
             if len(model.queue) or len(model.live_workers()) < model.warm_target:
                 self.reconcile(model)
 
+    def age_queues(self) -> None:
+        """Raise the priority of work that has waited long (see queueing.aged_rank)."""
+        now, every = self.clock(), self.pool_config.priority_aging_s
+        for model in self.models.values():
+            for job in model.queue.jobs():
+                base = PRIORITY_RANK[job.request.priority]
+                model.queue.promote(job, aged_rank(base, now - job.accepted_at, every))
+
     def _dispatch(self, model: ModelState) -> None:
         free = [w for w in model.workers.values()
                 if w.wants_work and w.state is WorkerState.IDLE and not w.hung]
         free.sort(key=lambda w: w.last_used, reverse=True)  # keep the LRU ones idle to retire
         max_batch = model.spec.max_batch or self.pool_config.max_batch
         for worker in free:
-            batch = model.queue.pop_batch(max_batch, model.spec.batched)
-            if not batch:
+            if not len(model.queue) or self._wait_for_batch(model, max_batch):
                 return
+            batch = self._runnable(model.queue.pop_batch(max_batch, model.spec.batched))
+            if not batch:
+                continue
             now = self.clock()
             for job in batch:
                 job.state, job.worker_id, job.started_at = JobState.RUNNING, worker.worker_id, now
                 worker.jobs[job.job_id] = job
             worker.wants_work, worker.state, worker.last_used = False, WorkerState.BUSY, now
             worker.last_dispatch_at = now
+            model.metrics.batch(sum(job.size for job in batch))
             worker.send(Work(items=[WorkItem(job_id=j.job_id, request=j.request) for j in batch]))
+
+    def _runnable(self, jobs: list[Job]) -> list[Job]:
+        """Drop what expired while waiting: expired work never reaches a worker."""
+        now = self.clock()
+        for job in jobs:
+            for req in job.live:
+                if req.deadline_at is not None and req.deadline_at <= now:
+                    self.book.expire(req, deadline=True)
+        return [job for job in jobs if job.live]
+
+    def _wait_for_batch(self, model: ModelState, max_batch: int) -> bool:
+        """Under load, give a small batch max_batch_wait_ms to fill before it runs.
+        An idle model never waits: a lone request should not pay for batching."""
+        wait_s = self.pool_config.max_batch_wait_ms / 1000
+        if not model.spec.batched or wait_s <= 0 or model.batch_waited:
+            return False
+        if model.batch_timer is not None:
+            return True
+        busy = any(w.state is WorkerState.BUSY for w in model.workers.values())
+        if not busy or len(model.queue) >= max_batch:
+            return False
+        model.batch_timer = asyncio.get_running_loop().call_later(
+            wait_s, self._batch_wait_over, model)
+        return True
+
+    def _batch_wait_over(self, model: ModelState) -> None:
+        model.batch_timer, model.batch_waited = None, True
+        try:
+            self._dispatch(model)
+        finally:
+            model.batch_waited = False
 
     def start_worker(self, model: ModelState) -> WorkerHandle:
         worker = WorkerHandle(worker_id=next(self._worker_ids), model_key=model.spec.key,
@@ -386,7 +361,6 @@ class Pool:
         try:
             await self.launcher.start(worker, settings)
         except Exception as exc:
-            log.exception("could not start a worker for %s", model.spec.key)
             worker.state, worker.load_error = WorkerState.DEAD, f"worker start failed: {exc}"
             self.on_worker_exit(worker, None)
             return

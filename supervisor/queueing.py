@@ -1,25 +1,32 @@
 """The per-model queue of jobs: priority first, then age; batches coalesced on pop.
 
-Pure data structure (no I/O, no clock of its own) so it can be tested with fakes.
+A Job is one unit of work; its Requesters are the clients waiting for it (more than one
+when identical requests were deduplicated). Pure data structures: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from protocol.messages import PRIORITIES, Embed, Generate
+import msgspec
+
+from protocol.messages import PRIORITIES, Embed, EmbedImage, GenerateImage, WorkRequest, encoder
 
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
+PROMOTION_FLOOR = PRIORITY_RANK["high"]  # ageing never lifts work into `critical`
+DEDUP_MAX_BYTES = 1 << 20  # hashing bigger inputs costs more than it is likely to save
 
 
 class ReplySink(Protocol):
-    """Where a job's replies go: a client connection."""
+    """Where replies go: a client connection."""
 
     closed: bool
+    jobs: dict[int, Any]
 
     def send(self, msg: Any) -> None: ...
 
@@ -31,35 +38,82 @@ class JobState(enum.Enum):
 
 
 @dataclass(eq=False)
+class Requester:
+    """One client request waiting on a job; gets exactly one final reply."""
+
+    sink: ReplySink
+    client_id: int
+    priority: str
+    accepted_at: float
+    deadline_at: float | None = None
+    timer: Any = None  # the loop's TimerHandle for its timeout or deadline
+    done: bool = False
+    job: Job | None = None
+
+
+@dataclass(eq=False)
 class Job:
-    """One accepted client request, from admission to its one final reply."""
+    """One unit of work, from admission until its worker replies (or it is dropped)."""
 
     job_id: int  # unique in this daemon; the id used on worker pipes
-    request: Embed | Generate
-    sink: ReplySink
+    request: WorkRequest
     model_key: str
     accepted_at: float
+    requesters: list[Requester] = field(default_factory=list)
     state: JobState = JobState.QUEUED
+    rank: int | None = None  # current priority rank once queued; ageing lowers it
     worker_id: int | None = None
     started_at: float | None = None
     chunks_sent: int = 0
     retries: int = 0
-    timer: Any = None  # the loop's TimerHandle for timeout_s
-    extra: dict[str, Any] = field(default_factory=dict)
+    dedup_key: bytes | None = None
+    history: list[Any] | None = None  # chunks so far, replayed to requesters who attach late
 
     @property
-    def client_id(self) -> int:
-        return self.request.id
+    def live(self) -> list[Requester]:
+        return [r for r in self.requesters if not r.done]
 
     @property
     def size(self) -> int:
-        """Units of batch capacity: texts for embeddings, 1 for everything else."""
-        return len(self.request.texts) if isinstance(self.request, Embed) else 1
+        """Units of batch capacity: texts or images; 1 for everything else."""
+        if isinstance(self.request, Embed):
+            return len(self.request.texts)
+        if isinstance(self.request, EmbedImage):
+            return len(self.request.images)
+        return 1
+
+
+def dedup_key(request: WorkRequest, model_key: str) -> bytes | None:
+    """Identical work for identical inputs, or None when running it twice could differ
+    (sampling without a seed) or the input is too large to be worth hashing."""
+    if not _deterministic(request):
+        return None
+    neutral = msgspec.structs.replace(request, id=0, model=model_key, priority="normal",
+                                      timeout_s=None, deadline_s=None, sent_at=None)
+    payload = encoder.encode(neutral)
+    if len(payload) > DEDUP_MAX_BYTES:
+        return None
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def _deterministic(request: WorkRequest) -> bool:
+    if isinstance(request, GenerateImage):
+        return request.seed is not None
+    temperature = getattr(request, "temperature", 0.0)
+    return temperature == 0 or getattr(request, "seed", None) is not None
+
+
+def aged_rank(rank: int, waited_s: float, promote_every_s: float) -> int:
+    """One priority level up per promote_every_s of waiting, never into `critical`, so a
+    steady stream of urgent work cannot starve `batch` forever."""
+    if promote_every_s <= 0 or rank <= PROMOTION_FLOOR:
+        return rank
+    return max(PROMOTION_FLOOR, rank - int(waited_s // promote_every_s))
 
 
 class JobQueue:
-    """A min-heap on (priority rank, arrival order). Removal is lazy: a job that left the
-    QUEUED state is skipped when it reaches the top."""
+    """A min-heap on (rank, arrival order). Removal and re-ranking are lazy: an entry whose
+    job left QUEUED, or whose rank changed, is skipped when it reaches the top."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, Job]] = []
@@ -71,15 +125,22 @@ class JobQueue:
         return self.live
 
     def push(self, job: Job) -> None:
-        rank = PRIORITY_RANK[job.request.priority]
-        heapq.heappush(self._heap, (rank, next(self._order), job))
+        job.rank = PRIORITY_RANK[job.request.priority]
+        heapq.heappush(self._heap, (job.rank, next(self._order), job))
         self.live += 1
 
     def push_front(self, job: Job) -> None:
-        """Re-queue ahead of everything of the same priority (a dead worker's job)."""
-        rank = PRIORITY_RANK[job.request.priority]
-        heapq.heappush(self._heap, (rank, next(self._front), job))
+        """Re-queue ahead of everything of the same rank (a dead worker's job)."""
+        if job.rank is None:
+            job.rank = PRIORITY_RANK[job.request.priority]
+        heapq.heappush(self._heap, (job.rank, next(self._front), job))
         self.live += 1
+
+    def promote(self, job: Job, rank: int) -> None:
+        """Move a queued job up to rank (ageing, or a more urgent requester attached)."""
+        if job.state is JobState.QUEUED and job.rank is not None and rank < job.rank:
+            job.rank = rank
+            heapq.heappush(self._heap, (rank, next(self._order), job))
 
     def discard(self, job: Job) -> None:
         """Call after moving a queued job out of QUEUED (cancelled, timed out)."""
@@ -87,7 +148,7 @@ class JobQueue:
         self._drop_dead_top()
 
     def pop_batch(self, max_size: int, batched: bool) -> list[Job]:
-        """The best job, plus following compatible jobs while they fit in max_size."""
+        """The best job, plus following jobs of the same kind while they fit in max_size."""
         self._drop_dead_top()
         if not self._heap:
             return []
@@ -100,14 +161,20 @@ class JobQueue:
             if not self._heap:
                 break
             nxt = self._heap[0][2]
-            if nxt.size + size > max_size:
+            if nxt.size + size > max_size or type(nxt.request) is not type(batch[0].request):
                 break
             batch.append(self._pop())
             size += nxt.size
         return batch
 
     def jobs(self) -> list[Job]:
-        return [job for _, _, job in self._heap if job.state is JobState.QUEUED]
+        seen: set[int] = set()
+        out = []
+        for _, _, job in self._heap:
+            if job.state is JobState.QUEUED and job.job_id not in seen:
+                seen.add(job.job_id)
+                out.append(job)
+        return out
 
     def _pop(self) -> Job:
         job = heapq.heappop(self._heap)[2]
@@ -115,5 +182,8 @@ class JobQueue:
         return job
 
     def _drop_dead_top(self) -> None:
-        while self._heap and self._heap[0][2].state is not JobState.QUEUED:
+        while self._heap:
+            rank, _, job = self._heap[0]
+            if job.state is JobState.QUEUED and rank == job.rank:
+                return
             heapq.heappop(self._heap)

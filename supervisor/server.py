@@ -24,9 +24,12 @@ from protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Cancel,
+    Describe,
     Embed,
+    EmbedImage,
     Error,
     Generate,
+    GenerateImage,
     GetStatus,
     Hello,
     ListModels,
@@ -170,6 +173,7 @@ class Server:
         while True:
             await asyncio.sleep(min(SCALE_TICK_S, self.config.pool.cooldown_idle_s / 4))
             management.scale_down_tick(self.pool)
+            self.pool.age_queues()
             ticks += 1
             if ticks % MEMORY_REFRESH_TICKS == 0:
                 management.refresh_memory(self.pool)
@@ -254,7 +258,7 @@ class Server:
 
     def _dispatch(self, conn: Connection, msg: Any) -> None:
         match msg:
-            case Embed() | Generate():
+            case Embed() | Generate() | EmbedImage() | Describe() | GenerateImage():
                 self.pool.submit(conn, msg)
             case Cancel(id=client_id):
                 self.pool.cancel(conn, client_id)
@@ -272,6 +276,9 @@ class Server:
                 self.stop_requested.set()
             case Hello():
                 conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST, message="already greeted"))
+            case _:
+                conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.BAD_REQUEST,
+                                message=f"unsupported request {type(msg).__name__}"))
 
 
 async def _discard(reader: asyncio.StreamReader, size: int) -> None:

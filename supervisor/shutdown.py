@@ -31,7 +31,7 @@ async def drain_and_stop(pool: Pool) -> tuple[int, int]:
             break
     leftover = pool.active_jobs()
     for job in leftover:
-        pool.fail(job, ErrorCode.SHUTTING_DOWN,
+        pool.book.fail(job, ErrorCode.SHUTTING_DOWN,
                   f"the daemon stopped before model {job.model_key!r} finished this request")
     await stop_all_workers(pool, WORKER_STOP_GRACE_S)
     log.info("stopped in %.2fs: %d request(s) drained, %d cut", time.monotonic() - started,

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import is_accelerate_available
+from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
 from protocol.errors import ErrorCode, PoolError
@@ -117,6 +118,9 @@ def _sample_size(pipe: Any) -> int:
 
 def load(spec: ModelSpec, model_dir: Path | None) -> Diffusion:
     model_dir = require_dir(spec, model_dir)
+    # diffusers ignores HF_HUB_DISABLE_PROGRESS_BARS: without this every worker would draw
+    # "Loading pipeline components" bars into the daemon's log.
+    diffusers_logging.disable_progress_bar()
     # pretrained_kwargs' dtype is diffusers' own name since 0.42 (torch_dtype deprecated).
     # Without accelerate diffusers would warn on every load before falling back to the
     # plain loading path; asking for that path up front keeps worker logs clean.

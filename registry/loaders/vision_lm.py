@@ -53,7 +53,8 @@ class VisionLM:
                 return_tensors="pt", sanitize_control_tokens=True)
         else:  # processors without a template (BLIP-style) place the image themselves
             inputs = self.processor(images=rgb, text=question, return_tensors="pt")
-        return {name: value.to(self.model.dtype) if value.is_floating_point() else value
+        return {name: value.to(self.model.dtype)
+                if isinstance(value, torch.Tensor) and value.is_floating_point() else value
                 for name, value in inputs.items()}
 
     @torch.inference_mode()
@@ -72,7 +73,7 @@ class VisionLM:
         # The first step runs the whole prompt with the image; each later step only feeds
         # the new token, the KV cache holding everything before it.
         step_inputs, past = inputs, None
-        mask = inputs["attention_mask"]
+        mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
         stats.finish_reason = "length"
         for _ in range(budget):
             out = self.model(**step_inputs, past_key_values=past, use_cache=True)

@@ -23,10 +23,12 @@ DIM = 8
 
 
 class SlowEmbedder:
-    """Embeds text as a deterministic vector after run_s seconds; "CRASH" kills the worker."""
+    """Embeds text as a deterministic vector after run_s seconds; "CRASH" kills the worker.
+    With a log path, appends every text it runs to that file (one per line)."""
 
-    def __init__(self, run_s: float) -> None:
+    def __init__(self, run_s: float, log: str | None = None) -> None:
         self.run_s = run_s
+        self.log = log
 
     def info(self) -> dict[str, Any]:
         return {"dim": DIM}
@@ -34,6 +36,9 @@ class SlowEmbedder:
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if any(t == "CRASH" for t in texts):
             os.kill(os.getpid(), signal.SIGSEGV)
+        if self.log:
+            with open(self.log, "a") as log:
+                log.writelines(f"{t}\n" for t in texts)
         time.sleep(self.run_s)
         rows = [[float(len(t))] + [float(i) for i in range(1, DIM)] for t in texts]
         return np.asarray(rows, dtype=np.float32)
@@ -59,7 +64,7 @@ class CountingGenerator:
 
 def slow_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowEmbedder:
     time.sleep(float(spec.options.get("load_s", 0)))
-    return SlowEmbedder(float(spec.options.get("run_s", 0)))
+    return SlowEmbedder(float(spec.options.get("run_s", 0)), spec.options.get("log"))
 
 
 def counting_generator(spec: ModelSpec, model_dir: Path | None) -> CountingGenerator:

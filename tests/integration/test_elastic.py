@@ -84,7 +84,9 @@ def test_a_model_that_can_never_fit_is_refused_at_once(make_daemon: MakeDaemon) 
 
 
 def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon(model("fast") + model("slow-a", load_s=4) + model("slow-b", load_s=4))
+    # One worker each, so the two loads fit the two load slots (max_concurrent_loads).
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + model("fast")
+                         + model("slow-a", load_s=4) + model("slow-b", load_s=4))
     with daemon.client() as c:
         c.embed("warm", model="fast")
     done: list[float] = []

@@ -146,6 +146,8 @@ def make_config(models: list[ModelSpec] | None = None, **pool: Any) -> Config:
             ModelSpec(key="gen", capability="text_to_text", path="/nonexistent",
                       weights_mb=10, per_worker_mb=10),
         ]
+    # Dispatch at once unless a test is about waiting for a batch to fill.
+    pool.setdefault("max_batch_wait_ms", 0)
     return Config(pool=PoolConfig(**pool), models=models)
 
 

@@ -96,3 +96,25 @@ async def test_load_keeps_a_warm_minimum_until_unload(make_harness: MakeHarness)
     management.unload_model(h.pool, "a")
     await h.settle()
     assert sorted(h.launcher.stopped, key=id) == sorted(workers, key=id)
+
+
+async def test_a_worker_turning_idle_is_evicted_for_a_model_waiting_for_memory(
+        make_harness: MakeHarness) -> None:
+    h = harness(make_harness, budget_mb=200)
+    sink = h.sink()
+    h.embed(sink, ["x"], model="a")
+    await h.settle()
+    (worker_a,) = h.workers("a")
+    h.ready(worker_a)
+    (job,) = h.job_ids(worker_a)
+    h.reply_embeddings(worker_a, job, 1.0)  # a's reply is in, its WantWork not yet
+    second = h.embed(sink, ["y"], model="b")
+    await h.settle()
+    assert h.launcher.stopped == []  # a is still busy: nothing to evict
+    h.want_work(worker_a)  # a turns idle: now it can make room for b
+    await h.settle()
+    assert h.launcher.stopped == [worker_a]
+    (worker_b,) = h.workers("b")
+    h.ready(worker_b)
+    h.reply_embeddings(worker_b, h.job_ids(worker_b)[0], 2.0)
+    assert sink.finals(second)

@@ -75,7 +75,7 @@ async def test_request_goes_to_first_ready_worker_and_reply_carries_client_id(
     assert isinstance(reply, Embeddings)
     assert (reply.id, reply.model, reply.shape) == (77, "emb", [1, 2])
     assert sink.jobs == {}
-    assert h.pool.models["emb"].completed == 1
+    assert h.pool.models["emb"].metrics.by_priority["normal"].completed == 1
 
 
 # ---- 2. batching --------------------------------------------------------------------
@@ -146,7 +146,7 @@ async def test_stream_chunks_forwarded_in_order_and_second_end_ignored(
     assert isinstance(final, End)
     assert (final.finish_reason, final.model, final.completion_tokens) == ("stop", "gen", 3)
     assert len(sink.messages) == 4
-    assert h.pool.models["gen"].completed == 1
+    assert h.pool.models["gen"].metrics.by_priority["normal"].completed == 1
 
 
 # ---- 4. admission -------------------------------------------------------------------
@@ -246,7 +246,8 @@ async def test_timeout_while_running_then_late_reply_is_dropped(
     assert error.code is ErrorCode.TIMEOUT and f"pid {worker.pid}" in error.message
     h.reply_embeddings(worker, job_id, 1.0)
     assert len(sink.messages) == 1
-    assert h.pool.models["emb"].failed == 1 and h.pool.models["emb"].completed == 0
+    counters = h.pool.models["emb"].metrics.by_priority["normal"]
+    assert counters.failed == 1 and counters.completed == 0
 
 
 # ---- 6. cancel ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ def make_job(priority: Priority = "normal", texts: int = 1, generate: bool = Fal
         request = Generate(id=jid, prompt="p", priority=priority)
     else:
         request = Embed(id=jid, texts=["t"] * texts, priority=priority)
-    return Job(job_id=jid, request=request, sink=FakeSink(), model_key="m", accepted_at=0.0)
+    return Job(job_id=jid, request=request, model_key="m", accepted_at=0.0)
 
 
 def cancel(queue: JobQueue, job: Job) -> None:

@@ -1,0 +1,151 @@
+"""Admission and queueing policy through the real Pool with fakes: bounds, deadlines,
+dedup, priorities, ageing, batch waiting, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from protocol.errors import ErrorCode
+from protocol.messages import Embeddings, Error, ModelStatus
+from supervisor import management
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import Harness
+
+    MakeHarness = Callable[..., Harness]
+
+
+def model_status(h: Harness, key: str = "emb") -> ModelStatus:
+    return next(m for m in management.build_status(h.pool, "/s", 0.0).models if m.key == key)
+
+
+async def one_busy_worker(h: Harness, model: str = "emb") -> None:
+    """A single ready worker, busy with a first request, so later ones queue."""
+    if model == "emb":
+        h.embed(h.sink("first"), ["first"])
+    else:
+        h.generate(h.sink("first"))
+    await h.settle()
+    (worker,) = h.workers(model)
+    h.ready(worker)
+
+
+async def test_queue_full_and_overloaded_answer_at_once(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, max_queue=3, max_queued_total=5)
+    await one_busy_worker(h)
+    sink = h.sink()
+    ids = [h.embed(sink, [f"t{i}"]) for i in range(4)]
+    (full,) = sink.errors()
+    assert full.id == ids[3] and full.code is ErrorCode.QUEUE_FULL
+    assert full.retry_after_s is not None and full.retry_after_s > 0
+    for i in range(2):
+        h.generate(sink, prompt=f"p{i}")  # gen: its own queue, counted in the global bound
+    await h.settle()
+    h.generate(sink, prompt="one too many")
+    overloaded = sink.errors()[-1]
+    assert overloaded.code is ErrorCode.OVERLOADED
+    stats = {p.priority: p for p in model_status(h).priorities}
+    assert stats["normal"].rejected == {"QUEUE_FULL": 1}
+
+
+async def test_identical_requests_run_once_and_each_gets_the_answer(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    await one_busy_worker(h)
+    sinks = [h.sink(f"c{i}") for i in range(20)]
+    ids = [h.embed(sink, ["same text"]) for sink in sinks]
+    assert len(h.pool.models["emb"].queue) == 1  # one job for twenty requesters
+    (worker,) = h.workers("emb")
+    h.reply_embeddings(worker, h.job_ids(worker)[0], 1.0)  # finishes the first request
+    h.want_work(worker)
+    (job_id,) = h.job_ids(worker)[1:]
+    h.reply_embeddings(worker, job_id, 7.0)
+    for sink, client_id in zip(sinks, ids, strict=True):
+        (reply,) = sink.finals(client_id)
+        assert isinstance(reply, Embeddings) and reply.id == client_id
+    emb = model_status(h)
+    assert emb.priorities[0].deduplicated == 19
+
+
+async def test_cancelling_one_requester_leaves_the_others(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    await one_busy_worker(h, "gen")
+    a, b = h.sink("a"), h.sink("b")
+    id_a = h.generate(a, prompt="same", temperature=0.0)
+    id_b = h.generate(b, prompt="same", temperature=0.0)
+    h.pool.cancel(a, id_a)
+    (cancelled,) = a.finals(id_a)
+    assert cancelled.code is ErrorCode.CANCELLED
+    (worker,) = h.workers("gen")
+    h.end(worker, h.job_ids(worker)[0])
+    h.want_work(worker)
+    job_id = h.job_ids(worker)[-1]
+    h.chunk(worker, job_id, 0, "hello")
+    h.end(worker, job_id)
+    assert [m.text for m in b.messages if hasattr(m, "text")] == ["hello"]
+    assert len(b.finals(id_b)) == 1 and a.finals(id_a) == [cancelled]
+
+
+async def test_sampling_without_a_seed_is_never_deduplicated(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    await one_busy_worker(h, "gen")
+    sink = h.sink()
+    h.generate(sink, prompt="same", temperature=0.8)
+    h.generate(sink, prompt="same", temperature=0.8)
+    assert len(h.pool.models["gen"].queue) == 2
+
+
+async def test_priority_order_and_ageing(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, priority_aging_s=10, max_batch=1)
+    await one_busy_worker(h)
+    sink = h.sink()
+    low = h.embed(sink, ["low"], priority="batch")
+    h.clock.advance(25)  # batch has waited 25 s: two levels up, to `normal`
+    h.pool.age_queues()
+    high = h.embed(sink, ["high"], priority="high")
+    normal = h.embed(sink, ["normal"], priority="normal")
+    (worker,) = h.workers("emb")
+    order = []
+    for _ in range(3):
+        h.reply_embeddings(worker, h.job_ids(worker)[-1], 0.0)
+        h.want_work(worker)
+        order.append(h.works(worker)[-1].items[0].request.id)
+    assert order == [high, low, normal]  # aged batch is now ahead of the later normal
+
+
+async def test_expired_work_never_reaches_a_worker(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    await one_busy_worker(h)
+    sink = h.sink()
+    late = h.embed(sink, ["late"], deadline_s=0.01)
+    gone = h.embed(sink, ["already"], deadline_s=1.0, sent_at=time.time() - 5)
+    await asyncio.sleep(0.05)
+    (worker,) = h.workers("emb")
+    h.reply_embeddings(worker, h.job_ids(worker)[0], 0.0)
+    h.want_work(worker)
+    assert len(h.job_ids(worker)) == 1  # nothing more was dispatched
+    for client_id in (late, gone):
+        (error,) = sink.finals(client_id)
+        assert isinstance(error, Error) and error.code is ErrorCode.DEADLINE_EXPIRED
+
+
+async def test_under_load_a_small_batch_waits_to_fill(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=2, max_batch_wait_ms=20, max_batch=8)
+    sink = h.sink()
+    h.embed(sink, ["a"])
+    await h.settle()
+    first, second = h.workers("emb")
+    h.ready(first)  # busy with "a"
+    h.ready(second)
+    h.embed(sink, ["b"])
+    assert h.works(second) == []  # the other worker is busy: wait for company
+    h.embed(sink, ["c"])
+    await asyncio.sleep(0.05)
+    (work,) = h.works(second)
+    assert [i.request.texts for i in work.items] == [["b"], ["c"]]
+    emb = model_status(h)
+    assert emb.mean_batch == 1.5  # batches of 1 and 2
