@@ -16,35 +16,44 @@ import collections
 import contextlib
 import itertools
 import socket
-import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from protocol.client_support import (
+    FINAL,
+    ImageChunk,
+    ImageLike,
+    TextChunk,
+    _check,
+    _chunk,
+    _embed_msg,
+    _encode_checked,
+    _generate_msg,
+    _image_chunk,
+    _is_last,
+    _options,
+    _unavailable,
+    _vectors,
+    image_input,
+)
 from protocol.errors import ErrorCode, PoolError
 from protocol.framing import MAX_FRAME_BYTES, read_frame, recv_frame, send_frame
 from protocol.framing import frame as make_frame
 from protocol.messages import (
     PROTOCOL_VERSION,
-    Ack,
     Cancel,
-    ChatMessage,
-    Chunk,
-    Embed,
-    Embeddings,
-    End,
+    Describe,
+    EmbedImage,
     Error,
-    Generate,
+    GenerateImage,
     GetStatus,
     Hello,
     ListModels,
     LoadModel,
-    ModelsReply,
     Priority,
-    StatusReply,
     StopDaemon,
     UnloadModel,
     Welcome,
@@ -54,73 +63,7 @@ from protocol.messages import (
 )
 from protocol.paths import default_socket_path
 
-__all__ = ["AsyncClient", "Client", "ErrorCode", "PoolError", "TextChunk"]
-
-FINAL = (Embeddings, End, Error, StatusReply, ModelsReply, Ack)
-
-
-@dataclass(frozen=True)
-class TextChunk:
-    text: str
-    finish_reason: str | None = None  # set on the last chunk only
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-def _embed_msg(rid: int, texts: str | list[str], model: str | None, **opts: Any) -> Embed:
-    return Embed(id=rid, model=model or "", texts=[texts] if isinstance(texts, str) else texts,
-                 **opts)
-
-
-def _generate_msg(rid: int, prompt: str | list[dict[str, str]], model: str | None,
-                  **opts: Any) -> Generate:
-    if isinstance(prompt, str):
-        return Generate(id=rid, model=model or "", prompt=prompt, **opts)
-    messages = [ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
-    return Generate(id=rid, model=model or "", messages=messages, **opts)
-
-
-def _check(msg: Any) -> Any:
-    if isinstance(msg, Error):
-        raise PoolError(msg.code, msg.message, msg.retry_after_s)
-    return msg
-
-
-def _vectors(msg: Any, single: bool) -> np.ndarray:
-    reply: Embeddings = _check(msg)
-    array = np.frombuffer(reply.data, dtype=np.dtype(reply.dtype).newbyteorder("<"))
-    array = array.reshape(reply.shape)
-    return array[0] if single else array
-
-
-def _chunk(msg: Any) -> TextChunk:
-    msg = _check(msg)
-    if isinstance(msg, Chunk):
-        return TextChunk(text=msg.text)
-    return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
-                     completion_tokens=msg.completion_tokens)
-
-
-def _options(priority: Priority, timeout_s: float | None, deadline_s: float | None) -> dict:
-    # sent_at lets the daemon count a deadline from when the request left the client.
-    return {"priority": priority, "timeout_s": timeout_s, "deadline_s": deadline_s,
-            "sent_at": time.time() if deadline_s is not None else None}
-
-
-def _encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:
-    """Encode, refusing locally what the daemon would refuse as too large."""
-    payload = encoder.encode(msg)
-    limit = welcome.max_frame_bytes if welcome else MAX_FRAME_BYTES
-    if len(payload) > limit:
-        raise PoolError(ErrorCode.BAD_REQUEST,
-                        f"request of {len(payload)} bytes exceeds the daemon's limit of {limit}")
-    return payload
-
-
-def _unavailable(path: str, exc: BaseException) -> PoolError:
-    return PoolError(ErrorCode.UNAVAILABLE, f"cannot reach the modelpool daemon at {path}: "
-                     f"{exc} (is `modelpool serve` running?)")
-
+__all__ = ["AsyncClient", "Client", "ErrorCode", "ImageChunk", "PoolError", "TextChunk"]
 
 class Client:
     """Blocking client. Not thread-safe: use one per thread."""
@@ -209,12 +152,53 @@ class Client:
         self._send(msg)
         return self._stream(msg.id)
 
-    def _stream(self, rid: int) -> Iterator[TextChunk]:
+    def embed_image(self, images: ImageLike | list[ImageLike], model: str | None = None, *,
+                    priority: Priority = "normal", timeout_s: float | None = None,
+                    deadline_s: float | None = None) -> np.ndarray:
+        """float32 vectors: (dim,) for one image, (n, dim) for a list."""
+        single = not isinstance(images, list)
+        msg = EmbedImage(id=next(self._ids), model=model or "",
+                         images=[image_input(i) for i in ([images] if single else images)],
+                         **_options(priority, timeout_s, deadline_s))
+        self._send(msg)
+        reply = self._next(msg.id)
+        self._inbox.pop(msg.id, None)
+        return _vectors(reply, single)
+
+    def describe(self, image: ImageLike, query: str = "", model: str | None = None, *,
+                 max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
+                 seed: int | None = None, stop: list[str] | None = None,
+                 ignore_eos: bool = False, priority: Priority = "normal",
+                 timeout_s: float | None = None,
+                 deadline_s: float | None = None) -> Iterator[TextChunk]:
+        """Stream text about an image; "" asks for a caption."""
+        msg = Describe(id=next(self._ids), model=model or "", image=image_input(image),
+                       prompt=query, max_tokens=max_tokens, temperature=temperature,
+                       top_p=top_p, seed=seed, stop=stop or [], ignore_eos=ignore_eos,
+                       **_options(priority, timeout_s, deadline_s))
+        self._send(msg)
+        return self._stream(msg.id)
+
+    def generate_image(self, prompt: str, model: str | None = None, *, steps: int = 25,
+                       width: int = 512, height: int = 512, seed: int | None = None,
+                       guidance: float = 7.5, negative_prompt: str = "",
+                       preview_every: int = 0, priority: Priority = "normal",
+                       timeout_s: float | None = None,
+                       deadline_s: float | None = None) -> Iterator[ImageChunk]:
+        """Progress per step; the last chunk has the PNG in .png."""
+        msg = GenerateImage(id=next(self._ids), model=model or "", prompt=prompt, steps=steps,
+                            width=width, height=height, seed=seed, guidance=guidance,
+                            negative_prompt=negative_prompt, preview_every=preview_every,
+                            **_options(priority, timeout_s, deadline_s))
+        self._send(msg)
+        return self._stream(msg.id, _image_chunk)
+
+    def _stream(self, rid: int, parse: Callable[[Any], Any] = _chunk) -> Iterator[Any]:
         finished = False
         try:
             while not finished:
-                chunk = _chunk(self._next(rid))
-                finished = chunk.finish_reason is not None
+                chunk = parse(self._next(rid))
+                finished = _is_last(chunk)
                 yield chunk
         except PoolError:
             finished = True
@@ -333,12 +317,55 @@ class AsyncClient:
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop or [],
                             ignore_eos=ignore_eos, raw=raw,
                             **_options(priority, timeout_s, deadline_s))
+        async for chunk in self._stream(msg, _chunk):
+            yield chunk
+
+    async def embed_image(self, images: ImageLike | list[ImageLike], model: str | None = None,
+                          *, priority: Priority = "normal", timeout_s: float | None = None,
+                          deadline_s: float | None = None) -> np.ndarray:
+        single = not isinstance(images, list)
+        msg = EmbedImage(id=next(self._ids), model=model or "",
+                         images=[image_input(i) for i in ([images] if single else images)],
+                         **_options(priority, timeout_s, deadline_s))
+        route = self._open(msg)
+        try:
+            return _vectors(await route.get(), single)
+        finally:
+            self._routes.pop(msg.id, None)
+
+    async def describe(self, image: ImageLike, query: str = "", model: str | None = None, *,
+                       max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
+                       seed: int | None = None, stop: list[str] | None = None,
+                       ignore_eos: bool = False, priority: Priority = "normal",
+                       timeout_s: float | None = None,
+                       deadline_s: float | None = None) -> AsyncIterator[TextChunk]:
+        msg = Describe(id=next(self._ids), model=model or "", image=image_input(image),
+                       prompt=query, max_tokens=max_tokens, temperature=temperature,
+                       top_p=top_p, seed=seed, stop=stop or [], ignore_eos=ignore_eos,
+                       **_options(priority, timeout_s, deadline_s))
+        async for chunk in self._stream(msg, _chunk):
+            yield chunk
+
+    async def generate_image(self, prompt: str, model: str | None = None, *, steps: int = 25,
+                             width: int = 512, height: int = 512, seed: int | None = None,
+                             guidance: float = 7.5, negative_prompt: str = "",
+                             preview_every: int = 0, priority: Priority = "normal",
+                             timeout_s: float | None = None,
+                             deadline_s: float | None = None) -> AsyncIterator[ImageChunk]:
+        msg = GenerateImage(id=next(self._ids), model=model or "", prompt=prompt, steps=steps,
+                            width=width, height=height, seed=seed, guidance=guidance,
+                            negative_prompt=negative_prompt, preview_every=preview_every,
+                            **_options(priority, timeout_s, deadline_s))
+        async for chunk in self._stream(msg, _image_chunk):
+            yield chunk
+
+    async def _stream(self, msg: Any, parse: Callable[[Any], Any]) -> AsyncIterator[Any]:
         route = self._open(msg)
         finished = False
         try:
             while not finished:
-                chunk = _chunk(await route.get())
-                finished = chunk.finish_reason is not None
+                chunk = parse(await route.get())
+                finished = _is_last(chunk)
                 yield chunk
         except PoolError:
             finished = True

@@ -11,7 +11,15 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
+from protocol.messages import (
+    Chunk,
+    Embeddings,
+    End,
+    Error,
+    Image,
+    ImageProgress,
+    WorkRequest,
+)
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defaults=True):
@@ -21,9 +29,27 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defau
 # ---- supervisor -> worker ---------------------------------------------------------
 
 
-class WorkItem(msgspec.Struct, frozen=True, kw_only=True):
+class ImagePolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Limits on image input; the config's [images] table, shipped to every worker."""
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 40_000_000
+    allow_urls: bool = False  # fetch http(s) image URLs (public addresses only)
+    url_timeout_s: float = 10.0
+    url_max_redirects: int = 3
+
+
+class SharedBytes(msgspec.Struct, frozen=True, array_like=True):
+    """Image bytes the supervisor placed in POSIX shared memory, not in the message."""
+
+    name: str
+    size: int
+
+
+class WorkItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     job_id: int
-    request: Embed | Generate
+    request: WorkRequest
+    shared: list[SharedBytes | None] = []  # per image of the request, when moved to shm
 
 
 class Work(_Msg, frozen=True, kw_only=True, tag="work"):
@@ -60,7 +86,9 @@ class WantWork(_Msg, frozen=True, kw_only=True, tag="want_work"):
     pass
 
 
-FromWorker = Ready | LoadFailed | WantWork | Embeddings | Chunk | End | Error
+FromWorker = (
+    Ready | LoadFailed | WantWork | Embeddings | Chunk | End | ImageProgress | Image | Error
+)
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

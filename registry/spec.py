@@ -111,14 +111,22 @@ class Registry:
         return self.specs[key] if key else None
 
 
-def preload_modules(specs: list[ModelSpec]) -> list[str]:
-    """transformers modelling modules of the configured local models, for the forkserver.
+CAPABILITY_MODULES = {
+    "image_embedding": ["registry.loaders.clip"],
+    "vision": ["registry.loaders.vision_lm"],
+    "text_to_image": ["diffusers", "registry.loaders.diffusion"],
+}
 
-    Importing an architecture's module costs ~1 s; doing it once in the forkserver
-    means every forked worker starts with it already imported and shared.
+
+def preload_modules(specs: list[ModelSpec]) -> list[str]:
+    """Modules the configured models will need, for the forkserver to import once.
+
+    Importing an architecture's module (or diffusers) costs ~1 s; doing it once in the
+    forkserver means every forked worker starts with it already imported and shared.
     """
     modules: set[str] = set()
     for spec in specs:
+        modules.update(CAPABILITY_MODULES.get(spec.capability, []))
         config = _local_config(spec)
         model_type = config.get("model_type") if config else None
         if isinstance(model_type, str) and model_type.isidentifier():

@@ -50,6 +50,33 @@ def _parser() -> argparse.ArgumentParser:
     _request_flags(gen)
     gen.set_defaults(func=_generate)
 
+    embed_image = sub.add_parser("embed-image", help="embed images (paths, URLs or base64);"
+                                 " prints one JSON vector per line")
+    embed_image.add_argument("images", nargs="+")
+    _request_flags(embed_image)
+    embed_image.set_defaults(func=_embed_image)
+
+    describe = sub.add_parser("describe", help="stream text about an image")
+    describe.add_argument("image")
+    describe.add_argument("query", nargs="?", default="", help="the question; none: a caption")
+    describe.add_argument("--max-tokens", type=int, default=256)
+    describe.add_argument("--temperature", type=float, default=1.0)
+    describe.add_argument("--seed", type=int)
+    _request_flags(describe)
+    describe.set_defaults(func=_describe)
+
+    gen_image = sub.add_parser("generate-image", help="make an image from a prompt")
+    gen_image.add_argument("prompt")
+    gen_image.add_argument("-o", "--output", required=True, help="PNG file to write")
+    gen_image.add_argument("--steps", type=int, default=25)
+    gen_image.add_argument("--width", type=int, default=512)
+    gen_image.add_argument("--height", type=int, default=512)
+    gen_image.add_argument("--seed", type=int)
+    gen_image.add_argument("--guidance", type=float, default=7.5)
+    gen_image.add_argument("--negative-prompt", default="")
+    _request_flags(gen_image)
+    gen_image.set_defaults(func=_generate_image)
+
     for name, helptext, func in (("status", "pool state", _status),
                                  ("models", "known models and their state", _models)):
         cmd = sub.add_parser(name, help=helptext)
@@ -131,6 +158,43 @@ def _generate(args: argparse.Namespace) -> None:
                 sys.stdout.write("\n")
                 print(f"[{chunk.finish_reason}: {chunk.prompt_tokens} prompt + "
                       f"{chunk.completion_tokens} generated tokens]", file=sys.stderr)
+
+
+def _embed_image(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        vectors = client.embed_image(list(args.images), model=args.model,
+                                     priority=args.priority, timeout_s=args.timeout_s)
+    for row in vectors:
+        print(json.dumps([round(float(x), 7) for x in row]))
+
+
+def _describe(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        for chunk in client.describe(args.image, args.query, model=args.model,
+                                     max_tokens=args.max_tokens, temperature=args.temperature,
+                                     seed=args.seed, priority=args.priority,
+                                     timeout_s=args.timeout_s):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+def _generate_image(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        for chunk in client.generate_image(
+                args.prompt, model=args.model, steps=args.steps, width=args.width,
+                height=args.height, seed=args.seed, guidance=args.guidance,
+                negative_prompt=args.negative_prompt, priority=args.priority,
+                timeout_s=args.timeout_s):
+            if chunk.png is None:
+                done = int(30 * chunk.step / max(1, chunk.total_steps))
+                print(f"\r[{'#' * done}{'.' * (30 - done)}] step {chunk.step}/"
+                      f"{chunk.total_steps}", end="", file=sys.stderr, flush=True)
+                continue
+            with open(args.output, "wb") as out:
+                out.write(chunk.png)
+            print(f"\nwrote {args.output} ({chunk.width}x{chunk.height}, seed {chunk.seed})",
+                  file=sys.stderr)
 
 
 def _status(args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ from typing import Annotated
 import msgspec
 
 from protocol.paths import default_socket_path
+from protocol.pipes import ImagePolicy
 from registry.spec import ModelSpec, Registry, load_catalog
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -53,6 +54,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
     models: list[ModelSpec] = []
 
     def registry(self) -> Registry:

@@ -31,7 +31,7 @@ from protocol.messages import (
     ImageProgress,
     WorkRequest,
 )
-from protocol.pipes import Abort, FromWorker, Heartbeat, LoadFailed, Ready, WantWork, Work, WorkItem
+from protocol.pipes import Abort, FromWorker, Heartbeat, LoadFailed, Ready, WantWork, Work
 from registry.spec import ModelSpec, Registry
 from supervisor import memory, recovery, scaling
 from supervisor.capacity import Capacity
@@ -39,6 +39,7 @@ from supervisor.config import Config
 from supervisor.jobs import JobBook
 from supervisor.metrics import ModelMetrics
 from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState, aged_rank
+from supervisor.shm import SharedImages
 from supervisor.workers import Launcher, WorkerHandle, WorkerState
 from workers.main import WorkerSettings
 
@@ -96,6 +97,7 @@ class Pool:
         self.policy = scaling.ScalingPolicy(config.pool.cold_start_workers,
                                             config.pool.cooldown_idle_s)
         self.book = JobBook(self)
+        self.shared = SharedImages()
         self.shutting_down = False
         self._worker_ids = itertools.count(1)
         self.changed = asyncio.Event()  # set whenever a request ends (the drain waits on it)
@@ -162,7 +164,24 @@ class Pool:
                     f"model {spec.key!r} is {spec.capability}, not {served_by[0]}")
         if isinstance(request, Generate) and not (request.prompt or request.messages):
             return ErrorCode.BAD_REQUEST, "generate needs a prompt or messages"
-        return self._load_error(self.models[spec.key]) or self._memory_error(spec.key)
+        return (self._image_error(request) or self._load_error(self.models[spec.key])
+                or self._memory_error(spec.key))
+
+    def _image_error(self, request: WorkRequest) -> Rejection | None:
+        """What can be refused without decoding: the worker checks the rest."""
+        inputs = request.images if isinstance(request, EmbedImage) else (
+            [request.image] if isinstance(request, Describe) else [])
+        policy = self.config.images
+        for image in inputs:
+            if bool(image.data) == bool(image.url):
+                return ErrorCode.BAD_REQUEST, "each image needs exactly one of data or url"
+            if image.data and len(image.data) > policy.max_bytes:
+                return (ErrorCode.IMAGE_TOO_LARGE,
+                        f"image of {len(image.data)} bytes exceeds {policy.max_bytes}")
+            if image.url and not policy.allow_urls:
+                return (ErrorCode.URL_NOT_ALLOWED,
+                        "image URLs are disabled (set [images] allow_urls = true)")
+        return None
 
     def _bounds_error(self, model: ModelState) -> Rejection | None:
         limit = model.spec.max_queue or self.pool_config.max_queue
@@ -240,6 +259,7 @@ class Pool:
                 self.book.forward(job, msg)
         elif isinstance(msg, FINAL):
             job = worker.jobs.pop(msg.id, None)
+            self.shared.release(msg.id)
             if job is not None:
                 if job.started_at is not None:
                     model.metrics.ran(self.clock() - job.started_at)
@@ -311,7 +331,7 @@ class Pool:
             worker.wants_work, worker.state, worker.last_used = False, WorkerState.BUSY, now
             worker.last_dispatch_at = now
             model.metrics.batch(sum(job.size for job in batch))
-            worker.send(Work(items=[WorkItem(job_id=j.job_id, request=j.request) for j in batch]))
+            worker.send(Work(items=[self.shared.work_item(j.job_id, j.request) for j in batch]))
 
     def _runnable(self, jobs: list[Job]) -> list[Job]:
         """Drop what expired while waiting: expired work never reaches a worker."""
@@ -352,7 +372,8 @@ class Pool:
             worker_id=worker.worker_id, spec=model.spec,
             threads=self.capacity.cpu_plan(model)[0],
             max_batch=model.spec.max_batch or self.pool_config.max_batch,
-            heartbeat_interval_s=self.pool_config.heartbeat_interval_s)
+            heartbeat_interval_s=self.pool_config.heartbeat_interval_s,
+            images=self.config.images)
         asyncio.get_running_loop().create_task(self._launch(model, worker, settings))
         return worker
 

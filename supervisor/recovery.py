@@ -71,6 +71,7 @@ def on_exit(pool: Pool, worker: WorkerHandle, exitcode: int | None) -> None:
     if worker.load_error is not None:
         _load_failed(pool, model, worker, worker.load_error)
     for job in worker.jobs.values():
+        pool.shared.release(job.job_id)
         _recover(pool, job, worker, exitcode)
     worker.jobs.clear()
     pool.changed.set()

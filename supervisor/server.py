@@ -42,7 +42,7 @@ from protocol.messages import (
     client_decoder,
     encoder,
 )
-from supervisor import management
+from supervisor import management, shm
 from supervisor.config import Config
 from supervisor.pool import Pool
 from supervisor.shutdown import drain_and_stop
@@ -141,6 +141,8 @@ class Server:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
+        if removed := shm.remove_stale_segments():
+            log.info("removed %d shared-memory segment(s) left by a dead daemon", removed)
         self._socket_inode = os.stat(self.socket_path).st_ino
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
@@ -155,6 +157,7 @@ class Server:
             log.info("stopping: refusing new work, draining")
             server.close()
             await drain_and_stop(self.pool)
+            self.pool.shared.release_all()
             await self.launcher.close()
         finally:
             ticker.cancel()

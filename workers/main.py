@@ -16,20 +16,23 @@ import socket
 import sys
 import threading
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import msgspec
 
+from protocol.errors import ErrorCode, PoolError
 from protocol.framing import FrameTooLarge, recv_frame, send_frame
 from protocol.messages import encoder
 from protocol.pipes import (
     Abort,
     Heartbeat,
+    ImagePolicy,
     LoadFailed,
     Ready,
     Shutdown,
     WantWork,
     Work,
+    WorkItem,
     to_worker_decoder,
 )
 from registry.spec import ModelSpec
@@ -44,13 +47,15 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     threads: int = 0  # 0: torch's default
     max_batch: int = 32
     heartbeat_interval_s: float = 0.5
+    images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
 
 
 class Worker:
     """The Outbox the capability adapters write to; owns the work pipe on the worker side."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, images: ImagePolicy | None = None) -> None:
         self.sock = sock
+        self.images = images or ImagePolicy()
         self.progress = 0
         self.aborts: set[int] = set()
         self.stopping = False
@@ -69,6 +74,22 @@ class Worker:
         while select.select([self.sock], [], [], 0)[0]:
             self._handle_control(self.receive())
         return job_id in self.aborts or self.stopping
+
+    def image(self, item: WorkItem, index: int) -> Any:
+        from workers.capabilities import images
+
+        inputs = getattr(item.request, "images", None) or [item.request.image]  # type: ignore
+        shared = item.shared[index] if index < len(item.shared) else None
+        source = inputs[index]
+        if shared is not None:
+            data = images.read_shared(shared.name, shared.size)
+        elif source.url:
+            data = images.fetch(source.url, self.images)
+        elif source.data:
+            data = source.data
+        else:
+            raise PoolError(ErrorCode.BAD_REQUEST, "an image needs data or a url")
+        return images.decode(data, self.images)
 
     def receive(self) -> Work | Abort | Shutdown:
         try:
@@ -104,7 +125,7 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     # Ctrl-C at a terminal signals the whole process group; the supervisor decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     settings = msgspec.msgpack.decode(settings_bytes, type=WorkerSettings)
-    worker = Worker(work_sock)
+    worker = Worker(work_sock, settings.images)
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
                      args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
     model = _load(settings, worker)

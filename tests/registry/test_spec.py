@@ -107,7 +107,9 @@ def test_preload_modules_for_catalogue_minilm() -> None:
 
 def test_preload_modules_without_config_json(tmp_path: Path) -> None:
     assert preload_modules([spec("empty", path=str(tmp_path))]) == []
-    assert preload_modules([ModelSpec(key="h", capability="vision", repo="org/h")]) == []
+    # A hub model not in the cache: only its capability's loader module.
+    assert preload_modules([ModelSpec(key="h", capability="vision", repo="org/h")]) == [
+        "registry.loaders.vision_lm"]
 
 
 def test_preload_modules_deduplicates_and_sorts(tmp_path: Path) -> None:

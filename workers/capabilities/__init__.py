@@ -6,7 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.pipes import WorkItem
-from workers.capabilities import text_embedding, text_to_text
+from workers.capabilities import (
+    image_embedding,
+    text_embedding,
+    text_to_image,
+    text_to_text,
+    vision,
+)
 from workers.capabilities.base import Outbox
 
 Adapter = Callable[[Any, list[WorkItem], Outbox, int], None]
@@ -14,4 +20,7 @@ Adapter = Callable[[Any, list[WorkItem], Outbox, int], None]
 ADAPTERS: dict[str, Adapter] = {
     "text_embedding": text_embedding.run,
     "text_to_text": text_to_text.run,
+    "image_embedding": image_embedding.run,
+    "vision": vision.run,
+    "text_to_image": text_to_image.run,
 }

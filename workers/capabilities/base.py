@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import msgspec
+from PIL import Image
 
 from protocol.errors import ErrorCode, PoolError
 from protocol.messages import Error
+from protocol.pipes import WorkItem
 
 
 class Outbox(Protocol):
@@ -19,6 +21,10 @@ class Outbox(Protocol):
 
     def aborted(self, job_id: int) -> bool:
         """True once the supervisor asked to stop this job (cancel, timeout, shutdown)."""
+
+    def image(self, item: WorkItem, index: int) -> Image.Image:
+        """The item's index-th image, fetched and decoded under the image policy; raises
+        PoolError (BAD_REQUEST, IMAGE_TOO_LARGE, URL_NOT_ALLOWED) for bad input."""
 
 
 def error_reply(job_id: int, exc: BaseException) -> Error:

@@ -8,6 +8,11 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
+from protocol.messages import Embed, Embeddings
+from protocol.pipes import WorkItem
+from workers.capabilities import text_embedding
+from workers.capabilities.base import Outbox, error_reply
+
 
 class ImageEmbeddingModel(Protocol):
     def embed_images(self, images: Sequence[Image.Image]) -> np.ndarray:
@@ -19,3 +24,45 @@ class ImageEmbeddingModel(Protocol):
 
     def info(self) -> dict[str, Any]:
         """Facts for status, e.g. {"dim": 512, "image_size": 224, "text_tower": True}."""
+
+
+def run(model: ImageEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
+    """Texts (the text tower) or images, never both in one batch (the queue keeps them
+    apart). A bad image fails its own request only."""
+    if all(isinstance(item.request, Embed) for item in items):
+        text_embedding.run(model, items, out, max_batch)
+        return
+    decoded: list[tuple[WorkItem, list[Image.Image]]] = []
+    for item in items:
+        try:
+            count = len(item.request.images)  # type: ignore[union-attr]
+            decoded.append((item, [out.image(item, i) for i in range(count)]))
+        except Exception as exc:
+            out.send(error_reply(item.job_id, exc))
+    images = [image for _, imgs in decoded for image in imgs]
+    try:
+        vectors = _in_slices(model, images, out, max_batch)
+    except Exception as exc:
+        for item, _ in decoded:
+            out.send(error_reply(item.job_id, exc))
+        return
+    row = 0
+    for item, imgs in decoded:
+        block = vectors[row : row + len(imgs)]
+        row += len(imgs)
+        out.send(Embeddings(id=item.job_id, data=block.tobytes(), shape=list(block.shape)))
+
+
+def _in_slices(model: ImageEmbeddingModel, images: list[Image.Image], out: Outbox,
+               max_batch: int) -> np.ndarray:
+    parts = []
+    for start in range(0, len(images), max_batch):
+        chunk = images[start : start + max_batch]
+        vectors = np.ascontiguousarray(model.embed_images(chunk), dtype=np.float32)
+        if vectors.ndim != 2 or vectors.shape[0] != len(chunk):
+            raise ValueError(f"model returned shape {vectors.shape} for {len(chunk)} images")
+        parts.append(vectors)
+        out.tick()
+    if not parts:
+        return np.zeros((0, 0), dtype=np.float32)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

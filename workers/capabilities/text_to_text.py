@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,32 +64,33 @@ def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
     request = item.request
     assert isinstance(request, Generate)
     stats = GenerationStats()
-    stop = StopMatcher(request.stop)
+    stream_text(item.job_id, lambda: model.generate(request, stats), stats, request.stop, out)
+
+
+def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: GenerationStats,
+                stops: list[str], out: Outbox) -> None:
+    """Run a token stream to its end, a stop string or an abort: Chunks, then one End
+    (or one Error if the model fails)."""
+    stop = StopMatcher(stops)
     seq = 0
     try:
-        for piece in model.generate(request, stats):
+        for piece in start():
             out.tick()
-            if out.aborted(item.job_id):
+            if out.aborted(job_id):
                 stats.finish_reason = "cancelled"
                 break
             text, hit = stop.feed(piece)
             if text:
-                out.send(Chunk(id=item.job_id, seq=seq, text=text))
+                out.send(Chunk(id=job_id, seq=seq, text=text))
                 seq += 1
             if hit:
                 stats.finish_reason = "stop"
                 break
         else:
             if text := stop.flush():
-                out.send(Chunk(id=item.job_id, seq=seq, text=text))
+                out.send(Chunk(id=job_id, seq=seq, text=text))
     except Exception as exc:
-        out.send(error_reply(item.job_id, exc))
+        out.send(error_reply(job_id, exc))
         return
-    out.send(
-        End(
-            id=item.job_id,
-            finish_reason=stats.finish_reason,
-            prompt_tokens=stats.prompt_tokens,
-            completion_tokens=stats.completion_tokens,
-        )
-    )
+    out.send(End(id=job_id, finish_reason=stats.finish_reason,
+                 prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens))

@@ -8,7 +8,9 @@ from typing import Any, Protocol
 from PIL import Image
 
 from protocol.messages import Describe
-from workers.capabilities.text_to_text import GenerationStats
+from protocol.pipes import WorkItem
+from workers.capabilities.base import Outbox, error_reply
+from workers.capabilities.text_to_text import GenerationStats, stream_text
 
 
 class VisionModel(Protocol):
@@ -18,3 +20,17 @@ class VisionModel(Protocol):
 
     def info(self) -> dict[str, Any]:
         """Facts for status, e.g. {"context": 2048}."""
+
+
+def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
+    for item in items:  # streaming: the supervisor sends one item at a time
+        request = item.request
+        assert isinstance(request, Describe)
+        try:
+            image = out.image(item, 0)
+        except Exception as exc:
+            out.send(error_reply(item.job_id, exc))
+            continue
+        stats = GenerationStats()
+        stream_text(item.job_id, lambda i=image, r=request, s=stats: model.describe(i, r, s),
+                    stats, request.stop, out)

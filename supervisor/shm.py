@@ -1,0 +1,102 @@
+"""Image bytes travel to workers in POSIX shared memory, beside the message, not in it.
+
+One segment per image, named after this daemon's pid; unlinked as soon as the job
+leaves its worker (reply or death), and stale ones of dead daemons are removed at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+from pathlib import Path
+
+import msgspec
+
+from protocol.messages import Describe, EmbedImage, ImageInput, WorkRequest
+from protocol.pipes import SharedBytes, WorkItem
+
+PREFIX = "modelpool-"
+SHM_DIR = Path("/dev/shm")
+
+
+class SharedImages:
+    def __init__(self) -> None:
+        self.by_job: dict[int, list[str]] = {}
+        self._ids = itertools.count()
+        self._prefix = f"{PREFIX}{os.getpid()}-"
+
+    def work_item(self, job_id: int, request: WorkRequest) -> WorkItem:
+        """The work item for a job, its image bytes moved into shared memory."""
+        inputs = _images_of(request)
+        if not any(i.data for i in inputs):
+            return WorkItem(job_id=job_id, request=request)
+        refs: list[SharedBytes | None] = []
+        names = self.by_job.setdefault(job_id, [])
+        for image in inputs:
+            if image.data:
+                name = self._write(image.data)
+                names.append(name)
+                refs.append(SharedBytes(name, len(image.data)))
+            else:
+                refs.append(None)
+        stripped = [ImageInput(url=i.url) for i in inputs]
+        if isinstance(request, EmbedImage):
+            request = msgspec.structs.replace(request, images=stripped)
+        else:
+            request = msgspec.structs.replace(request, image=stripped[0])
+        return WorkItem(job_id=job_id, request=request, shared=refs)
+
+    def release(self, job_id: int) -> None:
+        import _posixshmem
+
+        for name in self.by_job.pop(job_id, []):
+            with contextlib.suppress(FileNotFoundError):
+                _posixshmem.shm_unlink("/" + name)
+
+    def release_all(self) -> None:
+        for job_id in list(self.by_job):
+            self.release(job_id)
+
+    def _write(self, data: bytes) -> str:
+        import _posixshmem  # SharedMemory would also register a resource tracker we avoid
+
+        name = f"{self._prefix}{next(self._ids)}"
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, len(data))
+            with mmap.mmap(fd, len(data)) as view:
+                view[:] = data
+        finally:
+            os.close(fd)
+        return name
+
+
+def _images_of(request: WorkRequest) -> list[ImageInput]:
+    if isinstance(request, EmbedImage):
+        return list(request.images)
+    if isinstance(request, Describe):
+        return [request.image]
+    return []
+
+
+def remove_stale_segments() -> int:
+    """Segments left by daemons that died without cleaning up."""
+    removed = 0
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        pid = path.name[len(PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
