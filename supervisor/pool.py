@@ -33,7 +33,8 @@ from protocol.messages import (
 )
 from protocol.pipes import Abort, FromWorker, Heartbeat, LoadFailed, Ready, WantWork, Work
 from registry.spec import ModelSpec, Registry
-from supervisor import memory, recovery, scaling
+from supervisor import admission, recovery, scaling
+from supervisor.admission import Rejection
 from supervisor.capacity import Capacity
 from supervisor.config import Config
 from supervisor.jobs import JobBook
@@ -54,7 +55,6 @@ SERVED_BY: dict[type, tuple[str, ...]] = {
 }
 STREAMED = (Chunk, ImageProgress)
 FINAL = (Embeddings, End, Image, Error)
-Rejection = tuple[ErrorCode, str]
 
 
 @dataclass(eq=False)
@@ -113,7 +113,7 @@ class Pool:
             reject = ErrorCode.DEADLINE_EXPIRED, "the deadline passed before the daemon got it"
         leader = self.book.leader_for(request, model) if model and not reject else None
         if reject is None and leader is None and model is not None:
-            reject = self._bounds_error(model)
+            reject = admission.bounds_error(self, model)
         if reject is not None:
             self._reject(sink, request, model, reject)
             return
@@ -130,7 +130,7 @@ class Pool:
     def _reject(self, sink: Any, request: WorkRequest, model: ModelState | None,
                 reject: Rejection) -> None:
         code, message = reject
-        retry = self._retry_after(model) if code in (ErrorCode.QUEUE_FULL,
+        retry = admission.retry_after(model) if code in (ErrorCode.QUEUE_FULL,
                                                      ErrorCode.OVERLOADED) else None
         if model is not None:
             model.metrics.by_priority[request.priority].rejected[code.value] += 1
@@ -164,61 +164,9 @@ class Pool:
                     f"model {spec.key!r} is {spec.capability}, not {served_by[0]}")
         if isinstance(request, Generate) and not (request.prompt or request.messages):
             return ErrorCode.BAD_REQUEST, "generate needs a prompt or messages"
-        return (self._image_error(request) or self._load_error(self.models[spec.key])
-                or self._memory_error(spec.key))
-
-    def _image_error(self, request: WorkRequest) -> Rejection | None:
-        """What can be refused without decoding: the worker checks the rest."""
-        inputs = request.images if isinstance(request, EmbedImage) else (
-            [request.image] if isinstance(request, Describe) else [])
-        policy = self.config.images
-        for image in inputs:
-            if bool(image.data) == bool(image.url):
-                return ErrorCode.BAD_REQUEST, "each image needs exactly one of data or url"
-            if image.data and len(image.data) > policy.max_bytes:
-                return (ErrorCode.IMAGE_TOO_LARGE,
-                        f"image of {len(image.data)} bytes exceeds {policy.max_bytes}")
-            if image.url and not policy.allow_urls:
-                return (ErrorCode.URL_NOT_ALLOWED,
-                        "image URLs are disabled (set [images] allow_urls = true)")
-        return None
-
-    def _bounds_error(self, model: ModelState) -> Rejection | None:
-        limit = model.spec.max_queue or self.pool_config.max_queue
-        if len(model.queue) >= limit:
-            return ErrorCode.QUEUE_FULL, f"model {model.spec.key!r} has {limit} requests waiting"
-        total = sum(len(m.queue) for m in self.models.values())
-        if total >= self.pool_config.max_queued_total:
-            return ErrorCode.OVERLOADED, f"the daemon has {total} requests waiting"
-        return None
-
-    def _retry_after(self, model: ModelState | None) -> float:
-        """A hint: how long the work ahead should take to drain."""
-        if model is None or not model.metrics.service_s:
-            return 1.0
-        workers = max(1, len(model.live_workers()))
-        per_item = model.metrics.service_s / max(1.0, model.metrics.mean_batch)
-        return round(min(60.0, max(0.05, len(model.queue) * per_item / workers)), 3)
-
-    def _memory_error(self, key: str) -> Rejection | None:
-        charge = self.capacity.charge(self.models[key])
-        if not memory.never_fits(charge, self.capacity.budget_mb):
-            return None
-        return (ErrorCode.INSUFFICIENT_MEMORY,
-                f"model {key!r} needs ~{charge.weights_mb + charge.per_worker_mb:.0f} MiB "
-                f"(weights {charge.weights_mb:.0f} + one worker {charge.per_worker_mb:.0f}); "
-                f"the budget is {self.capacity.budget_mb:.0f} MiB")
-
-    def _load_error(self, model: ModelState) -> Rejection | None:
-        key, now = model.spec.key, self.clock()
-        if model.load_failures >= self.pool_config.max_load_failures:
-            return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} failed to load "
-                    f"{model.load_failures} times ({model.last_error}); "
-                    f"`modelpool load {key}` retries")
-        if now < model.blocked_until and not model.live_workers():
-            return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} failed to load "
-                    f"({model.last_error}); retrying in {model.blocked_until - now:.1f}s")
-        return None
+        return (admission.image_error(self.config, request)
+                or admission.load_error(self, self.models[spec.key])
+                or admission.memory_error(self, spec.key))
 
     # ---- requests that end early ---------------------------------------------------------
 
