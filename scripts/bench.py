@@ -29,6 +29,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from protocol.client import AsyncClient, Client  # noqa: E402
 
@@ -93,7 +94,8 @@ class Daemon:
         self.dir = Path(tempfile.mkdtemp(prefix="mpbench-"))
         self.socket = str(self.dir / "mp.sock")
         (self.dir / "config.toml").write_text(config)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", MODELPOOL_SOCKET=self.socket)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", MODELPOOL_SOCKET=self.socket,
+                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]))
         env.update(json.loads(os.environ.get("BENCH_DAEMON_ENV", "{}")))
         self.started = time.perf_counter()
         with open(self.dir / "log", "wb") as log:
@@ -192,12 +194,9 @@ def cold_model_figures() -> dict[str, Any]:
         daemon.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    texts = corpus(512 if args.quick else 2048)
-    singles = 100 if args.quick else 400
+def embedding_figures(quick: bool) -> dict[str, Any]:
+    texts = corpus(512 if quick else 2048)
+    singles = 100 if quick else 400
     cpus = os.cpu_count() or 1
     # The daemon's default plan: cold_start_workers=1 -> one worker on every core;
     # cold_start_workers=2 -> two workers sharing the cores (supervisor.scaling.cpu_plan).
@@ -206,8 +205,7 @@ def main() -> None:
     one = daemon_figures(texts, singles, cold_start=1)
     two = daemon_figures(texts, singles, cold_start=2)
     best = max(base_all["best_texts_per_s"], base_half["best_texts_per_s"])
-    report = {
-        "machine": {"cpus": cpus, "mem_gb": round(psutil.virtual_memory().total / 2**30)},
+    return {
         "texts": {"count": len(texts), "words": "8-40"},
         "in_process_all_threads": base_all,
         "in_process_half_threads": base_half,
@@ -223,6 +221,34 @@ def main() -> None:
             "throughput_vs_best_in_process_2w": round(two["texts_per_s_64_in_flight"] / best, 3),
         },
     }
+
+
+def pool_figures(quick: bool) -> dict[str, Any]:
+    import bench_pool
+
+    return {
+        "loads_beside_traffic": bench_pool.loads_beside_traffic(3 if quick else 8),
+        "extra_worker": bench_pool.extra_worker(),
+        "kill_recovery": bench_pool.kill_recovery(5 if quick else 20),
+        "throughput_under_kills": bench_pool.throughput_under_kills(5 if quick else 10),
+        "admission_dispatch": bench_pool.admission_dispatch_cost(20000 if quick else 100000),
+        "supervisor_cost": bench_pool.supervisor_cost(5000 if quick else 20000),
+        "queue_full_flood": bench_pool.queue_full_latency(20000 if quick else 100000),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=("embedding", "pool"))
+    args = parser.parse_args()
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
+    }
+    if args.only in (None, "embedding"):
+        report["embedding"] = embedding_figures(args.quick)
+    if args.only in (None, "pool"):
+        report["pool"] = pool_figures(args.quick)
     print(json.dumps(report, indent=2))
 
 

@@ -50,6 +50,8 @@ def retry_after(model: ModelState | None) -> float:
     return round(min(60.0, max(0.05, len(model.queue) * per_item / workers)), 3)
 
 def memory_error(pool: Pool, key: str) -> Rejection | None:
+    if pool.models[key].workers:
+        return None  # it fits: it is running
     charge = pool.capacity.charge(pool.models[key])
     if not memory.never_fits(charge, pool.capacity.budget_mb):
         return None

@@ -23,6 +23,7 @@ class Capacity:
         self.models = models
         self.config = config
         self.launcher = launcher
+        self.cpus = os.cpu_count() or 1
         self.budget_mb = (config.memory_budget_mb
                           or config.memory_fraction * memory.read_memory().total_mb)
 
@@ -45,7 +46,7 @@ class Capacity:
     def cpu_plan(self, model: ModelState) -> tuple[int, int]:
         """(threads per worker, max workers) for this model."""
         return scaling.cpu_plan(
-            os.cpu_count() or 1, self.config.cold_start_workers,
+            self.cpus, self.config.cold_start_workers,
             model.spec.threads or self.config.threads_per_worker,
             model.spec.max_workers or self.config.max_workers_per_model)
 

@@ -18,7 +18,6 @@ from supervisor.queueing import (
     JobState,
     ReplySink,
     Requester,
-    dedup_key,
 )
 
 if TYPE_CHECKING:
@@ -35,8 +34,8 @@ class JobBook:
 
     # ---- admission -------------------------------------------------------------------
 
-    def leader_for(self, request: WorkRequest, model: ModelState) -> Job | None:
-        key = dedup_key(request, model.spec.key)
+    def leader_for(self, key: bytes | None) -> Job | None:
+        """The job already doing this work (same dedup key), if any."""
         job = self.index.get(key) if key else None
         return job if job is not None and job.state is not JobState.DONE else None
 
@@ -61,8 +60,8 @@ class JobBook:
         for chunk in leader.history or []:  # a stream already under way: replay it
             req.sink.send(msgspec.structs.replace(chunk, id=req.client_id))
 
-    def new_job(self, req: Requester, request: WorkRequest, model: ModelState) -> Job:
-        key = dedup_key(request, model.spec.key)
+    def new_job(self, req: Requester, request: WorkRequest, model: ModelState,
+                key: bytes | None) -> Job:
         streaming = type(request).__name__ in STREAMING_REQUESTS
         job = Job(job_id=next(self._job_ids), request=request, model_key=model.spec.key,
                   accepted_at=req.accepted_at, requesters=[req], dedup_key=key,

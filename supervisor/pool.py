@@ -39,7 +39,7 @@ from supervisor.capacity import Capacity
 from supervisor.config import Config
 from supervisor.jobs import JobBook
 from supervisor.metrics import ModelMetrics
-from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState, aged_rank
+from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState, aged_rank, dedup_key
 from supervisor.shm import SharedImages
 from supervisor.workers import Launcher, WorkerHandle, WorkerState
 from workers.main import WorkerSettings
@@ -111,7 +111,8 @@ class Pool:
         reject = self._admission_error(sink, request, spec)
         if reject is None and deadline_in is not None and deadline_in <= 0:
             reject = ErrorCode.DEADLINE_EXPIRED, "the deadline passed before the daemon got it"
-        leader = self.book.leader_for(request, model) if model and not reject else None
+        key = dedup_key(request, model.spec.key) if model and not reject else None
+        leader = self.book.leader_for(key)
         if reject is None and leader is None and model is not None:
             reject = admission.bounds_error(self, model)
         if reject is not None:
@@ -124,7 +125,7 @@ class Pool:
         if leader is not None:
             self.book.attach(req, leader, model)
             return
-        model.queue.push(self.book.new_job(req, request, model))
+        model.queue.push(self.book.new_job(req, request, model, key))
         self.reconcile(model)
 
     def _reject(self, sink: Any, request: WorkRequest, model: ModelState | None,
@@ -242,6 +243,8 @@ class Pool:
     def reconcile(self, model: ModelState) -> None:
         """Hand waiting work to free workers, then start workers the policy asks for."""
         self._dispatch(model)
+        if not len(model.queue) and model.warm_target == 0:
+            return  # nothing waits and nothing is pinned: no reason to start a worker
         view, now = self.capacity.load_view(model), self.clock()
         if self.shutting_down or not scaling.workers_to_start(view, self.policy, now, 1 << 16):
             return  # the common case; skip reading /proc/meminfo on every request
@@ -262,6 +265,8 @@ class Pool:
                 model.queue.promote(job, aged_rank(base, now - job.accepted_at, every))
 
     def _dispatch(self, model: ModelState) -> None:
+        if not len(model.queue):
+            return
         free = [w for w in model.workers.values()
                 if w.wants_work and w.state is WorkerState.IDLE and not w.hung]
         free.sort(key=lambda w: w.last_used, reverse=True)  # keep the LRU ones idle to retire
