@@ -73,7 +73,7 @@ def loads_beside_traffic(seconds: float, cold_start: int = 2) -> dict[str, Any]:
                         loads[0] += 1
                         other.unload("minilm-b")
                         while _workers(other, "minilm-b"):
-                            time.sleep(0.01)
+                            time.sleep(0.05)
 
             thread = threading.Thread(target=churn)
             thread.start()
@@ -202,7 +202,13 @@ def supervisor_cost(requests: int) -> dict[str, Any]:
         cpu0 = sum(sup.cpu_times()[:2])
         wall = asyncio.run(run())
         cpu = sum(sup.cpu_times()[:2]) - cpu0
-        return {"requests": requests,
+        with Client(socket_path=daemon.socket) as c:  # one at a time: the pure round trip
+            lat = []
+            for i in range(2000):
+                t0 = time.perf_counter()
+                c.embed(f"r{i}", model="noop")
+                lat.append(time.perf_counter() - t0)
+        return {"requests": requests, "noop_round_trip": percentiles(lat[100:]),
                 "supervisor_cpu_us_per_request": round(cpu / requests * 1e6, 1),
                 "requests_per_s": round(requests / wall, 1)}
     finally:

@@ -36,7 +36,7 @@ from protocol.pipes import (
     to_worker_decoder,
 )
 from registry.spec import ModelSpec
-from workers import exitcodes
+from workers import exitcodes, priority
 
 IDLE_TRIM_S = 1.0  # idle this long after work: return freed memory to the OS
 
@@ -124,11 +124,13 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     """Entry point in the child process."""
     # Ctrl-C at a terminal signals the whole process group; the supervisor decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    nice_before_load = priority.lower()  # until Ready: a load must not slow serving workers
     settings = msgspec.msgpack.decode(settings_bytes, type=WorkerSettings)
     worker = Worker(work_sock, settings.images)
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
                      args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
     model = _load(settings, worker)
+    priority.restore(nice_before_load)
     serve(model, settings, worker)
 
 
@@ -175,6 +177,8 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
                 pass  # for a job already finished: its reply crossed the abort
             case Shutdown():
                 worker.stopping = True
+    with contextlib.suppress(OSError):  # tearing down must not slow the serving workers
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
     _exit(exitcodes.OK)
 
 
