@@ -231,6 +231,14 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     health: str = "ok"  # or why not (failed loads, hung or silent workers)
     priorities: list[PriorityStats] = []  # only priorities that have seen traffic
     mean_batch: float = 0.0
+    device: str | None = None  # "cpu" or "cuda:N"; None: the asked device is missing
+
+
+class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
+    device: str
+    budget_mb: float
+    used_mb: float
+    total_mb: float
 
 
 class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -238,6 +246,7 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     used_mb: float
     total_mb: float
     available_mb: float
+    gpus: list[DeviceMemory] = []
 
 
 class PoolStatus(msgspec.Struct, frozen=True, kw_only=True):

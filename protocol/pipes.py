@@ -75,6 +75,7 @@ class Ready(_Msg, frozen=True, kw_only=True, tag="ready"):
     load_s: float
     uss_mb: float | None = None  # private memory after loading
     weights_mb: float | None = None  # size of the weight files (shared by all workers)
+    vram_mb: float | None = None  # GPU memory reserved after loading, on a GPU
     info: dict[str, Any] = {}  # capability facts, e.g. {"dim": 384} or {"context": 2048}
 
 

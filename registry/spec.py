@@ -33,6 +33,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     options: dict[str, Any] = {}  # handed to the loader (e.g. dtype, max_seq_length)
     allow_pickle: bool = False  # permit .bin/.pt weights (runs pickle: trusted files only)
     trust_remote_code: bool = False
+    device: str = "auto"  # "cpu", "cuda", "cuda:N"; "auto": the first GPU if any, else cpu
     default: bool = False  # the model used when a request names none for its capability
     # Memory estimates in MiB, replaced by measurements once a worker has loaded.
     weights_mb: Annotated[float, msgspec.Meta(ge=0)] = 0.0

@@ -50,17 +50,23 @@ def retry_after(model: ModelState | None) -> float:
     return round(min(60.0, max(0.05, len(model.queue) * per_item / workers)), 3)
 
 def memory_error(pool: Pool, key: str) -> Rejection | None:
-    if pool.models[key].workers:
+    model = pool.models[key]
+    if model.workers:
         return None  # it fits: it is running
-    charge = pool.capacity.charge(pool.models[key])
-    if not memory.never_fits(charge, pool.capacity.budget_mb):
+    charge = pool.capacity.charge(model)
+    budget = pool.capacity.budget_for(model.device or "cpu")
+    if not memory.never_fits(charge, budget):
         return None
     return (ErrorCode.INSUFFICIENT_MEMORY,
             f"model {key!r} needs ~{charge.weights_mb + charge.per_worker_mb:.0f} MiB "
             f"(weights {charge.weights_mb:.0f} + one worker {charge.per_worker_mb:.0f}); "
-            f"the budget is {pool.capacity.budget_mb:.0f} MiB")
+            f"the budget on {model.device} is {budget:.0f} MiB")
+
 
 def load_error(pool: Pool, model: ModelState) -> Rejection | None:
+    if model.device is None:
+        return (ErrorCode.MODEL_LOAD_FAILED, f"model {model.spec.key!r} asks for device "
+                f"{model.spec.device!r}; this machine has {len(pool.gpus)} GPU(s)")
     key, now = model.spec.key, pool.clock()
     if model.load_failures >= pool.pool_config.max_load_failures:
         return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} failed to load "

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from supervisor import memory, scaling
 from supervisor.config import PoolConfig
+from supervisor.gpus import Gpu
 from supervisor.workers import Launcher, WorkerHandle, WorkerState
 
 if TYPE_CHECKING:
@@ -19,13 +20,18 @@ log = logging.getLogger("modelpool.capacity")
 
 class Capacity:
     def __init__(self, models: dict[str, ModelState], config: PoolConfig,
-                 launcher: Launcher) -> None:
+                 launcher: Launcher, gpus: list[Gpu]) -> None:
         self.models = models
         self.config = config
         self.launcher = launcher
         self.cpus = os.cpu_count() or 1
         self.budget_mb = (config.memory_budget_mb
                           or config.memory_fraction * memory.read_memory().total_mb)
+        self.gpu_budgets_mb = {g.device: config.memory_fraction * g.total_mb for g in gpus}
+
+    def budget_for(self, device: str) -> float:
+        """memory_fraction x RAM for the CPU, x VRAM for each GPU."""
+        return self.budget_mb if device == "cpu" else self.gpu_budgets_mb.get(device, 0.0)
 
     def load_view(self, model: ModelState) -> scaling.ModelLoad:
         live = model.live_workers()
@@ -58,7 +64,8 @@ class Capacity:
         if load_slots <= 0:
             return 0
         charge = self.charge(model)
-        room = memory.room_for(charge, self.used_mb(), self.budget_mb)
+        room = memory.room_for(charge, self.used_mb(model.device),
+                               self.budget_for(model.device))
         model.waiting_for_memory = room == 0
         if room == 0:
             self.evict_for(model, charge)
@@ -71,15 +78,16 @@ class Capacity:
             return  # memory is already being freed; decide again when those workers exit
         candidates = []
         for other in self.models.values():
-            if other is model or len(other.queue):
-                continue
+            if other is model or len(other.queue) or other.device != model.device:
+                continue  # only an idle model on the same device frees what is needed
             other_charge = self.charge(other)
             candidates += [
                 memory.EvictionCandidate(w.worker_id, other.spec.key, w.last_used,
                                          other_charge.per_worker_mb, other_charge.weights_mb,
-                                         other_charge.workers)
+                                         other_charge.workers, other_charge.shared_weights)
                 for w in other.workers.values() if w.state is WorkerState.IDLE and not w.jobs]
-        need = charge.next_worker_mb - (self.budget_mb - self.used_mb())
+        free = self.budget_for(model.device) - self.used_mb(model.device)
+        need = charge.next_worker_mb - free
         for worker_id in memory.pick_evictions(candidates, need):
             victim = next(w for w in workers if w.worker_id == worker_id)
             log.info("evicting idle worker %d of %s to make room for %s", worker_id,
@@ -93,14 +101,25 @@ class Capacity:
         return memory.ModelCharge(
             weights_mb=spec.weights_mb if weights is None else weights,
             per_worker_mb=spec.per_worker_mb if per_worker is None else per_worker,
-            workers=sum(w.state is not WorkerState.DEAD for w in model.workers.values()))
+            workers=sum(w.state is not WorkerState.DEAD for w in model.workers.values()),
+            shared_weights=model.device == "cpu")
 
-    def used_mb(self) -> float:
-        return sum(self.charge(m).charged_mb for m in self.models.values())
+    def used_mb(self, device: str = "cpu") -> float:
+        return sum(self.charge(m).charged_mb for m in self.models.values()
+                   if m.device == device)
 
     def note_uss(self, model: ModelState, worker: WorkerHandle, uss_mb: float | None) -> None:
         """A worker's measured private memory replaces the registry's estimate."""
         if uss_mb is None:
             return
         worker.uss_mb = uss_mb
-        model.measured_per_worker_mb = max(model.measured_per_worker_mb or 0.0, uss_mb)
+        if model.device == "cpu":  # a GPU worker is charged its VRAM, see note_vram
+            model.measured_per_worker_mb = max(model.measured_per_worker_mb or 0.0, uss_mb)
+
+    def note_vram(self, model: ModelState, vram_mb: float | None) -> None:
+        """A GPU worker's reserved VRAM (its own weights included: no sharing across GPU
+        workers yet) replaces the estimates."""
+        if vram_mb is None or model.device == "cpu":
+            return
+        model.measured_weights_mb = 0.0
+        model.measured_per_worker_mb = max(model.measured_per_worker_mb or 0.0, vram_mb)

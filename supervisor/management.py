@@ -11,6 +11,7 @@ import psutil
 
 from protocol.errors import ErrorCode
 from protocol.messages import (
+    DeviceMemory,
     MemoryStatus,
     ModelInfo,
     ModelStatus,
@@ -65,9 +66,11 @@ def load_model(pool: Pool, name: str, workers: int) -> str:
     """Keep `workers` workers up (clearing a failed state) until `unload`, so requests
     never wait for a load. They start as load slots and memory allow."""
     model = _model(pool, name)
-    if memory.never_fits(pool.capacity.charge(model), pool.capacity.budget_mb):
+    if model.device is None or memory.never_fits(pool.capacity.charge(model),
+                                                 pool.capacity.budget_for(model.device)):
         raise ManagementError(ErrorCode.INSUFFICIENT_MEMORY,
-                              f"model {model.spec.key!r} can never fit the memory budget")
+                              f"model {model.spec.key!r} has no device or can never fit "
+                              f"its memory budget")
     model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
     model.last_failure_at = None
     model.warm_target = min(workers, pool.capacity.cpu_plan(model)[1])
@@ -136,6 +139,9 @@ def build_status(pool: Pool, socket_path: str, started_at: float) -> PoolStatus:
             used_mb=round(pool.capacity.used_mb(), 1),
             total_mb=round(facts.total_mb, 1),
             available_mb=round(facts.available_mb, 1),
+            gpus=[DeviceMemory(device=g.device, budget_mb=round(pool.capacity.budget_for(
+                g.device), 1), used_mb=round(pool.capacity.used_mb(g.device), 1),
+                total_mb=g.total_mb) for g in pool.gpus],
         ),
     )
 
@@ -167,6 +173,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         memory_mb=round(pool.capacity.charge(model).charged_mb, 1),
         health=model_health(pool, model, now),
         priorities=priorities, mean_batch=round(model.metrics.mean_batch, 2),
+        device=model.device,
     )
 
 

@@ -29,15 +29,21 @@ class ModelCharge:
     weights_mb: float
     per_worker_mb: float
     workers: int  # workers holding memory: every one not yet dead, stopping ones included
+    shared_weights: bool = True  # CPU: one page-cache copy; GPU: a copy per worker (no IPC yet)
 
     @property
     def charged_mb(self) -> float:
-        return self.weights_mb + self.workers * self.per_worker_mb if self.workers else 0.0
+        if not self.workers:
+            return 0.0
+        copies = 1 if self.shared_weights else self.workers
+        return copies * self.weights_mb + self.workers * self.per_worker_mb
 
     @property
     def next_worker_mb(self) -> float:
-        """What one more worker adds: the weights too when it is the first."""
-        return self.per_worker_mb + (0.0 if self.workers else self.weights_mb)
+        """What one more worker adds: the weights too when it is the first, or when workers
+        cannot share them."""
+        own_weights = not self.shared_weights or not self.workers
+        return self.per_worker_mb + (self.weights_mb if own_weights else 0.0)
 
 
 def never_fits(charge: ModelCharge, budget_mb: float) -> bool:
@@ -64,6 +70,7 @@ class EvictionCandidate:
     per_worker_mb: float
     weights_mb: float
     model_workers: int  # workers of that model holding memory, this one included
+    shared_weights: bool = True
 
 
 def pick_evictions(candidates: list[EvictionCandidate], need_mb: float) -> list[int]:
@@ -77,6 +84,7 @@ def pick_evictions(candidates: list[EvictionCandidate], need_mb: float) -> list[
             break
         left = remaining.get(cand.model_key, cand.model_workers) - 1
         remaining[cand.model_key] = left
-        freed += cand.per_worker_mb + (cand.weights_mb if left == 0 else 0.0)
+        frees_weights = left == 0 or not cand.shared_weights
+        freed += cand.per_worker_mb + (cand.weights_mb if frees_weights else 0.0)
         chosen.append(cand.worker_id)
     return chosen if freed >= need_mb else []

@@ -37,6 +37,7 @@ from supervisor import admission, recovery, scaling
 from supervisor.admission import Rejection
 from supervisor.capacity import Capacity
 from supervisor.config import Config
+from supervisor.gpus import Gpu, resolve_device
 from supervisor.jobs import JobBook
 from supervisor.metrics import ModelMetrics
 from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState, aged_rank, dedup_key
@@ -73,6 +74,7 @@ class ModelState:
     measured_per_worker_mb: float | None = None  # largest private memory (USS) seen
     waiting_for_memory: bool = False
     warm_target: int = 0  # workers kept up without traffic, set by `modelpool load`
+    device: str | None = None  # "cpu" or "cuda:N"; None: this machine lacks the asked one
     batch_timer: asyncio.TimerHandle | None = None
     batch_waited: bool = False
 
@@ -86,14 +88,17 @@ class ModelState:
 
 class Pool:
     def __init__(self, config: Config, registry: Registry, launcher: Launcher,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 gpus: list[Gpu] | None = None) -> None:
         self.config = config
         self.pool_config = config.pool
         self.registry = registry
         self.launcher = launcher
         self.clock = clock
-        self.models = {key: ModelState(spec) for key, spec in registry.specs.items()}
-        self.capacity = Capacity(self.models, config.pool, launcher)
+        self.gpus = gpus or []
+        self.models = {key: ModelState(spec, device=resolve_device(spec.device, self.gpus))
+                       for key, spec in registry.specs.items()}
+        self.capacity = Capacity(self.models, config.pool, launcher, self.gpus)
         self.policy = scaling.ScalingPolicy(config.pool.cold_start_workers,
                                             config.pool.cooldown_idle_s)
         self.book = JobBook(self)
@@ -322,7 +327,8 @@ class Pool:
                               started_at=self.clock())
         model.workers[worker.worker_id] = worker
         settings = WorkerSettings(
-            worker_id=worker.worker_id, spec=model.spec,
+            worker_id=worker.worker_id,
+            spec=msgspec.structs.replace(model.spec, device=model.device or "cpu"),
             threads=self.capacity.cpu_plan(model)[0],
             max_batch=model.spec.max_batch or self.pool_config.max_batch,
             heartbeat_interval_s=self.pool_config.heartbeat_interval_s,

@@ -29,6 +29,7 @@ def on_ready(pool: Pool, model: ModelState, worker: WorkerHandle, msg: Ready) ->
     if msg.weights_mb is not None:
         model.measured_weights_mb = msg.weights_mb
     pool.capacity.note_uss(model, worker, msg.uss_mb)
+    pool.capacity.note_vram(model, msg.vram_mb)
     log.info("worker %d of %s ready: pid %d, loaded in %.2fs, USS %.0f MiB",
              worker.worker_id, model.spec.key, msg.pid, msg.load_s, msg.uss_mb or 0)
 

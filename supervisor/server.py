@@ -42,7 +42,7 @@ from protocol.messages import (
     client_decoder,
     encoder,
 )
-from supervisor import management, shm
+from supervisor import gpus, management, shm
 from supervisor.config import Config
 from supervisor.pool import Pool
 from supervisor.shutdown import drain_and_stop
@@ -126,7 +126,11 @@ class Server:
         ctx = forkserver_context(preload_modules(list(registry.specs.values())))
         self.launcher = Launcher(ctx, self._on_worker_message, self._on_worker_exit,
                                  self._on_heartbeat)
-        self.pool = Pool(config, registry, self.launcher)
+        gpu_list = gpus.discover()
+        if gpu_list:
+            log.info("GPUs: %s", ", ".join(f"{g.device} {g.name} ({g.total_mb:.0f} MiB)"
+                                           for g in gpu_list))
+        self.pool = Pool(config, registry, self.launcher, gpus=gpu_list)
         self._socket_inode: int | None = None
 
     def _on_worker_message(self, worker: Any, msg: Any) -> None:

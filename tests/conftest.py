@@ -27,3 +27,15 @@ def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outdir = tmp_path_factory.mktemp("tiny-models")
     assert module.main([str(outdir)]) == 0
     return outdir
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need CUDA; on machines without it they are skipped, not failed."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -150,7 +150,8 @@ def _load(settings: WorkerSettings, worker: Worker) -> object:
         _exit(exitcodes.LOAD_FAILED)
     info = model.info() if hasattr(model, "info") else {}
     worker.send(Ready(pid=os.getpid(), load_s=time.perf_counter() - started,
-                      uss_mb=_uss_mb(), weights_mb=weights_mb, info=info))
+                      uss_mb=_uss_mb(), weights_mb=weights_mb, info=info,
+                      vram_mb=_vram_mb(settings.spec.device)))
     return model
 
 
@@ -188,6 +189,15 @@ def release_memory() -> None:
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _vram_mb(device: str) -> float | None:
+    """GPU memory this worker holds; only asked on a GPU (CUDA is never touched on CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.memory_reserved(torch.device(device)) / 2**20
 
 
 def _uss_mb() -> float | None:

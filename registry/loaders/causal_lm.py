@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protocol.errors import ErrorCode, PoolError
 from protocol.messages import Generate
-from registry.loaders.common import pretrained_kwargs, require_dir
+from registry.loaders.common import place, pretrained_kwargs, require_dir
 from registry.spec import ModelSpec
 from workers.capabilities.text_to_text import GenerationStats
 
@@ -54,19 +54,20 @@ class CausalLM:
         seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
         generator = torch.Generator().manual_seed(seed)
         detok = IncrementalDecoder(self.tokenizer)
-        step_input, past = torch.tensor([ids]), None
+        device = self.model.device
+        step_input, past = torch.tensor([ids], device=device), None
         stats.finish_reason = "length"
         for _ in range(budget):
             out = self.model(input_ids=step_input, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            token = sample(out.logits[0, -1].float(), request.temperature, request.top_p,
+            token = sample(out.logits[0, -1].float().cpu(), request.temperature, request.top_p,
                            generator)
             if token in self.eos_ids and not request.ignore_eos:
                 stats.finish_reason = "stop"
                 break
             stats.completion_tokens += 1
             yield detok.add(token)  # maybe "": the adapter still ticks and checks aborts
-            step_input = torch.tensor([[token]])
+            step_input = torch.tensor([[token]], device=device)
         if tail := detok.flush():
             yield tail
 
@@ -134,5 +135,6 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
     model_dir = require_dir(spec, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(
         model_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **pretrained_kwargs(spec))
+    model = place(spec, AutoModelForCausalLM.from_pretrained(model_dir,
+                                                             **pretrained_kwargs(spec)))
     return CausalLM(spec.key, tokenizer, model)

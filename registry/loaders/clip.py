@@ -13,7 +13,7 @@ from PIL import Image
 from transformers import AutoModel, AutoProcessor
 
 from protocol.errors import ErrorCode, PoolError
-from registry.loaders.common import pretrained_kwargs, require_dir
+from registry.loaders.common import place, pretrained_kwargs, require_dir
 from registry.spec import ModelSpec
 
 
@@ -43,7 +43,7 @@ class ClipEmbedder:
         # converted here rather than failing (or being misread) in it.
         rgb = [image if image.mode == "RGB" else image.convert("RGB") for image in images]
         batch = self.processor(images=rgb, return_tensors="pt")
-        pixels = batch["pixel_values"].to(self.model.dtype)
+        pixels = batch["pixel_values"].to(self.model.device, self.model.dtype)
         return _normalised(self.model.get_image_features(pixel_values=pixels))
 
     @torch.inference_mode()
@@ -54,7 +54,7 @@ class ClipEmbedder:
         # Longer texts are cut at the tower's context (77 tokens for CLIP), as CLIP does.
         batch = self.processor.tokenizer(list(texts), padding=self.text_padding, truncation=True,
                                          max_length=self.text_context, return_tensors="pt")
-        return _normalised(self.model.get_text_features(**batch))
+        return _normalised(self.model.get_text_features(**batch.to(self.model.device)))
 
 
 def _normalised(features: Any) -> np.ndarray:
@@ -64,14 +64,14 @@ def _normalised(features: Any) -> np.ndarray:
     if not isinstance(features, torch.Tensor):
         features = features.pooler_output
     features = torch.nn.functional.normalize(features.float(), p=2, dim=-1)
-    return features.numpy()
+    return features.cpu().numpy()
 
 
 def load(spec: ModelSpec, model_dir: Path | None) -> ClipEmbedder:
     model_dir = require_dir(spec, model_dir)
     processor = AutoProcessor.from_pretrained(
         model_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
-    model = AutoModel.from_pretrained(model_dir, **pretrained_kwargs(spec))
+    model = place(spec, AutoModel.from_pretrained(model_dir, **pretrained_kwargs(spec)))
     if not hasattr(model, "get_image_features"):
         raise ValueError(f"model {spec.key!r} ({type(model).__name__}) has no image tower "
                          "(get_image_features): not a CLIP-family model")

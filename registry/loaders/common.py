@@ -18,6 +18,17 @@ def require_dir(spec: ModelSpec, model_dir: Path | None) -> Path:
     return model_dir
 
 
+def device_of(spec: ModelSpec) -> torch.device:
+    """Where the model runs; the supervisor resolved "auto" before the worker got the spec.
+    CUDA is first touched here, in the worker, never in the supervisor or the forkserver."""
+    return torch.device("cpu" if spec.device == "auto" else spec.device)
+
+
+def place(spec: ModelSpec, model: Any) -> Any:
+    device = device_of(spec)
+    return model if device.type == "cpu" else model.to(device)
+
+
 def pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
     """from_pretrained arguments every loader honours: dtype, weight format, remote code."""
     dtype_name = spec.options.get("dtype", "float32")

@@ -15,7 +15,7 @@ from PIL import Image
 
 from protocol.errors import ErrorCode, PoolError
 from protocol.messages import GenerateImage
-from registry.loaders.common import pretrained_kwargs, require_dir
+from registry.loaders.common import place, pretrained_kwargs, require_dir
 from registry.spec import ModelSpec
 from workers.capabilities.text_to_image import StepCallback
 
@@ -129,6 +129,7 @@ def load(spec: ModelSpec, model_dir: Path | None) -> Diffusion:
     if not hasattr(pipe, "image_processor") or not hasattr(pipe, "vae"):
         raise ValueError(f"model {spec.key!r}: {type(pipe).__name__} is not a text-to-image "
                          "pipeline with a VAE")
+    pipe = place(spec, pipe)
     max_size = spec.options.get("max_size")
     preview_size = int(spec.options.get("preview_size", PREVIEW_SIZE))
     return Diffusion(spec.key, pipe, int(max_size) if max_size else None, preview_size)

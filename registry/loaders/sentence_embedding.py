@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from registry.loaders.common import pretrained_kwargs, require_dir
+from registry.loaders.common import place, pretrained_kwargs, require_dir
 from registry.spec import ModelSpec
 
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
@@ -44,12 +44,13 @@ class SentenceEmbedder:
         if self.lowercase:
             texts = [t.lower() for t in texts]
         batch = self.tokenizer(list(texts), padding=True, truncation=True,
-                               max_length=self.max_seq_length, return_tensors="pt")
+                               max_length=self.max_seq_length,
+                               return_tensors="pt").to(self.model.device)
         hidden = self.model(**batch).last_hidden_state
         pooled = pool(hidden, batch["attention_mask"], self.pooling)
         if self.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.float().numpy()
+        return pooled.float().cpu().numpy()
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -76,7 +77,7 @@ def load(spec: ModelSpec, model_dir: Path | None) -> SentenceEmbedder:
     kwargs = pretrained_kwargs(spec)
     tokenizer = AutoTokenizer.from_pretrained(
         transformer_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
-    model = AutoModel.from_pretrained(transformer_dir, **kwargs)
+    model = place(spec, AutoModel.from_pretrained(transformer_dir, **kwargs))
     limit = int(getattr(model.config, "max_position_embeddings", 512))
     max_len = spec.options.get("max_seq_length", layout["max_seq_length"]) or limit
     return SentenceEmbedder(

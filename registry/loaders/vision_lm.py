@@ -18,7 +18,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from protocol.errors import ErrorCode, PoolError
 from protocol.messages import Describe
 from registry.loaders.causal_lm import IncrementalDecoder, _eos_ids, sample
-from registry.loaders.common import pretrained_kwargs, require_dir
+from registry.loaders.common import place, pretrained_kwargs, require_dir
 from registry.spec import ModelSpec
 from workers.capabilities.text_to_text import GenerationStats
 
@@ -53,8 +53,9 @@ class VisionLM:
                 return_tensors="pt", sanitize_control_tokens=True)
         else:  # processors without a template (BLIP-style) place the image themselves
             inputs = self.processor(images=rgb, text=question, return_tensors="pt")
-        return {name: value.to(self.model.dtype)
-                if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        device = self.model.device
+        return {name: (value.to(device, self.model.dtype) if value.is_floating_point()
+                       else value.to(device)) if isinstance(value, torch.Tensor) else value
                 for name, value in inputs.items()}
 
     @torch.inference_mode()
@@ -78,7 +79,7 @@ class VisionLM:
         for _ in range(budget):
             out = self.model(**step_inputs, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            token = sample(out.logits[0, -1].float(), request.temperature, request.top_p,
+            token = sample(out.logits[0, -1].float().cpu(), request.temperature, request.top_p,
                            generator)
             if token in self.eos_ids and not request.ignore_eos:
                 stats.finish_reason = "stop"
@@ -87,7 +88,8 @@ class VisionLM:
             yield detok.add(token)  # maybe "": the adapter still ticks and checks aborts
             # The full mask keeps positions right for models that derive them from it.
             mask = torch.cat([mask, mask.new_ones((1, 1))], dim=1)
-            step_inputs = {"input_ids": torch.tensor([[token]]), "attention_mask": mask}
+            step_inputs = {"input_ids": torch.tensor([[token]], device=mask.device),
+                           "attention_mask": mask}
         if tail := detok.flush():
             yield tail
 
@@ -106,5 +108,6 @@ def load(spec: ModelSpec, model_dir: Path | None) -> VisionLM:
         model_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
     if getattr(processor, "tokenizer", None) is None:
         raise ValueError(f"model {spec.key!r}: its processor has no tokenizer")
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, **pretrained_kwargs(spec))
+    model = place(spec, AutoModelForImageTextToText.from_pretrained(
+        model_dir, **pretrained_kwargs(spec)))
     return VisionLM(spec.key, processor, model)
