@@ -159,16 +159,20 @@ def daemon_figures(texts: list[str], singles: int, cold_start: int) -> dict[str,
             c.embed("first")
             first_reply = time.perf_counter() - daemon.started
             status = c.status()
+        pss_first = round(sum(daemon.pss_mb().values()), 1)
         model = next(m for m in status["models"] if m["key"] == MINILM)
         figures = {
             "cold_start_workers": cold_start,
             "start_to_listening_s": round(listening, 3),
             "start_to_first_embedding_s": round(first_reply, 3),
             "workers": len(model["workers"]),
+            "pss_mb_after_first_reply": pss_first,
             "single": asyncio.run(latency_through(daemon.socket, texts[:singles])),
             "texts_per_s_64_in_flight": asyncio.run(
                 throughput_through(daemon.socket, texts, 64)),
         }
+        figures["pss_mb_busy"] = round(sum(daemon.pss_mb().values()), 1)
+        time.sleep(2)  # idle workers return freed heap after 1 s (workers/main.py)
         figures["pss_mb"] = daemon.pss_mb()
         figures["pss_total_mb"] = round(sum(figures["pss_mb"].values()), 1)
         return figures
