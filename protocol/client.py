@@ -37,7 +37,9 @@ from protocol.client_support import (
     _options,
     _unavailable,
     _vectors,
-    image_input,
+    describe_msg,
+    embed_image_msg,
+    generate_image_msg,
 )
 from protocol.errors import ErrorCode, PoolError
 from protocol.framing import MAX_FRAME_BYTES, read_frame, recv_frame, send_frame
@@ -45,10 +47,7 @@ from protocol.framing import frame as make_frame
 from protocol.messages import (
     PROTOCOL_VERSION,
     Cancel,
-    Describe,
-    EmbedImage,
     Error,
-    GenerateImage,
     GetStatus,
     Hello,
     ListModels,
@@ -156,10 +155,8 @@ class Client:
                     priority: Priority = "normal", timeout_s: float | None = None,
                     deadline_s: float | None = None) -> np.ndarray:
         """float32 vectors: (dim,) for one image, (n, dim) for a list."""
-        single = not isinstance(images, list)
-        msg = EmbedImage(id=next(self._ids), model=model or "",
-                         images=[image_input(i) for i in ([images] if single else images)],
-                         **_options(priority, timeout_s, deadline_s))
+        msg, single = embed_image_msg(next(self._ids), images, model,
+                                      **_options(priority, timeout_s, deadline_s))
         self._send(msg)
         reply = self._next(msg.id)
         self._inbox.pop(msg.id, None)
@@ -172,10 +169,9 @@ class Client:
                  timeout_s: float | None = None,
                  deadline_s: float | None = None) -> Iterator[TextChunk]:
         """Stream text about an image; "" asks for a caption."""
-        msg = Describe(id=next(self._ids), model=model or "", image=image_input(image),
-                       prompt=query, max_tokens=max_tokens, temperature=temperature,
-                       top_p=top_p, seed=seed, stop=stop or [], ignore_eos=ignore_eos,
-                       **_options(priority, timeout_s, deadline_s))
+        msg = describe_msg(next(self._ids), image, query, model, stop, max_tokens=max_tokens,
+                           temperature=temperature, top_p=top_p, seed=seed,
+                           ignore_eos=ignore_eos, **_options(priority, timeout_s, deadline_s))
         self._send(msg)
         return self._stream(msg.id)
 
@@ -186,10 +182,10 @@ class Client:
                        timeout_s: float | None = None,
                        deadline_s: float | None = None) -> Iterator[ImageChunk]:
         """Progress per step; the last chunk has the PNG in .png."""
-        msg = GenerateImage(id=next(self._ids), model=model or "", prompt=prompt, steps=steps,
-                            width=width, height=height, seed=seed, guidance=guidance,
-                            negative_prompt=negative_prompt, preview_every=preview_every,
-                            **_options(priority, timeout_s, deadline_s))
+        msg = generate_image_msg(next(self._ids), prompt, model, steps=steps, width=width,
+                                 height=height, seed=seed, guidance=guidance,
+                                 negative_prompt=negative_prompt, preview_every=preview_every,
+                                 **_options(priority, timeout_s, deadline_s))
         self._send(msg)
         return self._stream(msg.id, _image_chunk)
 
@@ -323,10 +319,8 @@ class AsyncClient:
     async def embed_image(self, images: ImageLike | list[ImageLike], model: str | None = None,
                           *, priority: Priority = "normal", timeout_s: float | None = None,
                           deadline_s: float | None = None) -> np.ndarray:
-        single = not isinstance(images, list)
-        msg = EmbedImage(id=next(self._ids), model=model or "",
-                         images=[image_input(i) for i in ([images] if single else images)],
-                         **_options(priority, timeout_s, deadline_s))
+        msg, single = embed_image_msg(next(self._ids), images, model,
+                                      **_options(priority, timeout_s, deadline_s))
         route = self._open(msg)
         try:
             return _vectors(await route.get(), single)
@@ -339,10 +333,9 @@ class AsyncClient:
                        ignore_eos: bool = False, priority: Priority = "normal",
                        timeout_s: float | None = None,
                        deadline_s: float | None = None) -> AsyncIterator[TextChunk]:
-        msg = Describe(id=next(self._ids), model=model or "", image=image_input(image),
-                       prompt=query, max_tokens=max_tokens, temperature=temperature,
-                       top_p=top_p, seed=seed, stop=stop or [], ignore_eos=ignore_eos,
-                       **_options(priority, timeout_s, deadline_s))
+        msg = describe_msg(next(self._ids), image, query, model, stop, max_tokens=max_tokens,
+                           temperature=temperature, top_p=top_p, seed=seed,
+                           ignore_eos=ignore_eos, **_options(priority, timeout_s, deadline_s))
         async for chunk in self._stream(msg, _chunk):
             yield chunk
 
@@ -352,10 +345,10 @@ class AsyncClient:
                              preview_every: int = 0, priority: Priority = "normal",
                              timeout_s: float | None = None,
                              deadline_s: float | None = None) -> AsyncIterator[ImageChunk]:
-        msg = GenerateImage(id=next(self._ids), model=model or "", prompt=prompt, steps=steps,
-                            width=width, height=height, seed=seed, guidance=guidance,
-                            negative_prompt=negative_prompt, preview_every=preview_every,
-                            **_options(priority, timeout_s, deadline_s))
+        msg = generate_image_msg(next(self._ids), prompt, model, steps=steps, width=width,
+                                 height=height, seed=seed, guidance=guidance,
+                                 negative_prompt=negative_prompt, preview_every=preview_every,
+                                 **_options(priority, timeout_s, deadline_s))
         async for chunk in self._stream(msg, _image_chunk):
             yield chunk
 

@@ -20,11 +20,14 @@ from protocol.messages import (
     Ack,
     ChatMessage,
     Chunk,
+    Describe,
     Embed,
     Embeddings,
+    EmbedImage,
     End,
     Error,
     Generate,
+    GenerateImage,
     ImageInput,
     ImageProgress,
     ModelsReply,
@@ -155,3 +158,21 @@ def _encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:
 def _unavailable(path: str, exc: BaseException) -> PoolError:
     return PoolError(ErrorCode.UNAVAILABLE, f"cannot reach the modelpool daemon at {path}: "
                      f"{exc} (is `modelpool serve` running?)")
+
+
+def embed_image_msg(rid: int, images: ImageLike | list[ImageLike], model: str | None,
+                    **opts: Any) -> tuple[EmbedImage, bool]:
+    """The request, and whether the caller gave one image (a (dim,) result) or a list."""
+    single = not isinstance(images, list)
+    items = [image_input(i) for i in ([images] if single else images)]
+    return EmbedImage(id=rid, model=model or "", images=items, **opts), single
+
+
+def describe_msg(rid: int, image: ImageLike, query: str, model: str | None,
+                 stop: list[str] | None, **opts: Any) -> Describe:
+    return Describe(id=rid, model=model or "", image=image_input(image), prompt=query,
+                    stop=stop or [], **opts)
+
+
+def generate_image_msg(rid: int, prompt: str, model: str | None, **opts: Any) -> GenerateImage:
+    return GenerateImage(id=rid, model=model or "", prompt=prompt, **opts)

@@ -4,7 +4,7 @@ so the worker can stream, count progress and stop between any two tokens."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protocol.errors import ErrorCode, PoolError
-from protocol.messages import Generate
+from protocol.messages import Describe, Generate
 from registry.loaders.common import place, pretrained_kwargs, require_dir
 from registry.spec import ModelSpec
 from workers.capabilities.text_to_text import GenerationStats
@@ -25,7 +25,7 @@ class CausalLM:
         self.model = model.eval()
         config = model.config
         self.context = int(getattr(config, "max_position_embeddings", 0) or 2048)
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids_of(model, tokenizer)
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template)}
@@ -51,25 +51,36 @@ class CausalLM:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {len(ids)} tokens; model "
                             f"{self.key!r} has a context of {self.context}")
         budget = min(request.max_tokens, self.context - len(ids))
-        seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
-        generator = torch.Generator().manual_seed(seed)
-        detok = IncrementalDecoder(self.tokenizer)
         device = self.model.device
-        step_input, past = torch.tensor([ids], device=device), None
-        stats.finish_reason = "length"
-        for _ in range(budget):
-            out = self.model(input_ids=step_input, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            token = sample(out.logits[0, -1].float().cpu(), request.temperature, request.top_p,
-                           generator)
-            if token in self.eos_ids and not request.ignore_eos:
-                stats.finish_reason = "stop"
-                break
-            stats.completion_tokens += 1
-            yield detok.add(token)  # maybe "": the adapter still ticks and checks aborts
-            step_input = torch.tensor([[token]], device=device)
-        if tail := detok.flush():
-            yield tail
+        yield from decode(self.model, {"input_ids": torch.tensor([ids], device=device)},
+                          lambda token: {"input_ids": torch.tensor([[token]], device=device)},
+                          budget, request, self.eos_ids, self.tokenizer, stats)
+
+
+def decode(model: Any, first_inputs: dict[str, Any],
+           next_inputs: Callable[[int], dict[str, Any]], budget: int,
+           request: Generate | Describe, eos_ids: set[int], tokenizer: Any,
+           stats: GenerationStats) -> Iterator[str]:
+    """Token by token with a KV cache: the first step runs the whole prompt, each later
+    one only the new token. Yields one text piece per token (maybe "")."""
+    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
+    generator = torch.Generator().manual_seed(seed)
+    detok = IncrementalDecoder(tokenizer)
+    step_inputs, past = first_inputs, None
+    stats.finish_reason = "length"
+    for _ in range(budget):
+        out = model(**step_inputs, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        token = sample(out.logits[0, -1].float().cpu(), request.temperature, request.top_p,
+                       generator)
+        if token in eos_ids and not request.ignore_eos:
+            stats.finish_reason = "stop"
+            break
+        stats.completion_tokens += 1
+        yield detok.add(token)  # maybe "": the adapter still ticks and checks aborts
+        step_inputs = next_inputs(token)
+    if tail := detok.flush():
+        yield tail
 
 
 class IncrementalDecoder:
@@ -118,7 +129,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float,
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids_of(model: Any, tokenizer: Any) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "eos_token_id", None) if source is not None else None

@@ -6,7 +6,6 @@ the causal LMs do, so the worker can stream, count progress and stop between tok
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from protocol.errors import ErrorCode, PoolError
 from protocol.messages import Describe
-from registry.loaders.causal_lm import IncrementalDecoder, _eos_ids, sample
+from registry.loaders.causal_lm import decode, eos_ids_of
 from registry.loaders.common import place, pretrained_kwargs, require_dir
 from registry.spec import ModelSpec
 from workers.capabilities.text_to_text import GenerationStats
@@ -33,7 +32,7 @@ class VisionLM:
         self.model = model.eval()
         text_config = model.config.get_text_config()
         self.context = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
-        self.eos_ids = _eos_ids(model, self.tokenizer) | _config_eos(text_config)
+        self.eos_ids = eos_ids_of(model, self.tokenizer) | _config_eos(text_config)
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context,
@@ -68,30 +67,17 @@ class VisionLM:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "
                             f"included); model {self.key!r} has a context of {self.context}")
         budget = min(request.max_tokens, self.context - n_prompt)
-        seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
-        generator = torch.Generator().manual_seed(seed)
-        detok = IncrementalDecoder(self.tokenizer)
-        # The first step runs the whole prompt with the image; each later step only feeds
-        # the new token, the KV cache holding everything before it.
-        step_inputs, past = inputs, None
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
-        stats.finish_reason = "length"
-        for _ in range(budget):
-            out = self.model(**step_inputs, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            token = sample(out.logits[0, -1].float().cpu(), request.temperature, request.top_p,
-                           generator)
-            if token in self.eos_ids and not request.ignore_eos:
-                stats.finish_reason = "stop"
-                break
-            stats.completion_tokens += 1
-            yield detok.add(token)  # maybe "": the adapter still ticks and checks aborts
+
+        def next_inputs(token: int) -> dict[str, torch.Tensor]:
             # The full mask keeps positions right for models that derive them from it.
+            nonlocal mask
             mask = torch.cat([mask, mask.new_ones((1, 1))], dim=1)
-            step_inputs = {"input_ids": torch.tensor([[token]], device=mask.device),
-                           "attention_mask": mask}
-        if tail := detok.flush():
-            yield tail
+            return {"input_ids": torch.tensor([[token]], device=mask.device),
+                    "attention_mask": mask}
+
+        yield from decode(self.model, inputs, next_inputs, budget, request, self.eos_ids,
+                          self.tokenizer, stats)
 
 
 def _config_eos(config: Any) -> set[int]:
