@@ -32,13 +32,17 @@ def image_error(config: Config, request: WorkRequest) -> Rejection | None:
                     "image URLs are disabled (set [images] allow_urls = true)")
     return None
 
-def bounds_error(pool: Pool, model: ModelState) -> Rejection | None:
+def bounds_error(pool: Pool, model: ModelState, nbytes: int) -> Rejection | None:
     limit = model.spec.max_queue or pool.pool_config.max_queue
     if len(model.queue) >= limit:
         return ErrorCode.QUEUE_FULL, f"model {model.spec.key!r} has {limit} requests waiting"
     total = sum(len(m.queue) for m in pool.models.values())
     if total >= pool.pool_config.max_queued_total:
         return ErrorCode.OVERLOADED, f"the daemon has {total} requests waiting"
+    queued_bytes = sum(m.queue.nbytes for m in pool.models.values())
+    if queued_bytes + nbytes > pool.pool_config.max_queued_bytes:
+        return (ErrorCode.OVERLOADED, f"the daemon holds {queued_bytes >> 20} MiB of waiting "
+                f"requests (max_queued_bytes)")
     return None
 
 def retry_after(model: ModelState | None) -> float:

@@ -40,6 +40,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_batch_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0  # only under load
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 1000  # per model -> QUEUE_FULL
     max_queued_total: Annotated[int, msgspec.Meta(ge=1)] = 5000  # all models -> OVERLOADED
+    max_queued_bytes: Annotated[int, msgspec.Meta(ge=1)] = 1 << 30  # their bytes -> OVERLOADED
     priority_aging_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # 0: no ageing
     threads_per_worker: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: cpus / cold start
     heartbeat_interval_s: Positive = 0.5

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import Error, WorkRequest
+from protocol.messages import Embed, Error, WorkRequest
 from supervisor.metrics import ModelMetrics
 from supervisor.queueing import (
     PRIORITY_RANK,
@@ -82,9 +82,27 @@ class JobBook:
             if not req.sink.closed:
                 req.sink.send(msgspec.structs.replace(chunk, id=req.client_id))
 
+    def split(self, job: Job, max_batch: int) -> list[Job]:
+        """Parts of at most max_batch inputs, so one huge request is spread over workers
+        and interleaves with other work instead of holding a worker for its whole length."""
+        request = job.request
+        field_name = "texts" if isinstance(request, Embed) else "images"
+        items = getattr(request, field_name)
+        for start in range(0, len(items), max_batch):
+            part_request = msgspec.structs.replace(
+                request, **{field_name: items[start : start + max_batch]})
+            job.parts.append(Job(job_id=next(self._job_ids), request=part_request,
+                                 model_key=job.model_key, accepted_at=job.accepted_at,
+                                 parent=job, nbytes=job.nbytes * max_batch // len(items)))
+        job.state = JobState.RUNNING  # it runs as its parts
+        return job.parts
+
     def finish(self, job: Job, reply: Any) -> None:
         """The job's final reply, to each of its requesters under its own id."""
         if job.state is JobState.DONE:
+            return
+        if job.parent is not None:
+            self._part_done(job, reply)
             return
         self._close(job)
         for req in job.live:
@@ -126,7 +144,25 @@ class JobBook:
         for req in list(sink.jobs.values()):
             self.end_requester(req, None)
 
+    def _part_done(self, part: Job, reply: Any) -> None:
+        parent = part.parent
+        assert parent is not None
+        self._close(part)
+        if isinstance(reply, Error):
+            self.finish(parent, reply)  # one failed part fails the request
+            return
+        parent.part_replies[part.job_id] = reply
+        if len(parent.part_replies) == len(parent.parts):
+            rows = [parent.part_replies[p.job_id] for p in parent.parts]
+            self.finish(parent, msgspec.structs.replace(
+                rows[0], data=b"".join(r.data for r in rows),
+                shape=[sum(r.shape[0] for r in rows), *rows[0].shape[1:]]))
+
     def _close(self, job: Job) -> None:
+        for part in job.parts:  # a finished or abandoned request needs none of its parts
+            if part.state is not JobState.DONE:
+                self.pool.abandon(part)
+                self._close(part)
         model = self.pool.models[job.model_key]
         if job.state is JobState.QUEUED:
             job.state = JobState.DONE

@@ -109,7 +109,7 @@ class Pool:
 
     # ---- admission -------------------------------------------------------------------
 
-    def submit(self, sink: Any, request: WorkRequest) -> None:
+    def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> None:
         spec = self._resolve(request)
         model = self.models[spec.key] if spec else None
         deadline_in = self._deadline_in(request)
@@ -119,7 +119,7 @@ class Pool:
         key = dedup_key(request, model.spec.key) if model and not reject else None
         leader = self.book.leader_for(key)
         if reject is None and leader is None and model is not None:
-            reject = admission.bounds_error(self, model)
+            reject = admission.bounds_error(self, model, nbytes)
         if reject is not None:
             self._reject(sink, request, model, reject)
             return
@@ -130,7 +130,14 @@ class Pool:
         if leader is not None:
             self.book.attach(req, leader, model)
             return
-        model.queue.push(self.book.new_job(req, request, model, key))
+        job = self.book.new_job(req, request, model, key)
+        job.nbytes = nbytes
+        max_batch = model.spec.max_batch or self.pool_config.max_batch
+        if model.spec.batched and job.size > max_batch:
+            for part in self.book.split(job, max_batch):
+                model.queue.push(part)
+        else:
+            model.queue.push(job)
         self.reconcile(model)
 
     def _reject(self, sink: Any, request: WorkRequest, model: ModelState | None,
@@ -194,6 +201,9 @@ class Pool:
     def wait_cause(self, job: Job) -> str:
         """Why a job has not finished yet, for TIMEOUT and DEADLINE_EXPIRED messages."""
         model = self.models[job.model_key]
+        if job.parts:
+            done = len(job.part_replies)
+            return f"split into {len(job.parts)} parts, {done} done"
         if job.state is JobState.RUNNING:
             worker = model.workers.get(job.worker_id or 0)
             return f"running on worker pid {worker.pid if worker else '?'}"

@@ -67,11 +67,18 @@ class Job:
     chunks_sent: int = 0
     retries: int = 0
     dedup_key: bytes | None = None
+    nbytes: int = 0  # size of the request on the wire, for the queue's byte bound
+    # A request larger than max_batch runs as parts, each queued on its own; the parent
+    # holds the requesters and gathers the parts' rows in order.
+    parent: Job | None = None
+    parts: list[Job] = field(default_factory=list)
+    part_replies: dict[int, Any] = field(default_factory=dict)
     history: list[Any] | None = None  # chunks so far, replayed to requesters who attach late
 
     @property
     def live(self) -> list[Requester]:
-        return [r for r in self.requesters if not r.done]
+        owner = self.parent or self
+        return [r for r in owner.requesters if not r.done]
 
     @property
     def size(self) -> int:
@@ -120,6 +127,7 @@ class JobQueue:
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
         self.live = 0
+        self.nbytes = 0  # of the jobs waiting
 
     def __len__(self) -> int:
         return self.live
@@ -128,6 +136,7 @@ class JobQueue:
         job.rank = PRIORITY_RANK[job.request.priority]
         heapq.heappush(self._heap, (job.rank, next(self._order), job))
         self.live += 1
+        self.nbytes += job.nbytes
 
     def push_front(self, job: Job) -> None:
         """Re-queue ahead of everything of the same rank (a dead worker's job)."""
@@ -135,6 +144,7 @@ class JobQueue:
             job.rank = PRIORITY_RANK[job.request.priority]
         heapq.heappush(self._heap, (job.rank, next(self._front), job))
         self.live += 1
+        self.nbytes += job.nbytes
 
     def promote(self, job: Job, rank: int) -> None:
         """Move a queued job up to rank (ageing, or a more urgent requester attached)."""
@@ -145,6 +155,7 @@ class JobQueue:
     def discard(self, job: Job) -> None:
         """Call after moving a queued job out of QUEUED (cancelled, timed out)."""
         self.live -= 1
+        self.nbytes -= job.nbytes
         self._drop_dead_top()
 
     def pop_batch(self, max_size: int, batched: bool) -> list[Job]:
@@ -179,6 +190,7 @@ class JobQueue:
     def _pop(self) -> Job:
         job = heapq.heappop(self._heap)[2]
         self.live -= 1
+        self.nbytes -= job.nbytes
         return job
 
     def _drop_dead_top(self) -> None:

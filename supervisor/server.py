@@ -255,7 +255,7 @@ class Server:
                             message=f"invalid request: {exc}"))
             return
         try:
-            self._dispatch(conn, msg)
+            self._dispatch(conn, msg, len(payload))
         except management.ManagementError as exc:
             conn.send(Error(id=getattr(msg, "id", None), code=exc.code, message=exc.message))
         except Exception as exc:
@@ -263,10 +263,10 @@ class Server:
             conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.INTERNAL,
                             message=f"{type(exc).__name__}: {exc}"))
 
-    def _dispatch(self, conn: Connection, msg: Any) -> None:
+    def _dispatch(self, conn: Connection, msg: Any, nbytes: int) -> None:
         match msg:
             case Embed() | Generate() | EmbedImage() | Describe() | GenerateImage():
-                self.pool.submit(conn, msg)
+                self.pool.submit(conn, msg, nbytes)
             case Cancel(id=client_id):
                 self.pool.cancel(conn, client_id)
             case GetStatus(id=rid):

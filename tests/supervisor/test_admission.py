@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from protocol.errors import ErrorCode
-from protocol.messages import Embeddings, Error, ModelStatus
+from protocol.messages import Embed, Embeddings, Error, ModelStatus
 from supervisor import management
 
 if TYPE_CHECKING:
@@ -149,3 +149,62 @@ async def test_under_load_a_small_batch_waits_to_fill(make_harness: MakeHarness)
     assert [i.request.texts for i in work.items] == [["b"], ["c"]]
     emb = model_status(h)
     assert emb.mean_batch == 1.5  # batches of 1 and 2
+
+
+async def test_waiting_bytes_are_bounded(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, max_queued_bytes=1000)
+    await one_busy_worker(h)
+    sink = h.sink()
+    h.pool.submit(sink, Embed(id=901, model="emb", texts=["a"]), nbytes=600)
+    h.pool.submit(sink, Embed(id=902, model="emb", texts=["b"]), nbytes=600)  # 1200 > 1000
+    (error,) = sink.errors()
+    assert error.id == 902 and error.code is ErrorCode.OVERLOADED
+    assert h.pool.models["emb"].queue.nbytes == 600
+    h.pool.cancel(sink, 901)
+    assert h.pool.models["emb"].queue.nbytes == 0  # released with the request
+    h.pool.submit(sink, Embed(id=903, model="emb", texts=["c"]), nbytes=900)
+    assert len(sink.errors()) == 2  # 903 fits again; the second error is 901's CANCELLED
+
+
+async def test_a_request_larger_than_max_batch_is_spread_over_workers(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=2, max_batch=4)
+    sink = h.sink()
+    client_id = h.embed(sink, [f"t{i}" for i in range(10)])
+    assert len(h.pool.models["emb"].queue) == 3  # parts of 4, 4 and 2 texts
+    await h.settle()
+    first, second = h.workers("emb")
+    h.ready(first)
+    h.ready(second)
+    (work_a,), (work_b,) = h.works(first), h.works(second)
+    assert [len(i.request.texts) for i in work_a.items + work_b.items] == [4, 4]
+    h.pool.on_worker_message(second, Embeddings(id=work_b.items[0].job_id,
+                                                data=bytes(range(4)) * 4, shape=[4, 1]))
+    h.want_work(second)  # takes the last part
+    (last,) = h.works(second)[1].items
+    h.pool.on_worker_message(first, Embeddings(id=work_a.items[0].job_id,
+                                               data=bytes(range(4, 8)) * 4, shape=[4, 1]))
+    assert sink.finals(client_id) == []  # one part still out
+    h.pool.on_worker_message(second, Embeddings(id=last.job_id, data=b"\xff" * 8,
+                                                shape=[2, 1]))
+    (reply,) = sink.finals(client_id)
+    assert reply.shape == [10, 1]  # rows in request order, whatever order parts finished
+    assert reply.data == bytes(range(4, 8)) * 4 + bytes(range(4)) * 4 + b"\xff" * 8
+
+
+async def test_a_failing_part_fails_the_request_and_drops_the_rest(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, max_batch=4)
+    sink = h.sink()
+    client_id = h.embed(sink, [f"t{i}" for i in range(12)])
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    (item,) = h.works(worker)[0].items
+    h.pool.on_worker_message(worker, Error(id=item.job_id, code=ErrorCode.MODEL_ERROR,
+                                           message="bad text"))
+    (error,) = sink.finals(client_id)
+    assert error.code is ErrorCode.MODEL_ERROR
+    assert len(h.pool.models["emb"].queue) == 0  # the other parts will never run
+    h.want_work(worker)
+    assert len(h.works(worker)) == 1
