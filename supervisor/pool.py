@@ -2,7 +2,7 @@
 
 Everything here runs on the supervisor's one event loop and is the only code that
 mutates pool state. It knows capabilities (batched or streaming) and memory figures,
-never model families, tokenizers or weight formats.
+nothing of model families, their text processing or weight formats.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from supervisor.shm import SharedImages
 from supervisor.workers import Launcher, WorkerHandle, WorkerState
 from workers.main import WorkerSettings
 
-# Which models may serve a request: an image-embedding model with a text tower (CLIP)
+# Which models may serve a request: an image-embedding model with a text tower
 # also answers text embeddings, in the same space as its images.
 SERVED_BY: dict[type, tuple[str, ...]] = {
     Embed: ("text_embedding", "image_embedding"),
