@@ -36,6 +36,7 @@ from protocol.client_support import (
     _is_last,
     _options,
     _unavailable,
+    _undecodable,
     _vectors,
     describe_msg,
     embed_image_msg,
@@ -104,6 +105,8 @@ class Client:
             return server_decoder.decode(recv_frame(self._sock, MAX_FRAME_BYTES))
         except (OSError, EOFError) as exc:
             raise _unavailable(self.socket_path, exc) from exc
+        except msgspec.DecodeError as exc:
+            raise _undecodable(exc) from exc
 
     def _next(self, rid: int) -> Any:
         """The next reply for request rid; replies for other requests are kept for later."""
@@ -271,6 +274,8 @@ class AsyncClient:
                     lost = PoolError(msg.code, msg.message)  # the daemon closes after these
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             lost = exc
+        except msgspec.DecodeError as exc:
+            lost = _undecodable(exc)
         finally:
             err = _unavailable(self.socket_path, lost)
             for route in self._routes.values():

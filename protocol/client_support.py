@@ -155,6 +155,12 @@ def _encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:
     return payload
 
 
+def _undecodable(exc: Exception) -> PoolError:
+    """A reply this client cannot read: most likely a daemon of a newer version."""
+    return PoolError(ErrorCode.PROTOCOL_VERSION, f"cannot decode the daemon's reply ({exc}); "
+                     "is the client older than the daemon?")
+
+
 def _unavailable(path: str, exc: BaseException) -> PoolError:
     return PoolError(ErrorCode.UNAVAILABLE, f"cannot reach the modelpool daemon at {path}: "
                      f"{exc} (is `modelpool serve` running?)")

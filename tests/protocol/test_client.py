@@ -1,0 +1,95 @@
+"""The client library against a scripted fake daemon, and its image input conversion."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from PIL import Image
+
+from protocol.client import Client
+from protocol.client_support import image_input
+from protocol.errors import ErrorCode, PoolError
+from protocol.framing import recv_frame, send_frame
+from protocol.messages import Welcome, client_decoder, encoder
+
+Script = Callable[[socket.socket], None]
+
+
+@pytest.fixture
+def fake_daemon() -> Iterator[Callable[[Script], str]]:
+    """fake_daemon(script) -> socket path; script talks to the one client after Welcome."""
+    path = f"/tmp/mp-fake-{os.getpid()}-{threading.get_ident()}.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    threads: list[threading.Thread] = []
+
+    def start(script: Script) -> str:
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                client_decoder.decode(recv_frame(conn))  # the Hello
+                send_frame(conn, encoder.encode(Welcome(protocol_version=1,
+                                                        server_version="fake",
+                                                        max_frame_bytes=1 << 20)))
+                script(conn)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        threads.append(thread)
+        return path
+
+    yield start
+    server.close()
+    os.unlink(path)
+
+
+def test_a_reply_this_client_cannot_read_is_a_protocol_error(
+        fake_daemon: Callable[[Script], str]) -> None:
+    def newer_daemon(conn: socket.socket) -> None:
+        recv_frame(conn)  # the embed request
+        send_frame(conn, msgspec.msgpack.encode({"op": "error", "id": 1,
+                                                 "code": "SOME_FUTURE_CODE", "message": "?"}))
+
+    with Client(socket_path=fake_daemon(newer_daemon)) as c, pytest.raises(PoolError) as err:
+        c.embed("x")
+    assert err.value.code is ErrorCode.PROTOCOL_VERSION
+
+
+def test_requests_over_the_daemons_frame_limit_are_refused_locally(
+        fake_daemon: Callable[[Script], str]) -> None:
+    path = fake_daemon(lambda conn: None)
+    with Client(socket_path=path) as c, pytest.raises(PoolError) as err:
+        c.embed("x" * (2 << 20))  # the fake daemon's limit is 1 MiB
+    assert err.value.code is ErrorCode.BAD_REQUEST and "limit" in err.value.message
+
+
+def test_an_absent_daemon_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(PoolError) as err:
+        Client(socket_path=str(tmp_path / "nobody.sock"))
+    assert err.value.code is ErrorCode.UNAVAILABLE
+
+
+def test_image_inputs_become_the_same_bytes(tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), (1, 2, 3)).save(buffer, format="PNG")
+    data = buffer.getvalue()
+    path = tmp_path / "x.png"
+    path.write_bytes(data)
+    b64 = base64.b64encode(data).decode()
+    for form in (data, bytearray(data), path, str(path), b64, f"data:image/png;base64,{b64}"):
+        assert image_input(form).data == data
+    pil = image_input(Image.open(io.BytesIO(data)))
+    assert pil.data is not None and Image.open(io.BytesIO(pil.data)).size == (4, 4)
+    assert image_input("https://example.com/x.png").url == "https://example.com/x.png"
+    with pytest.raises(PoolError) as err:
+        image_input("not a file, not a url, not base64!")
+    assert err.value.code is ErrorCode.BAD_REQUEST
