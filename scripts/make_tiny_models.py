@@ -57,60 +57,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# Hand-written so the tokenizer is reproducible without any download. Varied enough that
-# BPE finds LLM_VOCAB_SIZE worth of merges; the trainer needs no more than that.
-CORPUS = """\
-Once upon a time, there was a tiny model who lived in a pool of workers. Every morning it
-woke up, loaded its weights, and waited for requests to arrive over a small Unix socket.
-Some days brought only a few questions; other days brought thousands, and the model had to
-answer each one quickly and politely before the next client knocked on the door.
-
-The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
-single step. She sells sea shells by the sea shore, and the shells she sells are surely
-sea shells. Peter Piper picked a peck of pickled peppers; how many pickled peppers did
-Peter Piper pick? How much wood would a woodchuck chuck if a woodchuck could chuck wood?
-
-In the garden behind the old stone house, tomatoes ripened in the warm afternoon sun. The
-children carried baskets of apples, pears, and plums to the kitchen, where their
-grandmother was baking bread and cinnamon cakes. The smell drifted through the open
-windows and down the quiet street, past the library, the bakery, and the little school.
-
-Computers store numbers as bits, and a byte holds eight of them. Programs read input,
-transform it, and write output. When a process crashes, a careful supervisor notices,
-records what happened, and starts a fresh worker so that nobody waiting in the queue is
-left without an answer. Memory is limited, so old models are evicted when new ones load.
-
-Rain fell softly on the mountains during the night. By dawn the rivers were full and fast,
-rushing over smooth rocks toward the valley. Birds sang from the branches of tall pine
-trees, and a family of deer stepped carefully along the edge of the forest, listening for
-any sound that might mean danger was near.
-
-What time is it? It is half past seven in the evening, on Tuesday, the 14th of March 2023.
-The train leaves at 8:45 from platform 9, and the ticket costs 12.50 dollars. Please bring
-your passport, your phone, and a warm jacket, because the weather report says it will be
-cold and windy tomorrow, with a chance of snow after midnight.
-
-Learning a new language takes patience. You start with simple words like hello, thank you,
-yes, and no. Then you build sentences, ask questions, and make mistakes. Each mistake
-teaches you something. After many weeks of practice, you can read a short story, write a
-letter to a friend, or order dinner at a restaurant without looking at a dictionary.
-
-The engineer opened her laptop and reviewed the logs. Requests had been slow since noon.
-She measured the latency, compared it with yesterday, and found that one worker was
-swapping to disk. After restarting it with a smaller batch size, the graphs turned green
-again, and she wrote a short note explaining the cause, the fix, and the next steps.
-"""
+# Hand-written so the tokenizers are reproducible without any download. Varied enough that
+# BPE finds LLM_VOCAB_SIZE worth of merges. Part of the digest that marks built models.
+CORPUS_FILE = Path(__file__).with_name("tiny_corpus.txt")
 
 
 def _corpus_lines() -> list[str]:
     # Lines rather than one blob so merges never span paragraphs; the repeats give rarer
     # pairs enough counts to be merged in a stable order.
-    lines = [line for line in CORPUS.splitlines() if line.strip()]
+    lines = [line for line in CORPUS_FILE.read_text().splitlines() if line.strip()]
     return lines * 8
 
 
 def train_tokenizer(vocab_size: int) -> Any:
-    """Train a byte-level BPE tokenizer (GPT-2/Qwen style) on the embedded corpus."""
+    """Train a byte-level BPE tokenizer (GPT-2/Qwen style) on the bundled corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -400,7 +360,7 @@ BUILDERS: dict[str, Builder] = {
 def _script_digest() -> str:
     # Stored in the marker so that editing a builder invalidates directories built by the
     # old code instead of silently serving stale fixtures.
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return hashlib.sha256(Path(__file__).read_bytes() + CORPUS_FILE.read_bytes()).hexdigest()
 
 
 def is_complete(model_dir: Path) -> bool:

@@ -28,7 +28,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", help="daemon socket (default: $MODELPOOL_SOCKET, "
                         "$XDG_RUNTIME_DIR/modelpool.sock, or /tmp/modelpool-$USER/)")
     sub = parser.add_subparsers(dest="command", required=True)
+    _text_commands(sub)
+    _image_commands(sub)
+    _admin_commands(sub)
+    return parser
 
+
+SubParsers = Any  # argparse's _SubParsersAction, which has no public name
+
+
+def _text_commands(sub: SubParsers) -> None:
     serve = sub.add_parser("serve", help="run the daemon in the foreground")
     serve.add_argument("--config", help="TOML config (default: $MODELPOOL_CONFIG, else built-in)")
     serve.set_defaults(func=_serve)
@@ -50,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     _request_flags(gen)
     gen.set_defaults(func=_generate)
 
+
+def _image_commands(sub: SubParsers) -> None:
     embed_image = sub.add_parser("embed-image", help="embed images (paths, URLs or base64);"
                                  " prints one JSON vector per line")
     embed_image.add_argument("images", nargs="+")
@@ -77,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     _request_flags(gen_image)
     gen_image.set_defaults(func=_generate_image)
 
+
+def _admin_commands(sub: SubParsers) -> None:
     for name, helptext, func in (("status", "pool state", _status),
                                  ("models", "known models and their state", _models)):
         cmd = sub.add_parser(name, help=helptext)
@@ -96,7 +109,6 @@ def _parser() -> argparse.ArgumentParser:
     unload.set_defaults(func=lambda a: _ack(a, lambda c: c.unload(a.model)))
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.set_defaults(func=lambda a: _ack(a, lambda c: c.stop()))
-    return parser
 
 
 def _request_flags(cmd: argparse.ArgumentParser) -> None:
