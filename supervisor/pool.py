@@ -354,6 +354,7 @@ class Pool:
             worker.state, worker.load_error = WorkerState.DEAD, f"worker start failed: {exc}"
             self.on_worker_exit(worker, None)
             return
+        worker.spawned_at = self.clock()
         if worker.state is WorkerState.STOPPING:  # stopped while it was being created
             self.launcher.kill(worker)
         elif worker.state is WorkerState.STARTING:

@@ -48,10 +48,11 @@ def check_health(pool: Pool) -> None:
     for model in pool.models.values():
         stall_s = model.spec.stall_timeout_s or config.stall_timeout_s
         for worker in model.workers.values():
-            if worker.hung or worker.state in (WorkerState.STARTING, WorkerState.DEAD):
-                continue
+            if worker.hung or worker.spawned_at is None or worker.state in (
+                    WorkerState.STARTING, WorkerState.DEAD):
+                continue  # not a process yet: the forkserver may still be importing torch
             pulse = health.WorkerPulse(
-                worker.started_at, worker.last_heartbeat,
+                worker.spawned_at, worker.last_heartbeat,
                 max(worker.progress_changed_at, worker.last_dispatch_at), bool(worker.jobs))
             reason = health.hung_reason(pulse, now, config.heartbeat_timeout_s, stall_s)
             if reason:

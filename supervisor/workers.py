@@ -50,6 +50,7 @@ class WorkerHandle:
     jobs: dict[int, Job] = field(default_factory=dict)
     last_used: float = 0.0
     ready_at: float | None = None
+    spawned_at: float | None = None  # when its process existed (the forkserver may be slow)
     last_heartbeat: float | None = None
     progress: int = 0
     progress_changed_at: float = 0.0

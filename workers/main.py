@@ -124,11 +124,13 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     """Entry point in the child process."""
     # Ctrl-C at a terminal signals the whole process group; the supervisor decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    nice_before_load = priority.lower()  # until Ready: a load must not slow serving workers
     settings = msgspec.msgpack.decode(settings_bytes, type=WorkerSettings)
     worker = Worker(work_sock, settings.images)
+    # Started before the priority drops (nice values are per thread), so a slow, niced
+    # load on a busy machine still beats on time and is not taken for a hang.
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
                      args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
+    nice_before_load = priority.lower()  # until Ready: a load must not slow serving workers
     model = _load(settings, worker)
     priority.restore(nice_before_load)
     serve(model, settings, worker)

@@ -82,3 +82,16 @@ async def test_busy_worker_without_progress_is_terminated(make_harness: MakeHarn
             break
     assert h.launcher.terminated == [worker]
     assert 30 <= second <= 32
+
+
+async def test_a_slow_forkserver_does_not_make_a_new_worker_look_hung(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(heartbeat_timeout_s=5, cold_start_workers=1)
+    h.generate(h.sink())
+    h.clock.advance(10)  # the forkserver took 10 s to import torch before forking
+    await h.settle()
+    h.pool.check_health()
+    assert h.launcher.terminated == []
+    h.clock.advance(6)  # but a spawned worker silent for 6 s is hung
+    h.pool.check_health()
+    assert h.launcher.terminated == h.workers("gen")
