@@ -27,20 +27,20 @@ from protocol.client_support import (
     ImageChunk,
     ImageLike,
     TextChunk,
-    _check,
-    _chunk,
-    _embed_msg,
-    _encode_checked,
-    _generate_msg,
-    _image_chunk,
-    _is_last,
-    _options,
-    _unavailable,
-    _undecodable,
-    _vectors,
+    check_reply,
     describe_msg,
     embed_image_msg,
+    embed_msg,
+    encode_checked,
     generate_image_msg,
+    generate_msg,
+    image_chunk,
+    is_last,
+    request_options,
+    text_chunk,
+    unavailable,
+    undecodable,
+    vectors_of,
 )
 from protocol.errors import ErrorCode, PoolError
 from protocol.framing import MAX_FRAME_BYTES, read_frame, recv_frame, send_frame
@@ -80,9 +80,9 @@ class Client:
             self._sock.connect(self.socket_path)
         except OSError as exc:
             self._sock.close()
-            raise _unavailable(self.socket_path, exc) from exc
+            raise unavailable(self.socket_path, exc) from exc
         self._send(Hello(protocol_version=PROTOCOL_VERSION, client=name))
-        self.welcome: Welcome = _check(self._recv())
+        self.welcome: Welcome = check_reply(self._recv())
 
     def __enter__(self) -> Client:
         return self
@@ -94,19 +94,19 @@ class Client:
         self._sock.close()
 
     def _send(self, msg: msgspec.Struct) -> None:
-        payload = _encode_checked(msg, getattr(self, "welcome", None))
+        payload = encode_checked(msg, getattr(self, "welcome", None))
         try:
             send_frame(self._sock, payload)
         except OSError as exc:
-            raise _unavailable(self.socket_path, exc) from exc
+            raise unavailable(self.socket_path, exc) from exc
 
     def _recv(self) -> Any:
         try:
             return server_decoder.decode(recv_frame(self._sock, MAX_FRAME_BYTES))
         except (OSError, EOFError) as exc:
-            raise _unavailable(self.socket_path, exc) from exc
+            raise unavailable(self.socket_path, exc) from exc
         except msgspec.DecodeError as exc:
-            raise _undecodable(exc) from exc
+            raise undecodable(exc) from exc
 
     def _next(self, rid: int) -> Any:
         """The next reply for request rid; replies for other requests are kept for later."""
@@ -127,18 +127,18 @@ class Client:
         self._send(msg)
         reply = self._next(msg.id)
         self._inbox.pop(msg.id, None)
-        return _check(reply)
+        return check_reply(reply)
 
     def embed(self, texts: str | list[str], model: str | None = None, *,
               priority: Priority = "normal", timeout_s: float | None = None,
               deadline_s: float | None = None) -> np.ndarray:
         """float32 vectors: shape (dim,) for one text, (n, dim) for a list."""
-        msg = _embed_msg(next(self._ids), texts, model,
-                         **_options(priority, timeout_s, deadline_s))
+        msg = embed_msg(next(self._ids), texts, model,
+                         **request_options(priority, timeout_s, deadline_s))
         self._send(msg)
         reply = self._next(msg.id)
         self._inbox.pop(msg.id, None)
-        return _vectors(reply, isinstance(texts, str))
+        return vectors_of(reply, isinstance(texts, str))
 
     def generate(self, prompt: str | list[dict[str, str]], model: str | None = None, *,
                  max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
@@ -147,10 +147,10 @@ class Client:
                  timeout_s: float | None = None,
                  deadline_s: float | None = None) -> Iterator[TextChunk]:
         """Stream text chunks; breaking out of the loop cancels the request."""
-        msg = _generate_msg(next(self._ids), prompt, model, max_tokens=max_tokens,
+        msg = generate_msg(next(self._ids), prompt, model, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop or [],
                             ignore_eos=ignore_eos, raw=raw,
-                            **_options(priority, timeout_s, deadline_s))
+                            **request_options(priority, timeout_s, deadline_s))
         self._send(msg)
         return self._stream(msg.id)
 
@@ -159,11 +159,11 @@ class Client:
                     deadline_s: float | None = None) -> np.ndarray:
         """float32 vectors: (dim,) for one image, (n, dim) for a list."""
         msg, single = embed_image_msg(next(self._ids), images, model,
-                                      **_options(priority, timeout_s, deadline_s))
+                                      **request_options(priority, timeout_s, deadline_s))
         self._send(msg)
         reply = self._next(msg.id)
         self._inbox.pop(msg.id, None)
-        return _vectors(reply, single)
+        return vectors_of(reply, single)
 
     def describe(self, image: ImageLike, query: str = "", model: str | None = None, *,
                  max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
@@ -174,7 +174,8 @@ class Client:
         """Stream text about an image; "" asks for a caption."""
         msg = describe_msg(next(self._ids), image, query, model, stop, max_tokens=max_tokens,
                            temperature=temperature, top_p=top_p, seed=seed,
-                           ignore_eos=ignore_eos, **_options(priority, timeout_s, deadline_s))
+                           ignore_eos=ignore_eos,
+                           **request_options(priority, timeout_s, deadline_s))
         self._send(msg)
         return self._stream(msg.id)
 
@@ -188,16 +189,16 @@ class Client:
         msg = generate_image_msg(next(self._ids), prompt, model, steps=steps, width=width,
                                  height=height, seed=seed, guidance=guidance,
                                  negative_prompt=negative_prompt, preview_every=preview_every,
-                                 **_options(priority, timeout_s, deadline_s))
+                                 **request_options(priority, timeout_s, deadline_s))
         self._send(msg)
-        return self._stream(msg.id, _image_chunk)
+        return self._stream(msg.id, image_chunk)
 
-    def _stream(self, rid: int, parse: Callable[[Any], Any] = _chunk) -> Iterator[Any]:
+    def _stream(self, rid: int, parse: Callable[[Any], Any] = text_chunk) -> Iterator[Any]:
         finished = False
         try:
             while not finished:
                 chunk = parse(self._next(rid))
-                finished = _is_last(chunk)
+                finished = is_last(chunk)
                 yield chunk
         except PoolError:
             finished = True
@@ -241,10 +242,10 @@ class AsyncClient:
         try:
             reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
         except OSError as exc:
-            raise _unavailable(self.socket_path, exc) from exc
+            raise unavailable(self.socket_path, exc) from exc
         self._writer.write(make_frame(encoder.encode(
             Hello(protocol_version=PROTOCOL_VERSION, client=self.name))))
-        self.welcome = _check(server_decoder.decode(await read_frame(reader)))
+        self.welcome = check_reply(server_decoder.decode(await read_frame(reader)))
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
         return self
 
@@ -275,16 +276,16 @@ class AsyncClient:
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             lost = exc
         except msgspec.DecodeError as exc:
-            lost = _undecodable(exc)
+            lost = undecodable(exc)
         finally:
-            err = _unavailable(self.socket_path, lost)
+            err = unavailable(self.socket_path, lost)
             for route in self._routes.values():
                 route.put_nowait(Error(id=None, code=err.code, message=err.message))
 
     def _open(self, msg: msgspec.Struct) -> asyncio.Queue[Any]:
         if self._writer is None:
             raise PoolError(ErrorCode.UNAVAILABLE, "AsyncClient is not connected")
-        payload = _encode_checked(msg, self.welcome)
+        payload = encode_checked(msg, self.welcome)
         route: asyncio.Queue[Any] = asyncio.Queue()
         self._routes[msg.id] = route  # type: ignore[attr-defined]
         self._writer.write(make_frame(payload))
@@ -293,18 +294,18 @@ class AsyncClient:
     async def _call(self, msg: Any) -> Any:
         route = self._open(msg)
         try:
-            return _check(await route.get())
+            return check_reply(await route.get())
         finally:
             self._routes.pop(msg.id, None)
 
     async def embed(self, texts: str | list[str], model: str | None = None, *,
                     priority: Priority = "normal", timeout_s: float | None = None,
                     deadline_s: float | None = None) -> np.ndarray:
-        msg = _embed_msg(next(self._ids), texts, model,
-                         **_options(priority, timeout_s, deadline_s))
+        msg = embed_msg(next(self._ids), texts, model,
+                         **request_options(priority, timeout_s, deadline_s))
         route = self._open(msg)
         try:
-            return _vectors(await route.get(), isinstance(texts, str))
+            return vectors_of(await route.get(), isinstance(texts, str))
         finally:
             self._routes.pop(msg.id, None)
 
@@ -314,21 +315,21 @@ class AsyncClient:
                        ignore_eos: bool = False, raw: bool = False,
                        priority: Priority = "normal", timeout_s: float | None = None,
                        deadline_s: float | None = None) -> AsyncIterator[TextChunk]:
-        msg = _generate_msg(next(self._ids), prompt, model, max_tokens=max_tokens,
+        msg = generate_msg(next(self._ids), prompt, model, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, seed=seed, stop=stop or [],
                             ignore_eos=ignore_eos, raw=raw,
-                            **_options(priority, timeout_s, deadline_s))
-        async for chunk in self._stream(msg, _chunk):
+                            **request_options(priority, timeout_s, deadline_s))
+        async for chunk in self._stream(msg, text_chunk):
             yield chunk
 
     async def embed_image(self, images: ImageLike | list[ImageLike], model: str | None = None,
                           *, priority: Priority = "normal", timeout_s: float | None = None,
                           deadline_s: float | None = None) -> np.ndarray:
         msg, single = embed_image_msg(next(self._ids), images, model,
-                                      **_options(priority, timeout_s, deadline_s))
+                                      **request_options(priority, timeout_s, deadline_s))
         route = self._open(msg)
         try:
-            return _vectors(await route.get(), single)
+            return vectors_of(await route.get(), single)
         finally:
             self._routes.pop(msg.id, None)
 
@@ -340,8 +341,9 @@ class AsyncClient:
                        deadline_s: float | None = None) -> AsyncIterator[TextChunk]:
         msg = describe_msg(next(self._ids), image, query, model, stop, max_tokens=max_tokens,
                            temperature=temperature, top_p=top_p, seed=seed,
-                           ignore_eos=ignore_eos, **_options(priority, timeout_s, deadline_s))
-        async for chunk in self._stream(msg, _chunk):
+                           ignore_eos=ignore_eos,
+                           **request_options(priority, timeout_s, deadline_s))
+        async for chunk in self._stream(msg, text_chunk):
             yield chunk
 
     async def generate_image(self, prompt: str, model: str | None = None, *, steps: int = 25,
@@ -353,8 +355,8 @@ class AsyncClient:
         msg = generate_image_msg(next(self._ids), prompt, model, steps=steps, width=width,
                                  height=height, seed=seed, guidance=guidance,
                                  negative_prompt=negative_prompt, preview_every=preview_every,
-                                 **_options(priority, timeout_s, deadline_s))
-        async for chunk in self._stream(msg, _image_chunk):
+                                 **request_options(priority, timeout_s, deadline_s))
+        async for chunk in self._stream(msg, image_chunk):
             yield chunk
 
     async def _stream(self, msg: Any, parse: Callable[[Any], Any]) -> AsyncIterator[Any]:
@@ -363,7 +365,7 @@ class AsyncClient:
         try:
             while not finished:
                 chunk = parse(await route.get())
-                finished = _is_last(chunk)
+                finished = is_last(chunk)
                 yield chunk
         except PoolError:
             finished = True

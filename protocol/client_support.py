@@ -90,8 +90,8 @@ def image_input(image: ImageLike) -> ImageInput:
     raise PoolError(ErrorCode.BAD_REQUEST, f"cannot send a {type(image).__name__} as an image")
 
 
-def _image_chunk(msg: Any) -> ImageChunk:
-    msg = _check(msg)
+def image_chunk(msg: Any) -> ImageChunk:
+    msg = check_reply(msg)
     if isinstance(msg, ImageProgress):
         return ImageChunk(step=msg.step, total_steps=msg.total_steps,
                           preview_png=msg.preview_png)
@@ -99,12 +99,12 @@ def _image_chunk(msg: Any) -> ImageChunk:
                       height=msg.height, seed=msg.seed)
 
 
-def _embed_msg(rid: int, texts: str | list[str], model: str | None, **opts: Any) -> Embed:
+def embed_msg(rid: int, texts: str | list[str], model: str | None, **opts: Any) -> Embed:
     return Embed(id=rid, model=model or "", texts=[texts] if isinstance(texts, str) else texts,
                  **opts)
 
 
-def _generate_msg(rid: int, prompt: str | list[dict[str, str]], model: str | None,
+def generate_msg(rid: int, prompt: str | list[dict[str, str]], model: str | None,
                   **opts: Any) -> Generate:
     if isinstance(prompt, str):
         return Generate(id=rid, model=model or "", prompt=prompt, **opts)
@@ -112,40 +112,40 @@ def _generate_msg(rid: int, prompt: str | list[dict[str, str]], model: str | Non
     return Generate(id=rid, model=model or "", messages=messages, **opts)
 
 
-def _check(msg: Any) -> Any:
+def check_reply(msg: Any) -> Any:
     if isinstance(msg, Error):
         raise PoolError(msg.code, msg.message, msg.retry_after_s)
     return msg
 
 
-def _vectors(msg: Any, single: bool) -> np.ndarray:
-    reply: Embeddings = _check(msg)
+def vectors_of(msg: Any, single: bool) -> np.ndarray:
+    reply: Embeddings = check_reply(msg)
     array = np.frombuffer(reply.data, dtype=np.dtype(reply.dtype).newbyteorder("<"))
     array = array.reshape(reply.shape)
     return array[0] if single else array
 
 
-def _chunk(msg: Any) -> TextChunk:
-    msg = _check(msg)
+def text_chunk(msg: Any) -> TextChunk:
+    msg = check_reply(msg)
     if isinstance(msg, Chunk):
         return TextChunk(text=msg.text)
     return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
                      completion_tokens=msg.completion_tokens)
 
 
-def _is_last(chunk: TextChunk | ImageChunk) -> bool:
+def is_last(chunk: TextChunk | ImageChunk) -> bool:
     if isinstance(chunk, ImageChunk):
         return chunk.png is not None
     return chunk.finish_reason is not None
 
 
-def _options(priority: Priority, timeout_s: float | None, deadline_s: float | None) -> dict:
+def request_options(priority: Priority, timeout_s: float | None, deadline_s: float | None) -> dict:
     # sent_at lets the daemon count a deadline from when the request left the client.
     return {"priority": priority, "timeout_s": timeout_s, "deadline_s": deadline_s,
             "sent_at": time.time() if deadline_s is not None else None}
 
 
-def _encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:
+def encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:
     """Encode, refusing locally what the daemon would refuse as too large."""
     payload = encoder.encode(msg)
     limit = welcome.max_frame_bytes if welcome else MAX_FRAME_BYTES
@@ -155,13 +155,13 @@ def _encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:
     return payload
 
 
-def _undecodable(exc: Exception) -> PoolError:
+def undecodable(exc: Exception) -> PoolError:
     """A reply this client cannot read: most likely a daemon of a newer version."""
     return PoolError(ErrorCode.PROTOCOL_VERSION, f"cannot decode the daemon's reply ({exc}); "
                      "is the client older than the daemon?")
 
 
-def _unavailable(path: str, exc: BaseException) -> PoolError:
+def unavailable(path: str, exc: BaseException) -> PoolError:
     return PoolError(ErrorCode.UNAVAILABLE, f"cannot reach the modelpool daemon at {path}: "
                      f"{exc} (is `modelpool serve` running?)")
 

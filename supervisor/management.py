@@ -129,7 +129,7 @@ def build_status(pool: Pool, socket_path: str, started_at: float) -> PoolStatus:
     facts = memory.read_memory()
     return PoolStatus(
         pid=os.getpid(),
-        version=_version(),
+        version=version(),
         uptime_s=round(time.monotonic() - started_at, 3),
         socket=socket_path,
         shutting_down=pool.shutting_down,
@@ -199,7 +199,7 @@ def models_info(pool: Pool) -> list[ModelInfo]:
     ]
 
 
-def _version() -> str:
+def version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -224,7 +224,7 @@ class Server:
                                     f"daemon speaks {PROTOCOL_VERSION}"))
             return False
         conn.send(Welcome(protocol_version=PROTOCOL_VERSION,
-                          server_version=management._version(),
+                          server_version=management.version(),
                           max_frame_bytes=self.config.daemon.max_frame_bytes,
                           default_models=dict(self.pool.registry.defaults)))
         return True
