@@ -36,10 +36,12 @@ def bounds_error(pool: Pool, model: ModelState, nbytes: int) -> Rejection | None
     limit = model.spec.max_queue or pool.pool_config.max_queue
     if len(model.queue) >= limit:
         return ErrorCode.QUEUE_FULL, f"model {model.spec.key!r} has {limit} requests waiting"
-    total = sum(len(m.queue) for m in pool.models.values())
+    total = queued_bytes = 0
+    for other in pool.models.values():  # one pass: this runs for every request
+        total += other.queue.live
+        queued_bytes += other.queue.nbytes
     if total >= pool.pool_config.max_queued_total:
         return ErrorCode.OVERLOADED, f"the daemon has {total} requests waiting"
-    queued_bytes = sum(m.queue.nbytes for m in pool.models.values())
     if queued_bytes + nbytes > pool.pool_config.max_queued_bytes:
         return (ErrorCode.OVERLOADED, f"the daemon holds {queued_bytes >> 20} MiB of waiting "
                 f"requests (max_queued_bytes)")

@@ -304,11 +304,15 @@ class Pool:
     def _runnable(self, jobs: list[Job]) -> list[Job]:
         """Drop what expired while waiting: expired work never reaches a worker."""
         now = self.clock()
+        runnable = []
         for job in jobs:
-            for req in job.live:
-                if req.deadline_at is not None and req.deadline_at <= now:
+            requesters = (job.parent or job).requesters
+            for req in requesters:
+                if not req.done and req.deadline_at is not None and req.deadline_at <= now:
                     self.book.expire(req, deadline=True)
-        return [job for job in jobs if job.live]
+            if any(not req.done for req in requesters):
+                runnable.append(job)
+        return runnable
 
     def _wait_for_batch(self, model: ModelState, max_batch: int) -> bool:
         """Under load, give a small batch max_batch_wait_ms to fill before it runs.
