@@ -1,9 +1,9 @@
 """The memory budget: memory_fraction x RAM, and what each model is charged against it.
 
-A model costs its weights once (its workers share them: on the CPU safetensors weights
-are file-backed mappings every worker maps from the page cache) plus each worker's
-private memory. Registry estimates are used until a worker has loaded and been
-measured. Pure functions: the pool passes in the numbers.
+A model costs its weights once when its workers share them (on the CPU they map the
+same weight files; the workers report the files' size) plus each worker's private
+memory. Registry estimates are used until a worker has loaded and been measured.
+Pure functions: the pool passes in the numbers.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def run(model: ImageEmbeddingModel, items: list[WorkItem], out: Outbox, max_batc
             out.send(error_reply(item.job_id, exc))
     images = [image for _, imgs in decoded for image in imgs]
     try:
-        vectors = _in_slices(model, images, out, max_batch)
+        vectors = text_embedding.in_slices(model.embed_images, images, out, max_batch,
+                                           "images")
     except Exception as exc:
         for item, _ in decoded:
             out.send(error_reply(item.job_id, exc))
@@ -51,18 +52,3 @@ def run(model: ImageEmbeddingModel, items: list[WorkItem], out: Outbox, max_batc
         block = vectors[row : row + len(imgs)]
         row += len(imgs)
         out.send(Embeddings(id=item.job_id, data=block.tobytes(), shape=list(block.shape)))
-
-
-def _in_slices(model: ImageEmbeddingModel, images: list[Image.Image], out: Outbox,
-               max_batch: int) -> np.ndarray:
-    parts = []
-    for start in range(0, len(images), max_batch):
-        chunk = images[start : start + max_batch]
-        vectors = np.ascontiguousarray(model.embed_images(chunk), dtype=np.float32)
-        if vectors.ndim != 2 or vectors.shape[0] != len(chunk):
-            raise ValueError(f"model returned shape {vectors.shape} for {len(chunk)} images")
-        parts.append(vectors)
-        out.tick()
-    if not parts:
-        return np.zeros((0, 0), dtype=np.float32)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)

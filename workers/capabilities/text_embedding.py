@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,12 +44,20 @@ def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch
 def _embed_in_slices(
     model: TextEmbeddingModel, texts: list[str], out: Outbox, max_batch: int
 ) -> np.ndarray:
+    return in_slices(model.embed, texts, out, max_batch, "texts")
+
+
+def in_slices(embed: Callable[[Sequence[Any]], np.ndarray], inputs: Sequence[Any],
+              out: Outbox, max_batch: int, unit: str) -> np.ndarray:
+    """Forward passes of at most max_batch inputs, one progress tick each; float32 rows."""
     parts = []
-    for start in range(0, len(texts), max_batch):
-        chunk = texts[start : start + max_batch]
-        vectors = np.ascontiguousarray(model.embed(chunk), dtype=np.float32)
+    for start in range(0, len(inputs), max_batch):
+        chunk = inputs[start : start + max_batch]
+        vectors = np.ascontiguousarray(embed(chunk), dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape[0] != len(chunk):
-            raise ValueError(f"model returned shape {vectors.shape} for {len(chunk)} texts")
+            raise ValueError(f"model returned shape {vectors.shape} for {len(chunk)} {unit}")
         parts.append(vectors)
         out.tick()
+    if not parts:
+        return np.zeros((0, 0), dtype=np.float32)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
