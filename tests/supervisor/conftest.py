@@ -137,6 +137,12 @@ class FakeSink:
         return [m for m in self.messages
                 if isinstance(m, Embeddings | End | Error) and m.id == client_id]
 
+    def only_error(self, client_id: int) -> Error:
+        """The one final reply of a request, which must be an Error."""
+        (reply,) = self.finals(client_id)
+        assert isinstance(reply, Error), reply
+        return reply
+
 
 def make_config(models: list[ModelSpec] | None = None, **pool: Any) -> Config:
     if models is None:
@@ -209,6 +215,11 @@ class Harness:
         writer = worker.writer
         assert isinstance(writer, FakeWriter)
         return writer.sent
+
+    @staticmethod
+    def items(work: Work) -> list[tuple[int, Any]]:
+        """(job id, request) of each item of a Work message."""
+        return [(item.job_id, item.request) for item in work.items]
 
     def works(self, worker: WorkerHandle) -> list[Work]:
         return [m for m in self.sent(worker) if isinstance(m, Work)]
