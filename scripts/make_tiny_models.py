@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import itertools
 import json
 import shutil
 import sys
@@ -35,6 +34,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script or loaded by path in tests
+from tiny_bpe import learn_bpe_merges
 
 # Heavy imports (torch, transformers, tokenizers) happen inside the builders so that
 # `--help` and fully up-to-date runs stay instant.
@@ -60,6 +62,7 @@ CHAT_TEMPLATE = (
 # Hand-written so the tokenizers are reproducible without any download. Varied enough that
 # BPE finds LLM_VOCAB_SIZE worth of merges. Part of the digest that marks built models.
 CORPUS_FILE = Path(__file__).with_name("tiny_corpus.txt")
+BPE_FILE = Path(__file__).with_name("tiny_bpe.py")
 
 
 def _corpus_lines() -> list[str]:
@@ -218,40 +221,6 @@ def train_clip_tokenizer() -> Any:
                          unk_token=CLIP_EOS, pad_token=CLIP_EOS, model_max_length=CLIP_CONTEXT)
 
 
-def learn_bpe_merges(words: Counter[tuple[str, ...]], count: int) -> list[tuple[str, str]]:
-    """Classic BPE: merge the most frequent adjacent pair, `count` times.
-
-    Ties go to the smallest pair, so every run learns the same merges. (The tokenizers
-    trainer breaks ties by symbol ids, which with an end-of-word suffix follow hash-map
-    order and change from run to run.)"""
-    merges: list[tuple[str, str]] = []
-    for _ in range(count):
-        pairs: Counter[tuple[str, str]] = Counter()
-        for symbols, n in words.items():
-            for pair in itertools.pairwise(symbols):
-                pairs[pair] += n
-        if not pairs:
-            break
-        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
-        merges.append(best)
-        # Distinct words stay distinct after a merge, so no counts are lost here.
-        words = Counter({_merge(symbols, best): n for symbols, n in words.items()})
-    return merges
-
-
-def _merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
-    out: list[str] = []
-    i = 0
-    while i < len(symbols):
-        if symbols[i : i + 2] == pair:
-            out.append(pair[0] + pair[1])
-            i += 2
-        else:
-            out.append(symbols[i])
-            i += 1
-    return tuple(out)
-
-
 def clip_text_config(tokenizer: Any) -> dict[str, Any]:
     return {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -360,7 +329,8 @@ BUILDERS: dict[str, Builder] = {
 def _script_digest() -> str:
     # Stored in the marker so that editing a builder invalidates directories built by the
     # old code instead of silently serving stale fixtures.
-    return hashlib.sha256(Path(__file__).read_bytes() + CORPUS_FILE.read_bytes()).hexdigest()
+    sources = Path(__file__).read_bytes() + CORPUS_FILE.read_bytes() + BPE_FILE.read_bytes()
+    return hashlib.sha256(sources).hexdigest()
 
 
 def is_complete(model_dir: Path) -> bool:
