@@ -68,7 +68,8 @@ def on_exit(pool: Pool, worker: WorkerHandle, exitcode: int | None) -> None:
     expected = exitcode == exitcodes.OK and not worker.jobs
     log.log(logging.INFO if expected else logging.WARNING, "worker %d (pid %s) of %s exited: %s",
             worker.worker_id, worker.pid, model.spec.key, exitcodes.describe(exitcode))
-    if worker.ready_at is None and worker.load_error is None and exitcode != exitcodes.OK:
+    died_loading = worker.ready_at is None and exitcode != exitcodes.OK
+    if died_loading and worker.load_error is None and not worker.stop_requested:
         worker.load_error = f"worker exited while loading: {exitcodes.describe(exitcode)}"
     if worker.load_error is not None:
         _load_failed(pool, model, worker, worker.load_error)

@@ -56,6 +56,7 @@ class WorkerHandle:
     progress_changed_at: float = 0.0
     last_dispatch_at: float = 0.0  # a new job resets the stall clock
     hung: str | None = None  # why it was judged hung and killed
+    stop_requested: bool = False  # we stopped it: exiting before Ready is no load failure
     uss_mb: float | None = None
     load_s: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -199,7 +200,7 @@ class Launcher:
         """Ask the worker to exit after its current job; SIGKILL it if it has not in grace_s."""
         if handle.state in (WorkerState.STOPPING, WorkerState.DEAD):
             return
-        handle.state = WorkerState.STOPPING
+        handle.state, handle.stop_requested = WorkerState.STOPPING, True
         from protocol.pipes import Shutdown
 
         if not handle.send(Shutdown()):

@@ -95,7 +95,7 @@ class FakeLauncher:
     def stop(self, handle: WorkerHandle, grace_s: float) -> None:
         if handle.state in (WorkerState.STOPPING, WorkerState.DEAD):
             return
-        handle.state = WorkerState.STOPPING
+        handle.state, handle.stop_requested = WorkerState.STOPPING, True
         self.stopped.append(handle)
         if self.exit_on_stop:
             asyncio.get_running_loop().call_soon(self.exit, handle, 0)

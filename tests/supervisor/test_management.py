@@ -216,3 +216,23 @@ async def test_models_info_lists_keys_defaults_aliases_and_states(
     assert info["gen"].source == "path:/nonexistent"
     assert (info["emb"].state, info["emb"].default) == ("cold", False)
     assert info["emb"].capability == "text_embedding"
+
+
+async def test_unload_while_loading_is_not_a_load_failure(make_harness: MakeHarness) -> None:
+    """Workers stopped before Ready are killed (they read no Shutdown while loading);
+    the next request must load at once, not wait out a load-failure back-off."""
+    h = make_harness()
+    h.launcher.exit_on_stop = False
+    management.load_model(h.pool, "emb", 2)
+    await h.settle()
+    loading = h.workers("emb")
+    management.unload_model(h.pool, "emb")
+    for worker in loading:
+        h.launcher.exit(worker, -9)
+    await h.settle()
+    model = h.pool.models["emb"]
+    assert (model.load_failures, model.blocked_until, model.last_error) == (0, 0.0, None)
+    sink = h.sink()
+    h.embed(sink, ["again"])
+    await h.settle()
+    assert [w.state for w in model.workers.values()] == [WorkerState.LOADING] * 2
