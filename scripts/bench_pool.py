@@ -4,6 +4,7 @@ from kills, supervisor cost per request, rejection latency under flood."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import socket
@@ -53,9 +54,22 @@ def _latencies(c: Client, seconds: float) -> list[float]:
     return out
 
 
+def _load_again_and_again(socket_path: str, key: str, stop: Any, loads: Any) -> None:
+    with Client(socket_path=socket_path) as c:
+        while not stop.is_set():
+            c.load(key, workers=2)  # loads only: serving it would be traffic, not a load
+            while [w["state"] for w in _workers(c, key)] != ["idle", "idle"]:
+                time.sleep(0.01)
+            loads.value += 1
+            c.unload(key)
+            while _workers(c, key):
+                time.sleep(0.05)
+
+
 def loads_beside_traffic(seconds: float, cold_start: int = 2) -> dict[str, Any]:
     """p99 of a loaded model with nothing loading vs while another model loads again and
-    again (real weights: a second copy of MiniLM under another key)."""
+    again (real weights: a second copy of MiniLM under another key). The loads are driven
+    from another process: a thread here would hold the GIL the measuring client needs."""
     daemon = Daemon(f"[pool]\ncold_start_workers = {cold_start}\ncooldown_idle_s = 3600\n"
                     + SECOND_MINILM)
     try:
@@ -63,25 +77,18 @@ def loads_beside_traffic(seconds: float, cold_start: int = 2) -> dict[str, Any]:
         with Client(socket_path=daemon.socket) as c:
             c.embed("warm")
             quiet = _latencies(c, seconds)
-            stop = threading.Event()
-            loads = [0]
-
-            def churn() -> None:
-                with Client(socket_path=daemon.socket) as other:
-                    while not stop.is_set():
-                        other.embed("load me", model="minilm-b")
-                        loads[0] += 1
-                        other.unload("minilm-b")
-                        while _workers(other, "minilm-b"):
-                            time.sleep(0.05)
-
-            thread = threading.Thread(target=churn)
-            thread.start()
+            ctx = multiprocessing.get_context("spawn")
+            stop, loads = ctx.Event(), ctx.Value("i", 0)
+            churn = ctx.Process(target=_load_again_and_again,
+                                args=(daemon.socket, "minilm-b", stop, loads))
+            churn.start()
+            while not loads.value:  # its interpreter start is not a model load
+                time.sleep(0.01)
             busy = _latencies(c, seconds)
             stop.set()
-            thread.join()
+            churn.join()
         q, b = percentiles(quiet), percentiles(busy)
-        return {"quiet": q, "while_loading": b, "loads_during": loads[0],
+        return {"quiet": q, "while_loading": b, "loads_during": loads.value,
                 "p99_ratio": round(b["p99_ms"] / q["p99_ms"], 3)}
     finally:
         daemon.stop()

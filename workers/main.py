@@ -110,6 +110,7 @@ class Worker:
 
 
 def heartbeat_loop(sock: socket.socket, worker: Worker, interval: float) -> None:
+    priority.restore_this_thread()  # a slow, idle-priority load must still beat on time
     seq = 0
     while True:
         try:
@@ -126,13 +127,10 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     settings = msgspec.msgpack.decode(settings_bytes, type=WorkerSettings)
     worker = Worker(work_sock, settings.images)
-    # Started before the priority drops (nice values are per thread), so a slow, niced
-    # load on a busy machine still beats on time and is not taken for a hang.
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
                      args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
-    nice_before_load = priority.lower()  # until Ready: a load must not slow serving workers
-    model = _load(settings, worker)
-    priority.restore(nice_before_load)
+    model = _load(settings, worker)  # at idle priority, inherited from the forkserver
+    priority.restore_all_threads()
     serve(model, settings, worker)
 
 
@@ -180,8 +178,7 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
                 pass  # for a job already finished: its reply crossed the abort
             case Shutdown():
                 worker.stopping = True
-    with contextlib.suppress(OSError):  # tearing down must not slow the serving workers
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
+    priority.idle_this_thread()  # tearing down must not slow the serving workers
     _exit(exitcodes.OK)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from conftest import Daemon
 
 from protocol.client import AsyncClient, PoolError
 from protocol.errors import ErrorCode
+from workers import priority
 
 MakeDaemon = Callable[..., Daemon]
 
@@ -106,7 +108,11 @@ def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> N
             t0 = time.monotonic()
             c.embed("ping", model="fast")
             latencies.append(time.monotonic() - t0)
+    policies = {key: [os.sched_getscheduler(w["pid"]) for w in status_of(daemon, key)["workers"]]
+                for key in ("fast", "slow-a")}
     for thread in loaders:
         thread.join(30)
     assert max(latencies) < 0.5, max(latencies)  # generous: ~1 ms is typical
     assert len(done) == 2 and max(done) - started < 8  # the two loads ran side by side
+    if priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0)):  # else nothing is lowered
+        assert policies == {"fast": [os.SCHED_BATCH], "slow-a": [os.SCHED_IDLE]}

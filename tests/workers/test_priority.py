@@ -1,4 +1,4 @@
-"""Loads run niced; afterwards every thread of the worker is back at its priority."""
+"""Workers start and load at idle priority; at Ready every thread goes back."""
 
 from __future__ import annotations
 
@@ -29,13 +29,15 @@ def run_in_fresh_thread(body: object) -> None:
 
 @pytest.mark.skipif(not priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0)),
                     reason="needs CAP_SYS_NICE or RLIMIT_NICE to restore priority")
-def test_lower_then_restore_covers_threads_started_meanwhile() -> None:
+def test_lowered_threads_and_their_children_are_idle_until_restored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(priority, "_restore_nice", None)
+
     def body() -> None:
         tid = threading.get_native_id()
         before = os.getpriority(os.PRIO_PROCESS, tid)
-        token = priority.lower()
-        assert token == before
-        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, before + priority.LOAD_NICENESS)
+        assert priority.lower()
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
         seen: list[int] = []
         stop = threading.Event()
 
@@ -47,10 +49,13 @@ def test_lower_then_restore_covers_threads_started_meanwhile() -> None:
         helper.start()
         while not seen:
             pass
-        assert os.getpriority(os.PRIO_PROCESS, seen[0]) == min(19, before + 10)
-        priority.restore(token)
-        assert os.getpriority(os.PRIO_PROCESS, tid) == before
-        assert os.getpriority(os.PRIO_PROCESS, seen[0]) == before
+        assert os.sched_getscheduler(seen[0]) == os.SCHED_IDLE  # inherited
+        priority.restore_all_threads()
+        for thread in (tid, seen[0]):
+            assert os.sched_getscheduler(thread) == os.SCHED_BATCH
+            assert os.getpriority(os.PRIO_PROCESS, thread) == before
+        priority.restore_this_thread()  # the heartbeat's way back: a normal thread
+        assert os.sched_getscheduler(tid) == os.SCHED_OTHER
         stop.set()
         helper.join()
 
@@ -60,11 +65,21 @@ def test_lower_then_restore_covers_threads_started_meanwhile() -> None:
 def test_nothing_is_lowered_when_it_could_not_be_restored(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(priority, "can_restore", lambda nice: False)
+    monkeypatch.setattr(priority, "_restore_nice", None)
 
     def body() -> None:
-        before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        assert priority.lower() is None
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
-        priority.restore(None)
+        tid = threading.get_native_id()
+        policy = os.sched_getscheduler(tid)
+        assert not priority.lower()
+        priority.restore_all_threads()
+        assert os.sched_getscheduler(tid) == policy
+
+    run_in_fresh_thread(body)
+
+
+def test_idle_for_exit_needs_no_privilege() -> None:
+    def body() -> None:
+        priority.idle_this_thread()
+        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_IDLE
 
     run_in_fresh_thread(body)
