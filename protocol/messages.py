@@ -195,13 +195,14 @@ class Error(_Msg, frozen=True, kw_only=True, tag="error"):
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: int
     pid: int | None
-    state: str  # starting | loading | idle | busy | stopping
+    state: str  # starting | loading | idle | busy | holding | stopping
     inflight: int
     started_s_ago: float
     idle_s: float | None
     uss_mb: float | None
     last_heartbeat_s: float | None
     load_s: float | None = None
+    holds_weights: bool = False  # the model's weights holder: it serves nothing
 
 
 class PriorityStats(msgspec.Struct, frozen=True, kw_only=True):

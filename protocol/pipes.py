@@ -67,6 +67,51 @@ class Shutdown(_Msg, frozen=True, kw_only=True, tag="shutdown"):
 ToWorker = Work | Abort | Shutdown
 
 
+# ---- shared weights: a holder's tensors, mapped by the serving workers -------------
+
+
+class CpuStorage(msgspec.Struct, frozen=True, tag="cpu", array_like=True):
+    """A storage's bytes at offset_bytes in the holder's shared-memory segment."""
+
+    offset_bytes: int
+    nbytes: int
+
+
+class CudaStorage(msgspec.Struct, frozen=True, tag="cuda", array_like=True):
+    """A CUDA IPC handle, the fields of torch's UntypedStorage._share_cuda_()."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+class SharedTensor(msgspec.Struct, frozen=True, array_like=True):
+    """One parameter or buffer: `path` is "<module>/<dotted name>"; a view of a storage."""
+
+    path: str
+    buffer: bool
+    storage: int  # index into SharedWeights.storages
+    offset: int  # in elements of dtype, into the storage
+    shape: list[int]
+    stride: list[int]
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+
+
+class SharedWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """Every tensor of a loaded model as the holder shares it: tied weights share a
+    storage, so they stay tied in the workers."""
+
+    segment: str | None = None  # POSIX shm name of the CPU storages
+    segment_bytes: int = 0
+    storages: list[CpuStorage | CudaStorage] = []
+    tensors: list[SharedTensor] = []
+
+
 # ---- worker -> supervisor ---------------------------------------------------------
 
 
@@ -77,6 +122,7 @@ class Ready(_Msg, frozen=True, kw_only=True, tag="ready"):
     weights_mb: float | None = None  # size of the weight files (shared by all workers)
     vram_mb: float | None = None  # GPU memory reserved after loading, on a GPU
     info: dict[str, Any] = {}  # capability facts, e.g. {"dim": 384} or {"context": 2048}
+    weights: SharedWeights | None = None  # from a weights holder: what workers will map
 
 
 class LoadFailed(_Msg, frozen=True, kw_only=True, tag="load_failed"):

@@ -9,7 +9,7 @@ import importlib.resources
 import importlib.util
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -35,6 +35,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     trust_remote_code: bool = False
     device: str = "auto"  # "cpu", "cuda", "cuda:N"; "auto": the first GPU if any, else cpu
     default: bool = False  # the model used when a request names none for its capability
+    # Weights held once by a holder process that workers map: "auto" on GPUs (CUDA IPC);
+    # "on" also on the CPU (for weights converted at load); "off": CPU workers map the
+    # weight files, GPU workers each load a copy.
+    weights_holder: Literal["auto", "on", "off"] = "auto"
     # Memory estimates in MiB, replaced by measurements once a worker has loaded.
     weights_mb: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     per_worker_mb: Annotated[float, msgspec.Meta(ge=0)] = 0.0

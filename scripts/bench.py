@@ -233,6 +233,7 @@ def pool_figures(quick: bool) -> dict[str, Any]:
     return {
         "loads_beside_traffic": bench_pool.loads_beside_traffic(3 if quick else 8),
         "extra_worker": bench_pool.extra_worker(),
+        "extra_worker_with_weights_holder": bench_pool.extra_worker(holder=True),
         "kill_recovery": bench_pool.kill_recovery(5 if quick else 20),
         "throughput_under_kills": bench_pool.throughput_under_kills(5 if quick else 10),
         "admission_dispatch": bench_pool.admission_dispatch_cost(20000 if quick else 100000),

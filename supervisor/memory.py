@@ -1,8 +1,9 @@
 """The memory budget: memory_fraction x RAM, and what each model is charged against it.
 
 A model costs its weights once when its workers share them (on the CPU they map the
-same weight files; the workers report the files' size) plus each worker's private
-memory. Registry estimates are used until a worker has loaded and been measured.
+same weight files, whose size the workers report; with a weights holder they map the
+holder's, which the holder reports) plus each worker's private memory. Registry
+estimates are used until a worker has loaded and been measured.
 Pure functions: the pool passes in the numbers.
 """
 
@@ -29,20 +30,19 @@ class ModelCharge:
     weights_mb: float
     per_worker_mb: float
     workers: int  # workers holding memory: every one not yet dead, stopping ones included
-    shared_weights: bool = True  # CPU: one page-cache copy; GPU: a copy per worker (no IPC yet)
+    shared_weights: bool = True  # CPU or a weights holder: one copy; else a copy per worker
+    held: bool = False  # a weights holder process is alive and holds the one copy
 
     @property
     def charged_mb(self) -> float:
-        if not self.workers:
-            return 0.0
-        copies = 1 if self.shared_weights else self.workers
+        copies = (1 if self.workers or self.held else 0) if self.shared_weights else self.workers
         return copies * self.weights_mb + self.workers * self.per_worker_mb
 
     @property
     def next_worker_mb(self) -> float:
-        """What one more worker adds: the weights too when it is the first, or when workers
-        cannot share them."""
-        own_weights = not self.shared_weights or not self.workers
+        """What one more worker adds: the weights too when it is the first (and no holder
+        has them already), or when workers cannot share them."""
+        own_weights = not self.shared_weights or not (self.workers or self.held)
         return self.per_worker_mb + (self.weights_mb if own_weights else 0.0)
 
 

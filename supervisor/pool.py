@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from protocol import pipes
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Chunk,
@@ -41,7 +42,7 @@ from supervisor.gpus import Gpu, resolve_device
 from supervisor.jobs import JobBook
 from supervisor.metrics import ModelMetrics
 from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState, aged_rank, dedup_key
-from supervisor.shm import SharedImages
+from supervisor.shm import SharedImages, weights_segment
 from supervisor.workers import Launcher, WorkerHandle, WorkerState
 from workers.main import WorkerSettings
 
@@ -77,6 +78,17 @@ class ModelState:
     device: str | None = None  # "cpu" or "cuda:N"; None: this machine lacks the asked one
     batch_timer: asyncio.TimerHandle | None = None
     batch_waited: bool = False
+    holder: WorkerHandle | None = None  # the weights holder, when the model uses one
+    shared_weights: pipes.SharedWeights | None = None  # what the holder shares once loaded
+
+    @property
+    def uses_holder(self) -> bool:
+        setting = self.spec.weights_holder
+        return setting == "on" or (setting == "auto" and (self.device or "").startswith("cuda"))
+
+    def processes(self) -> list[WorkerHandle]:
+        """Its serving workers and its weights holder."""
+        return [*self.workers.values(), *([self.holder] if self.holder else [])]
 
     def live_workers(self) -> list[WorkerHandle]:
         return [w for w in self.workers.values()
@@ -240,6 +252,8 @@ class Pool:
                 self._reconcile_waiting()  # a load slot freed, or an evictable worker
         elif isinstance(msg, Ready):
             recovery.on_ready(self, model, worker, msg)
+            if worker.state is WorkerState.HOLDING:
+                self._reconcile_waiting()  # its workers can start, and a load slot is free
         elif isinstance(msg, LoadFailed):
             worker.load_error = msg.cause
 
@@ -263,7 +277,13 @@ class Pool:
         view, now = self.capacity.load_view(model), self.clock()
         if self.shutting_down or not scaling.workers_to_start(view, self.policy, now, 1 << 16):
             return  # the common case; skip reading /proc/meminfo on every request
-        for _ in range(scaling.workers_to_start(view, self.policy, now, self.capacity.room(model))):
+        count = scaling.workers_to_start(view, self.policy, now, self.capacity.room(model))
+        holding = model.holder is not None and model.holder.state is WorkerState.HOLDING
+        if count and model.uses_holder and not holding:
+            if model.holder is None:
+                self.start_worker(model, holder=True)
+            return  # workers start once a holder shares weights (not one that is stopping)
+        for _ in range(count):
             self.start_worker(model)
 
     def _reconcile_waiting(self) -> None:
@@ -336,11 +356,16 @@ class Pool:
         finally:
             model.batch_waited = False
 
-    def start_worker(self, model: ModelState) -> WorkerHandle:
+    def start_worker(self, model: ModelState, holder: bool = False) -> WorkerHandle:
         worker = WorkerHandle(worker_id=next(self._worker_ids), model_key=model.spec.key,
                               started_at=self.clock())
-        model.workers[worker.worker_id] = worker
+        if holder:
+            model.holder = worker
+        else:
+            model.workers[worker.worker_id] = worker
         settings = WorkerSettings(
+            hold_segment=weights_segment(worker.worker_id) if holder else None,
+            weights=None if holder else model.shared_weights,
             worker_id=worker.worker_id,
             spec=msgspec.structs.replace(model.spec, device=model.device or "cpu"),
             threads=self.capacity.cpu_plan(model)[0],

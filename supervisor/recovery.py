@@ -10,6 +10,7 @@ from protocol.errors import ErrorCode
 from protocol.pipes import Heartbeat, Ready
 from supervisor import health
 from supervisor.queueing import Job, JobState
+from supervisor.shm import unlink_segment
 from supervisor.workers import WorkerHandle, WorkerState
 from workers import exitcodes
 
@@ -26,6 +27,13 @@ def on_ready(pool: Pool, model: ModelState, worker: WorkerHandle, msg: Ready) ->
     worker.last_used = worker.ready_at = pool.clock()
     model.load_failures, model.blocked_until, model.last_error = 0, 0.0, None
     model.last_failure_at = None
+    if worker is model.holder:
+        worker.state, worker.uss_mb = WorkerState.HOLDING, msg.uss_mb
+        model.shared_weights = msg.weights
+        model.measured_weights_mb = msg.vram_mb if msg.vram_mb is not None else msg.weights_mb
+        log.info("weights holder of %s ready: pid %d, %.0f MiB shared, loaded in %.2fs",
+                 model.spec.key, msg.pid, model.measured_weights_mb or 0, msg.load_s)
+        return
     if msg.weights_mb is not None:
         model.measured_weights_mb = msg.weights_mb
     pool.capacity.note_uss(model, worker, msg.uss_mb)
@@ -47,7 +55,7 @@ def check_health(pool: Pool) -> None:
     config = pool.pool_config
     for model in pool.models.values():
         stall_s = model.spec.stall_timeout_s or config.stall_timeout_s
-        for worker in model.workers.values():
+        for worker in model.processes():
             if worker.hung or worker.spawned_at is None or worker.state in (
                     WorkerState.STARTING, WorkerState.DEAD):
                 continue  # not a process yet: the forkserver may still be importing torch
@@ -64,6 +72,9 @@ def check_health(pool: Pool) -> None:
 
 def on_exit(pool: Pool, worker: WorkerHandle, exitcode: int | None) -> None:
     model = pool.models[worker.model_key]
+    if worker is model.holder:
+        _holder_exited(pool, model, worker, exitcode)
+        return
     model.workers.pop(worker.worker_id, None)
     expected = exitcode == exitcodes.OK and not worker.jobs
     log.log(logging.INFO if expected else logging.WARNING, "worker %d (pid %s) of %s exited: %s",
@@ -77,7 +88,45 @@ def on_exit(pool: Pool, worker: WorkerHandle, exitcode: int | None) -> None:
         pool.shared.release(job.job_id)
         _recover(pool, job, worker, exitcode)
     worker.jobs.clear()
+    stop_unused_holder(pool, model)
     pool.changed.set()
+
+
+def stop_unused_holder(pool: Pool, model: ModelState) -> None:
+    """A holder lives exactly as long as some worker may map its weights."""
+    holder = model.holder
+    if holder is None or holder.state in (WorkerState.STOPPING, WorkerState.DEAD):
+        return
+    if not model.workers and not len(model.queue) and model.warm_target == 0:
+        pool.launcher.stop(holder, pool.pool_config.shutdown_timeout_s + 1)
+
+
+def _holder_exited(pool: Pool, model: ModelState, holder: WorkerHandle,
+                   exitcode: int | None) -> None:
+    model.holder = None
+    pool.changed.set()
+    if model.shared_weights is not None and model.shared_weights.segment is not None:
+        unlink_segment(model.shared_weights.segment)  # workers' mappings outlive the name
+    model.shared_weights = None
+    log.log(logging.INFO if holder.stop_requested else logging.WARNING,
+            "weights holder (pid %s) of %s exited: %s", holder.pid, model.spec.key,
+            exitcodes.describe(exitcode))
+    if holder.stop_requested:
+        return
+    if holder.ready_at is None:
+        _load_failed(pool, model, holder, holder.load_error
+                     or f"weights holder exited while loading: {exitcodes.describe(exitcode)}")
+    else:
+        # CUDA memory shared over IPC dies with its exporter: its workers must not run one
+        # more kernel on it (their work is re-queued). CPU mappings outlive it: those
+        # workers finish their work and make way for ones on the next holder's weights.
+        on_gpu = (model.device or "cpu") != "cpu"
+        for worker in model.live_workers():
+            if on_gpu:
+                worker.hung = "its weights holder died"  # no more work goes to it
+                pool.launcher.terminate(worker, HUNG_KILL_GRACE_S)
+            else:
+                pool.launcher.stop(worker, pool.pool_config.shutdown_timeout_s + 1)
 
 
 def _recover(pool: Pool, job: Job, worker: WorkerHandle, exitcode: int | None) -> None:

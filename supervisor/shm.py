@@ -73,6 +73,16 @@ class SharedImages:
         return name
 
 
+def weights_segment(worker_id: int) -> str:
+    """Where a weights holder puts CPU weights: named like the image segments, so the
+    stale ones of a dead daemon are removed the same way."""
+    return f"{PREFIX}{os.getpid()}-weights-{worker_id}"
+
+
+def unlink_segment(name: str) -> None:
+    (SHM_DIR / name).unlink(missing_ok=True)
+
+
 def _images_of(request: WorkRequest) -> list[ImageInput]:
     if isinstance(request, EmbedImage):
         return list(request.images)

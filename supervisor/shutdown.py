@@ -41,15 +41,15 @@ async def drain_and_stop(pool: Pool) -> tuple[int, int]:
 
 async def stop_all_workers(pool: Pool, grace_s: float) -> None:
     for model in pool.models.values():
-        for worker in list(model.workers.values()):
+        for worker in model.processes():
             pool.launcher.stop(worker, grace_s)
     deadline = time.monotonic() + grace_s + 2.0
-    while any(m.workers for m in pool.models.values()) and time.monotonic() < deadline:
+    while any(m.processes() for m in pool.models.values()) and time.monotonic() < deadline:
         pool.changed.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(pool.changed.wait(), timeout=0.05)
     for model in pool.models.values():
-        for worker in list(model.workers.values()):
+        for worker in model.processes():
             log.warning("worker %d (pid %s) did not exit; killing it", worker.worker_id,
                         worker.pid)
             pool.launcher.kill(worker)

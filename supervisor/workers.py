@@ -34,6 +34,7 @@ class WorkerState(enum.Enum):
     LOADING = "loading"  # process alive, model loading
     IDLE = "idle"  # ready and asking for work
     BUSY = "busy"  # holds at least one job
+    HOLDING = "holding"  # a weights holder, loaded: it keeps the weights and serves nothing
     STOPPING = "stopping"  # told to shut down
     DEAD = "dead"
 

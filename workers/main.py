@@ -29,6 +29,7 @@ from protocol.pipes import (
     ImagePolicy,
     LoadFailed,
     Ready,
+    SharedWeights,
     Shutdown,
     WantWork,
     Work,
@@ -48,6 +49,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 32
     heartbeat_interval_s: float = 0.5
     images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
+    # Set for a weights holder: load, share the weights (CPU ones in this shared-memory
+    # segment), never serve.
+    hold_segment: str | None = None
+    weights: SharedWeights | None = None  # a serving worker maps its holder's weights
 
 
 class Worker:
@@ -133,30 +138,60 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     worker = Worker(work_sock, settings.images)
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
                      args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
-    model = _load(settings, worker)  # at idle priority, inherited from the forkserver
+    model, shared = _load(settings, worker)  # at idle priority, from the forkserver
+    if settings.hold_segment is not None:
+        hold(shared, worker)  # stays idle: it only keeps the weights alive
     priority.restore_all_threads()
     serve(model, settings, worker)
 
 
-def _load(settings: WorkerSettings, worker: Worker) -> object:
+def _load(settings: WorkerSettings, worker: Worker) -> tuple[object, SharedWeights | None]:
     started = time.perf_counter()
     try:
         import torch
 
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        from registry.loaders import load_model_with_dir, weights_size_mb
-
-        model, model_dir = load_model_with_dir(settings.spec)
-        weights_mb = weights_size_mb(model_dir)
+        model, weights_mb, shared = _load_weights(settings)
     except BaseException as exc:
         worker.send(LoadFailed(cause=f"{type(exc).__name__}: {exc}"))
         _exit(exitcodes.LOAD_FAILED)
     info = model.info() if hasattr(model, "info") else {}
     worker.send(Ready(pid=os.getpid(), load_s=time.perf_counter() - started,
                       uss_mb=_uss_mb(), weights_mb=weights_mb, info=info,
-                      vram_mb=_vram_mb(settings.spec.device)))
-    return model
+                      vram_mb=_vram_mb(settings.spec.device), weights=shared))
+    return model, shared
+
+
+def _load_weights(settings: WorkerSettings) -> tuple[object, float | None, SharedWeights | None]:
+    """(model, size of the weights it maps, what a holder shares)."""
+    from registry.loaders import load_model_with_dir, weights_size_mb
+    from registry.loaders.common import device_of
+    from workers import shared_weights
+
+    spec = settings.spec
+    if settings.weights is None:
+        model, model_dir = load_model_with_dir(spec)
+        if settings.hold_segment is None:
+            return model, weights_size_mb(model_dir), None
+        shared = shared_weights.export(model, settings.hold_segment)
+        return model, shared.segment_bytes / 2**20, shared
+    # Built on the CPU, where file-backed weights cost nothing, then moved onto the
+    # holder's tensors: a GPU worker never allocates a copy of its own.
+    model, _ = load_model_with_dir(msgspec.structs.replace(spec, device="cpu"))
+    shared_weights.attach(model, settings.weights, device_of(spec))
+    release_memory()
+    return model, None, None
+
+
+def hold(shared: SharedWeights | None, worker: Worker) -> NoReturn:
+    """A holder answers nothing: it keeps the weights alive until told to stop."""
+    while not isinstance(worker.receive(), Shutdown):
+        pass  # nothing else is meant for a holder
+    from workers import shared_weights
+
+    shared_weights.unlink(shared)
+    _exit(exitcodes.OK)
 
 
 def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:

@@ -21,9 +21,10 @@ import pytest
 
 from protocol.framing import HEADER
 from protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
-from protocol.pipes import Ready, ToWorker, WantWork, Work, to_worker_decoder
+from protocol.pipes import Ready, SharedWeights, ToWorker, WantWork, Work, to_worker_decoder
 from registry.spec import ModelSpec
 from supervisor.config import Config, PoolConfig
+from supervisor.gpus import Gpu
 from supervisor.pool import Pool
 from supervisor.queueing import Job
 from supervisor.workers import WorkerHandle, WorkerState
@@ -165,11 +166,11 @@ def rows(*values: float) -> bytes:
 class Harness:
     """A Pool wired to the fakes, plus the moves of a worker and a client."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, gpus: list[Gpu] | None = None) -> None:
         self.clock = FakeClock()
         self.launcher = FakeLauncher()
         self.pool = Pool(config, config.registry(), self.launcher,  # type: ignore[arg-type]
-                         clock=self.clock)
+                         clock=self.clock, gpus=gpus)
         self.launcher.pool = self.pool
         self._ids = itertools.count(1)
 
@@ -198,7 +199,20 @@ class Harness:
             await asyncio.sleep(0)
 
     def workers(self, model: str) -> list[WorkerHandle]:
-        return [w for w in self.launcher.started if w.model_key == model]
+        """Serving workers started for the model, in start order (holders left out)."""
+        return [w for w, s in zip(self.launcher.started, self.launcher.settings, strict=True)
+                if w.model_key == model and s.hold_segment is None]
+
+    def holders(self, model: str) -> list[WorkerHandle]:
+        return [w for w, s in zip(self.launcher.started, self.launcher.settings, strict=True)
+                if w.model_key == model and s.hold_segment is not None]
+
+    def hold(self, holder: WorkerHandle, weights: SharedWeights,
+             weights_mb: float | None = None, vram_mb: float | None = None) -> None:
+        """The holder has loaded and shares its weights."""
+        assert holder.pid is not None
+        self.pool.on_worker_message(holder, Ready(pid=holder.pid, load_s=0.1, weights=weights,
+                                                  weights_mb=weights_mb, vram_mb=vram_mb))
 
     def ready(self, worker: WorkerHandle, want_work: bool = True,
               info: dict[str, Any] | None = None) -> None:
@@ -248,8 +262,10 @@ class Harness:
 
 @pytest.fixture
 def make_harness() -> Callable[..., Harness]:
-    """make_harness(**pool_config) -> Harness; make_harness(models=[...]) for other specs."""
-    def make(models: list[ModelSpec] | None = None, **pool: Any) -> Harness:
-        return Harness(make_config(models, **pool))
+    """make_harness(**pool_config) -> Harness; make_harness(models=[...]) for other specs,
+    gpus=[...] for a machine with (fake) GPUs."""
+    def make(models: list[ModelSpec] | None = None, gpus: list[Gpu] | None = None,
+             **pool: Any) -> Harness:
+        return Harness(make_config(models, **pool), gpus)
 
     return make

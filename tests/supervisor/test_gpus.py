@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from protocol.errors import ErrorCode
+from protocol.pipes import SharedWeights
 from registry.spec import ModelSpec
 from supervisor import management
 from supervisor.gpus import Gpu, parse_nvidia_smi, resolve_device
 from supervisor.memory import ModelCharge
-from supervisor.pool import Pool
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,12 +48,8 @@ def test_gpu_workers_each_pay_for_their_weights() -> None:
 
 
 def gpu_harness(make_harness: MakeHarness, *specs: ModelSpec) -> Harness:
-    h = make_harness(models=list(specs), cold_start_workers=1, memory_fraction=0.5)
-    config = h.pool.config
-    h.pool = Pool(config, config.registry(), h.launcher, clock=h.clock,  # type: ignore[arg-type]
-                  gpus=GPUS)
-    h.launcher.pool = h.pool
-    return h
+    return make_harness(models=list(specs), gpus=GPUS, cold_start_workers=1,
+                        memory_fraction=0.5)
 
 
 async def test_models_are_placed_and_budgeted_per_gpu(make_harness: MakeHarness) -> None:
@@ -66,9 +62,14 @@ async def test_models_are_placed_and_budgeted_per_gpu(make_harness: MakeHarness)
     h.embed(sink, ["x"], model="a")
     h.embed(sink, ["y"], model="b")
     await h.settle()
-    assert [s.spec.device for s in h.launcher.settings] == ["cuda:0", "cuda:1"]
+    assert [s.spec.device for s in h.launcher.settings] == ["cuda:0", "cuda:1"]  # holders
     assert h.pool.capacity.budget_for("cuda:0") == 500  # memory_fraction x VRAM
-    assert h.pool.capacity.used_mb("cuda:0") == 400 and h.pool.capacity.used_mb("cpu") == 0
+    assert h.pool.capacity.used_mb("cuda:0") == 300 and h.pool.capacity.used_mb("cpu") == 0
+    for key in "ab":
+        h.hold(h.holders(key)[0], SharedWeights())
+    await h.settle()
+    assert [s.spec.device for s in h.launcher.settings[2:]] == ["cuda:0", "cuda:1"]
+    assert h.pool.capacity.used_mb("cuda:0") == 400
     status = management.build_status(h.pool, "/s", 0.0)
     assert {g.device: g.used_mb for g in status.memory.gpus} == {"cuda:0": 400, "cuda:1": 400}
     assert {m.key: m.device for m in status.models if m.key in "ab"} == {

