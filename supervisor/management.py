@@ -3,7 +3,10 @@ load/unload commands, and the status and model listings."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import functools
 import os
 import time
 
@@ -43,16 +46,25 @@ def scale_down_tick(pool: Pool) -> None:
             model.last_scale_down = now
 
 
-def refresh_memory(pool: Pool) -> None:
-    """Re-measure every ready worker's private memory (it grows with the batches it ran)."""
-    for model in pool.models.values():
-        for worker in model.workers.values():
-            if worker.ready and worker.pid is not None:
-                try:
-                    uss = psutil.Process(worker.pid).memory_full_info().uss / 2**20
-                except psutil.Error:
-                    continue  # exiting: its sentinel will tell
-                pool.capacity.note_uss(model, worker, uss)
+async def refresh_memory(pool: Pool) -> None:
+    """Re-measure every ready worker's private memory (it grows with the batches it ran).
+    In a thread: reading a process's smaps walks all its page tables, milliseconds for
+    each worker, which would stall every request on the event loop."""
+    targets = [(model, worker) for model in pool.models.values()
+               for worker in model.workers.values() if worker.ready and worker.pid is not None]
+    pids = [worker.pid for _, worker in targets if worker.pid is not None]
+    measured = await asyncio.get_running_loop().run_in_executor(None, _uss_of, pids)
+    for model, worker in targets:
+        if worker.alive and worker.pid in measured:
+            pool.capacity.note_uss(model, worker, measured[worker.pid])
+
+
+def _uss_of(pids: list[int]) -> dict[int, float]:
+    found = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):  # exiting: its sentinel will tell
+            found[pid] = psutil.Process(pid).memory_full_info().uss / 2**20
+    return found
 
 
 def _model(pool: Pool, name: str) -> ModelState:
@@ -201,6 +213,7 @@ def models_info(pool: Pool) -> list[ModelInfo]:
     ]
 
 
+@functools.cache  # it scans the installed distributions: far too slow for every status
 def version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -183,7 +183,7 @@ class Server:
             self.pool.age_queues()
             ticks += 1
             if ticks % MEMORY_REFRESH_TICKS == 0:
-                management.refresh_memory(self.pool)
+                await management.refresh_memory(self.pool)
 
     async def _health_ticker(self) -> None:
         interval = min(1.0, self.config.pool.heartbeat_timeout_s / 4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -236,3 +237,17 @@ async def test_unload_while_loading_is_not_a_load_failure(make_harness: MakeHarn
     h.embed(sink, ["again"])
     await h.settle()
     assert [w.state for w in model.workers.values()] == [WorkerState.LOADING] * 2
+
+
+async def test_refresh_memory_measures_live_workers_and_skips_gone_ones(
+        make_harness: MakeHarness) -> None:
+    h = make_harness()
+    h.embed(h.sink(), ["x"])
+    await h.settle()
+    alive, gone = h.workers("emb")
+    for worker in (alive, gone):
+        h.ready(worker)
+    alive.pid, gone.pid = os.getpid(), 2**22 + 1  # this process; a pid that cannot exist
+    await management.refresh_memory(h.pool)
+    assert alive.uss_mb is not None and alive.uss_mb > 10
+    assert gone.uss_mb is None
