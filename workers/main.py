@@ -217,7 +217,7 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
                 pass  # for a job already finished: its reply crossed the abort
             case Shutdown():
                 worker.stopping = True
-    priority.idle_this_thread()  # tearing down must not slow the serving workers
+    priority.idle_all_threads()  # tearing down must not slow the serving workers
     _exit(exitcodes.OK)
 
 

@@ -59,10 +59,12 @@ def restore_all_threads() -> None:
             _set(int(tid), _restore_nice, os.SCHED_BATCH)
 
 
-def idle_this_thread() -> None:
-    """For tearing down: an exit must not slow the serving workers either. Always allowed."""
-    with contextlib.suppress(OSError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+def idle_all_threads() -> None:
+    """For tearing down (whichever thread exits last frees the address space): an exit
+    must not slow the serving workers either. Always allowed."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
 
 
 def _set(tid: int, nice: int, policy: int) -> None:

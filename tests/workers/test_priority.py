@@ -77,9 +77,17 @@ def test_nothing_is_lowered_when_it_could_not_be_restored(
     run_in_fresh_thread(body)
 
 
-def test_idle_for_exit_needs_no_privilege() -> None:
-    def body() -> None:
-        priority.idle_this_thread()
-        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_IDLE
-
-    run_in_fresh_thread(body)
+def test_idle_for_exit_covers_every_thread_and_needs_no_privilege() -> None:
+    pid = os.fork()  # in a child: this would leave pytest itself at idle priority
+    if pid == 0:
+        stop = threading.Event()
+        helper = threading.Thread(target=stop.wait, args=(5,))
+        helper.start()
+        priority.idle_all_threads()
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        ok = len(tids) == 2 and all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids)
+        stop.set()
+        helper.join()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
