@@ -54,43 +54,59 @@ def _latencies(c: Client, seconds: float) -> list[float]:
     return out
 
 
-def _load_again_and_again(socket_path: str, key: str, stop: Any, loads: Any) -> None:
+def _load_again_and_again(socket_path: str, key: str, go: Any, paused: Any, stop: Any,
+                          loads: Any) -> None:
+    """While `go` is set: load the model (two workers), unload it, again. `paused` says
+    that nothing of it is running."""
     with Client(socket_path=socket_path) as c:
-        while not stop.is_set():
+        while True:
+            paused.set()
+            go.wait()
+            if stop.is_set():
+                return
+            paused.clear()
             c.load(key, workers=2)  # loads only: serving it would be traffic, not a load
             while [w["state"] for w in _workers(c, key)] != ["idle", "idle"]:
-                time.sleep(0.01)
+                time.sleep(0.05)
             loads.value += 1
             c.unload(key)
             while _workers(c, key):
                 time.sleep(0.05)
 
 
-def loads_beside_traffic(seconds: float, cold_start: int = 2) -> dict[str, Any]:
+def loads_beside_traffic(seconds: float, rounds: int = 4) -> dict[str, Any]:
     """p99 of a loaded model with nothing loading vs while another model loads again and
-    again (real weights: a second copy of MiniLM under another key). The loads are driven
-    from another process: a thread here would hold the GIL the measuring client needs."""
-    daemon = Daemon(f"[pool]\ncold_start_workers = {cold_start}\ncooldown_idle_s = 3600\n"
-                    + SECOND_MINILM)
+    again (real weights: a second copy of MiniLM under another key). Quiet and loading
+    windows alternate, so the shared machine's slow spells fall on both. The loads are
+    driven from another process: a thread here would hold the GIL the measuring client
+    needs."""
+    daemon = Daemon("[pool]\ncooldown_idle_s = 3600\n" + SECOND_MINILM)
+    ctx = multiprocessing.get_context("spawn")
+    go, paused, stop, loads = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("i", 0)
+    churn = ctx.Process(target=_load_again_and_again,
+                        args=(daemon.socket, "minilm-b", go, paused, stop, loads))
     try:
         daemon.wait_listening()
+        churn.start()
+        quiet: list[float] = []
+        busy: list[float] = []
         with Client(socket_path=daemon.socket) as c:
             c.embed("warm")
-            quiet = _latencies(c, seconds)
-            ctx = multiprocessing.get_context("spawn")
-            stop, loads = ctx.Event(), ctx.Value("i", 0)
-            churn = ctx.Process(target=_load_again_and_again,
-                                args=(daemon.socket, "minilm-b", stop, loads))
-            churn.start()
-            while not loads.value:  # its interpreter start is not a model load
-                time.sleep(0.01)
-            busy = _latencies(c, seconds)
-            stop.set()
-            churn.join()
+            for _ in range(rounds):
+                go.clear()
+                paused.wait()
+                quiet += _latencies(c, seconds / rounds)
+                go.set()
+                time.sleep(0.05)  # the first load is under way
+                busy += _latencies(c, seconds / rounds)
         q, b = percentiles(quiet), percentiles(busy)
         return {"quiet": q, "while_loading": b, "loads_during": loads.value,
                 "p99_ratio": round(b["p99_ms"] / q["p99_ms"], 3)}
     finally:
+        stop.set()
+        go.set()
+        if churn.pid is not None:
+            churn.join(30)
         daemon.stop()
 
 
