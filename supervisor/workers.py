@@ -84,7 +84,7 @@ class WorkerHandle:
 
 def forkserver_context(preload: list[str]) -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["workers.preload", *preload])
+    ctx.set_forkserver_preload(["workers.preload", *preload, "workers.preloaded"])
     return ctx
 
 

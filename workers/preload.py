@@ -22,12 +22,8 @@ import registry.loaders.causal_lm
 import registry.loaders.sentence_embedding  # noqa: F401
 import workers.capabilities
 import workers.main  # noqa: F401
-from workers import priority
 
-# After the imports, which start-up waits for: from here on every worker is forked idle.
-priority.lower()
-
-# Everything imported above is shared copy-on-write with every forked worker. Moving it
-# out of the garbage collector's reach keeps a collection in a worker from writing to
-# (and so copying) every page of those objects.
+# Out of the collector's reach already: importing the configured models' modules next
+# (diffusers, architectures) would otherwise collect this whole heap again and again.
 gc.freeze()
+# Then those modules, and last workers.preloaded.
