@@ -10,7 +10,7 @@ from protocol.errors import ErrorCode
 from protocol.pipes import Heartbeat, Ready
 from supervisor import health
 from supervisor.queueing import Job, JobState
-from supervisor.shm import unlink_segment
+from supervisor.shm import unlink_segment, weights_segment
 from supervisor.workers import WorkerHandle, WorkerState
 from workers import exitcodes
 
@@ -103,11 +103,11 @@ def stop_unused_holder(pool: Pool, model: ModelState) -> None:
 
 def _holder_exited(pool: Pool, model: ModelState, holder: WorkerHandle,
                    exitcode: int | None) -> None:
-    model.holder = None
+    model.holder, model.shared_weights = None, None
     pool.changed.set()
-    if model.shared_weights is not None and model.shared_weights.segment is not None:
-        unlink_segment(model.shared_weights.segment)  # workers' mappings outlive the name
-    model.shared_weights = None
+    # By its name, which the supervisor chose: also when it died half-way through writing
+    # it. Workers' mappings outlive the name.
+    unlink_segment(weights_segment(holder.worker_id))
     log.log(logging.INFO if holder.stop_requested else logging.WARNING,
             "weights holder (pid %s) of %s exited: %s", holder.pid, model.spec.key,
             exitcodes.describe(exitcode))

@@ -9,7 +9,8 @@ import logging
 import time
 
 from protocol.errors import ErrorCode
-from supervisor.pool import Pool
+from supervisor.pool import ModelState, Pool
+from supervisor.workers import WorkerHandle
 
 log = logging.getLogger("modelpool.shutdown")
 
@@ -40,16 +41,27 @@ async def drain_and_stop(pool: Pool) -> tuple[int, int]:
 
 
 async def stop_all_workers(pool: Pool, grace_s: float) -> None:
-    for model in pool.models.values():
-        for worker in model.processes():
-            pool.launcher.stop(worker, grace_s)
+    """Serving workers first, then weights holders: on a GPU a worker maps its holder's
+    memory, which must outlive it. One deadline for both; whatever is left is killed."""
     deadline = time.monotonic() + grace_s + 2.0
-    while any(m.processes() for m in pool.models.values()) and time.monotonic() < deadline:
-        pool.changed.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(pool.changed.wait(), timeout=0.05)
+    for group in (_serving, _holders):
+        for model in pool.models.values():
+            for worker in group(model):
+                pool.launcher.stop(worker, grace_s)
+        while any(group(m) for m in pool.models.values()) and time.monotonic() < deadline:
+            pool.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pool.changed.wait(), timeout=0.05)
     for model in pool.models.values():
         for worker in model.processes():
             log.warning("worker %d (pid %s) did not exit; killing it", worker.worker_id,
                         worker.pid)
             pool.launcher.kill(worker)
+
+
+def _serving(model: ModelState) -> list[WorkerHandle]:
+    return list(model.workers.values())
+
+
+def _holders(model: ModelState) -> list[WorkerHandle]:
+    return [model.holder] if model.holder else []

@@ -4,6 +4,7 @@ memory: GPU workers are killed and their work re-queued, CPU ones drained."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 
@@ -13,9 +14,9 @@ from conftest import Harness
 from protocol.errors import ErrorCode
 from protocol.pipes import CpuStorage, SharedTensor, SharedWeights, Work
 from registry.spec import ModelSpec
-from supervisor import management
+from supervisor import management, shutdown
 from supervisor.gpus import Gpu
-from supervisor.shm import SHM_DIR
+from supervisor.shm import SHM_DIR, weights_segment
 from supervisor.workers import WorkerState
 
 MakeHarness = Callable[..., Harness]
@@ -147,15 +148,19 @@ async def test_a_holder_that_fails_to_load_fails_the_waiting_requests(
     assert h.pool.models["emb"].load_failures == 1
 
 
-async def test_the_holders_segment_is_removed_when_it_dies(make_harness: MakeHarness) -> None:
-    name = f"modelpool-{os.getpid()}-weights-test-holder"
-    (SHM_DIR / name).write_bytes(b"\0" * 64)
+@pytest.mark.parametrize("loaded", [True, False])
+async def test_the_holders_segment_is_removed_when_it_dies(make_harness: MakeHarness,
+                                                            loaded: bool) -> None:
     h = make_harness(models=[cpu_model()])
     h.embed(h.sink(), ["x"])
     await h.settle()
     (holder,) = h.holders("emb")
-    h.hold(holder, SharedWeights(segment=name, segment_bytes=64), weights_mb=0.1)
-    h.die(holder, -9)
+    name = weights_segment(holder.worker_id)
+    assert name == h.launcher.settings[0].hold_segment and str(os.getpid()) in name
+    (SHM_DIR / name).write_bytes(b"\0" * 64)  # what the holder process would write
+    if loaded:
+        h.hold(holder, SharedWeights(segment=name, segment_bytes=64), weights_mb=0.1)
+    h.die(holder, -9)  # also half-way through writing it
     assert not (SHM_DIR / name).exists()
 
 
@@ -168,3 +173,23 @@ def test_who_uses_a_holder(make_harness: MakeHarness, setting: str, device: str,
                      weights_holder=setting)  # type: ignore[arg-type]
     h = make_harness(models=[spec], gpus=GPUS)
     assert h.pool.models["emb"].uses_holder is expected
+
+
+async def test_shutdown_stops_the_holder_after_its_workers(make_harness: MakeHarness) -> None:
+    h = make_harness(models=[gpu_model()], gpus=GPUS, memory_fraction=1.0)
+    (job_id,) = await held_and_serving(h)
+    h.reply_embeddings(h.workers("emb")[0], job_id, 1.0)
+    h.pool.models["emb"].warm_target = 2  # `modelpool load`: only the shutdown stops it
+    h.pool.shutting_down = True  # as drain_and_stop sets it
+    h.launcher.exit_on_stop = False
+    stopping = asyncio.create_task(shutdown.stop_all_workers(h.pool, 1.0))
+    await h.settle()
+    (holder,) = h.holders("emb")
+    assert set(h.launcher.stopped) == set(h.workers("emb"))  # not the holder yet
+    for worker in h.workers("emb"):
+        h.die(worker, 0)
+    await asyncio.sleep(0.1)
+    assert h.launcher.stopped[-1] is holder
+    h.die(holder, 0)
+    await stopping
+    assert h.pool.models["emb"].processes() == [] and h.launcher.killed == []
