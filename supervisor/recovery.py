@@ -79,11 +79,10 @@ def on_exit(pool: Pool, worker: WorkerHandle, exitcode: int | None) -> None:
     expected = exitcode == exitcodes.OK and not worker.jobs
     log.log(logging.INFO if expected else logging.WARNING, "worker %d (pid %s) of %s exited: %s",
             worker.worker_id, worker.pid, model.spec.key, exitcodes.describe(exitcode))
-    died_loading = worker.ready_at is None and exitcode != exitcodes.OK
-    if died_loading and worker.load_error is None and not worker.stop_requested:
+    if worker.ready_at is None and exitcode != exitcodes.OK and worker.load_error is None:
         worker.load_error = f"worker exited while loading: {exitcodes.describe(exitcode)}"
-    if worker.load_error is not None:
-        _load_failed(pool, model, worker, worker.load_error)
+    if worker.load_error is not None and not worker.stop_requested:
+        _load_failed(pool, model, worker, worker.load_error)  # ours to stop: no failure
     for job in worker.jobs.values():
         pool.shared.release(job.job_id)
         _recover(pool, job, worker, exitcode)
@@ -120,10 +119,12 @@ def _holder_exited(pool: Pool, model: ModelState, holder: WorkerHandle,
         # CUDA memory shared over IPC dies with its exporter: its workers must not run one
         # more kernel on it (their work is re-queued). CPU mappings outlive it: those
         # workers finish their work and make way for ones on the next holder's weights.
+        # Loading ones too: their weights are gone, and their failing is no load failure.
         on_gpu = (model.device or "cpu") != "cpu"
         for worker in model.live_workers():
             if on_gpu:
                 worker.hung = "its weights holder died"  # no more work goes to it
+                worker.stop_requested = True
                 pool.launcher.terminate(worker, HUNG_KILL_GRACE_S)
             else:
                 pool.launcher.stop(worker, pool.pool_config.shutdown_timeout_s + 1)

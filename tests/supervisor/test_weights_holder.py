@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
-from conftest import Harness
 
 from protocol.errors import ErrorCode
 from protocol.pipes import CpuStorage, SharedTensor, SharedWeights, Work
@@ -19,7 +18,13 @@ from supervisor.gpus import Gpu
 from supervisor.shm import SHM_DIR, weights_segment
 from supervisor.workers import WorkerState
 
-MakeHarness = Callable[..., Harness]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from conftest import Harness
+
+    MakeHarness = Callable[..., Harness]
+
 GPUS = [Gpu(0, 4000.0, "Fake")]
 WEIGHTS = SharedWeights(storages=[CpuStorage(0, 64)],
                         tensors=[SharedTensor("/w", False, 0, 0, [16], [1], "float32")])
@@ -193,3 +198,23 @@ async def test_shutdown_stops_the_holder_after_its_workers(make_harness: MakeHar
     h.die(holder, 0)
     await stopping
     assert h.pool.models["emb"].processes() == [] and h.launcher.killed == []
+
+
+async def test_a_worker_loading_when_its_holder_dies_is_no_load_failure(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(models=[cpu_model()])
+    h.launcher.exit_on_stop = False
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"])
+    await h.settle()
+    (holder,) = h.holders("emb")
+    h.hold(holder, WEIGHTS, weights_mb=0.1)
+    await h.settle()
+    loading = h.workers("emb")
+    h.die(holder, -9)
+    for worker in loading:  # they find the segment gone
+        worker.load_error = "RuntimeError: unable to open file"
+        h.die(worker, 3)
+    await h.settle()
+    assert sink.finals(client_id) == [] and h.pool.models["emb"].load_failures == 0
+    assert len(h.holders("emb")) == 2  # the request waits for the next holder
