@@ -23,6 +23,20 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
+def model_entry(key: str, loader: str = "slow_embedder", capability: str = "text_embedding",
+                max_workers: int | None = None, **options: float) -> str:
+    """A [[models]] entry served by a loader of tests/integration/mp_test_loaders.py."""
+    opts = ", ".join(f"{k} = {v}" for k, v in options.items())
+    cap = f"\n        max_workers = {max_workers}" if max_workers is not None else ""
+    return f"""
+        [[models]]
+        key = "{key}"
+        capability = "{capability}"
+        loader = "mp_test_loaders:{loader}"
+        options = {{ {opts} }}{cap}
+    """
+
+
 @dataclass
 class Daemon:
     process: subprocess.Popen[bytes]

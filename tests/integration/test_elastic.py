@@ -10,24 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import Daemon
+from conftest import Daemon, model_entry
 
 from protocol.client import AsyncClient, PoolError
 from protocol.errors import ErrorCode
 from workers import priority
 
 MakeDaemon = Callable[..., Daemon]
-
-
-def model(key: str, loader: str = "slow_embedder", **options: float) -> str:
-    opts = ", ".join(f"{k} = {v}" for k, v in options.items())
-    return f"""
-        [[models]]
-        key = "{key}"
-        capability = "text_embedding"
-        loader = "mp_test_loaders:{loader}"
-        options = {{ {opts} }}
-    """
 
 
 def status_of(daemon: Daemon, key: str) -> dict[str, Any]:
@@ -47,7 +36,7 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
 def test_cold_start_two_then_grow_under_load_then_shrink_to_zero(
         make_daemon: MakeDaemon) -> None:
     daemon = make_daemon("[pool]\ncooldown_idle_s = 1.0\nmax_workers_per_model = 3\n"
-                         + model("m", run_s=0.3) + "max_batch = 1\n")
+                         + model_entry("m", run_s=0.3) + "max_batch = 1\n")
     assert status_of(daemon, "m")["workers"] == []  # nothing before the first request
     with daemon.client() as c:
         c.embed("first", model="m")
@@ -66,7 +55,7 @@ def test_cold_start_two_then_grow_under_load_then_shrink_to_zero(
 def test_idle_model_is_evicted_for_one_that_needs_the_room(make_daemon: MakeDaemon) -> None:
     big = 'weights_mb = 300\nper_worker_mb = 100\n'
     daemon = make_daemon("[pool]\nmemory_budget_mb = 500\ncold_start_workers = 1\n"
-                         + model("a") + big + model("b") + big)
+                         + model_entry("a") + big + model_entry("b") + big)
     with daemon.client() as c:
         c.embed("x", model="a")
         assert len(status_of(daemon, "a")["workers"]) == 1
@@ -77,7 +66,7 @@ def test_idle_model_is_evicted_for_one_that_needs_the_room(make_daemon: MakeDaem
 
 
 def test_a_model_that_can_never_fit_is_refused_at_once(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon("[pool]\nmemory_budget_mb = 500\n" + model("huge")
+    daemon = make_daemon("[pool]\nmemory_budget_mb = 500\n" + model_entry("huge")
                          + "weights_mb = 4000\n")
     with daemon.client() as c, pytest.raises(PoolError) as err:
         c.embed("x", model="huge")
@@ -87,8 +76,8 @@ def test_a_model_that_can_never_fit_is_refused_at_once(make_daemon: MakeDaemon) 
 
 def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> None:
     # One worker each, so the two loads fit the two load slots (max_concurrent_loads).
-    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + model("fast")
-                         + model("slow-a", load_s=4) + model("slow-b", load_s=4))
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + model_entry("fast")
+                         + model_entry("slow-a", load_s=4) + model_entry("slow-b", load_s=4))
     with daemon.client() as c:
         c.embed("warm", model="fast")
     done: list[float] = []

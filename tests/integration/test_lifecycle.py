@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import psutil
 import pytest
-from conftest import ROOT, Daemon, daemon_env, fresh_socket_path
+from conftest import ROOT, Daemon, daemon_env, fresh_socket_path, model_entry
 
 from protocol.client import PoolError, TextChunk
 from protocol.errors import ErrorCode
@@ -25,22 +25,6 @@ from protocol.framing import HEADER, recv_frame, send_frame
 from protocol.messages import Embed, Embeddings, Error, Hello, encoder, server_decoder
 
 MakeDaemon = Callable[[str], Daemon]
-SLOW = """
-    [[models]]
-    key = "slow"
-    capability = "text_embedding"
-    loader = "mp_test_loaders:slow_embedder"
-    options = {{ run_s = {run_s} }}
-    max_workers = 1
-"""
-COUNTER = """
-    [[models]]
-    key = "counter"
-    capability = "text_to_text"
-    loader = "mp_test_loaders:counting_generator"
-    options = { step_s = 0.02 }
-    max_workers = 1
-"""
 
 
 def raw_connection(daemon: Daemon) -> socket.socket:
@@ -60,7 +44,7 @@ def reply(sock: socket.socket) -> object:
 
 
 def test_socket_is_private_and_a_live_one_is_never_replaced(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon(SLOW.format(run_s=0))
+    daemon = make_daemon(model_entry("slow", run_s=0, max_workers=1))
     assert stat.S_IMODE(os.stat(daemon.socket_path).st_mode) == 0o600
     second = subprocess.run(
         [sys.executable, "-m", "supervisor.cli", "--socket", daemon.socket_path, "serve"],
@@ -76,7 +60,7 @@ def test_stale_socket_is_replaced(make_daemon: MakeDaemon) -> None:
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)
     stale.close()  # the file stays and nobody listens: what a crashed daemon leaves
-    daemon = make_daemon(SLOW.format(run_s=0), socket_path=path)
+    daemon = make_daemon(model_entry("slow", run_s=0, max_workers=1), socket_path=path)
     with daemon.client() as c:
         assert c.embed("abc", model="slow").shape == (8,)
 
@@ -93,7 +77,8 @@ def test_a_non_socket_file_is_never_replaced(tmp_path: Path) -> None:
 
 def test_hostile_frames_get_bad_request_and_the_daemon_keeps_serving(
         make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon("[daemon]\nmax_frame_bytes = 4096\n" + SLOW.format(run_s=0))
+    daemon = make_daemon("[daemon]\nmax_frame_bytes = 4096\n"
+                         + model_entry("slow", run_s=0, max_workers=1))
     with raw_connection(daemon) as sock:
         handshake(sock)
         send_frame(sock, b"\xc1 not msgpack")
@@ -121,7 +106,7 @@ def test_hostile_frames_get_bad_request_and_the_daemon_keeps_serving(
 
 
 def test_stop_leaves_no_process_and_no_socket(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon(SLOW.format(run_s=0))
+    daemon = make_daemon(model_entry("slow", run_s=0, max_workers=1))
     with daemon.client() as c:
         c.embed("x", model="slow")
         processes = daemon.descendants()
@@ -158,7 +143,9 @@ def _wait_running(daemon: Daemon, key: str, count: int) -> None:
 
 
 def test_sigterm_drains_in_flight_work_and_cuts_the_rest(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon("[pool]\nshutdown_timeout_s = 2\n" + COUNTER)
+    daemon = make_daemon("[pool]\nshutdown_timeout_s = 2\n"
+                         + model_entry("counter", loader="counting_generator",
+                                       capability="text_to_text", max_workers=1, step_s=0.02))
     short: list[object] = []
     endless: list[object] = []
     threads = [_stream_in_thread(daemon, 40, short)]  # ~0.8 s of tokens
@@ -177,7 +164,8 @@ def test_sigterm_drains_in_flight_work_and_cuts_the_rest(make_daemon: MakeDaemon
 
 
 def test_killed_worker_request_is_retried_and_served(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + SLOW.format(run_s=1.5))
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\n"
+                         + model_entry("slow", run_s=1.5, max_workers=1))
     result: list[object] = []
 
     def run() -> None:
@@ -198,7 +186,8 @@ def test_killed_worker_request_is_retried_and_served(make_daemon: MakeDaemon) ->
 
 def test_poison_input_fails_with_worker_died_and_others_are_served(
         make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + SLOW.format(run_s=0))
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\n"
+                         + model_entry("slow", run_s=0, max_workers=1))
     with daemon.client() as c:
         with pytest.raises(PoolError) as err:
             c.embed("CRASH", model="slow")

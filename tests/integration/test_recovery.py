@@ -13,28 +13,12 @@ from collections.abc import Callable
 
 import psutil
 import pytest
-from conftest import ROOT, Daemon
+from conftest import ROOT, Daemon, model_entry
 
 from protocol.client import AsyncClient, PoolError
 from protocol.errors import ErrorCode
 
 MakeDaemon = Callable[..., Daemon]
-SLOW = """
-    [[models]]
-    key = "slow"
-    capability = "text_embedding"
-    loader = "mp_test_loaders:slow_embedder"
-    options = {{ run_s = {run_s} }}
-    max_workers = 2
-"""
-BROKEN = """
-    [[models]]
-    key = "broken"
-    capability = "text_embedding"
-    loader = "mp_test_loaders:failing"
-"""
-
-
 def worker_pids(daemon: Daemon, key: str) -> list[int]:
     with daemon.client() as c:
         model = next(m for m in c.status()["models"] if m["key"] == key)
@@ -60,7 +44,7 @@ async def _round(daemon: Daemon, clients: list[AsyncClient], rng: random.Random)
 
 
 def test_sigkill_mid_request_under_32_clients(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon(SLOW.format(run_s=0.05))
+    daemon = make_daemon(model_entry("slow", run_s=0.05, max_workers=2))
 
     async def run() -> None:
         clients = [await AsyncClient(daemon.socket_path).connect() for _ in range(32)]
@@ -84,7 +68,7 @@ def test_sigkill_mid_request_under_32_clients(make_daemon: MakeDaemon) -> None:
 def test_sigstopped_worker_is_detected_killed_and_its_work_requeued(
         make_daemon: MakeDaemon) -> None:
     daemon = make_daemon("[pool]\nheartbeat_timeout_s = 1.0\ncold_start_workers = 1\n"
-                         + SLOW.format(run_s=0.3))
+                         + model_entry("slow", run_s=0.3, max_workers=2))
     with daemon.client() as c:
         c.embed("warm", model="slow")
         time.sleep(1.5)  # longer than the timeout: a healthy idle worker keeps beating
@@ -110,7 +94,8 @@ def test_sigstopped_worker_is_detected_killed_and_its_work_requeued(
 
 def test_failing_loader_backs_off_then_fails_and_load_resets_it(
         make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon("[pool]\nload_backoff_s = 3\nmax_load_failures = 2\n" + BROKEN)
+    daemon = make_daemon("[pool]\nload_backoff_s = 3\nmax_load_failures = 2\n"
+                         + model_entry("broken", loader="failing"))
     with daemon.client() as c:
         started = time.monotonic()
         with pytest.raises(PoolError) as first:
@@ -150,7 +135,8 @@ def _shm_entries() -> set[str]:
 
 
 def test_no_leak_after_200_worker_kills(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + SLOW.format(run_s=0))
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\n"
+                         + model_entry("slow", run_s=0, max_workers=2))
     with daemon.client() as c:
         c.load("slow", workers=1)
         c.embed("x", model="slow")
