@@ -73,9 +73,8 @@ class Capacity:
 
     def evict_for(self, model: ModelState, charge: memory.ModelCharge) -> None:
         """Stop idle workers of other models, least recently used first, to make room."""
-        workers = [w for m in self.models.values() for w in m.workers.values()]
-        holders = [m.holder for m in self.models.values() if m.holder]
-        if any(w.state is WorkerState.STOPPING for w in workers + holders):
+        workers = [w for m in self.models.values() for w in m.processes()]
+        if any(w.state is WorkerState.STOPPING for w in workers):
             return  # memory is already being freed; decide again when those workers exit
         candidates = []
         for other in self.models.values():

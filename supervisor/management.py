@@ -50,13 +50,13 @@ async def refresh_memory(pool: Pool) -> None:
     """Re-measure every ready worker's private memory (it grows with the batches it ran).
     In a thread: reading a process's smaps walks all its page tables, milliseconds for
     each worker, which would stall every request on the event loop."""
-    targets = [(model, worker) for model in pool.models.values()
-               for worker in model.workers.values() if worker.ready and worker.pid is not None]
-    pids = [worker.pid for _, worker in targets if worker.pid is not None]
-    measured = await asyncio.get_running_loop().run_in_executor(None, _uss_of, pids)
-    for model, worker in targets:
-        if worker.alive and worker.pid in measured:
-            pool.capacity.note_uss(model, worker, measured[worker.pid])
+    targets = {worker.pid: (model, worker) for model in pool.models.values()
+               for worker in model.workers.values() if worker.ready and worker.pid is not None}
+    measured = await asyncio.get_running_loop().run_in_executor(None, _uss_of, list(targets))
+    for pid, uss in measured.items():
+        model, worker = targets[pid]
+        if worker.alive:  # it may have exited while we measured
+            pool.capacity.note_uss(model, worker, uss)
 
 
 def _uss_of(pids: list[int]) -> dict[int, float]:

@@ -139,14 +139,14 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     worker = Worker(work_sock, settings.images)
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
                      args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
-    model, shared = _load(settings, worker)  # at idle priority, from the forkserver
+    model = _load(settings, worker)  # at idle priority, from the forkserver
     if settings.hold_segment is not None:
-        hold(shared, worker)  # stays idle: it only keeps the weights alive
+        hold(worker)  # stays idle: it only keeps the weights alive
     priority.restore_all_threads()
     serve(model, settings, worker)
 
 
-def _load(settings: WorkerSettings, worker: Worker) -> tuple[object, SharedWeights | None]:
+def _load(settings: WorkerSettings, worker: Worker) -> object:
     started = time.perf_counter()
     try:
         import torch
@@ -161,7 +161,7 @@ def _load(settings: WorkerSettings, worker: Worker) -> tuple[object, SharedWeigh
     worker.send(Ready(pid=os.getpid(), load_s=time.perf_counter() - started,
                       uss_mb=_uss_mb(), weights_mb=weights_mb, info=info,
                       vram_mb=_vram_mb(settings.spec.device), weights=shared))
-    return model, shared
+    return model
 
 
 def _load_weights(settings: WorkerSettings) -> tuple[object, float | None, SharedWeights | None]:
@@ -185,13 +185,11 @@ def _load_weights(settings: WorkerSettings) -> tuple[object, float | None, Share
     return model, None, None
 
 
-def hold(shared: SharedWeights | None, worker: Worker) -> NoReturn:
-    """A holder answers nothing: it keeps the weights alive until told to stop."""
+def hold(worker: Worker) -> NoReturn:
+    """A holder answers nothing: it keeps the weights alive until told to stop. (The
+    supervisor removes its segment once it has exited, however it exits.)"""
     while not isinstance(worker.receive(), Shutdown):
         pass  # nothing else is meant for a holder
-    from workers import shared_weights
-
-    shared_weights.unlink(shared)
     _exit(exitcodes.OK)
 
 

@@ -170,8 +170,3 @@ def _view(storage: torch.UntypedStorage, where: CpuStorage | CudaStorage,
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return torch.empty(0, dtype=dtype, device=storage.device).set_(
         storage, base // itemsize + spec.offset, spec.shape, spec.stride)
-
-
-def unlink(shared: SharedWeights | None) -> None:
-    if shared is not None and shared.segment is not None:
-        (SHM_DIR / shared.segment).unlink(missing_ok=True)

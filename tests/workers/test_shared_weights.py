@@ -115,9 +115,3 @@ def test_a_model_without_torch_modules_cannot_be_shared(segment: str) -> None:
 
     with pytest.raises(ValueError, match="no torch modules"):
         shared_weights.export(Plain(), segment)
-
-
-def test_unlink_removes_the_segment(segment: str) -> None:
-    shared = shared_weights.export(load_model(minilm_spec()), segment)
-    shared_weights.unlink(shared)
-    assert not (shared_weights.SHM_DIR / segment).exists()
