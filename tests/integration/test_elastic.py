@@ -105,3 +105,19 @@ def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> N
     assert len(done) == 2 and max(done) - started < 8  # the two loads ran side by side
     if priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0)):  # else nothing is lowered
         assert policies == {"fast": [os.SCHED_BATCH], "slow-a": [os.SCHED_IDLE]}
+
+
+def test_unloading_a_model_while_it_loads_is_not_a_load_failure(
+        make_daemon: MakeDaemon) -> None:
+    # A loading worker reads no Shutdown: it is killed once the stop grace (0.2 + 1 s)
+    # is over, well before its 3 s load ends.
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\nshutdown_timeout_s = 0.2\n"
+                         + model_entry("slow", load_s=3))
+    with daemon.client() as c:
+        c.load("slow", workers=1)
+        wait_until(lambda: [w["state"] for w in status_of(daemon, "slow")["workers"]]
+                   == ["loading"], 10, "a worker loading")
+        c.unload("slow")
+        wait_until(lambda: not status_of(daemon, "slow")["workers"], 10, "the worker killed")
+        assert status_of(daemon, "slow")["last_error"] is None
+        assert len(c.embed(["loads again at once"], model="slow")) == 1
