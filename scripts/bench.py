@@ -232,8 +232,13 @@ def pool_figures(quick: bool) -> dict[str, Any]:
 
     return {
         "loads_beside_traffic": bench_pool.loads_beside_traffic(3 if quick else 8),
+        "starts_and_stops_beside_traffic": bench_pool.loads_beside_traffic(
+            3 if quick else 8, other=bench_pool.NOOP_B),
         "extra_worker": bench_pool.extra_worker(),
         "extra_worker_with_weights_holder": bench_pool.extra_worker(holder=True),
+        "extra_worker_bfloat16": bench_pool.extra_worker(dtype="bfloat16"),
+        "extra_worker_bfloat16_with_weights_holder": bench_pool.extra_worker(
+            holder=True, dtype="bfloat16"),
         "kill_recovery": bench_pool.kill_recovery(5 if quick else 20),
         "throughput_under_kills": bench_pool.throughput_under_kills(5 if quick else 10),
         "admission_dispatch": bench_pool.admission_dispatch_cost(20000 if quick else 100000),

