@@ -11,6 +11,7 @@ from dataclasses import dataclass
 log = logging.getLogger("modelpool.gpus")
 
 QUERY = ["--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"]
+PROCESS_QUERY = ["--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
 
 
 @dataclass(frozen=True)
@@ -36,17 +37,45 @@ def parse_nvidia_smi(text: str) -> list[Gpu]:
     return gpus
 
 
-def discover() -> list[Gpu]:
+def parse_compute_apps(text: str) -> dict[int, float]:
+    """pid -> MiB of VRAM, summed over GPUs; processes it cannot measure ("[N/A]" in a
+    container without the host's pid namespace) are left out."""
+    used: dict[int, float] = {}
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            try:
+                used[int(parts[0])] = used.get(int(parts[0]), 0.0) + float(parts[1])
+            except ValueError:
+                continue
+    return used
+
+
+def _nvidia_smi(query: list[str]) -> str | None:
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return []
+        return None
     try:
-        out = subprocess.run([smi, *QUERY], capture_output=True, text=True, timeout=10,
-                             check=True).stdout
+        return subprocess.run([smi, *query], capture_output=True, text=True, timeout=10,
+                              check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("nvidia-smi failed (%s): serving on the CPU only", exc)
-        return []
+        log.warning("nvidia-smi %s failed: %s", query[0], exc)
+        return None
+
+
+def discover() -> list[Gpu]:
+    out = _nvidia_smi(QUERY)
+    if out is None:
+        return []  # serving on the CPU only
     return parse_nvidia_smi(out)
+
+
+def process_vram_mb() -> dict[int, float]:
+    """Each process's whole VRAM: what torch reserved plus its CUDA context (a few
+    hundred MiB that torch cannot see). Blocks for tens of milliseconds: call it off
+    the event loop."""
+    out = _nvidia_smi(PROCESS_QUERY)
+    return {} if out is None else parse_compute_apps(out)
 
 
 def resolve_device(requested: str, gpus: list[Gpu]) -> str | None:

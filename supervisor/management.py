@@ -21,7 +21,7 @@ from protocol.messages import (
     PoolStatus,
     WorkerStatus,
 )
-from supervisor import memory, recovery, scaling
+from supervisor import gpus, memory, recovery, scaling
 from supervisor.pool import ModelState, Pool
 from supervisor.workers import WorkerState
 
@@ -47,16 +47,32 @@ def scale_down_tick(pool: Pool) -> None:
 
 
 async def refresh_memory(pool: Pool) -> None:
-    """Re-measure every ready worker's private memory (it grows with the batches it ran).
-    In a thread: reading a process's smaps walks all its page tables, milliseconds for
-    each worker, which would stall every request on the event loop."""
+    """Re-measure every ready worker's private memory (it grows with the batches it ran)
+    and, on a GPU, every worker's and holder's whole VRAM, CUDA context included. In a
+    thread: reading a process's smaps walks all its page tables, milliseconds for each
+    worker, and nvidia-smi takes tens; either would stall every request on the loop."""
     targets = {worker.pid: (model, worker) for model in pool.models.values()
-               for worker in model.workers.values() if worker.ready and worker.pid is not None}
-    measured = await asyncio.get_running_loop().run_in_executor(None, _uss_of, list(targets))
+               for worker in model.processes() if worker.pid is not None
+               and (worker.ready or worker.state is WorkerState.HOLDING)}
+    loop = asyncio.get_running_loop()
+    measured = await loop.run_in_executor(None, _uss_of, list(targets))
+    vram = await loop.run_in_executor(None, gpus.process_vram_mb) if pool.gpus else {}
     for pid, uss in measured.items():
         model, worker = targets[pid]
-        if worker.alive:  # it may have exited while we measured
+        if not worker.alive:  # it exited while we measured
+            continue
+        if worker is model.holder:
+            worker.uss_mb = uss  # shown; what it holds is charged as the model's weights
+        else:
             pool.capacity.note_uss(model, worker, uss)
+    for pid, used_mb in vram.items():
+        model, worker = targets.get(pid, (None, None))
+        if model is None or worker is None or not worker.alive or model.device == "cpu":
+            continue
+        if worker is model.holder:
+            model.measured_weights_mb = used_mb
+        else:
+            pool.capacity.note_vram(model, used_mb)
 
 
 def _uss_of(pids: list[int]) -> dict[int, float]:

@@ -9,7 +9,7 @@ from protocol.errors import ErrorCode
 from protocol.pipes import SharedWeights
 from registry.spec import ModelSpec
 from supervisor import management
-from supervisor.gpus import Gpu, parse_nvidia_smi, resolve_device
+from supervisor.gpus import Gpu, parse_compute_apps, parse_nvidia_smi, resolve_device
 from supervisor.memory import ModelCharge
 
 if TYPE_CHECKING:
@@ -27,6 +27,12 @@ def test_parse_nvidia_smi() -> None:
     assert parse_nvidia_smi(text) == [Gpu(0, 24576.0, "NVIDIA L4"),
                                      Gpu(1, 81920.0, "NVIDIA A100-SXM4-80GB")]
     assert parse_nvidia_smi("") == []
+
+
+def test_parse_compute_apps_sums_each_process_over_gpus() -> None:
+    text = "4242, 1200\n4243, 300\n4242, 800\n4244, [N/A]\nNo running processes found\n"
+    assert parse_compute_apps(text) == {4242: 2000.0, 4243: 300.0}
+    assert parse_compute_apps("") == {}
 
 
 def test_resolve_device() -> None:

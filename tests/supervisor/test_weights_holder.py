@@ -13,7 +13,7 @@ import pytest
 from protocol.errors import ErrorCode
 from protocol.pipes import CpuStorage, SharedTensor, SharedWeights, Work
 from registry.spec import ModelSpec
-from supervisor import management, shutdown
+from supervisor import gpus, management, shutdown
 from supervisor.gpus import Gpu
 from supervisor.shm import SHM_DIR, weights_segment
 from supervisor.workers import WorkerState
@@ -65,6 +65,20 @@ async def test_gpu_workers_map_the_holders_weights_charged_once(
     status = management.build_status(h.pool, "/s", 0.0)
     (model,) = [m for m in status.models if m.key == "emb"]
     assert [(w.state, w.holds_weights) for w in model.workers][-1] == ("holding", True)
+
+
+async def test_gpu_processes_are_charged_their_whole_vram_as_nvidia_smi_sees_it(
+        make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's reserved memory leaves out the CUDA context; nvidia-smi's per-process
+    figure does not, and replaces it once measured."""
+    h = make_harness(models=[gpu_model()], gpus=GPUS, memory_fraction=1.0)
+    await held_and_serving(h)
+    (holder,), (first, second) = h.holders("emb"), h.workers("emb")
+    assert h.pool.capacity.used_mb("cuda:0") == 900 + 2 * 100
+    used = {holder.pid: 1250.0, first.pid: 420.0, second.pid: 380.0, 99999: 5.0}
+    monkeypatch.setattr(gpus, "process_vram_mb", lambda: used)
+    await management.refresh_memory(h.pool)
+    assert h.pool.capacity.used_mb("cuda:0") == 1250 + 2 * 420  # the larger worker, each
 
 
 async def test_weights_holder_off_loads_a_copy_per_gpu_worker(
