@@ -51,7 +51,7 @@ from supervisor.workers import Launcher, forkserver_context
 log = logging.getLogger("modelpool.server")
 
 SCALE_TICK_S = 1.0
-MEMORY_REFRESH_TICKS = 5  # re-measure workers' USS every few ticks (~2 ms each)
+MEMORY_REFRESH_S = 5.0  # re-measure workers' USS and VRAM (~2 ms a worker, in a thread)
 
 
 class AlreadyRunning(Exception):
@@ -154,6 +154,7 @@ class Server:
         warm = loop.create_task(self.launcher.warm_up())
         ticker = loop.create_task(self._scale_ticker())
         health = loop.create_task(self._health_ticker())
+        measure = loop.create_task(self._memory_ticker())
         log.info("modelpool serving on %s (pid %d, %d models known)", self.socket_path,
                  os.getpid(), len(self.pool.models))
         try:
@@ -166,6 +167,7 @@ class Server:
         finally:
             ticker.cancel()
             health.cancel()
+            measure.cancel()
             warm.cancel()
             self._remove_socket()
             server.close()
@@ -176,14 +178,17 @@ class Server:
                 os.unlink(self.socket_path)
 
     async def _scale_ticker(self) -> None:
-        ticks = 0
         while True:
             await asyncio.sleep(min(SCALE_TICK_S, self.config.pool.cooldown_idle_s / 4))
             management.scale_down_tick(self.pool)
             self.pool.age_queues()
-            ticks += 1
-            if ticks % MEMORY_REFRESH_TICKS == 0:
-                await management.refresh_memory(self.pool)
+
+    async def _memory_ticker(self) -> None:
+        """Apart from the scale ticker, which must not wait on nvidia-smi (it can take
+        seconds to answer on a busy GPU)."""
+        while True:
+            await asyncio.sleep(MEMORY_REFRESH_S)
+            await management.refresh_memory(self.pool)
 
     async def _health_ticker(self) -> None:
         interval = min(1.0, self.config.pool.heartbeat_timeout_s / 4)
