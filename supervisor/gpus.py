@@ -12,6 +12,7 @@ log = logging.getLogger("modelpool.gpus")
 
 QUERY = ["--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"]
 PROCESS_QUERY = ["--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+_failed_queries: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,10 @@ def _nvidia_smi(query: list[str]) -> str | None:
         return subprocess.run([smi, *query], capture_output=True, text=True, timeout=10,
                               check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("nvidia-smi %s failed: %s", query[0], exc)
+        # Asked every few seconds: a broken query is worth one warning, not one each time.
+        level = logging.DEBUG if query[0] in _failed_queries else logging.WARNING
+        _failed_queries.add(query[0])
+        log.log(level, "nvidia-smi %s failed: %s", query[0], exc)
         return None
 
 
