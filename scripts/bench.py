@@ -232,6 +232,8 @@ def pool_figures(quick: bool) -> dict[str, Any]:
 
     return {
         "loads_beside_traffic": bench_pool.loads_beside_traffic(3 if quick else 8),
+        "loads_beside_traffic_realtime": bench_pool.loads_beside_traffic(
+            3 if quick else 8, realtime=True),
         "starts_and_stops_beside_traffic": bench_pool.loads_beside_traffic(
             3 if quick else 8, other=bench_pool.NOOP_B),
         "extra_worker": bench_pool.extra_worker(),

@@ -80,15 +80,17 @@ def _load_again_and_again(socket_path: str, key: str, go: Any, paused: Any, stop
                 time.sleep(0.05)
 
 
-def loads_beside_traffic(seconds: float, rounds: int = 4,
-                         other: str = SECOND_MINILM) -> dict[str, Any]:
+def loads_beside_traffic(seconds: float, rounds: int = 4, other: str = SECOND_MINILM,
+                         realtime: bool = False) -> dict[str, Any]:
     """p99 of a loaded model with nothing loading vs while another model (`other`, key
     minilm-b: by default a second copy of MiniLM) loads again and again. Quiet and
     loading windows alternate, so the shared machine's slow spells fall on both. The
     loads are driven from another process: a thread here would hold the GIL the
     measuring client needs. Also: the serving workers' CPU per request in each kind of
-    window, and the supervisor's CPU per load beyond what it spends on the traffic."""
-    daemon = Daemon("[pool]\ncooldown_idle_s = 3600\n" + other)
+    window, and the supervisor's CPU per load beyond what it spends on the traffic.
+    realtime: with `[daemon] realtime = true`; says whether SCHED_FIFO was granted."""
+    daemon = Daemon(f"[daemon]\nrealtime = {str(realtime).lower()}\n"
+                    "[pool]\ncooldown_idle_s = 3600\n" + other)
     ctx = multiprocessing.get_context("spawn")
     go, paused, stop, loads = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("i", 0)
     churn = ctx.Process(target=_load_again_and_again,
@@ -115,7 +117,9 @@ def loads_beside_traffic(seconds: float, rounds: int = 4,
                     after = [_cpu_s(serving), _cpu_s([supervisor])]
                     spent = zip(cpu[window], after, before, strict=True)
                     cpu[window] = [t + a - b for t, a, b in spent]
-        return _load_figures(lat, cpu, loads.value)
+        policy = os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
+        fifo = policy == os.SCHED_FIFO
+        return {**_load_figures(lat, cpu, loads.value), **({"fifo": fifo} if realtime else {})}
     finally:
         stop.set()
         go.set()

@@ -42,7 +42,7 @@ from protocol.messages import (
     client_decoder,
     encoder,
 )
-from supervisor import gpus, management, shm
+from supervisor import gpus, management, realtime, shm
 from supervisor.config import Config
 from supervisor.pool import Pool
 from supervisor.shutdown import drain_and_stop
@@ -143,6 +143,8 @@ class Server:
         self.pool.on_heartbeat(worker, beat)
 
     async def run(self) -> None:
+        if self.config.daemon.realtime:
+            realtime.enter_realtime()
         loop = asyncio.get_running_loop()
         sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
         if removed := shm.remove_stale_segments():

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import pytest
 from conftest import Daemon, model_entry
 
@@ -105,6 +106,24 @@ def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> N
     assert len(done) == 2 and max(done) - started < 8  # the two loads ran side by side
     if priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0)):  # else nothing is lowered
         assert policies == {"fast": [os.SCHED_BATCH], "slow-a": [os.SCHED_IDLE]}
+
+
+def test_realtime_puts_only_the_event_loop_in_sched_fifo(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[daemon]\nrealtime = true\n[pool]\ncold_start_workers = 1\n"
+                         + model_entry("fast"))
+    with daemon.client() as c:
+        c.embed("warm", model="fast")
+    supervisor = psutil.Process(daemon.process.pid)
+    loop_policy = os.sched_getscheduler(supervisor.pid)  # the main thread runs the loop
+    if "may not use SCHED_FIFO" in daemon.log():
+        assert loop_policy == os.SCHED_OTHER
+        pytest.skip("SCHED_FIFO is not permitted on this machine")
+    assert loop_policy == os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
+    threads = [os.sched_getscheduler(t.id) for t in supervisor.threads() if t.id != supervisor.pid]
+    assert threads and set(threads) == {os.SCHED_OTHER}  # the executor's, at least
+    processes = {os.sched_getscheduler(p.pid) & ~os.SCHED_RESET_ON_FORK
+                 for p in daemon.descendants()}
+    assert processes and not processes & {os.SCHED_FIFO, os.SCHED_RR}
 
 
 def test_unloading_a_model_while_it_loads_is_not_a_load_failure(
