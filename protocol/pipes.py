@@ -7,6 +7,7 @@ swapping in the client's id and never needs to understand their payload.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -68,6 +69,8 @@ ToWorker = Work | Abort | Shutdown
 
 
 # ---- shared weights: a holder's tensors, mapped by the serving workers -------------
+
+SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory segments, by name
 
 
 class CpuStorage(msgspec.Struct, frozen=True, tag="cpu", array_like=True):

@@ -117,9 +117,11 @@ def loads_beside_traffic(seconds: float, rounds: int = 4, other: str = SECOND_MI
                     after = [_cpu_s(serving), _cpu_s([supervisor])]
                     spent = zip(cpu[window], after, before, strict=True)
                     cpu[window] = [t + a - b for t, a, b in spent]
-        policy = os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
-        fifo = policy == os.SCHED_FIFO
-        return {**_load_figures(lat, cpu, loads.value), **({"fifo": fifo} if realtime else {})}
+        figures = _load_figures(lat, cpu, loads.value)
+        if realtime:
+            policy = os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
+            figures["fifo"] = policy == os.SCHED_FIFO
+        return figures
     finally:
         stop.set()
         go.set()

@@ -54,33 +54,26 @@ async def refresh_memory(pool: Pool) -> None:
     targets = {worker.pid: (model, worker) for model in pool.models.values()
                for worker in model.processes() if worker.pid is not None
                and (worker.ready or worker.state is WorkerState.HOLDING)}
-    loop = asyncio.get_running_loop()
-    measured = await loop.run_in_executor(None, _uss_of, list(targets))
-    vram = await loop.run_in_executor(None, gpus.process_vram_mb) if pool.gpus else {}
-    for pid, uss in measured.items():
-        model, worker = targets[pid]
+    uss, vram = await asyncio.get_running_loop().run_in_executor(
+        None, _measure, list(targets), bool(pool.gpus))
+    for pid, (model, worker) in targets.items():
         if not worker.alive:  # it exited while we measured
             continue
         if worker is model.holder:
-            worker.uss_mb = uss  # shown; what it holds is charged as the model's weights
+            worker.uss_mb = uss.get(pid, worker.uss_mb)  # its weights are the model's
+            model.measured_weights_mb = vram.get(pid, model.measured_weights_mb)
         else:
-            pool.capacity.note_uss(model, worker, uss)
-    for pid, used_mb in vram.items():
-        model, worker = targets.get(pid, (None, None))
-        if model is None or worker is None or not worker.alive or model.device == "cpu":
-            continue
-        if worker is model.holder:
-            model.measured_weights_mb = used_mb
-        else:
-            pool.capacity.note_vram(model, used_mb)
+            pool.capacity.note_uss(model, worker, uss.get(pid))
+            pool.capacity.note_vram(model, vram.get(pid))
 
 
-def _uss_of(pids: list[int]) -> dict[int, float]:
-    found = {}
+def _measure(pids: list[int], on_gpus: bool) -> tuple[dict[int, float], dict[int, float]]:
+    """(USS, VRAM) in MiB by pid; a process that is exiting is left out."""
+    uss = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):  # exiting: its sentinel will tell
-            found[pid] = psutil.Process(pid).memory_full_info().uss / 2**20
-    return found
+            uss[pid] = psutil.Process(pid).memory_full_info().uss / 2**20
+    return uss, gpus.process_vram_mb() if on_gpus else {}
 
 
 def _model(pool: Pool, name: str) -> ModelState:

@@ -10,15 +10,13 @@ import contextlib
 import itertools
 import mmap
 import os
-from pathlib import Path
 
 import msgspec
 
 from protocol.messages import Describe, EmbedImage, ImageInput, WorkRequest
-from protocol.pipes import SharedBytes, WorkItem
+from protocol.pipes import SHM_DIR, SharedBytes, WorkItem
 
 PREFIX = "modelpool-"
-SHM_DIR = Path("/dev/shm")
 
 
 class SharedImages:

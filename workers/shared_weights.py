@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from protocol.pipes import CpuStorage, CudaStorage, SharedTensor, SharedWeights
+from protocol.pipes import SHM_DIR, CpuStorage, CudaStorage, SharedTensor, SharedWeights
 
-SHM_DIR = Path("/dev/shm")
 ALIGN = 64  # every storage starts aligned, so any dtype's view of it is too
 
 

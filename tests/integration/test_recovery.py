@@ -19,6 +19,8 @@ from protocol.client import AsyncClient, PoolError
 from protocol.errors import ErrorCode
 
 MakeDaemon = Callable[..., Daemon]
+
+
 def worker_pids(daemon: Daemon, key: str) -> list[int]:
     with daemon.client() as c:
         model = next(m for m in c.status()["models"] if m["key"] == key)
