@@ -92,7 +92,8 @@ def fresh_socket_path() -> str:
     return f"/tmp/mpt-{os.getpid()}-{time.monotonic_ns() % 10**9}/mp.sock"
 
 
-def start_daemon(workdir: Path, config_toml: str, socket_path: str | None = None) -> Daemon:
+def start_daemon(workdir: Path, config_toml: str, socket_path: str | None = None,
+                 env: dict[str, str] | None = None) -> Daemon:
     socket_path = socket_path or fresh_socket_path()
     config = workdir / "modelpool.toml"
     config.write_text(textwrap.dedent(config_toml))
@@ -101,7 +102,8 @@ def start_daemon(workdir: Path, config_toml: str, socket_path: str | None = None
         process = subprocess.Popen(
             [sys.executable, "-m", "supervisor.cli", "--socket", socket_path, "serve",
              "--config", str(config)],
-            cwd=ROOT, env=daemon_env(socket_path), stdout=log, stderr=subprocess.STDOUT)
+            cwd=ROOT, env={**daemon_env(socket_path), **(env or {})}, stdout=log,
+            stderr=subprocess.STDOUT)
     daemon = Daemon(process, socket_path, log_path)
     _wait_for_socket(daemon, 30)
     return daemon
@@ -117,8 +119,9 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """Start a daemon with the given TOML config; stopped after the test."""
     started: list[Daemon] = []
 
-    def make(config_toml: str, socket_path: str | None = None) -> Daemon:
-        daemon = start_daemon(tmp_path, config_toml, socket_path)
+    def make(config_toml: str, socket_path: str | None = None,
+             env: dict[str, str] | None = None) -> Daemon:
+        daemon = start_daemon(tmp_path, config_toml, socket_path, env)
         started.append(daemon)
         return daemon
 

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -106,6 +107,33 @@ def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> N
     assert len(done) == 2 and max(done) - started < 8  # the two loads ran side by side
     if priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0)):  # else nothing is lowered
         assert policies == {"fast": [os.SCHED_BATCH], "slow-a": [os.SCHED_IDLE]}
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+case "$1" in
+  --query-gpu=*) echo "0, 16000, Fake GPU" ;;
+  *) exec sleep 8 ;;  # the per-process memory query hangs, as on a wedged GPU
+esac
+"""
+
+
+def test_a_hanging_nvidia_smi_never_holds_up_scale_down(
+        make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    daemon = make_daemon(
+        "[pool]\ncooldown_idle_s = 1\n" + model_entry("cpu-model", run_s=0)
+        + '        device = "cpu"\n',
+        env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert "Fake GPU" in daemon.log()  # the daemon found the fake GPU, so it measures VRAM
+    with daemon.client() as c:
+        c.embed("warm", model="cpu-model")
+    idle_since = time.monotonic()
+    wait_until(lambda: not status_of(daemon, "cpu-model")["workers"], 6,
+               "both workers stopped one cooldown apart")
+    assert time.monotonic() - idle_since < 6
 
 
 def test_realtime_puts_only_the_event_loop_in_sched_fifo(make_daemon: MakeDaemon) -> None:
