@@ -130,11 +130,6 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     """Entry point in the child process."""
     # Ctrl-C at a terminal signals the whole process group; the supervisor decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Everything inherited from the forkserver, and so shared with it and every sibling,
-    # out of the collector's reach: a collection writes to each object it visits and so
-    # copies its page (~40 MB per idle worker, measured, before workers.preloaded froze
-    # the forkserver's whole heap; this covers what the forkserver made since).
-    gc.freeze()
     settings = msgspec.msgpack.decode(settings_bytes, type=WorkerSettings)
     worker = Worker(work_sock, settings.images)
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
