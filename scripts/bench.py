@@ -228,9 +228,13 @@ def embedding_figures(quick: bool) -> dict[str, Any]:
 
 
 def pool_figures(quick: bool) -> dict[str, Any]:
+    import bench_machine
     import bench_pool
 
     return {
+        # The floor for the two p99 ratios below: no modelpool code, one idle-priority loop.
+        "machine_idle_neighbour": bench_machine.idle_neighbour(
+            3 if quick else 24, rounds=2 if quick else 8),
         # Long and many-windowed: a p99 from 8 s runs here varied 1.05-1.48x run to run.
         "loads_beside_traffic": bench_pool.loads_beside_traffic(
             3 if quick else 24, rounds=4 if quick else 12),

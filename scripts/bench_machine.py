@@ -1,0 +1,105 @@
+"""What the machine itself does to a request's tail when a CPU-bound neighbour runs at low
+priority: no modelpool code, so the p99 ratios of bench_pool have a floor to be read
+against.
+
+A chain of three processes passes one message along and back, as a client, the
+supervisor and a worker do: the middle one spends 0.1 ms each way, the last WORK_MS.
+Windows alternate between the chain alone and the chain beside one busy loop, either at
+SCHED_IDLE (what a loading worker runs at) or at nice 19."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench import percentiles
+
+WORK_MS = 5.0
+NEIGHBOURS = ("alone", "sched_idle_loop", "nice_19_loop")
+
+
+def _burn(ms: float) -> None:
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
+def _fork(body: Callable[[], None], close: tuple[socket.socket, ...] = ()) -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for end in close:  # or the chain would never read end-of-file
+                end.close()
+            body()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _relay(inbound: socket.socket, outbound: socket.socket) -> None:
+    while message := inbound.recv(64):
+        _burn(0.1)
+        outbound.send(message)
+        outbound.recv(64)
+        _burn(0.1)
+        inbound.send(message)
+
+
+def _serve(inbound: socket.socket) -> None:
+    while message := inbound.recv(64):
+        _burn(WORK_MS)
+        inbound.send(message)
+
+
+def _busy_loop(neighbour: str) -> None:
+    if neighbour == "sched_idle_loop":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(19)
+    while True:
+        pass
+
+
+def _window(client: socket.socket, seconds: float, neighbour: str) -> list[float]:
+    loop = None if neighbour == "alone" else _fork(lambda: _busy_loop(neighbour), (client,))
+    try:
+        time.sleep(0.05)
+        out = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            client.send(b"x")
+            client.recv(64)
+            out.append(time.perf_counter() - t0)
+        return out
+    finally:
+        if loop is not None:
+            os.kill(loop, signal.SIGKILL)
+            os.waitpid(loop, 0)
+
+
+def idle_neighbour(seconds: float, rounds: int) -> dict[str, Any]:
+    """p99 of the chain beside each kind of busy loop, and its ratio to the chain alone."""
+    client, relay_in = socket.socketpair()
+    relay_out, server = socket.socketpair()
+    children = [_fork(lambda: _relay(relay_in, relay_out), close=(client, server)),
+                _fork(lambda: _serve(server), close=(client, relay_in, relay_out))]
+    for end in (relay_in, relay_out, server):
+        end.close()
+    lat: dict[str, list[float]] = {n: [] for n in NEIGHBOURS}
+    try:
+        for _ in range(rounds):
+            for neighbour in NEIGHBOURS:
+                lat[neighbour] += _window(client, seconds / rounds / len(NEIGHBOURS), neighbour)
+    finally:
+        client.close()  # the relay, then the server, read end-of-file and exit
+        for pid in children:
+            os.waitpid(pid, 0)
+    figures: dict[str, Any] = {n: percentiles(v) for n, v in lat.items()}
+    alone = figures["alone"]["p99_ms"]
+    figures["p99_ratio"] = {n: round(figures[n]["p99_ms"] / alone, 3) for n in NEIGHBOURS[1:]}
+    return figures
