@@ -27,6 +27,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024
     max_client_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024
     realtime: bool = False  # the event loop as SCHED_FIFO, when permitted (supervisor/realtime.py)
+    idle_cgroup: bool = True  # start, load, stop workers in an idle cpu cgroup (cgroups.py)
 
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -42,7 +42,7 @@ from protocol.messages import (
     client_decoder,
     encoder,
 )
-from supervisor import gpus, management, realtime, shm
+from supervisor import cgroups, gpus, management, realtime, shm
 from supervisor.config import Config
 from supervisor.pool import Pool
 from supervisor.shutdown import drain_and_stop
@@ -145,6 +145,7 @@ class Server:
     async def run(self) -> None:
         if self.config.daemon.realtime:
             realtime.enter_realtime()
+        loading_cgroup = cgroups.enter(self.config.daemon.idle_cgroup)  # before the forkserver
         loop = asyncio.get_running_loop()
         sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
         if removed := shm.remove_stale_segments():
@@ -167,6 +168,7 @@ class Server:
             self.pool.shared.release_all()
             await self.launcher.close()
         finally:
+            cgroups.leave(loading_cgroup)
             ticker.cancel()
             health.cancel()
             measure.cancel()

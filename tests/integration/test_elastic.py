@@ -16,9 +16,21 @@ from conftest import Daemon, model_entry
 
 from protocol.client import AsyncClient, PoolError
 from protocol.errors import ErrorCode
+from supervisor.cgroups import cpu_cgroup_dir
 from workers import priority
 
 MakeDaemon = Callable[..., Daemon]
+SERVING_CGROUP = cpu_cgroup_dir(Path("/proc/self/cgroup").read_text(),
+                                Path("/proc/self/mountinfo").read_text())
+IDLE_CGROUP_POSSIBLE = SERVING_CGROUP is not None and os.access(SERVING_CGROUP, os.W_OK)
+LOWERED = priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0))  # else nothing is
+
+
+def cpu_cgroup(pid: int, tid: int | None = None) -> str:
+    """A process's (or one thread's) cgroup in the cgroup v1 cpu hierarchy."""
+    lines = Path(f"/proc/{pid}/task/{tid or pid}/cgroup").read_text().splitlines()
+    return next(path for _, controllers, path in (line.split(":", 2) for line in lines)
+                if "cpu" in controllers.split(","))
 
 
 def status_of(daemon: Daemon, key: str) -> dict[str, Any]:
@@ -99,14 +111,60 @@ def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> N
             t0 = time.monotonic()
             c.embed("ping", model="fast")
             latencies.append(time.monotonic() - t0)
-    policies = {key: [os.sched_getscheduler(w["pid"]) for w in status_of(daemon, key)["workers"]]
-                for key in ("fast", "slow-a")}
+    (fast,), (slow,) = ([w["pid"] for w in status_of(daemon, key)["workers"]]
+                        for key in ("fast", "slow-a"))
+    policies = os.sched_getscheduler(fast), os.sched_getscheduler(slow)
+    groups = (cpu_cgroup(fast), cpu_cgroup(slow)) if IDLE_CGROUP_POSSIBLE else None
     for thread in loaders:
         thread.join(30)
     assert max(latencies) < 0.5, max(latencies)  # generous: ~1 ms is typical
     assert len(done) == 2 and max(done) - started < 8  # the two loads ran side by side
-    if priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0)):  # else nothing is lowered
-        assert policies == {"fast": [os.SCHED_BATCH], "slow-a": [os.SCHED_IDLE]}
+    if not LOWERED:
+        return
+    if groups is None:
+        assert policies == (os.SCHED_BATCH, os.SCHED_IDLE)
+    else:  # loading in the idle cgroup instead of SCHED_IDLE
+        assert policies == (os.SCHED_BATCH, os.SCHED_OTHER)
+        assert not groups[0].endswith("-loading")
+        assert groups[1].endswith(f"/modelpool-{daemon.process.pid}-loading")
+
+
+@pytest.mark.skipif(not (IDLE_CGROUP_POSSIBLE and LOWERED), reason="no writable cgroup v1 cpu "
+                    "hierarchy, or no right to restore priority")
+def test_the_idle_cgroup_holds_the_forkserver_not_serving_workers_and_goes_with_the_daemon(
+        make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + model_entry("fast"))
+    assert SERVING_CGROUP is not None
+    loading = SERVING_CGROUP / f"modelpool-{daemon.process.pid}-loading"
+    assert (loading / "cpu.idle").read_text().strip() == "1"
+    with daemon.client() as c:
+        c.embed("warm", model="fast")
+    (worker,) = [w["pid"] for w in status_of(daemon, "fast")["workers"]]
+    members = {int(pid) for pid in (loading / "cgroup.procs").read_text().split()}
+    others = {p.pid for p in daemon.descendants()} - {worker}
+    assert members and members <= others  # the forkserver (and what it has not forked yet)
+    assert {cpu_cgroup(worker, t.id) for t in psutil.Process(worker).threads()} == {
+        cpu_cgroup(daemon.process.pid)}
+    daemon.stop()
+    assert not loading.exists()
+
+
+def test_without_the_idle_cgroup_a_loading_worker_runs_sched_idle(
+        make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[daemon]\nidle_cgroup = false\n[pool]\ncold_start_workers = 1\n"
+                         + model_entry("slow", load_s=3))
+    with daemon.client() as c:
+        c.load("slow", workers=1)
+    wait_until(lambda: [w["state"] for w in status_of(daemon, "slow")["workers"]]
+               == ["loading"], 10, "a worker loading")
+    (slow,) = [w["pid"] for w in status_of(daemon, "slow")["workers"]]
+    policy = os.sched_getscheduler(slow)
+    if LOWERED:
+        assert policy == os.SCHED_IDLE
+    if IDLE_CGROUP_POSSIBLE:
+        assert not cpu_cgroup(slow).endswith("-loading")
+        assert SERVING_CGROUP is not None
+        assert not (SERVING_CGROUP / f"modelpool-{daemon.process.pid}-loading").exists()
 
 
 FAKE_NVIDIA_SMI = """#!/bin/sh
