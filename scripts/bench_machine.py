@@ -4,8 +4,10 @@ against.
 
 A chain of three processes passes one message along and back, as a client, the
 supervisor and a worker do: the middle one spends 0.1 ms each way, the last WORK_MS.
-Windows alternate between the chain alone and the chain beside one busy loop, either at
-SCHED_IDLE (what a loading worker runs at) or at nice 19."""
+Windows alternate between the chain alone and the chain beside one busy loop: at
+SCHED_IDLE (where the daemon cannot make an idle cgroup, loading workers run so), at
+nice 19, and as a normal task in a cgroup marked cpu.idle (supervisor/cgroups.py), when
+this process may make one."""
 
 from __future__ import annotations
 
@@ -14,12 +16,16 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench import percentiles
 
+from protocol.cgroups import move_process
+from supervisor import cgroups
+
 WORK_MS = 5.0
-NEIGHBOURS = ("alone", "sched_idle_loop", "nice_19_loop")
+NEIGHBOURS = ("alone", "sched_idle_loop", "nice_19_loop", "idle_cgroup_loop")
 
 
 def _burn(ms: float) -> None:
@@ -55,17 +61,21 @@ def _serve(inbound: socket.socket) -> None:
         inbound.send(message)
 
 
-def _busy_loop(neighbour: str) -> None:
+def _busy_loop(neighbour: str, idle_cgroup: Path | None) -> None:
     if neighbour == "sched_idle_loop":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    else:
+    elif neighbour == "nice_19_loop":
         os.nice(19)
+    elif idle_cgroup is not None:
+        move_process(str(idle_cgroup))
     while True:
         pass
 
 
-def _window(client: socket.socket, seconds: float, neighbour: str) -> list[float]:
-    loop = None if neighbour == "alone" else _fork(lambda: _busy_loop(neighbour), (client,))
+def _window(client: socket.socket, seconds: float, neighbour: str,
+            idle_cgroup: Path | None) -> list[float]:
+    loop = (None if neighbour == "alone"
+            else _fork(lambda: _busy_loop(neighbour, idle_cgroup), (client,)))
     try:
         time.sleep(0.05)
         out = []
@@ -90,16 +100,20 @@ def idle_neighbour(seconds: float, rounds: int) -> dict[str, Any]:
                 _fork(lambda: _serve(server), close=(client, relay_in, relay_out))]
     for end in (relay_in, relay_out, server):
         end.close()
-    lat: dict[str, list[float]] = {n: [] for n in NEIGHBOURS}
+    idle_cgroup = cgroups.enter(True)
+    kinds = NEIGHBOURS if idle_cgroup else NEIGHBOURS[:-1]
+    lat: dict[str, list[float]] = {n: [] for n in kinds}
     try:
         for _ in range(rounds):
-            for neighbour in NEIGHBOURS:
-                lat[neighbour] += _window(client, seconds / rounds / len(NEIGHBOURS), neighbour)
+            for neighbour in kinds:
+                lat[neighbour] += _window(client, seconds / rounds / len(kinds), neighbour,
+                                          idle_cgroup)
     finally:
         client.close()  # the relay, then the server, read end-of-file and exit
         for pid in children:
             os.waitpid(pid, 0)
+        cgroups.leave(idle_cgroup)
     figures: dict[str, Any] = {n: percentiles(v) for n, v in lat.items()}
     alone = figures["alone"]["p99_ms"]
-    figures["p99_ratio"] = {n: round(figures[n]["p99_ms"] / alone, 3) for n in NEIGHBOURS[1:]}
+    figures["p99_ratio"] = {n: round(figures[n]["p99_ms"] / alone, 3) for n in kinds[1:]}
     return figures
