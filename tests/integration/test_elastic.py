@@ -26,6 +26,15 @@ IDLE_CGROUP_POSSIBLE = SERVING_CGROUP is not None and os.access(SERVING_CGROUP, 
 LOWERED = priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0))  # else nothing is
 
 
+def start_loading(daemon: Daemon, key: str) -> int:
+    """The pid of one worker of `key`, once it is loading."""
+    with daemon.client() as c:
+        c.load(key, workers=1)
+    wait_until(lambda: [w["state"] for w in status_of(daemon, key)["workers"]]
+               == ["loading"], 10, "a worker loading")
+    return status_of(daemon, key)["workers"][0]["pid"]
+
+
 def cpu_cgroup(pid: int, tid: int | None = None) -> str:
     """A process's (or one thread's) cgroup in the cgroup v1 cpu hierarchy."""
     lines = Path(f"/proc/{pid}/task/{tid or pid}/cgroup").read_text().splitlines()
@@ -153,11 +162,7 @@ def test_without_the_idle_cgroup_a_loading_worker_runs_sched_idle(
         make_daemon: MakeDaemon) -> None:
     daemon = make_daemon("[daemon]\nidle_cgroup = false\n[pool]\ncold_start_workers = 1\n"
                          + model_entry("slow", load_s=3))
-    with daemon.client() as c:
-        c.load("slow", workers=1)
-    wait_until(lambda: [w["state"] for w in status_of(daemon, "slow")["workers"]]
-               == ["loading"], 10, "a worker loading")
-    (slow,) = [w["pid"] for w in status_of(daemon, "slow")["workers"]]
+    slow = start_loading(daemon, "slow")
     policy = os.sched_getscheduler(slow)
     if LOWERED:
         assert policy == os.SCHED_IDLE
@@ -218,10 +223,8 @@ def test_unloading_a_model_while_it_loads_is_not_a_load_failure(
     # is over, well before its 3 s load ends.
     daemon = make_daemon("[pool]\ncold_start_workers = 1\nshutdown_timeout_s = 0.2\n"
                          + model_entry("slow", load_s=3))
+    start_loading(daemon, "slow")
     with daemon.client() as c:
-        c.load("slow", workers=1)
-        wait_until(lambda: [w["state"] for w in status_of(daemon, "slow")["workers"]]
-                   == ["loading"], 10, "a worker loading")
         c.unload("slow")
         wait_until(lambda: not status_of(daemon, "slow")["workers"], 10, "the worker killed")
         assert status_of(daemon, "slow")["last_error"] is None
