@@ -240,6 +240,9 @@ def pool_figures(quick: bool) -> dict[str, Any]:
             3 if quick else 24, rounds=4 if quick else 12),
         "loads_beside_traffic_realtime": bench_pool.loads_beside_traffic(
             3 if quick else 24, rounds=4 if quick else 12, realtime=True),
+        # Where no idle cgroup can be made (cgroup v2, no write access): SCHED_IDLE.
+        "loads_beside_traffic_sched_idle": bench_pool.loads_beside_traffic(
+            3 if quick else 24, rounds=4 if quick else 12, idle_cgroup=False),
         "starts_and_stops_beside_traffic": bench_pool.loads_beside_traffic(
             3 if quick else 8, other=bench_pool.NOOP_B),
         "extra_worker": bench_pool.extra_worker(),

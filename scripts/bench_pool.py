@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from protocol.client import AsyncClient, Client
 from protocol.errors import ErrorCode
 from protocol.framing import frame, recv_frame, send_frame
 from protocol.messages import Embed, Error, Hello, encoder, server_decoder
+from supervisor import cgroups
 
 SECOND_MINILM = """
 [[models]]
@@ -81,15 +83,17 @@ def _load_again_and_again(socket_path: str, key: str, go: Any, paused: Any, stop
 
 
 def loads_beside_traffic(seconds: float, rounds: int = 4, other: str = SECOND_MINILM,
-                         realtime: bool = False) -> dict[str, Any]:
+                         realtime: bool = False, idle_cgroup: bool = True) -> dict[str, Any]:
     """p99 of a loaded model with nothing loading vs while another model (`other`, key
     minilm-b: by default a second copy of MiniLM) loads again and again. Quiet and
     loading windows alternate, so the shared machine's slow spells fall on both. The
     loads are driven from another process: a thread here would hold the GIL the
     measuring client needs. Also: the serving workers' CPU per request in each kind of
     window, and the supervisor's CPU per load beyond what it spends on the traffic.
-    realtime: with `[daemon] realtime = true`; says whether SCHED_FIFO was granted."""
+    realtime: with `[daemon] realtime = true`; says whether SCHED_FIFO was granted.
+    idle_cgroup: false for `[daemon] idle_cgroup = false`, the SCHED_IDLE fallback."""
     daemon = Daemon(f"[daemon]\nrealtime = {str(realtime).lower()}\n"
+                    f"idle_cgroup = {str(idle_cgroup).lower()}\n"
                     "[pool]\ncooldown_idle_s = 3600\n" + other)
     ctx = multiprocessing.get_context("spawn")
     go, paused, stop, loads = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("i", 0)
@@ -121,6 +125,10 @@ def loads_beside_traffic(seconds: float, rounds: int = 4, other: str = SECOND_MI
         if realtime:
             policy = os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
             figures["fifo"] = policy == os.SCHED_FIFO
+        here = cgroups.cpu_cgroup_dir(Path("/proc/self/cgroup").read_text(),
+                                      Path("/proc/self/mountinfo").read_text())
+        loading = f"modelpool-{daemon.process.pid}-loading"
+        figures["idle_cgroup"] = here is not None and (here / loading).is_dir()
         return figures
     finally:
         stop.set()
