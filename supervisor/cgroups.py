@@ -64,7 +64,11 @@ def enter(enabled: bool) -> Path | None:
         remove_stale(serving)
         loading = serving / f"modelpool-{os.getpid()}-loading"
         loading.mkdir(exist_ok=True)
-        (loading / "cpu.idle").write_text("1")
+        try:
+            (loading / "cpu.idle").write_text("1")
+        except OSError:  # a kernel before 5.15 has no cpu.idle
+            loading.rmdir()
+            raise
     except OSError as exc:
         log.info("cannot make an idle cpu cgroup (%s): starting workers run SCHED_IDLE", exc)
         return None
