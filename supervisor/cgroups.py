@@ -10,9 +10,9 @@ woken task does not queue behind them. So, where the cgroup filesystem lets the 
 workers are born, load and exit in a `cpu.idle` cgroup made beside its own, and serve in
 its own; elsewhere they use SCHED_IDLE (workers/priority.py).
 
-cgroup v1 only for now: under cgroup v2 a process may not sit in a cgroup that has
-children with the cpu controller, so the supervisor would first have to move itself
-into a child of a cgroup delegated to it (systemd `Delegate=yes`); that is not built.
+cgroup v1 only for now: under cgroup v2 the daemon would need a cgroup delegated to it
+(systemd `Delegate=yes`) turned into a threaded domain, since v2 moves single threads
+(the heartbeat) only inside a threaded subtree; that is not built.
 """
 
 from __future__ import annotations
