@@ -10,7 +10,6 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -125,10 +124,9 @@ def loads_beside_traffic(seconds: float, rounds: int = 4, other: str = SECOND_MI
         if realtime:
             policy = os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
             figures["fifo"] = policy == os.SCHED_FIFO
-        here = cgroups.cpu_cgroup_dir(Path("/proc/self/cgroup").read_text(),
-                                      Path("/proc/self/mountinfo").read_text())
-        loading = f"modelpool-{daemon.process.pid}-loading"
-        figures["idle_cgroup"] = here is not None and (here / loading).is_dir()
+        here = cgroups.own_cpu_cgroup_dir()  # the daemon's too
+        figures["idle_cgroup"] = (here is not None and
+                                  cgroups.loading_cgroup_dir(here, daemon.process.pid).is_dir())
         return figures
     finally:
         stop.set()

@@ -50,25 +50,41 @@ def cpu_cgroup_dir(self_cgroup: str, mountinfo: str) -> Path | None:
     return None
 
 
+def own_cpu_cgroup_dir() -> Path | None:
+    """This process's cgroup directory in the cgroup v1 cpu hierarchy; None without one."""
+    return cpu_cgroup_dir(Path("/proc/self/cgroup").read_text(),
+                          Path("/proc/self/mountinfo").read_text())
+
+
+def loading_cgroup_dir(serving: Path, daemon_pid: int) -> Path:
+    return serving / f"modelpool-{daemon_pid}-loading"
+
+
+def make_loading_cgroup(serving: Path) -> Path:
+    """This daemon's loading cgroup beside its own, marked cpu.idle. OSError, and nothing
+    left behind, where it cannot be made or marked."""
+    loading = loading_cgroup_dir(serving, os.getpid())
+    loading.mkdir(exist_ok=True)
+    try:
+        (loading / "cpu.idle").write_text("1")
+    except OSError:  # a kernel before 5.15 has no cpu.idle
+        loading.rmdir()
+        raise
+    return loading
+
+
 def enter(enabled: bool) -> Path | None:
     """Make this daemon's loading cgroup and name both cgroups in the environment the
     forkserver inherits. None, and workers use SCHED_IDLE, when disabled or not possible."""
     if not enabled:
         return None
     try:
-        serving = cpu_cgroup_dir(Path("/proc/self/cgroup").read_text(),
-                                 Path("/proc/self/mountinfo").read_text())
+        serving = own_cpu_cgroup_dir()
         if serving is None:
             log.info("no cgroup v1 cpu controller: starting workers run SCHED_IDLE")
             return None
         remove_stale(serving)
-        loading = serving / f"modelpool-{os.getpid()}-loading"
-        loading.mkdir(exist_ok=True)
-        try:
-            (loading / "cpu.idle").write_text("1")
-        except OSError:  # a kernel before 5.15 has no cpu.idle
-            loading.rmdir()
-            raise
+        loading = make_loading_cgroup(serving)
     except OSError as exc:
         log.info("cannot make an idle cpu cgroup (%s): starting workers run SCHED_IDLE", exc)
         return None

@@ -16,12 +16,11 @@ from conftest import Daemon, model_entry
 
 from protocol.client import AsyncClient, PoolError
 from protocol.errors import ErrorCode
-from supervisor.cgroups import cpu_cgroup_dir
+from supervisor.cgroups import loading_cgroup_dir, own_cpu_cgroup_dir
 from workers import priority
 
 MakeDaemon = Callable[..., Daemon]
-SERVING_CGROUP = cpu_cgroup_dir(Path("/proc/self/cgroup").read_text(),
-                                Path("/proc/self/mountinfo").read_text())
+SERVING_CGROUP = own_cpu_cgroup_dir()
 IDLE_CGROUP_POSSIBLE = SERVING_CGROUP is not None and os.access(SERVING_CGROUP, os.W_OK)
 LOWERED = priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0))  # else nothing is
 
@@ -144,7 +143,7 @@ def test_the_idle_cgroup_holds_the_forkserver_not_serving_workers_and_goes_with_
         make_daemon: MakeDaemon) -> None:
     daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + model_entry("fast"))
     assert SERVING_CGROUP is not None
-    loading = SERVING_CGROUP / f"modelpool-{daemon.process.pid}-loading"
+    loading = loading_cgroup_dir(SERVING_CGROUP, daemon.process.pid)
     assert (loading / "cpu.idle").read_text().strip() == "1"
     with daemon.client() as c:
         c.embed("warm", model="fast")
@@ -169,7 +168,7 @@ def test_without_the_idle_cgroup_a_loading_worker_runs_sched_idle(
     if IDLE_CGROUP_POSSIBLE:
         assert not cpu_cgroup(slow).endswith("-loading")
         assert SERVING_CGROUP is not None
-        assert not (SERVING_CGROUP / f"modelpool-{daemon.process.pid}-loading").exists()
+        assert not loading_cgroup_dir(SERVING_CGROUP, daemon.process.pid).exists()
 
 
 FAKE_NVIDIA_SMI = """#!/bin/sh

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from supervisor.cgroups import cpu_cgroup_dir, remove_stale
+import pytest
+
+from supervisor.cgroups import cpu_cgroup_dir, loading_cgroup_dir, make_loading_cgroup, remove_stale
 
 MOUNTS_V1 = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -55,3 +57,32 @@ def test_only_loading_cgroups_of_dead_daemons_are_removed(tmp_path: Path) -> Non
     remove_stale(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"modelpool-{os.getpid()}-loading", "modelpool-x-loading", "someone-else"]
+
+
+def writable_hierarchy_without_cpu_idle() -> Path | None:
+    """A real cgroup v1 hierarchy this process may make cgroups in that has no cpu.idle
+    (no cpu controller), as a kernel before 5.15 has none anywhere."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
+        root = Path(fields[4])
+        if (fstype == "cgroup" and "cpu" not in options and fields[3] == "/"
+                and os.access(root, os.W_OK) and not (root / "cpu.idle").exists()):
+            return root
+    return None
+
+
+NO_CPU_IDLE = writable_hierarchy_without_cpu_idle()
+
+
+@pytest.mark.skipif(NO_CPU_IDLE is None, reason="no writable cgroup v1 hierarchy without cpu")
+def test_a_cgroup_that_cannot_be_marked_idle_is_not_left_behind() -> None:
+    assert NO_CPU_IDLE is not None
+    loading = loading_cgroup_dir(NO_CPU_IDLE, os.getpid())
+    try:
+        with pytest.raises(OSError):
+            make_loading_cgroup(NO_CPU_IDLE)
+        assert not loading.exists()
+    finally:
+        if loading.exists():
+            loading.rmdir()
