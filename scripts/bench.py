@@ -228,6 +228,7 @@ def embedding_figures(quick: bool) -> dict[str, Any]:
 
 
 def pool_figures(quick: bool) -> dict[str, Any]:
+    import bench_loads
     import bench_machine
     import bench_pool
 
@@ -236,15 +237,15 @@ def pool_figures(quick: bool) -> dict[str, Any]:
         "machine_idle_neighbour": bench_machine.idle_neighbour(
             3 if quick else 24, rounds=2 if quick else 8),
         # Long and many-windowed: a p99 from 8 s runs here varied 1.05-1.48x run to run.
-        "loads_beside_traffic": bench_pool.loads_beside_traffic(
+        "loads_beside_traffic": bench_loads.loads_beside_traffic(
             3 if quick else 24, rounds=4 if quick else 12),
-        "loads_beside_traffic_realtime": bench_pool.loads_beside_traffic(
+        "loads_beside_traffic_realtime": bench_loads.loads_beside_traffic(
             3 if quick else 24, rounds=4 if quick else 12, realtime=True),
         # Where no idle cgroup can be made (cgroup v2, no write access): SCHED_IDLE.
-        "loads_beside_traffic_sched_idle": bench_pool.loads_beside_traffic(
+        "loads_beside_traffic_sched_idle": bench_loads.loads_beside_traffic(
             3 if quick else 24, rounds=4 if quick else 12, idle_cgroup=False),
-        "starts_and_stops_beside_traffic": bench_pool.loads_beside_traffic(
-            3 if quick else 8, other=bench_pool.NOOP_B),
+        "starts_and_stops_beside_traffic": bench_loads.loads_beside_traffic(
+            3 if quick else 8, other=bench_loads.NOOP_B),
         "extra_worker": bench_pool.extra_worker(),
         "extra_worker_with_weights_holder": bench_pool.extra_worker(holder=True),
         "extra_worker_bfloat16": bench_pool.extra_worker(dtype="bfloat16"),

