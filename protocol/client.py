@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from protocol.client_support import (
+from modelpool.protocol.client_support import (
     FINAL,
     ImageChunk,
     ImageLike,
@@ -42,10 +42,10 @@ from protocol.client_support import (
     undecodable,
     vectors_of,
 )
-from protocol.errors import ErrorCode, PoolError
-from protocol.framing import MAX_FRAME_BYTES, read_frame, recv_frame, send_frame
-from protocol.framing import frame as make_frame
-from protocol.messages import (
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.framing import MAX_FRAME_BYTES, read_frame, recv_frame, send_frame
+from modelpool.protocol.framing import frame as make_frame
+from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
     Cancel,
     Error,
@@ -61,7 +61,7 @@ from protocol.messages import (
     server_decoder,
     to_builtins,
 )
-from protocol.paths import default_socket_path
+from modelpool.protocol.paths import default_socket_path
 
 __all__ = ["AsyncClient", "Client", "ErrorCode", "ImageChunk", "PoolError", "TextChunk"]
 

@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.framing import MAX_FRAME_BYTES
-from protocol.messages import (
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.framing import MAX_FRAME_BYTES
+from modelpool.protocol.messages import (
     Ack,
     ChatMessage,
     Chunk,
@@ -36,7 +36,7 @@ from protocol.messages import (
     Welcome,
     encoder,
 )
-from protocol.messages import Image as ImageMsg
+from modelpool.protocol.messages import Image as ImageMsg
 
 FINAL = (Embeddings, End, Error, StatusReply, ModelsReply, Ack, ImageMsg)
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from protocol.errors import ErrorCode
+from modelpool.protocol.errors import ErrorCode
 
 PROTOCOL_VERSION = 1
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import (
+from modelpool.protocol.messages import (
     Chunk,
     Embeddings,
     End,

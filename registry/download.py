@@ -9,7 +9,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from registry.spec import ModelSpec
+from modelpool.registry.spec import ModelSpec
 
 _HUB_PATTERNS = [
     "*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "merges.txt",

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from protocol.messages import Capability
+from modelpool.protocol.messages import Capability
 
 BATCHED_CAPABILITIES: frozenset[str] = frozenset({"text_embedding", "image_embedding"})
 STREAMING_CAPABILITIES: frozenset[str] = frozenset({"text_to_text", "vision", "text_to_image"})
@@ -82,7 +82,7 @@ class _Catalog(msgspec.Struct, forbid_unknown_fields=True):
 
 def load_catalog() -> list[ModelSpec]:
     """The built-in models, from registry/catalog.toml."""
-    data = importlib.resources.files("registry").joinpath("catalog.toml").read_bytes()
+    data = importlib.resources.files("modelpool.registry").joinpath("catalog.toml").read_bytes()
     return msgspec.toml.decode(data, type=_Catalog).models
 
 
@@ -117,9 +117,9 @@ class Registry:
 
 
 CAPABILITY_MODULES = {
-    "image_embedding": ["registry.loaders.clip"],
-    "vision": ["registry.loaders.vision_lm"],
-    "text_to_image": ["diffusers", "registry.loaders.diffusion"],
+    "image_embedding": ["modelpool.registry.loaders.clip"],
+    "vision": ["modelpool.registry.loaders.vision_lm"],
+    "text_to_image": ["diffusers", "modelpool.registry.loaders.diffusion"],
 }
 
 

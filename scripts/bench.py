@@ -28,10 +28,9 @@ import numpy as np
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from protocol.client import AsyncClient, Client  # noqa: E402
+from modelpool.protocol.client import AsyncClient, Client  # noqa: E402
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 WORDS = [
@@ -60,8 +59,8 @@ def baseline(texts: list[str], singles: int, threads: int) -> dict[str, Any]:
     """The same model in this process, on `threads` torch threads."""
     import torch
 
-    from registry.loaders import load_model
-    from registry.spec import Registry, load_catalog
+    from modelpool.registry.loaders import load_model
+    from modelpool.registry.spec import Registry, load_catalog
 
     torch.set_num_threads(threads)
     model = load_model(Registry(load_catalog()).resolve(MINILM))  # type: ignore[arg-type]
@@ -95,12 +94,12 @@ class Daemon:
         self.socket = str(self.dir / "mp.sock")
         (self.dir / "config.toml").write_text(config)
         env = dict(os.environ, HF_HUB_OFFLINE="1", MODELPOOL_SOCKET=self.socket,
-                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]))
+                   PYTHONPATH=str(ROOT / "scripts"))
         env.update(json.loads(os.environ.get("BENCH_DAEMON_ENV", "{}")))
         self.started = time.perf_counter()
         with open(self.dir / "log", "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.cli", "serve", "--config",
+                [sys.executable, "-m", "modelpool.supervisor.cli", "serve", "--config",
                  str(self.dir / "config.toml")],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from registry.spec import ModelSpec
+from modelpool.registry.spec import ModelSpec
 
 
 class NoopEmbedder:

@@ -12,8 +12,8 @@ import psutil
 from bench import MINILM, Daemon, percentiles
 from bench_pool import workers_of
 
-from protocol.client import Client
-from supervisor import cgroups
+from modelpool.protocol.client import Client
+from modelpool.supervisor import cgroups
 
 SECOND_MINILM = """
 [[models]]

@@ -21,8 +21,8 @@ from typing import Any
 
 from bench import percentiles
 
-from protocol.cgroups import move_process
-from supervisor import cgroups
+from modelpool.protocol.cgroups import move_process
+from modelpool.supervisor import cgroups
 
 WORK_MS = 5.0
 NEIGHBOURS = ("alone", "sched_idle_loop", "nice_19_loop", "idle_cgroup_loop")

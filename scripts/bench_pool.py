@@ -15,10 +15,10 @@ import numpy as np
 import psutil
 from bench import MINILM, Daemon, percentiles
 
-from protocol.client import AsyncClient, Client
-from protocol.errors import ErrorCode
-from protocol.framing import frame, recv_frame, send_frame
-from protocol.messages import Embed, Error, Hello, encoder, server_decoder
+from modelpool.protocol.client import AsyncClient, Client
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.framing import frame, recv_frame, send_frame
+from modelpool.protocol.messages import Embed, Error, Hello, encoder, server_decoder
 
 NOOP = """
 [[models]]
@@ -247,10 +247,10 @@ class _Launcher:
 def admission_dispatch_cost(requests: int) -> dict[str, Any]:
     """The pool's own work per request, without I/O: admission, queueing, dispatch to a
     ready worker, reply routing (a fake worker answers at once)."""
-    from protocol.messages import Embeddings
-    from protocol.pipes import Ready, WantWork
-    from supervisor.config import Config, PoolConfig
-    from supervisor.pool import Pool
+    from modelpool.protocol.messages import Embeddings
+    from modelpool.protocol.pipes import Ready, WantWork
+    from modelpool.supervisor.config import Config, PoolConfig
+    from modelpool.supervisor.pool import Pool
 
     async def run() -> float:
         config = Config(pool=PoolConfig(cold_start_workers=1, max_batch_wait_ms=0))

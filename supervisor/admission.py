@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from protocol.errors import ErrorCode
-from protocol.messages import Describe, EmbedImage, WorkRequest
-from supervisor import memory
-from supervisor.config import Config
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Describe, EmbedImage, WorkRequest
+from modelpool.supervisor import memory
+from modelpool.supervisor.config import Config
 
 if TYPE_CHECKING:
-    from supervisor.pool import ModelState, Pool
+    from modelpool.supervisor.pool import ModelState, Pool
 
 Rejection = tuple[ErrorCode, str]
 

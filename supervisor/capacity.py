@@ -7,13 +7,13 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from supervisor import memory, scaling
-from supervisor.config import PoolConfig
-from supervisor.gpus import Gpu
-from supervisor.workers import Launcher, WorkerHandle, WorkerState
+from modelpool.supervisor import memory, scaling
+from modelpool.supervisor.config import PoolConfig
+from modelpool.supervisor.gpus import Gpu
+from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
 
 if TYPE_CHECKING:
-    from supervisor.pool import ModelState
+    from modelpool.supervisor.pool import ModelState
 
 log = logging.getLogger("modelpool.capacity")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from protocol.cgroups import LOADING_ENV, SERVING_ENV
+from modelpool.protocol.cgroups import LOADING_ENV, SERVING_ENV
 
 log = logging.getLogger("modelpool.cgroups")
 

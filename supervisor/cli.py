@@ -8,8 +8,8 @@ import logging
 import sys
 from typing import Any
 
-from protocol.errors import PoolError
-from protocol.messages import PRIORITIES
+from modelpool.protocol.errors import PoolError
+from modelpool.protocol.messages import PRIORITIES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +118,7 @@ def _request_flags(cmd: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from protocol.client import Client
+    from modelpool.protocol.client import Client
 
     return Client(socket_path=args.socket)
 
@@ -128,8 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from supervisor.config import ConfigError, load_config
-    from supervisor.server import AlreadyRunning, serve
+    from modelpool.supervisor.config import ConfigError, load_config
+    from modelpool.supervisor.server import AlreadyRunning, serve
 
     try:
         config = load_config(args.config)

@@ -12,9 +12,9 @@ from typing import Annotated
 
 import msgspec
 
-from protocol.paths import default_socket_path
-from protocol.pipes import ImagePolicy
-from registry.spec import ModelSpec, Registry, load_catalog
+from modelpool.protocol.paths import default_socket_path
+from modelpool.protocol.pipes import ImagePolicy
+from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]

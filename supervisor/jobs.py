@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from protocol.errors import ErrorCode
-from protocol.messages import Embed, Error, WorkRequest
-from supervisor.metrics import ModelMetrics
-from supervisor.queueing import (
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Embed, Error, WorkRequest
+from modelpool.supervisor.metrics import ModelMetrics
+from modelpool.supervisor.queueing import (
     PRIORITY_RANK,
     Job,
     JobState,
@@ -21,7 +21,7 @@ from supervisor.queueing import (
 )
 
 if TYPE_CHECKING:
-    from supervisor.pool import ModelState, Pool
+    from modelpool.supervisor.pool import ModelState, Pool
 
 STREAMING_REQUESTS = ("Generate", "Describe", "GenerateImage")
 

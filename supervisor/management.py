@@ -12,8 +12,8 @@ import time
 
 import psutil
 
-from protocol.errors import ErrorCode
-from protocol.messages import (
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import (
     DeviceMemory,
     MemoryStatus,
     ModelInfo,
@@ -21,9 +21,9 @@ from protocol.messages import (
     PoolStatus,
     WorkerStatus,
 )
-from supervisor import gpus, memory, recovery, scaling
-from supervisor.pool import ModelState, Pool
-from supervisor.workers import WorkerState
+from modelpool.supervisor import gpus, memory, recovery, scaling
+from modelpool.supervisor.pool import ModelState, Pool
+from modelpool.supervisor.workers import WorkerState
 
 
 class ManagementError(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from protocol.messages import PRIORITIES, PriorityStats
+from modelpool.protocol.messages import PRIORITIES, PriorityStats
 
 LATENCY_WINDOW = 1000  # recent completions kept per priority for percentiles
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
-from protocol import pipes
-from protocol.errors import ErrorCode
-from protocol.messages import (
+from modelpool.protocol import pipes
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import (
     Chunk,
     Describe,
     Embed,
@@ -32,19 +32,26 @@ from protocol.messages import (
     ImageProgress,
     WorkRequest,
 )
-from protocol.pipes import Abort, FromWorker, Heartbeat, LoadFailed, Ready, WantWork, Work
-from registry.spec import ModelSpec, Registry
-from supervisor import admission, recovery, scaling
-from supervisor.admission import Rejection
-from supervisor.capacity import Capacity
-from supervisor.config import Config
-from supervisor.gpus import Gpu, resolve_device
-from supervisor.jobs import JobBook
-from supervisor.metrics import ModelMetrics
-from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState, aged_rank, dedup_key
-from supervisor.shm import SharedImages, weights_segment
-from supervisor.workers import Launcher, WorkerHandle, WorkerState
-from workers.main import WorkerSettings
+from modelpool.protocol.pipes import Abort, FromWorker, Heartbeat, LoadFailed, Ready, WantWork, Work
+from modelpool.registry.spec import ModelSpec, Registry
+from modelpool.supervisor import admission, recovery, scaling
+from modelpool.supervisor.admission import Rejection
+from modelpool.supervisor.capacity import Capacity
+from modelpool.supervisor.config import Config
+from modelpool.supervisor.gpus import Gpu, resolve_device
+from modelpool.supervisor.jobs import JobBook
+from modelpool.supervisor.metrics import ModelMetrics
+from modelpool.supervisor.queueing import (
+    PRIORITY_RANK,
+    Job,
+    JobQueue,
+    JobState,
+    aged_rank,
+    dedup_key,
+)
+from modelpool.supervisor.shm import SharedImages, weights_segment
+from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
+from modelpool.workers.main import WorkerSettings
 
 # Which models may serve a request: an image-embedding model with a text tower
 # also answers text embeddings, in the same space as its images.

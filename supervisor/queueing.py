@@ -15,7 +15,14 @@ from typing import Any, Protocol
 
 import msgspec
 
-from protocol.messages import PRIORITIES, Embed, EmbedImage, GenerateImage, WorkRequest, encoder
+from modelpool.protocol.messages import (
+    PRIORITIES,
+    Embed,
+    EmbedImage,
+    GenerateImage,
+    WorkRequest,
+    encoder,
+)
 
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
 PROMOTION_FLOOR = PRIORITY_RANK["high"]  # ageing never lifts work into `critical`

@@ -6,16 +6,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from protocol.errors import ErrorCode
-from protocol.pipes import Heartbeat, Ready
-from supervisor import health
-from supervisor.queueing import Job, JobState
-from supervisor.shm import unlink_segment, weights_segment
-from supervisor.workers import WorkerHandle, WorkerState
-from workers import exitcodes
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.pipes import Heartbeat, Ready
+from modelpool.supervisor import health
+from modelpool.supervisor.queueing import Job, JobState
+from modelpool.supervisor.shm import unlink_segment, weights_segment
+from modelpool.supervisor.workers import WorkerHandle, WorkerState
+from modelpool.workers import exitcodes
 
 if TYPE_CHECKING:
-    from supervisor.pool import ModelState, Pool
+    from modelpool.supervisor.pool import ModelState, Pool
 
 log = logging.getLogger("modelpool.recovery")
 

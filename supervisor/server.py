@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from protocol.errors import ErrorCode
-from protocol.framing import HEADER, frame
-from protocol.messages import (
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.framing import HEADER, frame
+from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Cancel,
@@ -42,11 +42,11 @@ from protocol.messages import (
     client_decoder,
     encoder,
 )
-from supervisor import cgroups, gpus, management, realtime, shm
-from supervisor.config import Config
-from supervisor.pool import Pool
-from supervisor.shutdown import drain_and_stop
-from supervisor.workers import Launcher, forkserver_context
+from modelpool.supervisor import cgroups, gpus, management, realtime, shm
+from modelpool.supervisor.config import Config
+from modelpool.supervisor.pool import Pool
+from modelpool.supervisor.shutdown import drain_and_stop
+from modelpool.supervisor.workers import Launcher, forkserver_context
 
 log = logging.getLogger("modelpool.server")
 
@@ -121,7 +121,7 @@ class Server:
         self.stop_requested = asyncio.Event()
         self.started_at = time.monotonic()
         registry = config.registry()
-        from registry.spec import preload_modules
+        from modelpool.registry.spec import preload_modules
 
         ctx = forkserver_context(preload_modules(list(registry.specs.values())))
         self.launcher = Launcher(ctx, self._on_worker_message, self._on_worker_exit,

@@ -13,8 +13,8 @@ import os
 
 import msgspec
 
-from protocol.messages import Describe, EmbedImage, ImageInput, WorkRequest
-from protocol.pipes import SHM_DIR, SharedBytes, WorkItem
+from modelpool.protocol.messages import Describe, EmbedImage, ImageInput, WorkRequest
+from modelpool.protocol.pipes import SHM_DIR, SharedBytes, WorkItem
 
 PREFIX = "modelpool-"
 

@@ -8,9 +8,9 @@ import contextlib
 import logging
 import time
 
-from protocol.errors import ErrorCode
-from supervisor.pool import ModelState, Pool
-from supervisor.workers import WorkerHandle
+from modelpool.protocol.errors import ErrorCode
+from modelpool.supervisor.pool import ModelState, Pool
+from modelpool.supervisor.workers import WorkerHandle
 
 log = logging.getLogger("modelpool.shutdown")
 

@@ -21,10 +21,16 @@ from typing import Any
 
 import msgspec
 
-from protocol.framing import frame, read_frame
-from protocol.messages import encoder
-from protocol.pipes import FromWorker, Heartbeat, ToWorker, from_worker_decoder, heartbeat_decoder
-from supervisor.queueing import Job
+from modelpool.protocol.framing import frame, read_frame
+from modelpool.protocol.messages import encoder
+from modelpool.protocol.pipes import (
+    FromWorker,
+    Heartbeat,
+    ToWorker,
+    from_worker_decoder,
+    heartbeat_decoder,
+)
+from modelpool.supervisor.queueing import Job
 
 log = logging.getLogger("modelpool.workers")
 
@@ -84,7 +90,8 @@ class WorkerHandle:
 
 def forkserver_context(preload: list[str]) -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["workers.preload", *preload, "workers.preloaded"])
+    ctx.set_forkserver_preload(
+        ["modelpool.workers.preload", *preload, "modelpool.workers.preloaded"])
     return ctx
 
 
@@ -128,7 +135,7 @@ class Launcher:
             await stopping
 
     async def start(self, handle: WorkerHandle, settings: msgspec.Struct) -> None:
-        from workers.main import run_worker  # imported by reference only: no torch here
+        from modelpool.workers.main import run_worker  # imported by reference only: no torch here
 
         loop = asyncio.get_running_loop()
         work_parent, work_child = socket.socketpair()
@@ -202,7 +209,7 @@ class Launcher:
         if handle.state in (WorkerState.STOPPING, WorkerState.DEAD):
             return
         handle.state, handle.stop_requested = WorkerState.STOPPING, True
-        from protocol.pipes import Shutdown
+        from modelpool.protocol.pipes import Shutdown
 
         if not handle.send(Shutdown()):
             self.kill(handle)

@@ -20,10 +20,10 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.framing import FrameTooLarge, recv_frame, send_frame
-from protocol.messages import encoder
-from protocol.pipes import (
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.framing import FrameTooLarge, recv_frame, send_frame
+from modelpool.protocol.messages import encoder
+from modelpool.protocol.pipes import (
     Abort,
     Heartbeat,
     ImagePolicy,
@@ -36,8 +36,8 @@ from protocol.pipes import (
     WorkItem,
     to_worker_decoder,
 )
-from registry.spec import ModelSpec
-from workers import exitcodes, priority
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers import exitcodes, priority
 
 IDLE_TRIM_S = 1.0  # idle this long after work: return freed memory to the OS
 
@@ -81,7 +81,7 @@ class Worker:
         return job_id in self.aborts or self.stopping
 
     def image(self, item: WorkItem, index: int) -> Any:
-        from workers.capabilities import images
+        from modelpool.workers.capabilities import images
 
         inputs = getattr(item.request, "images", None) or [item.request.image]  # type: ignore
         shared = item.shared[index] if index < len(item.shared) else None
@@ -161,9 +161,9 @@ def _load(settings: WorkerSettings, worker: Worker) -> object:
 
 def _load_weights(settings: WorkerSettings) -> tuple[object, float | None, SharedWeights | None]:
     """(model, size of the weights it maps, what a holder shares)."""
-    from registry.loaders import load_model_with_dir, weights_size_mb
-    from registry.loaders.common import device_of
-    from workers import shared_weights
+    from modelpool.registry.loaders import load_model_with_dir, weights_size_mb
+    from modelpool.registry.loaders.common import device_of
+    from modelpool.workers import shared_weights
 
     spec = settings.spec
     if settings.weights is None:
@@ -189,7 +189,7 @@ def hold(worker: Worker) -> NoReturn:
 
 
 def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
-    from workers.capabilities import ADAPTERS
+    from modelpool.workers.capabilities import ADAPTERS
 
     adapter = ADAPTERS[settings.spec.capability]
     want_work, trim_when_idle = True, False

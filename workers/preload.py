@@ -17,11 +17,11 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-import registry.loaders
-import registry.loaders.causal_lm
-import registry.loaders.sentence_embedding  # noqa: F401
-import workers.capabilities
-import workers.main  # noqa: F401
+import modelpool.registry.loaders
+import modelpool.registry.loaders.causal_lm
+import modelpool.registry.loaders.sentence_embedding
+import modelpool.workers.capabilities
+import modelpool.workers.main  # noqa: F401
 
 # Out of the collector's reach already: importing the configured models' modules next
 # (diffusers, architectures) would otherwise collect this whole heap again and again.

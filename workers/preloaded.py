@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from workers import priority
+from modelpool.workers import priority
 
 # Everything imported is shared copy-on-write with every forked worker. Moving it out of
 # the garbage collector's reach keeps a collection from writing to (and so copying) the

@@ -29,7 +29,7 @@ import os
 import resource
 import threading
 
-from protocol.cgroups import LOADING_ENV, SERVING_ENV, move_process, move_thread
+from modelpool.protocol.cgroups import LOADING_ENV, SERVING_ENV, move_process, move_thread
 
 _restore_nice: int | None = None  # set in the forkserver, inherited by every worker
 _cgroups: tuple[str, str] | None = None  # (serving, loading) dirs, likewise

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.pipes import SHM_DIR, CpuStorage, CudaStorage, SharedTensor, SharedWeights
+from modelpool.protocol.pipes import SHM_DIR, CpuStorage, CudaStorage, SharedTensor, SharedWeights
 
 ALIGN = 64  # every storage starts aligned, so any dtype's view of it is too
 

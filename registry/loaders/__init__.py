@@ -10,17 +10,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from registry.download import resolve_model_dir
-from registry.spec import ModelSpec
+from modelpool.registry.download import resolve_model_dir
+from modelpool.registry.spec import ModelSpec
 
 Loader = Callable[[ModelSpec, Path | None], Any]
 
 DEFAULT_LOADERS: dict[str, str] = {
-    "text_embedding": "registry.loaders.sentence_embedding:load",
-    "text_to_text": "registry.loaders.causal_lm:load",
-    "image_embedding": "registry.loaders.clip:load",
-    "vision": "registry.loaders.vision_lm:load",
-    "text_to_image": "registry.loaders.diffusion:load",
+    "text_embedding": "modelpool.registry.loaders.sentence_embedding:load",
+    "text_to_text": "modelpool.registry.loaders.causal_lm:load",
+    "image_embedding": "modelpool.registry.loaders.clip:load",
+    "vision": "modelpool.registry.loaders.vision_lm:load",
+    "text_to_image": "modelpool.registry.loaders.diffusion:load",
 }
 
 

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import Describe, Generate
-from registry.loaders.common import place, pretrained_kwargs, require_dir
-from registry.spec import ModelSpec
-from workers.capabilities.text_to_text import GenerationStats
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import Describe, Generate
+from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 
 class CausalLM:

@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 from transformers import AutoModel, AutoProcessor
 
-from protocol.errors import ErrorCode, PoolError
-from registry.loaders.common import place, pretrained_kwargs, require_dir
-from registry.spec import ModelSpec
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
+from modelpool.registry.spec import ModelSpec
 
 
 class ClipEmbedder:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from registry.spec import ModelSpec
+from modelpool.registry.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -13,11 +13,11 @@ from diffusers.utils import is_accelerate_available
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import GenerateImage
-from registry.loaders.common import place, pretrained_kwargs, require_dir
-from registry.spec import ModelSpec
-from workers.capabilities.text_to_image import StepCallback
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import GenerateImage
+from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities.text_to_image import StepCallback
 
 PREVIEW_SIZE = 256  # longest side of a preview, in pixels
 

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from registry.loaders.common import place, pretrained_kwargs, require_dir
-from registry.spec import ModelSpec
+from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
+from modelpool.registry.spec import ModelSpec
 
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
 _POOLING_FLAGS = {  # sentence-transformers' 1_Pooling/config.json names

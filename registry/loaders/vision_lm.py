@@ -14,12 +14,12 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import Describe
-from registry.loaders.causal_lm import decode, eos_ids_of
-from registry.loaders.common import place, pretrained_kwargs, require_dir
-from registry.spec import ModelSpec
-from workers.capabilities.text_to_text import GenerationStats
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import Describe
+from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
+from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 DEFAULT_PROMPT = "Describe this image."
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from protocol.client import Client
+from modelpool.protocol.client import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -82,7 +82,7 @@ def _wait_for_socket(daemon: Daemon, timeout_s: float) -> None:
 def daemon_env(socket_path: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(MODELPOOL_SOCKET=socket_path, HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+               PYTHONPATH=str(HERE))
     env.pop("MODELPOOL_CONFIG", None)
     return env
 
@@ -100,7 +100,7 @@ def start_daemon(workdir: Path, config_toml: str, socket_path: str | None = None
     log_path = workdir / "daemon.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "--socket", socket_path, "serve",
+            [sys.executable, "-m", "modelpool.supervisor.cli", "--socket", socket_path, "serve",
              "--config", str(config)],
             cwd=ROOT, env={**daemon_env(socket_path), **(env or {})}, stdout=log,
             stderr=subprocess.STDOUT)

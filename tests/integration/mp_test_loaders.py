@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from protocol.messages import Generate
-from registry.spec import ModelSpec
-from workers.capabilities.text_to_text import GenerationStats
+from modelpool.protocol.messages import Generate
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 DIM = 8
 

@@ -14,10 +14,10 @@ import psutil
 import pytest
 from conftest import Daemon, model_entry
 
-from protocol.client import AsyncClient, PoolError
-from protocol.errors import ErrorCode
-from supervisor.cgroups import loading_cgroup_dir, own_cpu_cgroup_dir
-from workers import priority
+from modelpool.protocol.client import AsyncClient, PoolError
+from modelpool.protocol.errors import ErrorCode
+from modelpool.supervisor.cgroups import loading_cgroup_dir, own_cpu_cgroup_dir
+from modelpool.workers import priority
 
 MakeDaemon = Callable[..., Daemon]
 SERVING_CGROUP = own_cpu_cgroup_dir()

@@ -15,8 +15,8 @@ import pytest
 from conftest import Daemon, start_daemon
 from PIL import Image
 
-from protocol.client import AsyncClient, PoolError
-from protocol.errors import ErrorCode
+from modelpool.protocol.client import AsyncClient, PoolError
+from modelpool.protocol.errors import ErrorCode
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,8 @@ def test_image_embedding_is_the_same_for_every_input_form(
         np.testing.assert_array_equal(vector, forms[0])
     assert both.shape == (2, forms[0].shape[0]) and text.shape == forms[0].shape
     np.testing.assert_allclose(both[0], forms[0], atol=1e-6)
-    from registry.loaders import load_model
-    from registry.spec import ModelSpec
+    from modelpool.registry.loaders import load_model
+    from modelpool.registry.spec import ModelSpec
 
     local = load_model(ModelSpec(key="c", capability="image_embedding",
                                  path=str(tiny_models_dir / "tiny-clip")))

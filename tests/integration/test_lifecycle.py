@@ -19,10 +19,10 @@ import psutil
 import pytest
 from conftest import ROOT, Daemon, daemon_env, fresh_socket_path, model_entry
 
-from protocol.client import PoolError, TextChunk
-from protocol.errors import ErrorCode
-from protocol.framing import HEADER, recv_frame, send_frame
-from protocol.messages import Embed, Embeddings, Error, Hello, encoder, server_decoder
+from modelpool.protocol.client import PoolError, TextChunk
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.framing import HEADER, recv_frame, send_frame
+from modelpool.protocol.messages import Embed, Embeddings, Error, Hello, encoder, server_decoder
 
 MakeDaemon = Callable[[str], Daemon]
 
@@ -47,7 +47,7 @@ def test_socket_is_private_and_a_live_one_is_never_replaced(make_daemon: MakeDae
     daemon = make_daemon(model_entry("slow", run_s=0, max_workers=1))
     assert stat.S_IMODE(os.stat(daemon.socket_path).st_mode) == 0o600
     second = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "--socket", daemon.socket_path, "serve"],
+        [sys.executable, "-m", "modelpool.supervisor.cli", "--socket", daemon.socket_path, "serve"],
         cwd=ROOT, env=daemon_env(daemon.socket_path), capture_output=True, timeout=60)
     assert second.returncode == 1 and b"another daemon" in second.stderr
     with daemon.client() as c:
@@ -69,7 +69,7 @@ def test_a_non_socket_file_is_never_replaced(tmp_path: Path) -> None:
     path = tmp_path / "not-a-socket"
     path.write_text("precious")
     run = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "--socket", str(path), "serve"],
+        [sys.executable, "-m", "modelpool.supervisor.cli", "--socket", str(path), "serve"],
         cwd=ROOT, env=daemon_env(str(path)), capture_output=True, timeout=60)
     assert run.returncode == 1 and b"not a socket" in run.stderr
     assert path.read_text() == "precious"

@@ -14,10 +14,10 @@ import numpy as np
 import psutil
 from conftest import Daemon
 
-from protocol.client import AsyncClient, PoolError
-from protocol.errors import ErrorCode
-from protocol.framing import frame, recv_frame, send_frame
-from protocol.messages import Embed, Error, Hello, encoder, server_decoder
+from modelpool.protocol.client import AsyncClient, PoolError
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.framing import frame, recv_frame, send_frame
+from modelpool.protocol.messages import Embed, Error, Hello, encoder, server_decoder
 
 MakeDaemon = Callable[..., Daemon]
 

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from conftest import ROOT, Daemon, model_entry
 
-from protocol.client import AsyncClient, PoolError
-from protocol.errors import ErrorCode
+from modelpool.protocol.client import AsyncClient, PoolError
+from modelpool.protocol.errors import ErrorCode
 
 MakeDaemon = Callable[..., Daemon]
 
@@ -120,7 +120,7 @@ def test_failing_loader_backs_off_then_fails_and_load_resets_it(
         assert "boom" in second.value.message  # the second attempt failed: now failed
         status = next(m for m in c.status()["models"] if m["key"] == "broken")
         assert status["state"] == "failed" and status["health"].startswith("failed")
-        health = subprocess.run([sys.executable, "-m", "supervisor.cli", "--socket",
+        health = subprocess.run([sys.executable, "-m", "modelpool.supervisor.cli", "--socket",
                                  daemon.socket_path, "health"], capture_output=True, text=True,
                                 cwd=ROOT, timeout=60)
         assert health.returncode == 1 and "broken" in health.stdout
@@ -160,7 +160,7 @@ def test_no_leak_after_200_worker_kills(make_daemon: MakeDaemon) -> None:
         assert c.embed("abc", model="slow")[0] == 3.0
     assert supervisor.num_fds() <= fds_before + 2  # the status client's own socket, at most
     assert _shm_entries() <= shm_before
-    health = subprocess.run([sys.executable, "-m", "supervisor.cli", "--socket",
+    health = subprocess.run([sys.executable, "-m", "modelpool.supervisor.cli", "--socket",
                              daemon.socket_path, "health"], capture_output=True, text=True,
                             cwd=ROOT, timeout=60)
     assert health.returncode == 0, health.stdout

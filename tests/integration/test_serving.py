@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, Daemon, start_daemon
 
-from protocol.client import AsyncClient, PoolError
-from protocol.errors import ErrorCode
+from modelpool.protocol.client import AsyncClient, PoolError
+from modelpool.protocol.errors import ErrorCode
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -182,7 +182,7 @@ def test_status_and_models(daemon: Daemon) -> None:
 
 
 def _cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", "--socket",
+    return subprocess.run([sys.executable, "-m", "modelpool.supervisor.cli", "--socket",
                            daemon.socket_path, *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 

@@ -14,11 +14,11 @@ import msgspec
 import pytest
 from PIL import Image
 
-from protocol.client import Client
-from protocol.client_support import image_input
-from protocol.errors import ErrorCode, PoolError
-from protocol.framing import recv_frame, send_frame
-from protocol.messages import Welcome, client_decoder, encoder
+from modelpool.protocol.client import Client
+from modelpool.protocol.client_support import image_input
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.framing import recv_frame, send_frame
+from modelpool.protocol.messages import Welcome, client_decoder, encoder
 
 Script = Callable[[socket.socket], None]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import Error, encoder, server_decoder
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import Error, encoder, server_decoder
 
 
 def test_pool_error_carries_its_fields() -> None:

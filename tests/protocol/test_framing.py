@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from protocol.framing import (
+from modelpool.protocol.framing import (
     HEADER,
     MAX_FRAME_BYTES,
     FrameTooLarge,

@@ -8,9 +8,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from protocol import pipes
-from protocol.errors import ErrorCode
-from protocol.messages import (
+from modelpool.protocol import pipes
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Cancel,

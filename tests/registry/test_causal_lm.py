@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import ChatMessage, Generate
-from registry.loaders import load_model
-from registry.loaders.causal_lm import CausalLM, IncrementalDecoder, sample
-from registry.spec import ModelSpec
-from workers.capabilities.text_to_text import GenerationStats
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import ChatMessage, Generate
+from modelpool.registry.loaders import load_model
+from modelpool.registry.loaders.causal_lm import CausalLM, IncrementalDecoder, sample
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 PROMPT = "Once upon a time, there was a tiny model"
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from protocol.errors import ErrorCode, PoolError
-from registry.loaders import load_model
-from registry.loaders.clip import ClipEmbedder
-from registry.spec import ModelSpec
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.registry.loaders import load_model
+from modelpool.registry.loaders.clip import ClipEmbedder
+from modelpool.registry.spec import ModelSpec
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import GenerateImage
-from registry.loaders import load_model
-from registry.loaders.diffusion import Diffusion
-from registry.spec import ModelSpec
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import GenerateImage
+from modelpool.registry.loaders import load_model
+from modelpool.registry.loaders.diffusion import Diffusion
+from modelpool.registry.spec import ModelSpec
 
 PROMPT = "a lighthouse on a cliff at dawn"
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from registry.loaders import load_model
-from registry.loaders.sentence_embedding import SentenceEmbedder, _read_layout, pool
-from registry.spec import ModelSpec, Registry, load_catalog
+from modelpool.registry.loaders import load_model
+from modelpool.registry.loaders.sentence_embedding import SentenceEmbedder, _read_layout, pool
+from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
 LONG_TEXT = " ".join(f"word{i % 50}" for i in range(600))  # well over 256 tokens
 TEXTS = [

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from registry.download import ModelSourceError, resolve_model_dir
-from registry.spec import ModelSpec, Registry, load_catalog, preload_modules
+from modelpool.registry.download import ModelSourceError, resolve_model_dir
+from modelpool.registry.spec import ModelSpec, Registry, load_catalog, preload_modules
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -109,7 +109,7 @@ def test_preload_modules_without_config_json(tmp_path: Path) -> None:
     assert preload_modules([spec("empty", path=str(tmp_path))]) == []
     # A hub model not in the cache: only its capability's loader module.
     assert preload_modules([ModelSpec(key="h", capability="vision", repo="org/h")]) == [
-        "registry.loaders.vision_lm"]
+        "modelpool.registry.loaders.vision_lm"]
 
 
 def test_preload_modules_deduplicates_and_sorts(tmp_path: Path) -> None:

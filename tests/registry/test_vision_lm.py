@@ -10,13 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import Describe, ImageInput
-from registry.loaders import load_model
-from registry.loaders.causal_lm import sample
-from registry.loaders.vision_lm import DEFAULT_PROMPT, VisionLM
-from registry.spec import ModelSpec
-from workers.capabilities.text_to_text import GenerationStats
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import Describe, ImageInput
+from modelpool.registry.loaders import load_model
+from modelpool.registry.loaders.causal_lm import sample
+from modelpool.registry.loaders.vision_lm import DEFAULT_PROMPT, VisionLM
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 IMAGE_TOKENS = 16  # (32 px / 8 px patches) ** 2, as built by make_tiny_models
 QUESTION = "What is in the picture?"

@@ -19,15 +19,22 @@ from typing import Any
 
 import pytest
 
-from protocol.framing import HEADER
-from protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
-from protocol.pipes import Ready, SharedWeights, ToWorker, WantWork, Work, to_worker_decoder
-from registry.spec import ModelSpec
-from supervisor.config import Config, PoolConfig
-from supervisor.gpus import Gpu
-from supervisor.pool import Pool
-from supervisor.queueing import Job
-from supervisor.workers import WorkerHandle, WorkerState
+from modelpool.protocol.framing import HEADER
+from modelpool.protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
+from modelpool.protocol.pipes import (
+    Ready,
+    SharedWeights,
+    ToWorker,
+    WantWork,
+    Work,
+    to_worker_decoder,
+)
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.config import Config, PoolConfig
+from modelpool.supervisor.gpus import Gpu
+from modelpool.supervisor.pool import Pool
+from modelpool.supervisor.queueing import Job
+from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
 ASYNC_TEST_TIMEOUT_S = 5.0
 

@@ -7,9 +7,9 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from protocol.errors import ErrorCode
-from protocol.messages import Embed, Embeddings, Error, ModelStatus
-from supervisor import management
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Embed, Embeddings, Error, ModelStatus
+from modelpool.supervisor import management
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from protocol.errors import ErrorCode
-from registry.spec import ModelSpec
-from supervisor import management
-from supervisor.workers import WorkerState
+from modelpool.protocol.errors import ErrorCode
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor import management
+from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
     from collections.abc import Callable

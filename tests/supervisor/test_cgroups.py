@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cgroups import cpu_cgroup_dir, loading_cgroup_dir, make_loading_cgroup, remove_stale
+from modelpool.supervisor.cgroups import (
+    cpu_cgroup_dir,
+    loading_cgroup_dir,
+    make_loading_cgroup,
+    remove_stale,
+)
 
 MOUNTS_V1 = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from protocol.paths import default_socket_path
-from registry.spec import ModelSpec
-from supervisor.config import Config, ConfigError, PoolConfig, load_config
+from modelpool.protocol.paths import default_socket_path
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.config import Config, ConfigError, PoolConfig, load_config
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 

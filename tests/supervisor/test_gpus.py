@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from protocol.errors import ErrorCode
-from protocol.pipes import SharedWeights
-from registry.spec import ModelSpec
-from supervisor import management
-from supervisor.gpus import Gpu, parse_compute_apps, parse_nvidia_smi, resolve_device
-from supervisor.memory import ModelCharge
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.pipes import SharedWeights
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor import management
+from modelpool.supervisor.gpus import Gpu, parse_compute_apps, parse_nvidia_smi, resolve_device
+from modelpool.supervisor.memory import ModelCharge
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from protocol.pipes import Heartbeat
-from supervisor import management
-from supervisor.health import WorkerPulse, hung_reason
+from modelpool.protocol.pipes import Heartbeat
+from modelpool.supervisor import management
+from modelpool.supervisor.health import WorkerPulse, hung_reason
 
 if TYPE_CHECKING:
     from collections.abc import Callable

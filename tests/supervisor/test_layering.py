@@ -22,7 +22,7 @@ def test_no_model_family_is_named_in_the_supervisor() -> None:
 
 
 def test_the_supervisor_imports_no_ml_library() -> None:
-    code = ("import sys, supervisor.server, supervisor.cli; "
+    code = ("import sys, modelpool.supervisor.server, modelpool.supervisor.cli; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'torch', 'transformers', 'diffusers', 'PIL', 'numpy', 'scipy'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

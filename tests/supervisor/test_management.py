@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from protocol.errors import ErrorCode
-from protocol.messages import ModelStatus
-from registry.spec import ModelSpec
-from supervisor import management
-from supervisor.workers import WorkerHandle, WorkerState
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import ModelStatus
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor import management
+from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
 if TYPE_CHECKING:
     from conftest import Harness
@@ -188,7 +188,7 @@ async def test_status_follows_a_model_from_cold_to_ready(make_harness: MakeHarne
 
 
 async def test_status_shows_failed_model_with_its_last_error(make_harness: MakeHarness) -> None:
-    from protocol.pipes import LoadFailed
+    from modelpool.protocol.pipes import LoadFailed
 
     h = make_harness(max_load_failures=1)
     h.embed(h.sink(), ["a"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.memory import (
+from modelpool.supervisor.memory import (
     EvictionCandidate,
     ModelCharge,
     never_fits,

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from protocol.errors import ErrorCode
-from protocol.messages import ChatMessage, Chunk, Embed, Embeddings, End, Generate
-from supervisor.workers import WorkerState
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import ChatMessage, Chunk, Embed, Embeddings, End, Generate
+from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
     from conftest import Harness
@@ -243,7 +243,7 @@ async def test_scale_up_when_work_still_waits_after_cold_start_workers_took_thei
 
 
 async def test_scale_up_respects_per_model_max_workers(make_harness: MakeHarness) -> None:
-    from registry.spec import ModelSpec
+    from modelpool.registry.spec import ModelSpec
 
     spec = ModelSpec(key="emb", capability="text_embedding", path="/nonexistent",
                      max_workers=1)

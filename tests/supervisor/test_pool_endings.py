@@ -8,9 +8,9 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from protocol.errors import ErrorCode
-from protocol.messages import Chunk
-from protocol.pipes import Abort
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Chunk
+from modelpool.protocol.pipes import Abort
 
 if TYPE_CHECKING:
     from conftest import FakeSink, Harness

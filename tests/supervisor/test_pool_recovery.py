@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from protocol.errors import ErrorCode
-from protocol.messages import Embeddings
-from protocol.pipes import LoadFailed
-from supervisor import management
-from supervisor.workers import WorkerState
-from workers import exitcodes
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Embeddings
+from modelpool.protocol.pipes import LoadFailed
+from modelpool.supervisor import management
+from modelpool.supervisor.workers import WorkerState
+from modelpool.workers import exitcodes
 
 if TYPE_CHECKING:
     from conftest import FakeSink, Harness

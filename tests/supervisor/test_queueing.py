@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from protocol.messages import PRIORITIES, Embed, Generate, Priority
-from supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState
+from modelpool.protocol.messages import PRIORITIES, Embed, Generate, Priority
+from modelpool.supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState
 
 
 @dataclass

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, os, threading
-from supervisor.realtime import enter_realtime
+from modelpool.supervisor.realtime import enter_realtime
 entered = enter_realtime()
 seen = {}
 thread = threading.Thread(target=lambda: seen.update(policy=os.sched_getscheduler(0)))

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from supervisor import scaling
-from supervisor.scaling import ModelLoad, ScalingPolicy, should_stop_one, workers_to_start
+from modelpool.supervisor import scaling
+from modelpool.supervisor.scaling import ModelLoad, ScalingPolicy, should_stop_one, workers_to_start
 
 NOW = 1_000.0  # the fake clock's reading
 POLICY = ScalingPolicy(cold_start_workers=2, cooldown_idle_s=60.0)

@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from protocol.errors import ErrorCode
-from protocol.messages import Embeddings, End, Error
-from supervisor import shutdown
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Embeddings, End, Error
+from modelpool.supervisor import shutdown
 
 if TYPE_CHECKING:
     from conftest import FakeSink, Harness

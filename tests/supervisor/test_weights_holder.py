@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from protocol.errors import ErrorCode
-from protocol.pipes import CpuStorage, SharedTensor, SharedWeights, Work
-from registry.spec import ModelSpec
-from supervisor import gpus, management, shutdown
-from supervisor.gpus import Gpu
-from supervisor.shm import SHM_DIR, weights_segment
-from supervisor.workers import WorkerState
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.pipes import CpuStorage, SharedTensor, SharedWeights, Work
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor import gpus, management, shutdown
+from modelpool.supervisor.gpus import Gpu
+from modelpool.supervisor.shm import SHM_DIR, weights_segment
+from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
     from collections.abc import Callable

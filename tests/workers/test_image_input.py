@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 from PIL import Image
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.pipes import ImagePolicy
-from workers.capabilities import images
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.pipes import ImagePolicy
+from modelpool.workers.capabilities import images
 
 
 def encoded(size: tuple[int, int], fmt: str = "PNG") -> bytes:

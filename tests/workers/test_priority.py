@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from workers import priority
+from modelpool.workers import priority
 
 
 def run_in_fresh_thread(body: object) -> None:

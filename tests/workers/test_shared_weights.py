@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.messages import Generate, GenerateImage
-from registry.loaders import load_model
-from registry.spec import ModelSpec
-from workers import shared_weights
-from workers.capabilities.text_to_text import GenerationStats
+from modelpool.protocol.messages import Generate, GenerateImage
+from modelpool.registry.loaders import load_model
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers import shared_weights
+from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 CPU = torch.device("cpu")
 

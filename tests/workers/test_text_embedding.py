@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from protocol.errors import ErrorCode
-from protocol.messages import Embed, Embeddings, Error
-from protocol.pipes import WorkItem
-from workers.capabilities import text_embedding
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Embed, Embeddings, Error
+from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities import text_embedding
 
 DIM = 3
 

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import Chunk, End, Error, Generate
-from protocol.pipes import WorkItem
-from workers.capabilities import text_to_text
-from workers.capabilities.text_to_text import GenerationStats, StopMatcher
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import Chunk, End, Error, Generate
+from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities import text_to_text
+from modelpool.workers.capabilities.text_to_text import GenerationStats, StopMatcher
 
 
 class FakeOutbox:

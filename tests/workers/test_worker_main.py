@@ -15,9 +15,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from protocol.framing import recv_frame, send_frame
-from protocol.messages import Embed, Embeddings, encoder
-from protocol.pipes import (
+from modelpool.protocol.framing import recv_frame, send_frame
+from modelpool.protocol.messages import Embed, Embeddings, encoder
+from modelpool.protocol.pipes import (
     Abort,
     FromWorker,
     Heartbeat,
@@ -30,9 +30,9 @@ from protocol.pipes import (
     from_worker_decoder,
     heartbeat_decoder,
 )
-from registry.spec import ModelSpec, Registry, load_catalog
-from workers import exitcodes
-from workers.main import WorkerSettings, run_worker
+from modelpool.registry.spec import ModelSpec, Registry, load_catalog
+from modelpool.workers import exitcodes
+from modelpool.workers.main import WorkerSettings, run_worker
 
 TIMEOUT_S = 60.0
 
@@ -77,7 +77,7 @@ def minilm() -> ModelSpec:
 def start_worker() -> Iterator[StartWorker]:
     ctx = multiprocessing.get_context("forkserver")
     # What supervisor.workers.forkserver_context does: workers fork with torch imported.
-    ctx.set_forkserver_preload(["workers.preload"])
+    ctx.set_forkserver_preload(["modelpool.workers.preload"])
     children: list[Child] = []
 
     def start(spec: ModelSpec) -> Child:

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from protocol.pipes import WorkItem
-from workers.capabilities import (
+from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities import (
     image_embedding,
     text_embedding,
     text_to_image,
     text_to_text,
     vision,
 )
-from workers.capabilities.base import Outbox
+from modelpool.workers.capabilities.base import Outbox
 
 Adapter = Callable[[Any, list[WorkItem], Outbox, int], None]
 

@@ -7,9 +7,9 @@ from typing import Protocol
 import msgspec
 from PIL import Image
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.messages import Error
-from protocol.pipes import WorkItem
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import Error
+from modelpool.protocol.pipes import WorkItem
 
 
 class Outbox(Protocol):

@@ -8,10 +8,10 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
-from protocol.messages import Embed, Embeddings
-from protocol.pipes import WorkItem
-from workers.capabilities import text_embedding
-from workers.capabilities.base import Outbox, error_reply
+from modelpool.protocol.messages import Embed, Embeddings
+from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities import text_embedding
+from modelpool.workers.capabilities.base import Outbox, error_reply
 
 
 class ImageEmbeddingModel(Protocol):

@@ -20,8 +20,8 @@ import warnings
 
 from PIL import Image
 
-from protocol.errors import ErrorCode, PoolError
-from protocol.pipes import ImagePolicy
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.pipes import ImagePolicy
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 

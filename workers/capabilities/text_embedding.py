@@ -7,9 +7,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from protocol.messages import Embeddings
-from protocol.pipes import WorkItem
-from workers.capabilities.base import Outbox, error_reply
+from modelpool.protocol.messages import Embeddings
+from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities.base import Outbox, error_reply
 
 
 class TextEmbeddingModel(Protocol):

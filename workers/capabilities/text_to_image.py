@@ -9,11 +9,11 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from protocol.errors import ErrorCode
-from protocol.messages import Error, GenerateImage, ImageProgress
-from protocol.messages import Image as ImageMsg
-from protocol.pipes import WorkItem
-from workers.capabilities.base import Outbox, error_reply
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Error, GenerateImage, ImageProgress
+from modelpool.protocol.messages import Image as ImageMsg
+from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities.base import Outbox, error_reply
 
 # Called after every denoising step with (step, total_steps, preview or None); returns
 # False to stop (cancel, timeout, shutdown). A preview is only built when asked for.

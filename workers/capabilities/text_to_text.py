@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from protocol.messages import Chunk, End, Generate
-from protocol.pipes import WorkItem
-from workers.capabilities.base import Outbox, error_reply
+from modelpool.protocol.messages import Chunk, End, Generate
+from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities.base import Outbox, error_reply
 
 
 @dataclass

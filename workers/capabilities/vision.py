@@ -7,10 +7,10 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from protocol.messages import Describe
-from protocol.pipes import WorkItem
-from workers.capabilities.base import Outbox, error_reply
-from workers.capabilities.text_to_text import GenerationStats, stream_text
+from modelpool.protocol.messages import Describe
+from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities.base import Outbox, error_reply
+from modelpool.workers.capabilities.text_to_text import GenerationStats, stream_text
 
 
 class VisionModel(Protocol):
