@@ -5,8 +5,13 @@
         for chunk in c.generate("Once", model="tiny-llm", max_tokens=16):
             print(chunk.text, end="")              # the last chunk has .finish_reason
 
-One connection multiplexes many requests; replies are matched by request id.
-A Client is for one thread; an AsyncClient serves any number of tasks on its loop.
+One connection multiplexes many requests; replies are matched by request id. A Client is
+for one thread; an AsyncClient serves any number of tasks on its loop.
+
+The request methods (embed, generate, embed_image, describe, generate_image, ...) are
+made from the request-kind table (protocol/kinds.py), one per row, with that row's
+builder's signature and docstring plus `priority`, `timeout_s` and `deadline_s`: a new
+kind of request needs no code here.
 """
 
 from __future__ import annotations
@@ -20,31 +25,24 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import msgspec
-import numpy as np
 
-from modelpool.protocol.client_support import (
-    FINAL,
+from modelpool.protocol.client_core import (
+    Call,
     ImageChunk,
-    ImageLike,
     TextChunk,
     check_reply,
-    describe_msg,
-    embed_image_msg,
-    embed_msg,
     encode_checked,
-    generate_image_msg,
-    generate_msg,
-    image_chunk,
+    is_final,
     is_last,
-    request_options,
-    text_chunk,
+    make_call,
+    op_signature,
     unavailable,
     undecodable,
-    vectors_of,
 )
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import MAX_FRAME_BYTES, read_frame, recv_frame, send_frame
 from modelpool.protocol.framing import frame as make_frame
+from modelpool.protocol.kinds import KINDS, Kind
 from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -53,7 +51,6 @@ from modelpool.protocol.messages import (
     Hello,
     ListModels,
     LoadModel,
-    Priority,
     StopDaemon,
     UnloadModel,
     Welcome,
@@ -64,6 +61,7 @@ from modelpool.protocol.messages import (
 from modelpool.protocol.paths import default_socket_path
 
 __all__ = ["AsyncClient", "Client", "ErrorCode", "ImageChunk", "PoolError", "TextChunk"]
+
 
 class Client:
     """Blocking client. Not thread-safe: use one per thread."""
@@ -118,112 +116,57 @@ class Client:
             if mid == rid or mid is None:
                 return msg
             if mid in self._dropped:
-                if isinstance(msg, FINAL):
+                if is_final(msg):
                     self._dropped.discard(mid)
                 continue
             self._inbox[mid].append(msg)
 
-    def _call(self, msg: Any) -> Any:
+    def _final(self, msg: Any) -> Any:
         self._send(msg)
-        reply = self._next(msg.id)
-        self._inbox.pop(msg.id, None)
-        return check_reply(reply)
+        try:
+            return self._next(msg.id)
+        finally:
+            self._inbox.pop(msg.id, None)
 
-    def embed(self, texts: str | list[str], model: str | None = None, *,
-              priority: Priority = "normal", timeout_s: float | None = None,
-              deadline_s: float | None = None) -> np.ndarray:
-        """float32 vectors: shape (dim,) for one text, (n, dim) for a list."""
-        msg = embed_msg(next(self._ids), texts, model,
-                         **request_options(priority, timeout_s, deadline_s))
-        self._send(msg)
-        reply = self._next(msg.id)
-        self._inbox.pop(msg.id, None)
-        return vectors_of(reply, isinstance(texts, str))
+    def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = make_call(op, next(self._ids), args, kwargs)
+        if call.kind.streaming:
+            self._send(call.request)
+            return self._stream(call)
+        return call.parse(self._final(call.request))
 
-    def generate(self, prompt: str | list[dict[str, str]], model: str | None = None, *,
-                 max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False, raw: bool = False, priority: Priority = "normal",
-                 timeout_s: float | None = None,
-                 deadline_s: float | None = None) -> Iterator[TextChunk]:
-        """Stream text chunks; breaking out of the loop cancels the request."""
-        msg = generate_msg(next(self._ids), prompt, model, max_tokens=max_tokens,
-                            temperature=temperature, top_p=top_p, seed=seed, stop=stop or [],
-                            ignore_eos=ignore_eos, raw=raw,
-                            **request_options(priority, timeout_s, deadline_s))
-        self._send(msg)
-        return self._stream(msg.id)
-
-    def embed_image(self, images: ImageLike | list[ImageLike], model: str | None = None, *,
-                    priority: Priority = "normal", timeout_s: float | None = None,
-                    deadline_s: float | None = None) -> np.ndarray:
-        """float32 vectors: (dim,) for one image, (n, dim) for a list."""
-        msg, single = embed_image_msg(next(self._ids), images, model,
-                                      **request_options(priority, timeout_s, deadline_s))
-        self._send(msg)
-        reply = self._next(msg.id)
-        self._inbox.pop(msg.id, None)
-        return vectors_of(reply, single)
-
-    def describe(self, image: ImageLike, query: str = "", model: str | None = None, *,
-                 max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False, priority: Priority = "normal",
-                 timeout_s: float | None = None,
-                 deadline_s: float | None = None) -> Iterator[TextChunk]:
-        """Stream text about an image; "" asks for a caption."""
-        msg = describe_msg(next(self._ids), image, query, model, stop, max_tokens=max_tokens,
-                           temperature=temperature, top_p=top_p, seed=seed,
-                           ignore_eos=ignore_eos,
-                           **request_options(priority, timeout_s, deadline_s))
-        self._send(msg)
-        return self._stream(msg.id)
-
-    def generate_image(self, prompt: str, model: str | None = None, *, steps: int = 25,
-                       width: int = 512, height: int = 512, seed: int | None = None,
-                       guidance: float = 7.5, negative_prompt: str = "",
-                       preview_every: int = 0, priority: Priority = "normal",
-                       timeout_s: float | None = None,
-                       deadline_s: float | None = None) -> Iterator[ImageChunk]:
-        """Progress per step; the last chunk has the PNG in .png."""
-        msg = generate_image_msg(next(self._ids), prompt, model, steps=steps, width=width,
-                                 height=height, seed=seed, guidance=guidance,
-                                 negative_prompt=negative_prompt, preview_every=preview_every,
-                                 **request_options(priority, timeout_s, deadline_s))
-        self._send(msg)
-        return self._stream(msg.id, image_chunk)
-
-    def _stream(self, rid: int, parse: Callable[[Any], Any] = text_chunk) -> Iterator[Any]:
+    def _stream(self, call: Call) -> Iterator[Any]:
         finished = False
         try:
             while not finished:
-                chunk = parse(self._next(rid))
+                chunk = call.parse(self._next(call.id))
                 finished = is_last(chunk)
                 yield chunk
         except PoolError:
             finished = True
             raise
         finally:
-            self._inbox.pop(rid, None)
+            self._inbox.pop(call.id, None)
             if not finished and self._sock.fileno() != -1:  # a closed client needs no cancel
-                self._dropped.add(rid)
+                self._dropped.add(call.id)
                 with contextlib.suppress(PoolError):
-                    self._send(Cancel(id=rid))
+                    self._send(Cancel(id=call.id))
 
     def status(self) -> dict[str, Any]:
-        return to_builtins(self._call(GetStatus(id=next(self._ids))).status)
+        return to_builtins(check_reply(self._final(GetStatus(id=next(self._ids)))).status)
 
     def models(self) -> list[dict[str, Any]]:
-        return to_builtins(self._call(ListModels(id=next(self._ids))).models)
+        return to_builtins(check_reply(self._final(ListModels(id=next(self._ids)))).models)
 
     def load(self, model: str, workers: int = 1) -> str:
-        return self._call(LoadModel(id=next(self._ids), model=model, workers=workers)).message
+        msg = LoadModel(id=next(self._ids), model=model, workers=workers)
+        return check_reply(self._final(msg)).message
 
     def unload(self, model: str) -> str:
-        return self._call(UnloadModel(id=next(self._ids), model=model)).message
+        return check_reply(self._final(UnloadModel(id=next(self._ids), model=model))).message
 
     def stop(self) -> str:
-        return self._call(StopDaemon(id=next(self._ids))).message
+        return check_reply(self._final(StopDaemon(id=next(self._ids)))).message
 
 
 class AsyncClient:
@@ -291,102 +234,82 @@ class AsyncClient:
         self._writer.write(make_frame(payload))
         return route
 
-    async def _call(self, msg: Any) -> Any:
+    async def _final(self, msg: Any) -> Any:
         route = self._open(msg)
         try:
-            return check_reply(await route.get())
+            return await route.get()
         finally:
             self._routes.pop(msg.id, None)
 
-    async def embed(self, texts: str | list[str], model: str | None = None, *,
-                    priority: Priority = "normal", timeout_s: float | None = None,
-                    deadline_s: float | None = None) -> np.ndarray:
-        msg = embed_msg(next(self._ids), texts, model,
-                         **request_options(priority, timeout_s, deadline_s))
-        route = self._open(msg)
-        try:
-            return vectors_of(await route.get(), isinstance(texts, str))
-        finally:
-            self._routes.pop(msg.id, None)
+    async def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = make_call(op, next(self._ids), args, kwargs)
+        return call.parse(await self._final(call.request))
 
-    async def generate(self, prompt: str | list[dict[str, str]], model: str | None = None, *,
-                       max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-                       seed: int | None = None, stop: list[str] | None = None,
-                       ignore_eos: bool = False, raw: bool = False,
-                       priority: Priority = "normal", timeout_s: float | None = None,
-                       deadline_s: float | None = None) -> AsyncIterator[TextChunk]:
-        msg = generate_msg(next(self._ids), prompt, model, max_tokens=max_tokens,
-                            temperature=temperature, top_p=top_p, seed=seed, stop=stop or [],
-                            ignore_eos=ignore_eos, raw=raw,
-                            **request_options(priority, timeout_s, deadline_s))
-        async for chunk in self._stream(msg, text_chunk):
-            yield chunk
-
-    async def embed_image(self, images: ImageLike | list[ImageLike], model: str | None = None,
-                          *, priority: Priority = "normal", timeout_s: float | None = None,
-                          deadline_s: float | None = None) -> np.ndarray:
-        msg, single = embed_image_msg(next(self._ids), images, model,
-                                      **request_options(priority, timeout_s, deadline_s))
-        route = self._open(msg)
-        try:
-            return vectors_of(await route.get(), single)
-        finally:
-            self._routes.pop(msg.id, None)
-
-    async def describe(self, image: ImageLike, query: str = "", model: str | None = None, *,
-                       max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-                       seed: int | None = None, stop: list[str] | None = None,
-                       ignore_eos: bool = False, priority: Priority = "normal",
-                       timeout_s: float | None = None,
-                       deadline_s: float | None = None) -> AsyncIterator[TextChunk]:
-        msg = describe_msg(next(self._ids), image, query, model, stop, max_tokens=max_tokens,
-                           temperature=temperature, top_p=top_p, seed=seed,
-                           ignore_eos=ignore_eos,
-                           **request_options(priority, timeout_s, deadline_s))
-        async for chunk in self._stream(msg, text_chunk):
-            yield chunk
-
-    async def generate_image(self, prompt: str, model: str | None = None, *, steps: int = 25,
-                             width: int = 512, height: int = 512, seed: int | None = None,
-                             guidance: float = 7.5, negative_prompt: str = "",
-                             preview_every: int = 0, priority: Priority = "normal",
-                             timeout_s: float | None = None,
-                             deadline_s: float | None = None) -> AsyncIterator[ImageChunk]:
-        msg = generate_image_msg(next(self._ids), prompt, model, steps=steps, width=width,
-                                 height=height, seed=seed, guidance=guidance,
-                                 negative_prompt=negative_prompt, preview_every=preview_every,
-                                 **request_options(priority, timeout_s, deadline_s))
-        async for chunk in self._stream(msg, image_chunk):
-            yield chunk
-
-    async def _stream(self, msg: Any, parse: Callable[[Any], Any]) -> AsyncIterator[Any]:
-        route = self._open(msg)
+    async def _stream(self, op: str, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+        call = make_call(op, next(self._ids), args, kwargs)
+        route = self._open(call.request)
         finished = False
         try:
             while not finished:
-                chunk = parse(await route.get())
+                chunk = call.parse(await route.get())
                 finished = is_last(chunk)
                 yield chunk
         except PoolError:
             finished = True
             raise
         finally:
-            self._routes.pop(msg.id, None)
+            self._routes.pop(call.id, None)
             if not finished and self._writer is not None and not self._writer.is_closing():
-                self._writer.write(make_frame(encoder.encode(Cancel(id=msg.id))))
+                self._writer.write(make_frame(encoder.encode(Cancel(id=call.id))))
 
     async def status(self) -> dict[str, Any]:
-        return to_builtins((await self._call(GetStatus(id=next(self._ids)))).status)
+        return to_builtins(check_reply(await self._final(GetStatus(id=next(self._ids)))).status)
 
     async def models(self) -> list[dict[str, Any]]:
-        return to_builtins((await self._call(ListModels(id=next(self._ids)))).models)
+        msg = ListModels(id=next(self._ids))
+        return to_builtins(check_reply(await self._final(msg)).models)
 
     async def load(self, model: str, workers: int = 1) -> str:
-        return (await self._call(LoadModel(id=next(self._ids), model=model,
-                                           workers=workers))).message
+        msg = LoadModel(id=next(self._ids), model=model, workers=workers)
+        return check_reply(await self._final(msg)).message
 
     async def unload(self, model: str) -> str:
-        return (await self._call(UnloadModel(id=next(self._ids), model=model))).message
+        msg = UnloadModel(id=next(self._ids), model=model)
+        return check_reply(await self._final(msg)).message
 
     async def stop(self) -> str:
-        return (await self._call(StopDaemon(id=next(self._ids)))).message
+        return check_reply(await self._final(StopDaemon(id=next(self._ids)))).message
+
+
+def _named(method: Callable[..., Any], kind: Kind, owner: type) -> Callable[..., Any]:
+    method.__name__ = kind.op
+    method.__qualname__ = f"{owner.__name__}.{kind.op}"
+    method.__doc__ = kind.build.__doc__
+    method.__signature__ = op_signature(kind)  # type: ignore[attr-defined]
+    return method
+
+
+def _sync_method(kind: Kind) -> Callable[..., Any]:
+    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
+        return self._request(kind.op, args, kwargs)
+
+    return _named(method, kind, Client)
+
+
+def _async_method(kind: Kind) -> Callable[..., Any]:
+    if kind.streaming:
+        def stream(self: AsyncClient, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            return self._stream(kind.op, args, kwargs)
+
+        return _named(stream, kind, AsyncClient)
+
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await self._request(kind.op, args, kwargs)
+
+    return _named(method, kind, AsyncClient)
+
+
+for _kind in KINDS:
+    setattr(Client, _kind.op, _sync_method(_kind))
+    setattr(AsyncClient, _kind.op, _async_method(_kind))

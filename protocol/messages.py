@@ -17,11 +17,14 @@ PROTOCOL_VERSION = 1
 
 Priority = Literal["critical", "high", "normal", "low", "batch"]
 PRIORITIES: tuple[Priority, ...] = ("critical", "high", "normal", "low", "batch")
-Capability = Literal["text_embedding", "text_to_text", "image_embedding", "vision", "text_to_image"]
+Capability = str  # a capability named in protocol/kinds.py, e.g. "text_embedding"
 
 MAX_TEXTS = 4096
 MAX_TOKENS = 1 << 20
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+Steps = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+ImageSide = Annotated[int, msgspec.Meta(ge=8, le=4096, multiple_of=8)]
+Guidance = Annotated[float, msgspec.Meta(ge=0, le=100)]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defaults=True):
@@ -54,16 +57,23 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     content: str
 
 
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How generate and describe pick their tokens. None: the daemon's configured default
+    (see RequestDefaults), filled in when the request is admitted."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None  # 0: greedy
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    seed: int | None = None  # None: a random seed per request
+    stop: Annotated[list[str], msgspec.Meta(max_length=16)] = []  # cut from the output
+    ignore_eos: bool = False
+
+
 class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     prompt: str = ""
     messages: list[ChatMessage] = []
     raw: bool = False  # True: send the prompt as-is, without the model's chat template
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 256
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0  # 0: greedy
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    seed: int | None = None
-    stop: Annotated[list[str], msgspec.Meta(max_length=16)] = []
-    ignore_eos: bool = False
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
 
 
 class ImageInput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -81,23 +91,31 @@ class EmbedImage(_Request, frozen=True, kw_only=True, tag="embed_image"):
 class Describe(_Request, frozen=True, kw_only=True, tag="describe"):
     image: ImageInput
     prompt: str = ""  # the question; "" asks for a caption
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 256
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    seed: int | None = None
-    stop: Annotated[list[str], msgspec.Meta(max_length=16)] = []
-    ignore_eos: bool = False
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
 
 
 class GenerateImage(_Request, frozen=True, kw_only=True, tag="generate_image"):
     prompt: str
     negative_prompt: str = ""
-    steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 25
-    width: Annotated[int, msgspec.Meta(ge=8, le=4096, multiple_of=8)] = 512
-    height: Annotated[int, msgspec.Meta(ge=8, le=4096, multiple_of=8)] = 512
+    steps: Steps | None = None  # None here and below: the daemon's default
+    width: ImageSide | None = None
+    height: ImageSide | None = None
     seed: int | None = None
-    guidance: Annotated[float, msgspec.Meta(ge=0, le=100)] = 7.5
+    guidance: Guidance | None = None
     preview_every: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: no previews
+
+
+class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a request gets for a parameter its client left unset: the daemon's
+    [defaults] table. The only place these values are written."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 256
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    steps: Steps = 25
+    width: ImageSide = 512
+    height: ImageSide = 512
+    guidance: Guidance = 7.5
 
 
 class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):

@@ -21,6 +21,7 @@ from modelpool.protocol.messages import (
     ImageProgress,
     WorkRequest,
 )
+from modelpool.registry.spec import ModelSpec
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defaults=True):
@@ -113,6 +114,21 @@ class SharedWeights(msgspec.Struct, frozen=True, kw_only=True):
     segment_bytes: int = 0
     storages: list[CpuStorage | CudaStorage] = []
     tensors: list[SharedTensor] = []
+
+
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker is told when it starts: the supervisor -> worker contract."""
+
+    worker_id: int
+    spec: ModelSpec  # with its device resolved ("cpu" or "cuda:N")
+    threads: int = 0  # torch intra-op threads; 0: torch's default
+    max_batch: int = 32
+    heartbeat_interval_s: float = 0.5
+    images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
+    # Set for a weights holder: load, share the weights (CPU ones in this shared-memory
+    # segment), never serve.
+    hold_segment: str | None = None
+    weights: SharedWeights | None = None  # a serving worker maps its holder's weights
 
 
 # ---- worker -> supervisor ---------------------------------------------------------

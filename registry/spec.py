@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
-import json
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from modelpool.protocol.kinds import CAPABILITIES
 from modelpool.protocol.messages import Capability
-
-BATCHED_CAPABILITIES: frozenset[str] = frozenset({"text_embedding", "image_embedding"})
-STREAMING_CAPABILITIES: frozenset[str] = frozenset({"text_to_text", "vision", "text_to_image"})
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -51,6 +47,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
     def __post_init__(self) -> None:
+        if self.capability not in CAPABILITIES:
+            raise ValueError(f"model {self.key!r}: capability {self.capability!r} is not one "
+                             f"of {sorted(CAPABILITIES)}")
         sources = [s for s in (self.path, self.package, self.repo) if s]
         if len(sources) > 1:
             raise ValueError(f"model {self.key!r}: give only one of path, package, repo")
@@ -59,11 +58,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     @property
     def batched(self) -> bool:
-        return self.capability in BATCHED_CAPABILITIES
+        return CAPABILITIES[self.capability].batched
 
     @property
     def streaming(self) -> bool:
-        return self.capability in STREAMING_CAPABILITIES
+        return CAPABILITIES[self.capability].streaming
 
     @property
     def source(self) -> str:
@@ -114,42 +113,3 @@ class Registry:
     def resolve(self, name: str) -> ModelSpec | None:
         key = self._names.get(name.lower())
         return self.specs[key] if key else None
-
-
-CAPABILITY_MODULES = {
-    "image_embedding": ["modelpool.registry.loaders.clip"],
-    "vision": ["modelpool.registry.loaders.vision_lm"],
-    "text_to_image": ["diffusers", "modelpool.registry.loaders.diffusion"],
-}
-
-
-def preload_modules(specs: list[ModelSpec]) -> list[str]:
-    """Modules the configured models will need, for the forkserver to import once.
-
-    Importing an architecture's module (or diffusers) costs ~1 s; doing it once in the
-    forkserver means every forked worker starts with it already imported and shared.
-    """
-    modules: set[str] = set()
-    for spec in specs:
-        modules.update(CAPABILITY_MODULES.get(spec.capability, []))
-        config = _local_config(spec)
-        model_type = config.get("model_type") if config else None
-        if isinstance(model_type, str) and model_type.isidentifier():
-            modules.add(f"transformers.models.{model_type}.modeling_{model_type}")
-    return sorted(modules)
-
-
-def _local_config(spec: ModelSpec) -> dict[str, Any] | None:
-    base: Path | None = None
-    if spec.path:
-        base = Path(spec.path).expanduser()
-    elif spec.package:
-        found = importlib.util.find_spec(spec.package)
-        if found and found.origin:
-            base = Path(found.origin).parent
-    if base is None:
-        return None
-    try:
-        return json.loads((base / spec.subdir / "config.json").read_text())
-    except (OSError, ValueError):
-        return None

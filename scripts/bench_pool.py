@@ -249,23 +249,25 @@ def admission_dispatch_cost(requests: int) -> dict[str, Any]:
     ready worker, reply routing (a fake worker answers at once)."""
     from modelpool.protocol.messages import Embeddings
     from modelpool.protocol.pipes import Ready, WantWork
+    from modelpool.supervisor.clock import LoopScheduler
     from modelpool.supervisor.config import Config, PoolConfig
     from modelpool.supervisor.pool import Pool
 
     async def run() -> float:
         config = Config(pool=PoolConfig(cold_start_workers=1, max_batch_wait_ms=0))
         launcher = _Launcher()
-        pool = Pool(config, config.registry(), launcher)  # type: ignore[arg-type]
+        pool = Pool(config, config.registry(), launcher,  # type: ignore[arg-type]
+                    LoopScheduler(), cpus=os.cpu_count() or 1)
         sink = _Sink()
         pool.submit(sink, Embed(id=0, texts=["warm"]))
         await asyncio.sleep(0)
         worker = launcher.started[0]
-        pool.on_worker_message(worker, Ready(pid=1, load_s=0.0))
-        pool.on_worker_message(worker, WantWork())
+        pool.handle(worker, Ready(pid=1, load_s=0.0))
+        pool.handle(worker, WantWork())
         data = b"\0" * 16
         (warm,) = worker.jobs
-        pool.on_worker_message(worker, Embeddings(id=warm, data=data, shape=[1, 4]))
-        pool.on_worker_message(worker, WantWork())
+        pool.handle(worker, Embeddings(id=warm, data=data, shape=[1, 4]))
+        pool.handle(worker, WantWork())
         admit = route = 0.0
         clock = time.perf_counter
         for i in range(1, requests + 1):
@@ -276,8 +278,8 @@ def admission_dispatch_cost(requests: int) -> dict[str, Any]:
             (job_id,) = worker.jobs
             reply = Embeddings(id=job_id, data=data, shape=[1, 4])
             t2 = clock()
-            pool.on_worker_message(worker, reply)  # the reply to its client
-            pool.on_worker_message(worker, WantWork())
+            pool.handle(worker, reply)  # the reply to its client
+            pool.handle(worker, WantWork())
             t3 = clock()
             admit, route = admit + t1 - t0, route + t3 - t2
         assert sink.replies == requests + 1

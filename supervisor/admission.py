@@ -1,27 +1,56 @@
-"""Admission checks that refuse a request before it is queued: each returns None or the
-(code, message) to answer with. Called by the Pool on its event loop."""
+"""Admission checks that refuse a request before it is queued: pure functions of the
+request and the state they are handed, each returning None or the (code, message) to
+answer with."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import Describe, EmbedImage, WorkRequest
+from modelpool.protocol.kinds import Kind
+from modelpool.protocol.messages import WorkRequest
+from modelpool.protocol.pipes import ImagePolicy
+from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import memory
-from modelpool.supervisor.config import Config
-
-if TYPE_CHECKING:
-    from modelpool.supervisor.pool import ModelState, Pool
+from modelpool.supervisor.config import PoolConfig
+from modelpool.supervisor.models import ModelState
 
 Rejection = tuple[ErrorCode, str]
 
 
-def image_error(config: Config, request: WorkRequest) -> Rejection | None:
+def resolve(registry: Registry, kind: Kind, request: WorkRequest) -> ModelSpec | None:
+    """The model the request names, or the default model of the kind's first capability."""
+    if request.model:
+        return registry.resolve(request.model)
+    key = registry.defaults.get(kind.served_by[0])
+    return registry.specs.get(key) if key else None
+
+
+def deadline_in(request: WorkRequest, wall_now: float) -> float | None:
+    """Seconds left of the client's deadline, counted from when the client sent it."""
+    if request.deadline_s is None:
+        return None
+    in_transit = max(0.0, wall_now - request.sent_at) if request.sent_at else 0.0
+    return request.deadline_s - in_transit
+
+
+def request_error(kind: Kind, request: WorkRequest, spec: ModelSpec | None,
+                  images: ImagePolicy) -> Rejection | None:
+    """Is there a model that does this, and is the request well formed?"""
+    if spec is None:
+        name = request.model or f"(default {kind.served_by[0]} model)"
+        return ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; see `modelpool models`"
+    if spec.capability not in kind.served_by:
+        return (ErrorCode.WRONG_CAPABILITY,
+                f"model {spec.key!r} is {spec.capability}, not {kind.served_by[0]}")
+    if (problem := kind.check(request)) is not None:
+        return ErrorCode.BAD_REQUEST, problem
+    return image_error(kind, request, images)
+
+
+def image_error(kind: Kind, request: WorkRequest, policy: ImagePolicy) -> Rejection | None:
     """What can be refused without decoding: the worker checks the rest."""
-    inputs = request.images if isinstance(request, EmbedImage) else (
-        [request.image] if isinstance(request, Describe) else [])
-    policy = config.images
-    for image in inputs:
+    for image in kind.images(request):
         if bool(image.data) == bool(image.url):
             return ErrorCode.BAD_REQUEST, "each image needs exactly one of data or url"
         if image.data and len(image.data) > policy.max_bytes:
@@ -32,20 +61,54 @@ def image_error(config: Config, request: WorkRequest) -> Rejection | None:
                     "image URLs are disabled (set [images] allow_urls = true)")
     return None
 
-def bounds_error(pool: Pool, model: ModelState, nbytes: int) -> Rejection | None:
-    limit = model.spec.max_queue or pool.pool_config.max_queue
+
+def load_error(model: ModelState, now: float, gpu_count: int) -> Rejection | None:
+    """The model cannot be loaded now: no such device, failed, or backing off."""
+    key, failures = model.key, model.failures
+    if model.device is None:
+        return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} asks for device "
+                f"{model.spec.device!r}; this machine has {gpu_count} GPU(s)")
+    if model.failed:
+        return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} failed to load "
+                f"{failures.count} times ({failures.last_error}); `modelpool load {key}` "
+                f"retries")
+    if model.backing_off(now):
+        return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} failed to load "
+                f"({failures.last_error}); retrying in {failures.blocked_until - now:.1f}s")
+    return None
+
+
+def memory_error(model: ModelState, budget_for: Callable[[str], float]) -> Rejection | None:
+    """The model can never fit, even alone (one that fits later waits its turn)."""
+    if model.workers:
+        return None  # it fits: it is running
+    budget_mb = budget_for(model.device or "cpu")
+    charge = model.charge()
+    if not memory.never_fits(charge, budget_mb):
+        return None
+    return (ErrorCode.INSUFFICIENT_MEMORY,
+            f"model {model.key!r} needs ~{charge.weights_mb + charge.per_worker_mb:.0f} MiB "
+            f"(weights {charge.weights_mb:.0f} + one worker {charge.per_worker_mb:.0f}); "
+            f"the budget on {model.device} is {budget_mb:.0f} MiB")
+
+
+def bounds_error(model: ModelState, models: Iterable[ModelState], nbytes: int,
+                 config: PoolConfig) -> Rejection | None:
+    """No queue is unbounded: per model in requests, in all in requests and bytes."""
+    limit = model.settings.max_queue
     if len(model.queue) >= limit:
-        return ErrorCode.QUEUE_FULL, f"model {model.spec.key!r} has {limit} requests waiting"
-    total = queued_bytes = 0
-    for other in pool.models.values():  # one pass: this runs for every request
-        total += other.queue.live
+        return ErrorCode.QUEUE_FULL, f"model {model.key!r} has {limit} requests waiting"
+    queued_total = queued_bytes = 0
+    for other in models:  # one pass: this runs for every request
+        queued_total += other.queue.live
         queued_bytes += other.queue.nbytes
-    if total >= pool.pool_config.max_queued_total:
-        return ErrorCode.OVERLOADED, f"the daemon has {total} requests waiting"
-    if queued_bytes + nbytes > pool.pool_config.max_queued_bytes:
+    if queued_total >= config.max_queued_total:
+        return ErrorCode.OVERLOADED, f"the daemon has {queued_total} requests waiting"
+    if queued_bytes + nbytes > config.max_queued_bytes:
         return (ErrorCode.OVERLOADED, f"the daemon holds {queued_bytes >> 20} MiB of waiting "
                 f"requests (max_queued_bytes)")
     return None
+
 
 def retry_after(model: ModelState | None) -> float:
     """A hint: how long the work ahead should take to drain."""
@@ -54,31 +117,3 @@ def retry_after(model: ModelState | None) -> float:
     workers = max(1, len(model.live_workers()))
     per_item = model.metrics.service_s / max(1.0, model.metrics.mean_batch)
     return round(min(60.0, max(0.05, len(model.queue) * per_item / workers)), 3)
-
-def memory_error(pool: Pool, key: str) -> Rejection | None:
-    model = pool.models[key]
-    if model.workers:
-        return None  # it fits: it is running
-    charge = pool.capacity.charge(model)
-    budget = pool.capacity.budget_for(model.device or "cpu")
-    if not memory.never_fits(charge, budget):
-        return None
-    return (ErrorCode.INSUFFICIENT_MEMORY,
-            f"model {key!r} needs ~{charge.weights_mb + charge.per_worker_mb:.0f} MiB "
-            f"(weights {charge.weights_mb:.0f} + one worker {charge.per_worker_mb:.0f}); "
-            f"the budget on {model.device} is {budget:.0f} MiB")
-
-
-def load_error(pool: Pool, model: ModelState) -> Rejection | None:
-    if model.device is None:
-        return (ErrorCode.MODEL_LOAD_FAILED, f"model {model.spec.key!r} asks for device "
-                f"{model.spec.device!r}; this machine has {len(pool.gpus)} GPU(s)")
-    key, now = model.spec.key, pool.clock()
-    if model.load_failures >= pool.pool_config.max_load_failures:
-        return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} failed to load "
-                f"{model.load_failures} times ({model.last_error}); "
-                f"`modelpool load {key}` retries")
-    if now < model.blocked_until and not model.live_workers():
-        return (ErrorCode.MODEL_LOAD_FAILED, f"model {key!r} failed to load "
-                f"({model.last_error}); retrying in {model.blocked_until - now:.1f}s")
-    return None

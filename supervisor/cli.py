@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from modelpool.protocol.errors import PoolError
-from modelpool.protocol.messages import PRIORITIES
+from modelpool.supervisor.cli_ops import add_request_commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,65 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--socket", help="daemon socket (default: $MODELPOOL_SOCKET, "
                         "$XDG_RUNTIME_DIR/modelpool.sock, or /tmp/modelpool-$USER/)")
     sub = parser.add_subparsers(dest="command", required=True)
-    _text_commands(sub)
-    _image_commands(sub)
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve.add_argument("--config", help="TOML config (default: $MODELPOOL_CONFIG, else built-in)")
+    serve.set_defaults(func=_serve)
+    add_request_commands(sub)
     _admin_commands(sub)
     return parser
 
 
 SubParsers = Any  # argparse's _SubParsersAction, which has no public name
-
-
-def _text_commands(sub: SubParsers) -> None:
-    serve = sub.add_parser("serve", help="run the daemon in the foreground")
-    serve.add_argument("--config", help="TOML config (default: $MODELPOOL_CONFIG, else built-in)")
-    serve.set_defaults(func=_serve)
-
-    embed = sub.add_parser("embed", help="embed texts; prints one JSON vector per line")
-    embed.add_argument("texts", nargs="+")
-    _request_flags(embed)
-    embed.set_defaults(func=_embed)
-
-    gen = sub.add_parser("generate", help="stream generated text")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--raw", action="store_true", help="skip the model's chat template")
-    _request_flags(gen)
-    gen.set_defaults(func=_generate)
-
-
-def _image_commands(sub: SubParsers) -> None:
-    embed_image = sub.add_parser("embed-image", help="embed images (paths, URLs or base64);"
-                                 " prints one JSON vector per line")
-    embed_image.add_argument("images", nargs="+")
-    _request_flags(embed_image)
-    embed_image.set_defaults(func=_embed_image)
-
-    describe = sub.add_parser("describe", help="stream text about an image")
-    describe.add_argument("image")
-    describe.add_argument("query", nargs="?", default="", help="the question; none: a caption")
-    describe.add_argument("--max-tokens", type=int, default=256)
-    describe.add_argument("--temperature", type=float, default=1.0)
-    describe.add_argument("--seed", type=int)
-    _request_flags(describe)
-    describe.set_defaults(func=_describe)
-
-    gen_image = sub.add_parser("generate-image", help="make an image from a prompt")
-    gen_image.add_argument("prompt")
-    gen_image.add_argument("-o", "--output", required=True, help="PNG file to write")
-    gen_image.add_argument("--steps", type=int, default=25)
-    gen_image.add_argument("--width", type=int, default=512)
-    gen_image.add_argument("--height", type=int, default=512)
-    gen_image.add_argument("--seed", type=int)
-    gen_image.add_argument("--guidance", type=float, default=7.5)
-    gen_image.add_argument("--negative-prompt", default="")
-    _request_flags(gen_image)
-    gen_image.set_defaults(func=_generate_image)
 
 
 def _admin_commands(sub: SubParsers) -> None:
@@ -109,12 +59,6 @@ def _admin_commands(sub: SubParsers) -> None:
     unload.set_defaults(func=lambda a: _ack(a, lambda c: c.unload(a.model)))
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.set_defaults(func=lambda a: _ack(a, lambda c: c.stop()))
-
-
-def _request_flags(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--model", help="model key or alias (default: the capability's default)")
-    cmd.add_argument("--priority", choices=PRIORITIES, default="normal")
-    cmd.add_argument("--timeout", type=float, dest="timeout_s")
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -147,66 +91,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def _embed(args: argparse.Namespace) -> None:
-    with _client(args) as client:
-        vectors = client.embed(list(args.texts), model=args.model, priority=args.priority,
-                               timeout_s=args.timeout_s)
-    for row in vectors:
-        print(json.dumps([round(float(x), 7) for x in row]))
-
-
-def _generate(args: argparse.Namespace) -> None:
-    with _client(args) as client:
-        for chunk in client.generate(
-                args.prompt, model=args.model, max_tokens=args.max_tokens,
-                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                stop=args.stop, ignore_eos=args.ignore_eos, raw=args.raw,
-                priority=args.priority, timeout_s=args.timeout_s):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            if chunk.finish_reason:
-                sys.stdout.write("\n")
-                print(f"[{chunk.finish_reason}: {chunk.prompt_tokens} prompt + "
-                      f"{chunk.completion_tokens} generated tokens]", file=sys.stderr)
-
-
-def _embed_image(args: argparse.Namespace) -> None:
-    with _client(args) as client:
-        vectors = client.embed_image(list(args.images), model=args.model,
-                                     priority=args.priority, timeout_s=args.timeout_s)
-    for row in vectors:
-        print(json.dumps([round(float(x), 7) for x in row]))
-
-
-def _describe(args: argparse.Namespace) -> None:
-    with _client(args) as client:
-        for chunk in client.describe(args.image, args.query, model=args.model,
-                                     max_tokens=args.max_tokens, temperature=args.temperature,
-                                     seed=args.seed, priority=args.priority,
-                                     timeout_s=args.timeout_s):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-
-
-def _generate_image(args: argparse.Namespace) -> None:
-    with _client(args) as client:
-        for chunk in client.generate_image(
-                args.prompt, model=args.model, steps=args.steps, width=args.width,
-                height=args.height, seed=args.seed, guidance=args.guidance,
-                negative_prompt=args.negative_prompt, priority=args.priority,
-                timeout_s=args.timeout_s):
-            if chunk.png is None:
-                done = int(30 * chunk.step / max(1, chunk.total_steps))
-                print(f"\r[{'#' * done}{'.' * (30 - done)}] step {chunk.step}/"
-                      f"{chunk.total_steps}", end="", file=sys.stderr, flush=True)
-                continue
-            with open(args.output, "wb") as out:
-                out.write(chunk.png)
-            print(f"\nwrote {args.output} ({chunk.width}x{chunk.height}, seed {chunk.seed})",
-                  file=sys.stderr)
 
 
 def _status(args: argparse.Namespace) -> None:

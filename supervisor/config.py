@@ -12,6 +12,7 @@ from typing import Annotated
 
 import msgspec
 
+from modelpool.protocol.messages import RequestDefaults
 from modelpool.protocol.paths import default_socket_path
 from modelpool.protocol.pipes import ImagePolicy
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
@@ -58,6 +59,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
+    defaults: RequestDefaults = msgspec.field(default_factory=RequestDefaults)
     models: list[ModelSpec] = []
 
     def registry(self) -> Registry:

@@ -1,34 +1,42 @@
 """The requesters of every job: their timers, their one final reply each, the fan-out of
-a deduplicated job's replies, and the per-priority metrics of how requests ended."""
+a deduplicated job's replies, and the parts of a split request gathered back in order.
+
+The book owns requesters and the dedup index; what a job's end means for its model (its
+queue, its metrics, a stream to abort) it reports to JobEvents, which the pool is.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import Embed, Error, WorkRequest
-from modelpool.supervisor.metrics import ModelMetrics
-from modelpool.supervisor.queueing import (
-    PRIORITY_RANK,
-    Job,
-    JobState,
-    ReplySink,
-    Requester,
-)
+from modelpool.protocol.kinds import Kind, merge_rows
+from modelpool.protocol.messages import Error, WorkRequest
+from modelpool.supervisor.clock import Scheduler
+from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester
 
-if TYPE_CHECKING:
-    from modelpool.supervisor.pool import ModelState, Pool
 
-STREAMING_REQUESTS = ("Generate", "Describe", "GenerateImage")
+class JobEvents(Protocol):
+    def abandon(self, job: Job) -> None:
+        """Nobody waits for this job any more: stop it if a worker is streaming it."""
+
+    def wait_cause(self, job: Job) -> str:
+        """Why the job has not finished yet, for TIMEOUT and DEADLINE_EXPIRED messages."""
+
+    def job_closed(self, job: Job, was_queued: bool) -> None:
+        """The job is done, for good or ill; it was still in its model's queue if asked."""
+
+    def request_ended(self, req: Requester, reply: Any) -> None:
+        """One requester got its final reply (None: its client left without one)."""
 
 
 class JobBook:
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
+    def __init__(self, scheduler: Scheduler, events: JobEvents) -> None:
+        self.scheduler = scheduler
+        self.events = events
         self.index: dict[bytes, Job] = {}  # dedup: key -> the job doing that work
         self._job_ids = itertools.count(1)
 
@@ -42,34 +50,43 @@ class JobBook:
     def requester(self, sink: ReplySink, request: WorkRequest, timeout_s: float,
                   deadline_in_s: float | None) -> Requester:
         """Register the client's request and arm its timer (timeout or deadline)."""
-        now = self.pool.clock()
+        now = self.scheduler.now()
         req = Requester(sink, request.id, request.priority, now,
                         None if deadline_in_s is None else now + deadline_in_s)
         sink.jobs[request.id] = req
         is_deadline = deadline_in_s is not None and deadline_in_s < timeout_s
         delay = deadline_in_s if is_deadline else timeout_s
-        req.timer = asyncio.get_running_loop().call_later(delay, self.expire, req, is_deadline)
+        req.timer = self.scheduler.call_later(delay, self.expire, req, is_deadline)
         return req
 
-    def attach(self, req: Requester, leader: Job, model: ModelState) -> None:
+    def attach(self, req: Requester, leader: Job) -> None:
         """An identical request is already waiting or running: share its result."""
         leader.requesters.append(req)
         req.job = leader
-        model.metrics.by_priority[req.priority].deduplicated += 1
-        model.queue.promote(leader, PRIORITY_RANK[req.priority])
         for chunk in leader.history or []:  # a stream already under way: replay it
             req.sink.send(msgspec.structs.replace(chunk, id=req.client_id))
 
-    def new_job(self, req: Requester, request: WorkRequest, model: ModelState,
+    def new_job(self, req: Requester, kind: Kind, request: WorkRequest, model_key: str,
                 key: bytes | None) -> Job:
-        streaming = type(request).__name__ in STREAMING_REQUESTS
-        job = Job(job_id=next(self._job_ids), request=request, model_key=model.spec.key,
+        job = Job(job_id=next(self._job_ids), request=request, kind=kind, model_key=model_key,
                   accepted_at=req.accepted_at, requesters=[req], dedup_key=key,
-                  history=[] if key and streaming else None)
+                  history=[] if key and kind.streaming else None)
         req.job = job
         if key:
             self.index[key] = job
         return job
+
+    def split(self, job: Job, max_batch: int) -> list[Job]:
+        """Parts of at most max_batch inputs, so one huge request is spread over workers
+        and interleaves with other work instead of holding a worker for its whole length."""
+        requests = job.kind.split(job.request, max_batch)
+        for part_request in requests:
+            job.parts.append(Job(job_id=next(self._job_ids), request=part_request,
+                                 kind=job.kind, model_key=job.model_key,
+                                 accepted_at=job.accepted_at, parent=job,
+                                 nbytes=job.nbytes // len(requests)))
+        job.state = JobState.RUNNING  # it runs as its parts
+        return job.parts
 
     # ---- replies ---------------------------------------------------------------------
 
@@ -81,21 +98,6 @@ class JobBook:
         for req in job.live:
             if not req.sink.closed:
                 req.sink.send(msgspec.structs.replace(chunk, id=req.client_id))
-
-    def split(self, job: Job, max_batch: int) -> list[Job]:
-        """Parts of at most max_batch inputs, so one huge request is spread over workers
-        and interleaves with other work instead of holding a worker for its whole length."""
-        request = job.request
-        field_name = "texts" if isinstance(request, Embed) else "images"
-        items = getattr(request, field_name)
-        for start in range(0, len(items), max_batch):
-            part_request = msgspec.structs.replace(
-                request, **{field_name: items[start : start + max_batch]})
-            job.parts.append(Job(job_id=next(self._job_ids), request=part_request,
-                                 model_key=job.model_key, accepted_at=job.accepted_at,
-                                 parent=job, nbytes=job.nbytes * max_batch // len(items)))
-        job.state = JobState.RUNNING  # it runs as its parts
-        return job.parts
 
     def finish(self, job: Job, reply: Any) -> None:
         """The job's final reply, to each of its requesters under its own id."""
@@ -119,14 +121,14 @@ class JobBook:
         self._end(req, reply)
         job = req.job
         if job is not None and job.state is not JobState.DONE and not job.live:
-            self.pool.abandon(job)
+            self.events.abandon(job)
             self._close(job)
 
     def expire(self, req: Requester, deadline: bool) -> None:
         job = req.job
         assert job is not None
-        waited = self.pool.clock() - req.accepted_at
-        cause = self.pool.wait_cause(job)
+        waited = self.scheduler.now() - req.accepted_at
+        cause = self.events.wait_cause(job)
         if deadline:
             code, what = ErrorCode.DEADLINE_EXPIRED, f"deadline passed after {waited:.1f}s"
         else:
@@ -153,24 +155,19 @@ class JobBook:
             return
         parent.part_replies[part.job_id] = reply
         if len(parent.part_replies) == len(parent.parts):
-            rows = [parent.part_replies[p.job_id] for p in parent.parts]
-            self.finish(parent, msgspec.structs.replace(
-                rows[0], data=b"".join(r.data for r in rows),
-                shape=[sum(r.shape[0] for r in rows), *rows[0].shape[1:]]))
+            self.finish(parent, merge_rows([parent.part_replies[p.job_id]
+                                            for p in parent.parts]))
 
     def _close(self, job: Job) -> None:
         for part in job.parts:  # a finished or abandoned request needs none of its parts
             if part.state is not JobState.DONE:
-                self.pool.abandon(part)
+                self.events.abandon(part)
                 self._close(part)
-        model = self.pool.models[job.model_key]
-        if job.state is JobState.QUEUED:
-            job.state = JobState.DONE
-            model.queue.discard(job)
+        was_queued = job.state is JobState.QUEUED
         job.state = JobState.DONE
         if job.dedup_key is not None and self.index.get(job.dedup_key) is job:
             del self.index[job.dedup_key]
-        model.last_active = self.pool.clock()
+        self.events.job_closed(job, was_queued)
 
     def _end(self, req: Requester, reply: Any) -> None:
         req.done = True
@@ -178,20 +175,6 @@ class JobBook:
             req.timer.cancel()
         if req.sink.jobs.get(req.client_id) is req:
             del req.sink.jobs[req.client_id]
-        if req.job is not None:
-            self._count(self.pool.models[req.job.model_key].metrics, req, reply)
         if reply is not None and not req.sink.closed:
             req.sink.send(reply)
-        self.pool.changed.set()
-
-    def _count(self, metrics: ModelMetrics, req: Requester, reply: Any) -> None:
-        counters = metrics.by_priority[req.priority]
-        if reply is None:
-            return  # the client left: nobody to count it for
-        if not isinstance(reply, Error):
-            counters.completed += 1
-            counters.latencies_s.append(self.pool.clock() - req.accepted_at)
-        elif reply.code is ErrorCode.DEADLINE_EXPIRED:
-            counters.expired += 1
-        else:
-            counters.failed += 1
+        self.events.request_ended(req, reply)

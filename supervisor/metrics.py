@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Any
 
-from modelpool.protocol.messages import PRIORITIES, PriorityStats
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import PRIORITIES, Error, PriorityStats
 
 LATENCY_WINDOW = 1000  # recent completions kept per priority for percentiles
 
@@ -32,6 +34,19 @@ class ModelMetrics:
     def batch(self, size: int) -> None:
         self.batches += 1
         self.batched_items += size
+
+    def ended(self, priority: str, reply: Any, latency_s: float) -> None:
+        """One request's final reply; None when its client left without one."""
+        counters = self.by_priority[priority]
+        if reply is None:
+            return  # nobody to count it for
+        if not isinstance(reply, Error):
+            counters.completed += 1
+            counters.latencies_s.append(latency_s)
+        elif reply.code is ErrorCode.DEADLINE_EXPIRED:
+            counters.expired += 1
+        else:
+            counters.failed += 1
 
     def ran(self, seconds: float) -> None:
         self.service_s = seconds if not self.service_s else 0.9 * self.service_s + 0.1 * seconds

@@ -15,14 +15,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from modelpool.protocol.messages import (
-    PRIORITIES,
-    Embed,
-    EmbedImage,
-    GenerateImage,
-    WorkRequest,
-    encoder,
-)
+from modelpool.protocol.kinds import Kind
+from modelpool.protocol.messages import PRIORITIES, WorkRequest, encoder
 
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
 PROMOTION_FLOOR = PRIORITY_RANK["high"]  # ageing never lifts work into `critical`
@@ -64,6 +58,7 @@ class Job:
 
     job_id: int  # unique in this daemon; the id used on worker pipes
     request: WorkRequest
+    kind: Kind
     model_key: str
     accepted_at: float
     requesters: list[Requester] = field(default_factory=list)
@@ -81,26 +76,21 @@ class Job:
     parts: list[Job] = field(default_factory=list)
     part_replies: dict[int, Any] = field(default_factory=dict)
     history: list[Any] | None = None  # chunks so far, replayed to requesters who attach late
+    size: int = field(init=False)  # units of batch capacity: texts, images, documents; or 1
+
+    def __post_init__(self) -> None:
+        self.size = self.kind.size(self.request)
 
     @property
     def live(self) -> list[Requester]:
         owner = self.parent or self
         return [r for r in owner.requesters if not r.done]
 
-    @property
-    def size(self) -> int:
-        """Units of batch capacity: texts or images; 1 for everything else."""
-        if isinstance(self.request, Embed):
-            return len(self.request.texts)
-        if isinstance(self.request, EmbedImage):
-            return len(self.request.images)
-        return 1
 
-
-def dedup_key(request: WorkRequest, model_key: str) -> bytes | None:
+def dedup_key(kind: Kind, request: WorkRequest, model_key: str) -> bytes | None:
     """Identical work for identical inputs, or None when running it twice could differ
     (sampling without a seed) or the input is too large to be worth hashing."""
-    if not _deterministic(request):
+    if not kind.deterministic(request):
         return None
     neutral = msgspec.structs.replace(request, id=0, model=model_key, priority="normal",
                                       timeout_s=None, deadline_s=None, sent_at=None)
@@ -108,13 +98,6 @@ def dedup_key(request: WorkRequest, model_key: str) -> bytes | None:
     if len(payload) > DEDUP_MAX_BYTES:
         return None
     return hashlib.blake2b(payload, digest_size=16).digest()
-
-
-def _deterministic(request: WorkRequest) -> bool:
-    if isinstance(request, GenerateImage):
-        return request.seed is not None
-    temperature = getattr(request, "temperature", 0.0)
-    return temperature == 0 or getattr(request, "seed", None) is not None
 
 
 def aged_rank(rank: int, waited_s: float, promote_every_s: float) -> int:
@@ -165,13 +148,14 @@ class JobQueue:
         self.nbytes -= job.nbytes
         self._drop_dead_top()
 
-    def pop_batch(self, max_size: int, batched: bool) -> list[Job]:
-        """The best job, plus following jobs of the same kind while they fit in max_size."""
+    def pop_batch(self, max_size: int) -> list[Job]:
+        """The best job, plus, for a batched kind, following jobs of the same kind while
+        they fit in max_size."""
         self._drop_dead_top()
         if not self._heap:
             return []
         batch = [self._pop()]
-        if not batched:
+        if not batch[0].kind.batched:
             return batch
         size = batch[0].size
         while size < max_size:
@@ -179,7 +163,7 @@ class JobQueue:
             if not self._heap:
                 break
             nxt = self._heap[0][2]
-            if nxt.size + size > max_size or type(nxt.request) is not type(batch[0].request):
+            if nxt.size + size > max_size or nxt.kind is not batch[0].kind:
                 break
             batch.append(self._pop())
             size += nxt.size

@@ -1,17 +1,26 @@
-"""When to start and stop a model's workers: pure functions of (model load, clock, memory).
+"""When to start and stop workers: pure functions of a frozen view of the pool and the
+clock, returning a Plan that the pool applies in one place.
 
-Rules (DESIGN.md, "Pool semantics"):
+Rules:
 - cold start: a model with no live worker and waiting work starts `cold_start_workers`
   at once (fewer if memory or the load limit allow fewer);
 - scale up: +1 when every worker is busy, work is waiting and no start is in flight;
 - scale down: -1 per `cooldown_idle_s` of whole-model idleness, down to 0;
 - `modelpool load` keeps a warm minimum up (and exempt from scale-down) until `unload`;
-- nothing starts while a failed load backs off or after the model is marked failed.
+- nothing starts while a failed load backs off or after the model is marked failed;
+- memory: a start that does not fit the budget evicts idle workers of other models on
+  the same device, least recently used first, or else waits for memory;
+- a weights holder starts before its model's workers and stops when none is left.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from modelpool.supervisor import memory
+
+HolderState = str  # "none" | "loading" | "holding" | "stopping"
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,49 @@ class ModelLoad:
 
 
 @dataclass(frozen=True)
+class ModelView:
+    """One model as the policy sees it."""
+
+    key: str
+    load: ModelLoad
+    device: str
+    charge: memory.ModelCharge
+    uses_holder: bool = False
+    holder: HolderState = "none"
+    idle_workers: tuple[tuple[int, float], ...] = ()  # (worker id, last used), no work held
+
+
+@dataclass(frozen=True)
+class PoolView:
+    models: Mapping[str, ModelView]
+    loading: int  # processes starting or loading, all models
+    max_concurrent_loads: int
+    budget_mb: Mapping[str, float]  # by device
+    used_mb: Mapping[str, float]  # by device
+    freeing: frozenset[str] = frozenset()  # devices where a stopping worker frees memory
+
+
+@dataclass(frozen=True)
+class Start:
+    model_key: str
+    holder: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    worker_id: int
+    model_key: str
+    reason: str  # "idle" (scale-down), "evicted" (room for another model)
+
+
+@dataclass(frozen=True)
+class Plan:
+    start: tuple[Start, ...] = ()
+    stop: tuple[Stop, ...] = ()
+    waiting_for_memory: Mapping[str, bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ScalingPolicy:
     cold_start_workers: int = 2
     cooldown_idle_s: float = 60.0
@@ -45,18 +97,65 @@ def cpu_plan(cpus: int, cold_start_workers: int, threads: int, max_workers: int)
     return threads, max_workers or max(cold_start_workers, cpus // threads)
 
 
-def workers_to_start(load: ModelLoad, policy: ScalingPolicy, now: float, room: int) -> int:
-    """How many workers to start now; room is what memory and the load limit allow."""
-    if load.failed or now < load.blocked_until or room <= 0:
+def workers_wanted(load: ModelLoad, policy: ScalingPolicy, now: float) -> int:
+    """Workers the model would start now if memory and load slots allowed."""
+    if load.failed or now < load.blocked_until:
         return 0
-    headroom = load.max_workers - load.live
     want = 0
     if load.queued and load.live == 0:
         want = policy.cold_start_workers
     elif load.queued and load.starting == 0 and load.idle == 0:
         want = 1
     want = max(want, load.warm - load.live)
-    return max(0, min(want, headroom, room))
+    return max(0, min(want, load.max_workers - load.live))
+
+
+def plan_starts(view: PoolView, key: str, policy: ScalingPolicy, now: float) -> Plan:
+    """What to start for one model, or whom to evict so that it can start."""
+    model = view.models[key]
+    want = workers_wanted(model.load, policy, now)
+    slots = view.max_concurrent_loads - view.loading
+    if want == 0 or slots <= 0:
+        return Plan()
+    room = memory.room_for(model.charge, view.used_mb.get(model.device, 0.0),
+                           view.budget_mb.get(model.device, 0.0))
+    if room == 0:
+        return Plan(stop=_evictions(view, model), waiting_for_memory={key: True})
+    count = min(want, slots, room)
+    waiting = {key: False}
+    if model.uses_holder and model.holder != "holding":
+        # Workers start once a holder shares its weights (not one that is stopping).
+        holder = (Start(key, holder=True),) if model.holder == "none" else ()
+        return Plan(start=holder, waiting_for_memory=waiting)
+    return Plan(start=(Start(key),) * count, waiting_for_memory=waiting)
+
+
+def _evictions(view: PoolView, model: ModelView) -> tuple[Stop, ...]:
+    """Idle workers of other idle models on the same device, least recently used first,
+    whose exit makes room; none while memory is already being freed there."""
+    if model.device in view.freeing:
+        return ()  # decide again when those workers exit
+    candidates = [
+        memory.EvictionCandidate(worker_id, other.key, last_used, other.charge.per_worker_mb,
+                                 other.charge.weights_mb, other.charge.workers,
+                                 other.charge.shared_weights)
+        for other in view.models.values()
+        if other.key != model.key and not other.load.queued and other.device == model.device
+        for worker_id, last_used in other.idle_workers]
+    free = view.budget_mb.get(model.device, 0.0) - view.used_mb.get(model.device, 0.0)
+    chosen = memory.pick_evictions(candidates, model.charge.next_worker_mb - free)
+    owner = {c.worker_id: c.model_key for c in candidates}
+    return tuple(Stop(worker_id, owner[worker_id], "evicted") for worker_id in chosen)
+
+
+def plan_scale_down(view: PoolView, policy: ScalingPolicy, now: float) -> Plan:
+    """One least recently used idle worker of each model idle for a full cooldown."""
+    stops = []
+    for model in view.models.values():
+        if model.idle_workers and should_stop_one(model.load, policy, now):
+            worker_id, _ = min(model.idle_workers, key=lambda w: w[1])
+            stops.append(Stop(worker_id, model.key, "idle"))
+    return Plan(stop=tuple(stops))
 
 
 def should_stop_one(load: ModelLoad, policy: ScalingPolicy, now: float) -> bool:
@@ -65,3 +164,9 @@ def should_stop_one(load: ModelLoad, policy: ScalingPolicy, now: float) -> bool:
         return False
     idle_since = max(load.last_active, load.last_scale_down)
     return now - idle_since >= policy.cooldown_idle_s
+
+
+def holder_unneeded(model: ModelView) -> bool:
+    """A holder lives exactly as long as some worker may map its weights."""
+    return (model.holder in ("loading", "holding") and model.charge.workers == 0
+            and not model.load.queued and model.load.warm == 0)

@@ -20,16 +20,12 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import HEADER, frame
+from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Cancel,
-    Describe,
-    Embed,
-    EmbedImage,
     Error,
-    Generate,
-    GenerateImage,
     GetStatus,
     Hello,
     ListModels,
@@ -42,7 +38,8 @@ from modelpool.protocol.messages import (
     client_decoder,
     encoder,
 )
-from modelpool.supervisor import cgroups, gpus, management, realtime, shm
+from modelpool.supervisor import cgroups, control, gpus, realtime, shm, status
+from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.shutdown import drain_and_stop
@@ -121,26 +118,18 @@ class Server:
         self.stop_requested = asyncio.Event()
         self.started_at = time.monotonic()
         registry = config.registry()
-        from modelpool.registry.spec import preload_modules
+        from modelpool.registry.loaders import preload_modules
 
         ctx = forkserver_context(preload_modules(list(registry.specs.values())))
-        self.launcher = Launcher(ctx, self._on_worker_message, self._on_worker_exit,
-                                 self._on_heartbeat)
+        self.launcher = Launcher(ctx)
         gpu_list = gpus.discover()
         if gpu_list:
             log.info("GPUs: %s", ", ".join(f"{g.device} {g.name} ({g.total_mb:.0f} MiB)"
                                            for g in gpu_list))
-        self.pool = Pool(config, registry, self.launcher, gpus=gpu_list)
+        self.pool = Pool(config, registry, self.launcher, LoopScheduler(), gpus=gpu_list,
+                         cpus=os.cpu_count() or 1)
+        self.launcher.events = self.pool
         self._socket_inode: int | None = None
-
-    def _on_worker_message(self, worker: Any, msg: Any) -> None:
-        self.pool.on_worker_message(worker, msg)
-
-    def _on_worker_exit(self, worker: Any, exitcode: int | None) -> None:
-        self.pool.on_worker_exit(worker, exitcode)
-
-    def _on_heartbeat(self, worker: Any, beat: Any) -> None:
-        self.pool.on_heartbeat(worker, beat)
 
     async def run(self) -> None:
         if self.config.daemon.realtime:
@@ -164,9 +153,9 @@ class Server:
             await self.stop_requested.wait()
             log.info("stopping: refusing new work, draining")
             server.close()
-            await drain_and_stop(self.pool)
+            _, _, kill_at = await drain_and_stop(self.pool)
             self.pool.shared.release_all()
-            await self.launcher.close()
+            await self.launcher.close(kill_at - self.pool.scheduler.now())
         finally:
             cgroups.leave(loading_cgroup)
             ticker.cancel()
@@ -184,15 +173,14 @@ class Server:
     async def _scale_ticker(self) -> None:
         while True:
             await asyncio.sleep(min(SCALE_TICK_S, self.config.pool.cooldown_idle_s / 4))
-            management.scale_down_tick(self.pool)
-            self.pool.age_queues()
+            self.pool.tick()
 
     async def _memory_ticker(self) -> None:
         """Apart from the scale ticker, which must not wait on nvidia-smi (it can take
         seconds to answer on a busy GPU)."""
         while True:
             await asyncio.sleep(MEMORY_REFRESH_S)
-            await management.refresh_memory(self.pool)
+            await status.refresh_memory(self.pool)
 
     async def _health_ticker(self) -> None:
         interval = min(1.0, self.config.pool.heartbeat_timeout_s / 4)
@@ -233,7 +221,7 @@ class Server:
                                     f"daemon speaks {PROTOCOL_VERSION}"))
             return False
         conn.send(Welcome(protocol_version=PROTOCOL_VERSION,
-                          server_version=management.version(),
+                          server_version=status.version(),
                           max_frame_bytes=self.config.daemon.max_frame_bytes,
                           default_models=dict(self.pool.registry.defaults)))
         return True
@@ -265,7 +253,7 @@ class Server:
             return
         try:
             self._dispatch(conn, msg, len(payload))
-        except management.ManagementError as exc:
+        except control.ControlError as exc:
             conn.send(Error(id=getattr(msg, "id", None), code=exc.code, message=exc.message))
         except Exception as exc:
             log.exception("internal error handling %s", type(msg).__name__)
@@ -274,19 +262,19 @@ class Server:
 
     def _dispatch(self, conn: Connection, msg: Any, nbytes: int) -> None:
         match msg:
-            case Embed() | Generate() | EmbedImage() | Describe() | GenerateImage():
+            case _ if type(msg) in KIND_OF:
                 self.pool.submit(conn, msg, nbytes)
             case Cancel(id=client_id):
                 self.pool.cancel(conn, client_id)
             case GetStatus(id=rid):
-                status = management.build_status(self.pool, self.socket_path, self.started_at)
-                conn.send(StatusReply(id=rid, status=status))
+                report = status.build_status(self.pool, self.socket_path, self.started_at)
+                conn.send(StatusReply(id=rid, status=report))
             case ListModels(id=rid):
-                conn.send(ModelsReply(id=rid, models=management.models_info(self.pool)))
+                conn.send(ModelsReply(id=rid, models=status.models_info(self.pool)))
             case LoadModel(id=rid, model=name, workers=count):
-                conn.send(Ack(id=rid, message=management.load_model(self.pool, name, count)))
+                conn.send(Ack(id=rid, message=control.load_model(self.pool, name, count)))
             case UnloadModel(id=rid, model=name):
-                conn.send(Ack(id=rid, message=management.unload_model(self.pool, name)))
+                conn.send(Ack(id=rid, message=control.unload_model(self.pool, name)))
             case StopDaemon(id=rid):
                 conn.send(Ack(id=rid, message="stopping"))
                 self.stop_requested.set()

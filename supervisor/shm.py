@@ -11,9 +11,8 @@ import itertools
 import mmap
 import os
 
-import msgspec
-
-from modelpool.protocol.messages import Describe, EmbedImage, ImageInput, WorkRequest
+from modelpool.protocol.kinds import Kind
+from modelpool.protocol.messages import ImageInput, WorkRequest
 from modelpool.protocol.pipes import SHM_DIR, SharedBytes, WorkItem
 
 PREFIX = "modelpool-"
@@ -25,11 +24,12 @@ class SharedImages:
         self._ids = itertools.count()
         self._prefix = f"{PREFIX}{os.getpid()}-"
 
-    def work_item(self, job_id: int, request: WorkRequest) -> WorkItem:
+    def work_item(self, job_id: int, kind: Kind, request: WorkRequest) -> WorkItem:
         """The work item for a job, its image bytes moved into shared memory."""
-        inputs = _images_of(request)
+        inputs = kind.images(request) if kind.with_images is not None else []
         if not any(i.data for i in inputs):
             return WorkItem(job_id=job_id, request=request)
+        assert kind.with_images is not None
         refs: list[SharedBytes | None] = []
         names = self.by_job.setdefault(job_id, [])
         for image in inputs:
@@ -40,11 +40,7 @@ class SharedImages:
             else:
                 refs.append(None)
         stripped = [ImageInput(url=i.url) for i in inputs]
-        if isinstance(request, EmbedImage):
-            request = msgspec.structs.replace(request, images=stripped)
-        else:
-            request = msgspec.structs.replace(request, image=stripped[0])
-        return WorkItem(job_id=job_id, request=request, shared=refs)
+        return WorkItem(job_id=job_id, request=kind.with_images(request, stripped), shared=refs)
 
     def release(self, job_id: int) -> None:
         import _posixshmem
@@ -79,14 +75,6 @@ def weights_segment(worker_id: int) -> str:
 
 def unlink_segment(name: str) -> None:
     (SHM_DIR / name).unlink(missing_ok=True)
-
-
-def _images_of(request: WorkRequest) -> list[ImageInput]:
-    if isinstance(request, EmbedImage):
-        return list(request.images)
-    if isinstance(request, Describe):
-        return [request.image]
-    return []
 
 
 def remove_stale_segments() -> int:

@@ -1,57 +1,59 @@
-"""Graceful stop: refuse new work, drain what was accepted, then stop every worker
-against one deadline. Every accepted request gets exactly one final reply."""
+"""Graceful stop against one deadline: refuse new work, drain what was accepted until
+`shutdown_timeout_s`, answer the rest SHUTTING_DOWN, then stop every worker and kill
+what is still alive KILL_GRACE_S after that deadline. Every accepted request gets
+exactly one final reply.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.supervisor.pool import ModelState, Pool
+from modelpool.supervisor.clock import wait_for
+from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.workers import WorkerHandle
 
 log = logging.getLogger("modelpool.shutdown")
 
-WORKER_STOP_GRACE_S = 3.0  # after the drain, for workers to exit before SIGKILL
+KILL_GRACE_S = 0.5  # after the drain's deadline, for workers and the forkserver to exit
 
 
-async def drain_and_stop(pool: Pool) -> tuple[int, int]:
-    """Returns (drained, cut): requests finished during the drain, and answered
-    SHUTTING_DOWN because the drain ran out of time."""
-    started = time.monotonic()
+async def drain_and_stop(pool: Pool) -> tuple[int, int, float]:
+    """Returns (drained, cut, kill_at): requests finished during the drain, requests
+    answered SHUTTING_DOWN because the drain ran out of time, and when anything still
+    running is to be killed (the forkserver included)."""
+    scheduler = pool.scheduler
+    started = scheduler.now()
+    deadline = started + pool.pool_config.shutdown_timeout_s
     pool.shutting_down = True
     pending = len(pool.active_jobs())
-    deadline = started + pool.pool_config.shutdown_timeout_s
-    while pool.active_jobs() and (remaining := deadline - time.monotonic()) > 0:
+    while pool.active_jobs():
         pool.changed.clear()
-        try:
-            await asyncio.wait_for(pool.changed.wait(), timeout=remaining)
-        except TimeoutError:
+        if not await wait_for(scheduler, pool.changed, deadline):
             break
     leftover = pool.active_jobs()
     for job in leftover:
         pool.book.fail(job, ErrorCode.SHUTTING_DOWN,
-                  f"the daemon stopped before model {job.model_key!r} finished this request")
-    await stop_all_workers(pool, WORKER_STOP_GRACE_S)
-    log.info("stopped in %.2fs: %d request(s) drained, %d cut", time.monotonic() - started,
+                       f"the daemon stopped before model {job.model_key!r} finished this request")
+    kill_at = min(scheduler.now(), deadline) + KILL_GRACE_S
+    await stop_all_workers(pool, kill_at)
+    log.info("stopped in %.2fs: %d request(s) drained, %d cut", scheduler.now() - started,
              pending - len(leftover), len(leftover))
-    return pending - len(leftover), len(leftover)
+    return pending - len(leftover), len(leftover), kill_at
 
 
-async def stop_all_workers(pool: Pool, grace_s: float) -> None:
+async def stop_all_workers(pool: Pool, kill_at: float) -> None:
     """Serving workers first, then weights holders: on a GPU a worker maps its holder's
-    memory, which must outlive it. One deadline for both; whatever is left is killed."""
-    deadline = time.monotonic() + grace_s + 2.0
+    memory, which must outlive it. Whatever is alive at kill_at is killed."""
     for group in (_serving, _holders):
         for model in pool.models.values():
             for worker in group(model):
-                pool.launcher.stop(worker, grace_s)
-        while any(group(m) for m in pool.models.values()) and time.monotonic() < deadline:
+                pool.stop_worker(worker, grace_s=max(0.0, kill_at - pool.scheduler.now()))
+        while any(group(m) for m in pool.models.values()):
             pool.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(pool.changed.wait(), timeout=0.05)
+            if not await wait_for(pool.scheduler, pool.changed, kill_at):
+                break
     for model in pool.models.values():
         for worker in model.processes():
             log.warning("worker %d (pid %s) did not exit; killing it", worker.worker_id,

@@ -1,7 +1,10 @@
-"""Worker processes as the supervisor sees them: start one from the forkserver, read its
-pipes on the event loop, notice its death through its sentinel, stop it.
+"""Worker processes as the supervisor sees them: a WorkerHandle per process, whose
+state moves only along the transitions allowed below, and the Launcher, which starts a
+process from the forkserver, reads its pipes on the event loop, notices its death
+through its sentinel, and signals it.
 
-Nothing here decides anything; the pool calls these and is called back.
+Nothing here decides anything: the pool changes handles and calls the launcher, and the
+launcher reports what the processes said and did to the pool's WorkerEvents.
 """
 
 from __future__ import annotations
@@ -15,9 +18,8 @@ import multiprocessing.context
 import os
 import signal
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -26,7 +28,9 @@ from modelpool.protocol.messages import encoder
 from modelpool.protocol.pipes import (
     FromWorker,
     Heartbeat,
+    Shutdown,
     ToWorker,
+    WorkerSettings,
     from_worker_decoder,
     heartbeat_decoder,
 )
@@ -35,7 +39,7 @@ from modelpool.supervisor.queueing import Job
 log = logging.getLogger("modelpool.workers")
 
 
-class WorkerState(enum.Enum):
+class WorkerState(enum.StrEnum):  # str's own hash: transitions are checked per request
     STARTING = "starting"  # process being created
     LOADING = "loading"  # process alive, model loading
     IDLE = "idle"  # ready and asking for work
@@ -43,6 +47,23 @@ class WorkerState(enum.Enum):
     HOLDING = "holding"  # a weights holder, loaded: it keeps the weights and serves nothing
     STOPPING = "stopping"  # told to shut down
     DEAD = "dead"
+
+
+_MOVES: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.STARTING: frozenset({WorkerState.LOADING, WorkerState.STOPPING,
+                                     WorkerState.DEAD}),
+    WorkerState.LOADING: frozenset({WorkerState.IDLE, WorkerState.HOLDING,
+                                    WorkerState.STOPPING, WorkerState.DEAD}),
+    WorkerState.IDLE: frozenset({WorkerState.BUSY, WorkerState.STOPPING, WorkerState.DEAD}),
+    WorkerState.BUSY: frozenset({WorkerState.IDLE, WorkerState.STOPPING, WorkerState.DEAD}),
+    WorkerState.HOLDING: frozenset({WorkerState.STOPPING, WorkerState.DEAD}),
+    WorkerState.STOPPING: frozenset({WorkerState.DEAD}),
+    WorkerState.DEAD: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
 
 
 @dataclass(eq=False)
@@ -71,7 +92,19 @@ class WorkerHandle:
     writer: asyncio.StreamWriter | None = None
     beat_writer: asyncio.StreamWriter | None = None  # unused, owns the heartbeat socket
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    kill_timer: asyncio.TimerHandle | None = None
+    kill_timer: Any = None  # the scheduler's timer that SIGKILLs it if it will not stop
+
+    def move_to(self, state: WorkerState) -> None:
+        """The one way a worker's state changes; an impossible move is a bug."""
+        if state not in _MOVES[self.state]:
+            raise IllegalTransition(f"worker {self.worker_id}: {self.state.value} -> "
+                                    f"{state.value}")
+        self.state = state
+
+    def note_heartbeat(self, beat: Heartbeat, now: float) -> None:
+        self.last_heartbeat = now
+        if beat.progress != self.progress:
+            self.progress, self.progress_changed_at = beat.progress, now
 
     @property
     def alive(self) -> bool:
@@ -95,20 +128,22 @@ def forkserver_context(preload: list[str]) -> multiprocessing.context.ForkServer
     return ctx
 
 
+class WorkerEvents(Protocol):
+    """What the launcher reports, as it happens, to whoever owns the workers."""
+
+    def handle(self, worker: WorkerHandle, msg: FromWorker) -> None: ...
+
+    def handle_heartbeat(self, worker: WorkerHandle, beat: Heartbeat) -> None: ...
+
+    def handle_exit(self, worker: WorkerHandle, exitcode: int | None) -> None: ...
+
+
 class Launcher:
     """Starts worker processes and wires their pipes and sentinel into the event loop."""
 
-    def __init__(
-        self,
-        ctx: multiprocessing.context.ForkServerContext,
-        on_message: Callable[[WorkerHandle, FromWorker], None],
-        on_exit: Callable[[WorkerHandle, int | None], None],
-        on_heartbeat: Callable[[WorkerHandle, Heartbeat], None],
-    ) -> None:
+    def __init__(self, ctx: multiprocessing.context.ForkServerContext) -> None:
         self.ctx = ctx
-        self.on_message = on_message
-        self.on_exit = on_exit
-        self.on_heartbeat = on_heartbeat
+        self.events: WorkerEvents | None = None  # the pool, once it exists
 
     async def warm_up(self) -> None:
         """Start the forkserver now so its imports overlap with the daemon's start-up."""
@@ -128,14 +163,14 @@ class Launcher:
         loop = asyncio.get_running_loop()
         stopping = loop.run_in_executor(None, server._stop)
         try:
-            await asyncio.wait_for(asyncio.shield(stopping), grace_s)
+            await asyncio.wait_for(asyncio.shield(stopping), max(0.0, grace_s))
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             await stopping
 
-    async def start(self, handle: WorkerHandle, settings: msgspec.Struct) -> None:
-        from modelpool.workers.main import run_worker  # imported by reference only: no torch here
+    async def start(self, handle: WorkerHandle, settings: WorkerSettings) -> None:
+        from modelpool.workers.main import run_worker  # by reference only: no torch here
 
         loop = asyncio.get_running_loop()
         work_parent, work_child = socket.socketpair()
@@ -163,6 +198,7 @@ class Launcher:
         loop.add_reader(process.sentinel, self._exited, handle)
 
     async def _read_work(self, handle: WorkerHandle, reader: asyncio.StreamReader) -> None:
+        assert self.events is not None
         while True:
             try:
                 payload = await read_frame(reader)
@@ -174,57 +210,40 @@ class Launcher:
                 log.error("worker %s sent an undecodable message; killing it", handle.worker_id)
                 self.kill(handle)
                 return
-            self.on_message(handle, msg)
+            self.events.handle(handle, msg)
 
     async def _read_heartbeats(self, handle: WorkerHandle, reader: asyncio.StreamReader) -> None:
+        assert self.events is not None
         while True:
             try:
                 beat: Heartbeat = heartbeat_decoder.decode(await read_frame(reader))
             except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
                 return
-            self.on_heartbeat(handle, beat)
+            self.events.handle_heartbeat(handle, beat)
 
     def _exited(self, handle: WorkerHandle) -> None:
         process = handle.process
-        assert process is not None
+        assert process is not None and self.events is not None
         asyncio.get_running_loop().remove_reader(process.sentinel)
         process.join(0)
         exitcode = process.exitcode
-        self._release(handle)
-        process.close()
-        self.on_exit(handle, exitcode)
-
-    def _release(self, handle: WorkerHandle) -> None:
-        handle.state = WorkerState.DEAD
-        if handle.kill_timer:
-            handle.kill_timer.cancel()
         for task in handle.tasks:
             task.cancel()
         for writer in (handle.writer, handle.beat_writer):
             if writer is not None:
                 writer.close()
+        process.close()
+        self.events.handle_exit(handle, exitcode)
 
-    def stop(self, handle: WorkerHandle, grace_s: float) -> None:
-        """Ask the worker to exit after its current job; SIGKILL it if it has not in grace_s."""
-        if handle.state in (WorkerState.STOPPING, WorkerState.DEAD):
-            return
-        handle.state, handle.stop_requested = WorkerState.STOPPING, True
-        from modelpool.protocol.pipes import Shutdown
+    def shutdown(self, handle: WorkerHandle) -> bool:
+        """Ask the worker to exit after its current work; False if it cannot be told."""
+        return handle.send(Shutdown())
 
-        if not handle.send(Shutdown()):
-            self.kill(handle)
-            return
-        loop = asyncio.get_running_loop()
-        handle.kill_timer = loop.call_later(grace_s, self.kill, handle)
-
-    def terminate(self, handle: WorkerHandle, grace_s: float) -> None:
-        """SIGTERM now (a stopped process gets it when continued), SIGKILL after grace_s."""
-        if handle.pid is None or handle.state is WorkerState.DEAD:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(handle.pid, signal.SIGTERM)
-        if handle.kill_timer is None:
-            handle.kill_timer = asyncio.get_running_loop().call_later(grace_s, self.kill, handle)
+    def terminate(self, handle: WorkerHandle) -> None:
+        """SIGTERM (a stopped process gets it only when continued)."""
+        if handle.pid is not None and handle.state is not WorkerState.DEAD:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(handle.pid, signal.SIGTERM)
 
     def kill(self, handle: WorkerHandle) -> None:
         if handle.pid is not None and handle.state is not WorkerState.DEAD:

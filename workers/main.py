@@ -22,6 +22,7 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import FrameTooLarge, recv_frame, send_frame
+from modelpool.protocol.kinds import kind_of
 from modelpool.protocol.messages import encoder
 from modelpool.protocol.pipes import (
     Abort,
@@ -33,26 +34,13 @@ from modelpool.protocol.pipes import (
     Shutdown,
     WantWork,
     Work,
+    WorkerSettings,
     WorkItem,
     to_worker_decoder,
 )
-from modelpool.registry.spec import ModelSpec
 from modelpool.workers import exitcodes, priority
 
 IDLE_TRIM_S = 1.0  # idle this long after work: return freed memory to the OS
-
-
-class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
-    worker_id: int
-    spec: ModelSpec
-    threads: int = 0  # 0: torch's default
-    max_batch: int = 32
-    heartbeat_interval_s: float = 0.5
-    images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
-    # Set for a weights holder: load, share the weights (CPU ones in this shared-memory
-    # segment), never serve.
-    hold_segment: str | None = None
-    weights: SharedWeights | None = None  # a serving worker maps its holder's weights
 
 
 class Worker:
@@ -83,7 +71,7 @@ class Worker:
     def image(self, item: WorkItem, index: int) -> Any:
         from modelpool.workers.capabilities import images
 
-        inputs = getattr(item.request, "images", None) or [item.request.image]  # type: ignore
+        inputs = kind_of(item.request).images(item.request)
         shared = item.shared[index] if index < len(item.shared) else None
         source = inputs[index]
         if shared is not None:

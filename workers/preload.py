@@ -15,15 +15,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: F401
 import transformers  # noqa: F401
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+from transformers import AutoModel, AutoTokenizer  # noqa: F401
 
 import modelpool.registry.loaders
-import modelpool.registry.loaders.causal_lm
-import modelpool.registry.loaders.sentence_embedding
 import modelpool.workers.capabilities
 import modelpool.workers.main  # noqa: F401
 
 # Out of the collector's reach already: importing the configured models' modules next
-# (diffusers, architectures) would otherwise collect this whole heap again and again.
+# (their loaders, diffusers, architectures) would otherwise collect this whole heap
+# again and again.
 gc.freeze()
-# Then those modules, and last workers.preloaded.
+# Then those modules (registry.loaders.preload_modules), and last workers.preloaded.

@@ -6,7 +6,10 @@ Runs in the worker process only (imports torch through the loaders it picks).
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +18,29 @@ from modelpool.registry.spec import ModelSpec
 
 Loader = Callable[[ModelSpec, Path | None], Any]
 
-DEFAULT_LOADERS: dict[str, str] = {
-    "text_embedding": "modelpool.registry.loaders.sentence_embedding:load",
-    "text_to_text": "modelpool.registry.loaders.causal_lm:load",
-    "image_embedding": "modelpool.registry.loaders.clip:load",
-    "vision": "modelpool.registry.loaders.vision_lm:load",
-    "text_to_image": "modelpool.registry.loaders.diffusion:load",
+
+@dataclass(frozen=True)
+class CapabilityLoader:
+    loader: str  # "package.module:function", the capability's default loader
+    preload: tuple[str, ...] = ()  # what else its models import, for the forkserver
+
+
+# The registry's column of the request-kind table (protocol/kinds.py): how each
+# capability's models are loaded by default.
+LOADERS: dict[str, CapabilityLoader] = {
+    "text_embedding": CapabilityLoader("modelpool.registry.loaders.sentence_embedding:load"),
+    "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load"),
+    "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load"),
+    "vision": CapabilityLoader("modelpool.registry.loaders.vision_lm:load"),
+    "text_to_image": CapabilityLoader("modelpool.registry.loaders.diffusion:load",
+                                      preload=("diffusers",)),
 }
 
 
 def resolve_loader(spec: ModelSpec) -> Loader:
     """The spec's own loader ("package.module:function"), else its capability's default."""
-    target = spec.loader or DEFAULT_LOADERS.get(spec.capability)
+    default = LOADERS.get(spec.capability)
+    target = spec.loader or (default.loader if default else None)
     if target is None:
         raise LookupError(f"no loader for capability {spec.capability!r} yet")
     module_name, sep, attr = target.partition(":")
@@ -57,3 +71,37 @@ def weights_size_mb(model_dir: Path | None) -> float | None:
         return None
     files = [p for p in model_dir.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
     return sum(p.stat().st_size for p in files) / 2**20 if files else None
+
+
+def preload_modules(specs: list[ModelSpec]) -> list[str]:
+    """Modules the configured models will need, for the forkserver to import once.
+
+    Importing an architecture's module (or diffusers) costs ~1 s; doing it once in the
+    forkserver means every forked worker starts with it already imported and shared.
+    """
+    modules: set[str] = set()
+    for spec in specs:
+        default = LOADERS.get(spec.capability)
+        if default is not None:
+            modules.update((default.loader.partition(":")[0], *default.preload))
+        config = _local_config(spec)
+        model_type = config.get("model_type") if config else None
+        if isinstance(model_type, str) and model_type.isidentifier():
+            modules.add(f"transformers.models.{model_type}.modeling_{model_type}")
+    return sorted(modules)
+
+
+def _local_config(spec: ModelSpec) -> dict[str, Any] | None:
+    base: Path | None = None
+    if spec.path:
+        base = Path(spec.path).expanduser()
+    elif spec.package:
+        found = importlib.util.find_spec(spec.package)
+        if found and found.origin:
+            base = Path(found.origin).parent
+    if base is None:
+        return None
+    try:
+        return json.loads((base / spec.subdir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None

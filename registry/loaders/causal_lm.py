@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Describe, Generate
+from modelpool.protocol.messages import Generate, Sampling
 from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -50,20 +50,23 @@ class CausalLM:
         if len(ids) >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {len(ids)} tokens; model "
                             f"{self.key!r} has a context of {self.context}")
-        budget = min(request.max_tokens, self.context - len(ids))
+        sampling = request.sampling
+        assert sampling.max_tokens is not None, "the daemon fills in defaults"
+        budget = min(sampling.max_tokens, self.context - len(ids))
         device = self.model.device
         yield from decode(self.model, {"input_ids": torch.tensor([ids], device=device)},
                           lambda token: {"input_ids": torch.tensor([[token]], device=device)},
-                          budget, request, self.eos_ids, self.tokenizer, stats)
+                          budget, sampling, self.eos_ids, self.tokenizer, stats)
 
 
 def decode(model: Any, first_inputs: dict[str, Any],
-           next_inputs: Callable[[int], dict[str, Any]], budget: int,
-           request: Generate | Describe, eos_ids: set[int], tokenizer: Any,
-           stats: GenerationStats) -> Iterator[str]:
+           next_inputs: Callable[[int], dict[str, Any]], budget: int, sampling: Sampling,
+           eos_ids: set[int], tokenizer: Any, stats: GenerationStats) -> Iterator[str]:
     """Token by token with a KV cache: the first step runs the whole prompt, each later
     one only the new token. Yields one text piece per token (maybe "")."""
-    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8))
+    temperature, top_p = sampling.temperature, sampling.top_p
+    assert temperature is not None and top_p is not None, "the daemon fills in defaults"
+    seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
     generator = torch.Generator().manual_seed(seed)
     detok = IncrementalDecoder(tokenizer)
     step_inputs, past = first_inputs, None
@@ -71,9 +74,8 @@ def decode(model: Any, first_inputs: dict[str, Any],
     for _ in range(budget):
         out = model(**step_inputs, past_key_values=past, use_cache=True)
         past = out.past_key_values
-        token = sample(out.logits[0, -1].float().cpu(), request.temperature, request.top_p,
-                       generator)
-        if token in eos_ids and not request.ignore_eos:
+        token = sample(out.logits[0, -1].float().cpu(), temperature, top_p, generator)
+        if token in eos_ids and not sampling.ignore_eos:
             stats.finish_reason = "stop"
             break
         stats.completion_tokens += 1

@@ -66,7 +66,8 @@ class VisionLM:
         if n_prompt >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "
                             f"included); model {self.key!r} has a context of {self.context}")
-        budget = min(request.max_tokens, self.context - n_prompt)
+        assert request.sampling.max_tokens is not None, "the daemon fills in defaults"
+        budget = min(request.sampling.max_tokens, self.context - n_prompt)
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
 
         def next_inputs(token: int) -> dict[str, torch.Tensor]:
@@ -76,8 +77,8 @@ class VisionLM:
             return {"input_ids": torch.tensor([[token]], device=mask.device),
                     "attention_mask": mask}
 
-        yield from decode(self.model, inputs, next_inputs, budget, request, self.eos_ids,
-                          self.tokenizer, stats)
+        yield from decode(self.model, inputs, next_inputs, budget, request.sampling,
+                          self.eos_ids, self.tokenizer, stats)
 
 
 def _config_eos(config: Any) -> set[int]:

@@ -55,7 +55,7 @@ class CountingGenerator:
 
     def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
         stats.prompt_tokens = len(request.prompt.split())
-        for i in range(request.max_tokens):
+        for i in range(request.sampling.max_tokens or 0):
             time.sleep(self.step_s)
             stats.completion_tokens += 1
             yield f"tok{i} "

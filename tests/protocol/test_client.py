@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 
 from modelpool.protocol.client import Client
-from modelpool.protocol.client_support import image_input
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import recv_frame, send_frame
+from modelpool.protocol.inputs import image_input
 from modelpool.protocol.messages import Welcome, client_decoder, encoder
 
 Script = Callable[[socket.socket], None]

@@ -37,6 +37,7 @@ from modelpool.protocol.messages import (
     ModelsReply,
     ModelStatus,
     PoolStatus,
+    Sampling,
     ServerMessage,
     StatusReply,
     StopDaemon,
@@ -52,12 +53,14 @@ CLIENT_MESSAGES: list[msgspec.Struct] = [
     Hello(protocol_version=PROTOCOL_VERSION, client="pytest"),
     Embed(id=1, texts=["a", "b"], model="minilm", priority="high", timeout_s=2.5,
           deadline_s=1.0),
-    Generate(id=2, prompt="Once", max_tokens=8, temperature=0.0, top_p=0.9, seed=3,
-             stop=["\n"], ignore_eos=True, raw=True, priority="batch"),
+    Generate(id=2, prompt="Once", sampling=Sampling(max_tokens=8, temperature=0.0, top_p=0.9,
+                                                    seed=3, stop=["\n"], ignore_eos=True),
+             raw=True, priority="batch"),
     Generate(id=3, messages=[ChatMessage(role="system", content="be brief"),
                              ChatMessage(role="user", content="hi")]),
     EmbedImage(id=9, images=[ImageInput(data=b"\x89PNG"), ImageInput(url="https://x/y.png")]),
-    Describe(id=10, image=ImageInput(data=b"\xff\xd8"), prompt="what is it?", seed=1),
+    Describe(id=10, image=ImageInput(data=b"\xff\xd8"), prompt="what is it?",
+             sampling=Sampling(seed=1)),
     GenerateImage(id=11, prompt="a cat", steps=4, width=64, height=64, seed=7,
                   preview_every=2),
     Cancel(id=2),
@@ -170,9 +173,9 @@ def _raw(**fields: Any) -> bytes:
     "payload",
     [
         _raw(op="embed", id=1, texts=[]),
-        _raw(op="generate", id=1, prompt="x", max_tokens=0),
-        _raw(op="generate", id=1, prompt="x", top_p=0),
-        _raw(op="generate", id=1, prompt="x", temperature=-1),
+        _raw(op="generate", id=1, prompt="x", sampling={"max_tokens": 0}),
+        _raw(op="generate", id=1, prompt="x", sampling={"top_p": 0}),
+        _raw(op="generate", id=1, prompt="x", sampling={"temperature": -1}),
         _raw(op="embed", id=-1, texts=["a"]),
         _raw(op="embed", id=1, texts=["a"], priority="urgent"),
         _raw(op="embed", id=1, texts=["a"], timeout_s=0),
@@ -190,9 +193,10 @@ def test_invalid_requests_are_refused(payload: bytes) -> None:
 
 def test_boundary_values_are_accepted() -> None:
     # The counterpart of the refusals above: the limits themselves are legal.
-    msg = client_decoder.decode(_raw(op="generate", id=0, prompt="x", max_tokens=1, top_p=1,
-                                     temperature=0))
-    assert isinstance(msg, Generate) and msg.max_tokens == 1 and msg.temperature == 0
+    msg = client_decoder.decode(_raw(op="generate", id=0, prompt="x", sampling={
+        "max_tokens": 1, "top_p": 1, "temperature": 0}))
+    assert isinstance(msg, Generate)
+    assert msg.sampling.max_tokens == 1 and msg.sampling.temperature == 0
 
 
 def test_undecodable_bytes_raise_decode_error() -> None:
@@ -206,7 +210,8 @@ def test_undecodable_bytes_raise_decode_error() -> None:
 def test_work_round_trip_with_embed_and_generate() -> None:
     work = pipes.Work(items=[
         pipes.WorkItem(job_id=10, request=Embed(id=1, texts=["a", "b"])),
-        pipes.WorkItem(job_id=11, request=Generate(id=2, prompt="hi", max_tokens=4)),
+        pipes.WorkItem(job_id=11, request=Generate(id=2, prompt="hi",
+                                                   sampling=Sampling(max_tokens=4))),
     ])
     decoded = pipes.to_worker_decoder.decode(encoder.encode(work))
     assert decoded == work

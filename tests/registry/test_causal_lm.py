@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ChatMessage, Generate
 from modelpool.registry.loaders import load_model
@@ -29,7 +30,8 @@ def llm(tiny_models_dir: Path) -> CausalLM:
 
 def _generate(llm: CausalLM, **fields: object) -> tuple[list[str], GenerationStats]:
     stats = GenerationStats()
-    pieces = list(llm.generate(Generate(id=1, **fields), stats))  # type: ignore[arg-type]
+    prompt = fields.pop("prompt")
+    pieces = list(llm.generate(kinds.build("generate", prompt, **fields), stats))
     return pieces, stats
 
 
@@ -139,7 +141,8 @@ def test_messages_use_the_chat_template(llm: CausalLM) -> None:
         add_generation_prompt=True, tokenize=False)
     expected = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert text.count("<|im_start|>") == 3
-    _, stats = _generate(llm, messages=messages, temperature=0.0, max_tokens=4, ignore_eos=True)
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    _, stats = _generate(llm, prompt=chat, temperature=0.0, max_tokens=4, ignore_eos=True)
     assert stats.prompt_tokens == len(expected)
     assert stats.completion_tokens == 4
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import GenerateImage
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.diffusion import Diffusion
 from modelpool.registry.spec import ModelSpec
@@ -46,8 +46,8 @@ class Steps:
 
 def _generate(sd: Diffusion, seed: int = 1, on_step: Steps | None = None,
               **fields: Any) -> Image.Image | None:
-    request = GenerateImage(id=1, **{"prompt": PROMPT, "steps": 4, "width": 64,
-                                     "height": 64, **fields})
+    fields = {"prompt": PROMPT, "steps": 4, "width": 64, "height": 64, **fields}
+    request = kinds.build("generate_image", **fields)
     return sd.generate_image(request, seed, on_step or Steps())
 
 
@@ -151,6 +151,6 @@ def test_max_size_option(tiny_models_dir: Path) -> None:
                      path=str(tiny_models_dir / "tiny-sd"), options={"max_size": 256})
     model = load_model(spec)
     assert model.info()["max_size"] == 256
-    image = model.generate_image(GenerateImage(id=1, prompt=PROMPT, steps=1, width=256,
-                                               height=64), 0, Steps())
+    image = model.generate_image(kinds.build("generate_image", PROMPT, steps=1, width=256,
+                                             height=64), 0, Steps())
     assert image is not None and image.size == (256, 64)

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from modelpool.registry.download import ModelSourceError, resolve_model_dir
-from modelpool.registry.spec import ModelSpec, Registry, load_catalog, preload_modules
+from modelpool.registry.loaders import preload_modules
+from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -101,12 +102,16 @@ def test_batched_and_streaming_flags() -> None:
 # ---- preload_modules -----------------------------------------------------------------
 
 
+EMBEDDING_LOADER = "modelpool.registry.loaders.sentence_embedding"
+
+
 def test_preload_modules_for_catalogue_minilm() -> None:
-    assert preload_modules([catalogue_minilm()]) == ["transformers.models.bert.modeling_bert"]
+    assert preload_modules([catalogue_minilm()]) == [
+        EMBEDDING_LOADER, "transformers.models.bert.modeling_bert"]
 
 
 def test_preload_modules_without_config_json(tmp_path: Path) -> None:
-    assert preload_modules([spec("empty", path=str(tmp_path))]) == []
+    assert preload_modules([spec("empty", path=str(tmp_path))]) == [EMBEDDING_LOADER]
     # A hub model not in the cache: only its capability's loader module.
     assert preload_modules([ModelSpec(key="h", capability="vision", repo="org/h")]) == [
         "modelpool.registry.loaders.vision_lm"]
@@ -119,7 +124,8 @@ def test_preload_modules_deduplicates_and_sorts(tmp_path: Path) -> None:
     (tmp_path / "b" / "config.json").write_text(json.dumps({"model_type": "../evil"}))
     specs = [spec("a", path=str(tmp_path / "a")), spec("b", path=str(tmp_path / "b")),
              catalogue_minilm(), catalogue_minilm()]
-    assert preload_modules(specs) == ["transformers.models.bert.modeling_bert",
+    assert preload_modules(specs) == [EMBEDDING_LOADER,
+                                      "transformers.models.bert.modeling_bert",
                                       "transformers.models.llama.modeling_llama"]
 
 

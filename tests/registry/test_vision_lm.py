@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
+from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Describe, ImageInput
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import sample
 from modelpool.registry.loaders.vision_lm import DEFAULT_PROMPT, VisionLM
@@ -40,7 +40,7 @@ def image() -> Image.Image:
 def _describe(vlm: VisionLM, image: Image.Image,
               **fields: object) -> tuple[list[str], GenerationStats]:
     stats = GenerationStats()
-    request = Describe(id=1, image=ImageInput(data=b"unused"), **fields)  # type: ignore[arg-type]
+    request = kinds.build("describe", b"unused", fields.pop("prompt", ""), **fields)
     return list(vlm.describe(image, request, stats)), stats
 
 

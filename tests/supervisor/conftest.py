@@ -2,8 +2,9 @@
 
 A fake launcher "starts" a worker by giving its handle a pid and a fake writer that
 decodes every frame the pool sends; the test then plays the worker by calling
-pool.on_worker_message / pool.on_worker_exit. A fake clock drives the pool's own
-timestamps (scale-down, back-off); request timeouts use the loop's real clock.
+pool.handle / pool.handle_exit. A fake scheduler is the pool's one clock: every
+timestamp and every timer (timeouts, deadlines, batch waits, kill timers) moves only
+when the test advances it, so no test here sleeps.
 
 `async def` tests in this directory run under asyncio.run (pytest-asyncio is not used).
 """
@@ -11,8 +12,10 @@ timestamps (scale-down, back-off); request timeouts use the loop's real clock.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
 import itertools
+import os
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +23,16 @@ from typing import Any
 import pytest
 
 from modelpool.protocol.framing import HEADER
-from modelpool.protocol.messages import Chunk, Embed, Embeddings, End, Error, Generate
+from modelpool.protocol.messages import (
+    Chunk,
+    Embed,
+    Embeddings,
+    End,
+    Error,
+    Generate,
+    RequestDefaults,
+    Sampling,
+)
 from modelpool.protocol.pipes import (
     Ready,
     SharedWeights,
@@ -50,15 +62,49 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
-class FakeClock:
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
+class FakeTimer:
+    def __init__(self) -> None:
+        self.cancelled = False
 
-    def __call__(self) -> float:
-        return self.now
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeScheduler:
+    """The pool's clock and timers, moved only by advance()."""
+
+    WALL_OFFSET = 1.7e9  # wall() = now() + this, like a real epoch clock
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self._now = start
+        self._timers: list[tuple[float, int, FakeTimer, Callable[..., object], tuple]] = []
+        self._order = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def wall(self) -> float:
+        return self._now + self.WALL_OFFSET
+
+    def call_later(self, delay_s: float, callback: Callable[..., object],
+                   *args: Any) -> FakeTimer:
+        timer = FakeTimer()
+        heapq.heappush(self._timers, (self._now + max(0.0, delay_s), next(self._order), timer,
+                                      callback, args))
+        return timer
 
     def advance(self, seconds: float) -> None:
-        self.now += seconds
+        """Move time forward, firing every timer that falls due, in order."""
+        until = self._now + seconds
+        while self._timers and self._timers[0][0] <= until:
+            when, _, timer, callback, args = heapq.heappop(self._timers)
+            self._now = max(self._now, when)
+            if not timer.cancelled:
+                callback(*args)
+        self._now = until
+
+    def pending(self) -> int:
+        return sum(not t[2].cancelled for t in self._timers)
 
 
 class FakeWriter:
@@ -81,11 +127,12 @@ class FakeWriter:
 
 
 class FakeLauncher:
-    """Records starts, stops and kills. stop() makes the worker exit with code 0 on the
-    next loop iteration, as a worker honouring Shutdown would."""
+    """Records starts, shutdowns, kills and terminations. A worker told to shut down
+    exits with code 0 on the next loop iteration, as a worker honouring Shutdown would;
+    a terminated (hung) one dies of the signal likewise."""
 
     def __init__(self) -> None:
-        self.pool: Pool | None = None
+        self.events: Pool | None = None
         self.started: list[WorkerHandle] = []
         self.settings: list[Any] = []
         self.stopped: list[WorkerHandle] = []
@@ -100,29 +147,25 @@ class FakeLauncher:
         self.started.append(handle)
         self.settings.append(settings)
 
-    def stop(self, handle: WorkerHandle, grace_s: float) -> None:
-        if handle.state in (WorkerState.STOPPING, WorkerState.DEAD):
-            return
-        handle.state, handle.stop_requested = WorkerState.STOPPING, True
+    def shutdown(self, handle: WorkerHandle) -> bool:
         self.stopped.append(handle)
         if self.exit_on_stop:
             asyncio.get_running_loop().call_soon(self.exit, handle, 0)
+        return True
 
     def kill(self, handle: WorkerHandle) -> None:
         self.killed.append(handle)
 
-    def terminate(self, handle: WorkerHandle, grace_s: float) -> None:
-        """A hung worker: it dies of the signal on the next loop iteration."""
+    def terminate(self, handle: WorkerHandle) -> None:
         self.terminated.append(handle)
         asyncio.get_running_loop().call_soon(self.exit, handle, -15)
 
     def exit(self, handle: WorkerHandle, exitcode: int | None) -> None:
-        """The process is gone: what the real launcher does when the sentinel fires."""
+        """The process is gone: what the real launcher reports when the sentinel fires."""
         if handle.state is WorkerState.DEAD:
             return
-        handle.state = WorkerState.DEAD
-        assert self.pool is not None
-        self.pool.on_worker_exit(handle, exitcode)
+        assert self.events is not None
+        self.events.handle_exit(handle, exitcode)
 
 
 class FakeSink:
@@ -152,7 +195,8 @@ class FakeSink:
         return reply
 
 
-def make_config(models: list[ModelSpec] | None = None, **pool: Any) -> Config:
+def make_config(models: list[ModelSpec] | None = None,
+                defaults: RequestDefaults | None = None, **pool: Any) -> Config:
     if models is None:
         models = [
             ModelSpec(key="emb", capability="text_embedding", path="/nonexistent",
@@ -162,7 +206,8 @@ def make_config(models: list[ModelSpec] | None = None, **pool: Any) -> Config:
         ]
     # Dispatch at once unless a test is about waiting for a batch to fill.
     pool.setdefault("max_batch_wait_ms", 0)
-    return Config(pool=PoolConfig(**pool), models=models)
+    return Config(pool=PoolConfig(**pool), models=models,
+                  defaults=defaults or RequestDefaults())
 
 
 def rows(*values: float) -> bytes:
@@ -174,11 +219,11 @@ class Harness:
     """A Pool wired to the fakes, plus the moves of a worker and a client."""
 
     def __init__(self, config: Config, gpus: list[Gpu] | None = None) -> None:
-        self.clock = FakeClock()
+        self.clock = FakeScheduler()
         self.launcher = FakeLauncher()
         self.pool = Pool(config, config.registry(), self.launcher,  # type: ignore[arg-type]
-                         clock=self.clock, gpus=gpus)
-        self.launcher.pool = self.pool
+                         self.clock, gpus=gpus, cpus=os.cpu_count() or 1)
+        self.launcher.events = self.pool
         self._ids = itertools.count(1)
 
     # ---- client side -----------------------------------------------------------------
@@ -194,9 +239,16 @@ class Harness:
 
     def generate(self, sink: FakeSink, prompt: str = "hi", model: str = "gen",
                  **kw: Any) -> int:
+        """Sampling parameters (temperature, seed, ...) may be given as keywords."""
         client_id = kw.pop("id", None) or next(self._ids)
-        self.pool.submit(sink, Generate(id=client_id, model=model, prompt=prompt, **kw))
+        sampling = {k: kw.pop(k) for k in list(kw) if k in Sampling.__struct_fields__}
+        self.pool.submit(sink, Generate(id=client_id, model=model, prompt=prompt,
+                                        sampling=Sampling(**sampling), **kw))
         return client_id
+
+    def used_mb(self, device: str = "cpu") -> float:
+        """What the pool charges against the memory budget of device."""
+        return self.pool.capacity.used_mb(self.pool.models.values(), device)
 
     # ---- worker side -----------------------------------------------------------------
 
@@ -218,19 +270,19 @@ class Harness:
              weights_mb: float | None = None, vram_mb: float | None = None) -> None:
         """The holder has loaded and shares its weights."""
         assert holder.pid is not None
-        self.pool.on_worker_message(holder, Ready(pid=holder.pid, load_s=0.1, weights=weights,
+        self.pool.handle(holder, Ready(pid=holder.pid, load_s=0.1, weights=weights,
                                                   weights_mb=weights_mb, vram_mb=vram_mb))
 
     def ready(self, worker: WorkerHandle, want_work: bool = True,
               info: dict[str, Any] | None = None) -> None:
         assert worker.pid is not None
-        self.pool.on_worker_message(worker, Ready(pid=worker.pid, load_s=0.1,
+        self.pool.handle(worker, Ready(pid=worker.pid, load_s=0.1,
                                                   info=info if info is not None else {"dim": 2}))
         if want_work:
             self.want_work(worker)
 
     def want_work(self, worker: WorkerHandle) -> None:
-        self.pool.on_worker_message(worker, WantWork())
+        self.pool.handle(worker, WantWork())
 
     def sent(self, worker: WorkerHandle) -> list[ToWorker]:
         writer = worker.writer
@@ -252,15 +304,15 @@ class Harness:
     def reply_embeddings(self, worker: WorkerHandle, job_id: int, *values: float) -> bytes:
         """One row of float32 values for job_id; returns the bytes sent."""
         data = rows(*values)
-        self.pool.on_worker_message(worker, Embeddings(id=job_id, data=data,
+        self.pool.handle(worker, Embeddings(id=job_id, data=data,
                                                        shape=[1, len(values)]))
         return data
 
     def chunk(self, worker: WorkerHandle, job_id: int, seq: int, text: str) -> None:
-        self.pool.on_worker_message(worker, Chunk(id=job_id, seq=seq, text=text))
+        self.pool.handle(worker, Chunk(id=job_id, seq=seq, text=text))
 
     def end(self, worker: WorkerHandle, job_id: int, reason: str = "stop") -> None:
-        self.pool.on_worker_message(worker, End(id=job_id, finish_reason=reason,
+        self.pool.handle(worker, End(id=job_id, finish_reason=reason,
                                                 completion_tokens=3))
 
     def die(self, worker: WorkerHandle, exitcode: int | None) -> None:
@@ -270,9 +322,9 @@ class Harness:
 @pytest.fixture
 def make_harness() -> Callable[..., Harness]:
     """make_harness(**pool_config) -> Harness; make_harness(models=[...]) for other specs,
-    gpus=[...] for a machine with (fake) GPUs."""
+    gpus=[...] for a machine with (fake) GPUs, defaults=RequestDefaults(...)."""
     def make(models: list[ModelSpec] | None = None, gpus: list[Gpu] | None = None,
-             **pool: Any) -> Harness:
-        return Harness(make_config(models, **pool), gpus)
+             defaults: RequestDefaults | None = None, **pool: Any) -> Harness:
+        return Harness(make_config(models, defaults, **pool), gpus)
 
     return make

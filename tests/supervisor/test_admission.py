@@ -3,13 +3,11 @@ dedup, priorities, ageing, batch waiting, metrics."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import TYPE_CHECKING
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embed, Embeddings, Error, ModelStatus
-from modelpool.supervisor import management
+from modelpool.supervisor.status import build_status
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -20,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def model_status(h: Harness, key: str = "emb") -> ModelStatus:
-    return next(m for m in management.build_status(h.pool, "/s", 0.0).models if m.key == key)
+    return next(m for m in build_status(h.pool, "/s", 0.0).models if m.key == key)
 
 
 async def one_busy_worker(h: Harness, model: str = "emb") -> None:
@@ -105,7 +103,7 @@ async def test_priority_order_and_ageing(make_harness: MakeHarness) -> None:
     sink = h.sink()
     low = h.embed(sink, ["low"], priority="batch")
     h.clock.advance(25)  # batch has waited 25 s: two levels up, to `normal`
-    h.pool.age_queues()
+    h.pool.tick()
     high = h.embed(sink, ["high"], priority="high")
     normal = h.embed(sink, ["normal"], priority="normal")
     (worker,) = h.workers("emb")
@@ -122,8 +120,8 @@ async def test_expired_work_never_reaches_a_worker(make_harness: MakeHarness) ->
     await one_busy_worker(h)
     sink = h.sink()
     late = h.embed(sink, ["late"], deadline_s=0.01)
-    gone = h.embed(sink, ["already"], deadline_s=1.0, sent_at=time.time() - 5)
-    await asyncio.sleep(0.05)
+    gone = h.embed(sink, ["already"], deadline_s=1.0, sent_at=h.clock.wall() - 5)
+    h.clock.advance(0.05)
     (worker,) = h.workers("emb")
     h.reply_embeddings(worker, h.job_ids(worker)[0], 0.0)
     h.want_work(worker)
@@ -144,7 +142,7 @@ async def test_under_load_a_small_batch_waits_to_fill(make_harness: MakeHarness)
     h.embed(sink, ["b"])
     assert h.works(second) == []  # the other worker is busy: wait for company
     h.embed(sink, ["c"])
-    await asyncio.sleep(0.05)
+    h.clock.advance(0.05)
     (work,) = h.works(second)
     assert [i.request.texts for i in work.items] == [["b"], ["c"]]
     emb = model_status(h)
@@ -178,15 +176,14 @@ async def test_a_request_larger_than_max_batch_is_spread_over_workers(
     h.ready(second)
     (work_a,), (work_b,) = h.works(first), h.works(second)
     assert [len(i.request.texts) for i in work_a.items + work_b.items] == [4, 4]
-    h.pool.on_worker_message(second, Embeddings(id=work_b.items[0].job_id,
-                                                data=bytes(range(4)) * 4, shape=[4, 1]))
+    h.pool.handle(second, Embeddings(id=work_b.items[0].job_id,
+                                  data=bytes(range(4)) * 4, shape=[4, 1]))
     h.want_work(second)  # takes the last part
     (last,) = h.works(second)[1].items
-    h.pool.on_worker_message(first, Embeddings(id=work_a.items[0].job_id,
-                                               data=bytes(range(4, 8)) * 4, shape=[4, 1]))
+    h.pool.handle(first, Embeddings(id=work_a.items[0].job_id,
+                                 data=bytes(range(4, 8)) * 4, shape=[4, 1]))
     assert sink.finals(client_id) == []  # one part still out
-    h.pool.on_worker_message(second, Embeddings(id=last.job_id, data=b"\xff" * 8,
-                                                shape=[2, 1]))
+    h.pool.handle(second, Embeddings(id=last.job_id, data=b"\xff" * 8, shape=[2, 1]))
     (reply,) = sink.finals(client_id)
     assert reply.shape == [10, 1]  # rows in request order, whatever order parts finished
     assert reply.data == bytes(range(4, 8)) * 4 + bytes(range(4)) * 4 + b"\xff" * 8
@@ -201,7 +198,7 @@ async def test_a_failing_part_fails_the_request_and_drops_the_rest(
     (worker,) = h.workers("emb")
     h.ready(worker)
     (item,) = h.works(worker)[0].items
-    h.pool.on_worker_message(worker, Error(id=item.job_id, code=ErrorCode.MODEL_ERROR,
+    h.pool.handle(worker, Error(id=item.job_id, code=ErrorCode.MODEL_ERROR,
                                            message="bad text"))
     (error,) = sink.finals(client_id)
     assert error.code is ErrorCode.MODEL_ERROR

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor import management
+from modelpool.supervisor import control
+from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ async def test_cold_start_stops_at_the_budget(make_harness: MakeHarness) -> None
     h.embed(h.sink(), ["x"], model="a")
     await h.settle()
     assert len(h.workers("a")) == 1  # 150 for the first; a second would make 200 > 190
-    assert h.pool.capacity.used_mb() == 150
+    assert h.used_mb() == 150
 
 
 async def test_idle_model_is_evicted_for_one_that_needs_the_room(
@@ -78,22 +79,22 @@ async def test_busy_or_queued_workers_are_never_evicted(make_harness: MakeHarnes
     h.embed(sink, ["y"], model="b", timeout_s=0.05)
     await h.settle()
     assert h.launcher.stopped == [] and h.workers("b") == []
-    status = {m.key: m for m in management.build_status(h.pool, "/s", 0.0).models}
+    status = {m.key: m for m in build_status(h.pool, "/s", 0.0).models}
     assert status["b"].state == "waiting-for-memory"
 
 
 async def test_load_keeps_a_warm_minimum_until_unload(make_harness: MakeHarness) -> None:
     h = harness(make_harness, budget_mb=10_000, cooldown_idle_s=60, max_workers_per_model=4)
-    management.load_model(h.pool, "a", 2)
+    control.load_model(h.pool, "a", 2)
     await h.settle()
     workers = h.workers("a")
     assert len(workers) == 2
     for worker in workers:
         h.ready(worker)
     h.clock.advance(3600)
-    management.scale_down_tick(h.pool)
+    h.pool.tick()
     assert h.launcher.stopped == []  # idle for an hour, but pinned by `load`
-    management.unload_model(h.pool, "a")
+    control.unload_model(h.pool, "a")
     await h.settle()
     assert sorted(h.launcher.stopped, key=id) == sorted(workers, key=id)
 

@@ -45,6 +45,16 @@ def test_values_are_read(tmp_path: Path) -> None:
     assert config.pool.cooldown_idle_s == 60.0  # untouched fields keep their defaults
 
 
+def test_request_defaults_are_read_and_checked(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "[defaults]\nmax_tokens = 64\nsteps = 4\n"))
+    assert (config.defaults.max_tokens, config.defaults.steps) == (64, 4)
+    assert config.defaults.temperature == 1.0  # the rest keep their built-in values
+    with pytest.raises(ConfigError, match=r"defaults\.top_p"):
+        load_config(write(tmp_path, "[defaults]\ntop_p = 2.0\n"))
+    with pytest.raises(ConfigError, match="max_tokenz"):
+        load_config(write(tmp_path, "[defaults]\nmax_tokenz = 5\n"))
+
+
 def test_wrong_type_names_the_path(tmp_path: Path) -> None:
     path = write(tmp_path, '[pool]\nmax_workers_per_model = "four"\n')
     with pytest.raises(ConfigError, match=r"\$\.pool\.max_workers_per_model") as info:

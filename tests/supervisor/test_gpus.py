@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.pipes import SharedWeights
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor import management
 from modelpool.supervisor.gpus import Gpu, parse_compute_apps, parse_nvidia_smi, resolve_device
 from modelpool.supervisor.memory import ModelCharge
+from modelpool.supervisor.status import build_status
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -70,13 +70,13 @@ async def test_models_are_placed_and_budgeted_per_gpu(make_harness: MakeHarness)
     await h.settle()
     assert [s.spec.device for s in h.launcher.settings] == ["cuda:0", "cuda:1"]  # holders
     assert h.pool.capacity.budget_for("cuda:0") == 500  # memory_fraction x VRAM
-    assert h.pool.capacity.used_mb("cuda:0") == 300 and h.pool.capacity.used_mb("cpu") == 0
+    assert h.used_mb("cuda:0") == 300 and h.used_mb("cpu") == 0
     for key in "ab":
         h.hold(h.holders(key)[0], SharedWeights())
     await h.settle()
     assert [s.spec.device for s in h.launcher.settings[2:]] == ["cuda:0", "cuda:1"]
-    assert h.pool.capacity.used_mb("cuda:0") == 400
-    status = management.build_status(h.pool, "/s", 0.0)
+    assert h.used_mb("cuda:0") == 400
+    status = build_status(h.pool, "/s", 0.0)
     assert {g.device: g.used_mb for g in status.memory.gpus} == {"cuda:0": 400, "cuda:1": 400}
     assert {m.key: m.device for m in status.models if m.key in "ab"} == {
         "a": "cuda:0", "b": "cuda:1"}

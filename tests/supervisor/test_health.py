@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from modelpool.protocol.pipes import Heartbeat
-from modelpool.supervisor import management
 from modelpool.supervisor.health import WorkerPulse, hung_reason
+from modelpool.supervisor.status import build_status
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -51,16 +51,16 @@ async def test_a_silent_worker_is_terminated_and_its_work_requeued(
     h.ready(first)  # takes the job
     h.ready(second, want_work=True)
     for worker in (first, second):
-        h.pool.on_heartbeat(worker, Heartbeat(seq=0, progress=1))
+        h.pool.handle_heartbeat(worker, Heartbeat(seq=0, progress=1))
     h.clock.advance(4)
-    h.pool.on_heartbeat(second, Heartbeat(seq=1, progress=1))
+    h.pool.handle_heartbeat(second, Heartbeat(seq=1, progress=1))
     h.pool.check_health()
     assert h.launcher.terminated == []
     h.clock.advance(2)  # first: silent for 6 s
-    h.pool.on_heartbeat(second, Heartbeat(seq=2, progress=1))
+    h.pool.handle_heartbeat(second, Heartbeat(seq=2, progress=1))
     h.pool.check_health()
     assert h.launcher.terminated == [first]
-    status = {m.key: m for m in management.build_status(h.pool, "/s", 0.0).models}
+    status = {m.key: m for m in build_status(h.pool, "/s", 0.0).models}
     assert "hung" in status["emb"].health
     await h.settle()
     (job_id,) = h.job_ids(second)  # re-queued onto the healthy sibling
@@ -76,7 +76,7 @@ async def test_busy_worker_without_progress_is_terminated(make_harness: MakeHarn
     h.ready(worker)
     for second in range(1, 40):
         h.clock.advance(1)
-        h.pool.on_heartbeat(worker, Heartbeat(seq=second, progress=7))  # alive, stuck
+        h.pool.handle_heartbeat(worker, Heartbeat(seq=second, progress=7))  # alive, stuck
         h.pool.check_health()
         if h.launcher.terminated:
             break

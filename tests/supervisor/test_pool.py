@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING
 import pytest
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import ChatMessage, Chunk, Embed, Embeddings, End, Generate
+from modelpool.protocol.messages import (
+    ChatMessage,
+    Chunk,
+    Embed,
+    Embeddings,
+    End,
+    Generate,
+    RequestDefaults,
+    Sampling,
+)
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -257,3 +266,37 @@ async def test_scale_up_respects_per_model_max_workers(make_harness: MakeHarness
     h.embed(sink, ["3"])
     await h.settle()
     assert len(h.launcher.started) == 1
+
+
+# ---- defaults --------------------------------------------------------------------------
+
+
+async def test_unset_parameters_reach_the_worker_as_the_configured_defaults(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(defaults=RequestDefaults(max_tokens=9, temperature=0.0))
+    sink = h.sink()
+    h.generate(sink, "a")
+    h.generate(sink, "b", max_tokens=2, temperature=0.7, seed=1)
+    await h.settle()
+    worker = h.workers("gen")[0]
+    h.ready(worker)
+    ((job_id, first),) = h.items(h.works(worker)[0])
+    assert first.sampling == Sampling(max_tokens=9, temperature=0.0, top_p=1.0)
+    h.end(worker, job_id)
+    h.want_work(worker)
+    ((_, second),) = h.items(h.works(worker)[1])
+    assert second.sampling == Sampling(max_tokens=2, temperature=0.7, top_p=1.0, seed=1)
+
+
+async def test_an_unset_parameter_and_its_default_are_the_same_request(
+        make_harness: MakeHarness) -> None:
+    """Dedup compares requests after defaults are filled in."""
+    h = make_harness(defaults=RequestDefaults(max_tokens=9))
+    sink = h.sink()
+    h.generate(sink, "same", temperature=0)
+    h.generate(sink, "same", temperature=0, max_tokens=9)
+    await h.settle()
+    worker = h.workers("gen")[0]
+    h.ready(worker)
+    assert len(h.job_ids(worker)) == 1
+    assert h.pool.models["gen"].metrics.by_priority["normal"].deduplicated == 1

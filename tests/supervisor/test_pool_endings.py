@@ -4,7 +4,6 @@ normal request path)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,8 @@ async def test_timeout_while_loading_names_model_and_cause_and_drops_late_work(
     h = make_harness()
     sink = h.sink()
     client_id = h.embed(sink, ["x"], timeout_s=0.05)
-    await asyncio.sleep(0.1)
+    await h.settle()
+    h.clock.advance(0.1)
 
     error = sink.only_error(client_id)
     assert error.code is ErrorCode.TIMEOUT
@@ -49,7 +49,7 @@ async def test_timeout_while_running_then_late_reply_is_dropped(
     worker = h.workers("emb")[0]
     h.ready(worker)
     ((job_id, _),) = h.items(h.works(worker)[0])
-    await asyncio.sleep(0.1)
+    h.clock.advance(0.1)
 
     error = sink.only_error(client_id)
     assert error.code is ErrorCode.TIMEOUT and f"pid {worker.pid}" in error.message

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embeddings
 from modelpool.protocol.pipes import LoadFailed
-from modelpool.supervisor import management
+from modelpool.supervisor import control
 from modelpool.supervisor.workers import WorkerState
 from modelpool.workers import exitcodes
 
@@ -49,7 +49,7 @@ async def test_dead_workers_job_is_requeued_at_the_front_and_served_by_another(
     h.reply_embeddings(other, job_id, 1.0)
     (reply,) = sink.finals(first)
     assert isinstance(reply, Embeddings)
-    assert h.pool.models["emb"].load_failures == 0
+    assert h.pool.models["emb"].failures.count == 0
     h.want_work(other)
     assert [r.id for _, r in h.items(h.works(other)[1])] == [second]
 
@@ -121,7 +121,7 @@ async def test_crash_after_ready_with_empty_info_is_not_a_load_failure(
     h.die(crashing, -9)
 
     assert sink.messages == []  # `second` must keep waiting for the loading sibling
-    assert h.pool.models["emb"].load_failures == 0
+    assert h.pool.models["emb"].failures.count == 0
     h.ready(loading)
     assert [r.id for _, r in h.items(h.works(loading)[0])] == [first]
     assert second in sink.jobs
@@ -134,7 +134,7 @@ def _fail_load(h: Harness, model: str, cause: str) -> None:
     """Every live worker of the model reports LoadFailed and exits with LOAD_FAILED."""
     for worker in h.workers(model):
         if worker.state is not WorkerState.DEAD:
-            h.pool.on_worker_message(worker, LoadFailed(cause=cause))
+            h.pool.handle(worker, LoadFailed(cause=cause))
             h.die(worker, exitcodes.LOAD_FAILED)
 
 
@@ -150,7 +150,7 @@ async def test_load_failure_fails_waiting_requests_with_the_cause_then_backs_off
     for sink, client_id in zip(sinks, ids, strict=True):
         error = sink.only_error(client_id)
         assert error.code is ErrorCode.MODEL_LOAD_FAILED and "boom" in error.message
-    assert h.pool.models["emb"].load_failures == 1  # two siblings, one attempt
+    assert h.pool.models["emb"].failures.count == 1  # two siblings, one attempt
 
     late = h.sink()
     h.embed(late, ["y"], id=50)
@@ -177,7 +177,7 @@ async def test_model_is_failed_after_max_load_failures_until_load_model(
         assert len(h.launcher.started) == 2 * (round_ + 1)
         _fail_load(h, "emb", f"boom {round_}")
         h.clock.advance(10)
-    assert management.model_state(h.pool, model) == "failed"
+    assert model.state_name() == "failed"
 
     h.embed(sink, ["x"], id=99)
     await h.settle()
@@ -185,9 +185,9 @@ async def test_model_is_failed_after_max_load_failures_until_load_model(
     assert error.code is ErrorCode.MODEL_LOAD_FAILED and "3 times" in error.message
     assert len(h.launcher.started) == 6
 
-    message = management.load_model(h.pool, "emb", 1)
+    message = control.load_model(h.pool, "emb", 1)
     await h.settle()
     assert "emb" in message
     assert len(h.launcher.started) == 7
-    assert management.model_state(h.pool, model) == "loading"
-    assert model.load_failures == 0
+    assert model.state_name() == "loading"
+    assert model.failures.count == 0

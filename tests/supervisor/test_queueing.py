@@ -9,6 +9,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import PRIORITIES, Embed, Generate, Priority
 from modelpool.supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState
 
@@ -33,7 +34,8 @@ def make_job(priority: Priority = "normal", texts: int = 1, generate: bool = Fal
         request = Generate(id=jid, prompt="p", priority=priority)
     else:
         request = Embed(id=jid, texts=["t"] * texts, priority=priority)
-    return Job(job_id=jid, request=request, model_key="m", accepted_at=0.0)
+    return Job(job_id=jid, request=request, kind=KIND_OF[type(request)], model_key="m",
+               accepted_at=0.0)
 
 
 def cancel(queue: JobQueue, job: Job) -> None:
@@ -44,7 +46,7 @@ def cancel(queue: JobQueue, job: Job) -> None:
 
 def drain(queue: JobQueue) -> list[Job]:
     out: list[Job] = []
-    while batch := queue.pop_batch(1, batched=False):
+    while batch := queue.pop_batch(1):
         out.extend(batch)
     return out
 
@@ -82,10 +84,10 @@ def test_pop_batch_coalesces_up_to_max_size() -> None:
     for job in (a, b, c, d):
         queue.push(job)
     # 3 + 4 = 7; adding c (2) would make 9 > 8, so the batch stops before c (not skip it).
-    assert queue.pop_batch(8, batched=True) == [a, b]
+    assert queue.pop_batch(8) == [a, b]
     assert len(queue) == 2
-    assert queue.pop_batch(8, batched=True) == [c, d]
-    assert queue.pop_batch(8, batched=True) == []
+    assert queue.pop_batch(8) == [c, d]
+    assert queue.pop_batch(8) == []
 
 
 def test_pop_batch_exact_fit() -> None:
@@ -93,7 +95,7 @@ def test_pop_batch_exact_fit() -> None:
     jobs = [make_job(texts=2) for _ in range(3)]
     for job in jobs:
         queue.push(job)
-    assert queue.pop_batch(4, batched=True) == jobs[:2]
+    assert queue.pop_batch(4) == jobs[:2]
     assert len(queue) == 1
 
 
@@ -102,8 +104,8 @@ def test_oversized_job_is_returned_alone() -> None:
     big, small = make_job(texts=50), make_job(texts=1)
     queue.push(big)
     queue.push(small)
-    assert queue.pop_batch(8, batched=True) == [big]
-    assert queue.pop_batch(8, batched=True) == [small]
+    assert queue.pop_batch(8) == [big]
+    assert queue.pop_batch(8) == [small]
 
 
 def test_batch_respects_priority_order() -> None:
@@ -111,7 +113,7 @@ def test_batch_respects_priority_order() -> None:
     low, crit, normal = make_job("low"), make_job("critical"), make_job("normal")
     for job in (low, crit, normal):
         queue.push(job)
-    assert queue.pop_batch(10, batched=True) == [crit, normal, low]
+    assert queue.pop_batch(10) == [crit, normal, low]
 
 
 def test_non_batched_returns_one_job() -> None:
@@ -120,7 +122,7 @@ def test_non_batched_returns_one_job() -> None:
     for job in jobs:
         queue.push(job)
     assert jobs[0].size == 1
-    assert queue.pop_batch(32, batched=False) == [jobs[0]]
+    assert queue.pop_batch(32) == [jobs[0]]
     assert len(queue) == 2
 
 
@@ -132,9 +134,9 @@ def test_discarded_top_job_is_skipped() -> None:
     cancel(queue, a)
     assert len(queue) == 1
     assert queue.jobs() == [b]
-    assert queue.pop_batch(1, batched=False) == [b]
+    assert queue.pop_batch(1) == [b]
     assert len(queue) == 0
-    assert queue.pop_batch(1, batched=False) == []
+    assert queue.pop_batch(1) == []
 
 
 def test_discarded_job_never_returned_unbatched() -> None:
@@ -154,7 +156,7 @@ def test_discarded_job_never_returned_in_a_batch() -> None:
     for job in (a, b, c):
         queue.push(job)
     cancel(queue, b)  # b is not at the top, so it stays in the heap until it surfaces
-    assert queue.pop_batch(10, batched=True) == [a, c]
+    assert queue.pop_batch(10) == [a, c]
     assert len(queue) == 0
 
 
@@ -177,6 +179,7 @@ op_st = st.one_of(
 
 def check_ops(ops: list[Op], batched: bool) -> None:
     """Run ops on a JobQueue and on a sorted-list model; they must agree at every step.
+    Batched: embeddings of 1-4 texts; unbatched: generations (always one at a time).
 
     The model orders by (rank, key): push keys count up, push_front keys count down, so
     a later push_front goes ahead of an earlier one (it is a stack within its priority).
@@ -189,7 +192,7 @@ def check_ops(ops: list[Op], batched: bool) -> None:
     pushed: list[Job] = []
     for op in ops:
         if op[0] in ("push", "push_front"):
-            job = make_job(op[1], texts=op[2])
+            job = make_job(op[1], texts=op[2], generate=not batched)
             pushed.append(job)
             front = op[0] == "push_front"
             (queue.push_front if front else queue.push)(job)
@@ -201,7 +204,7 @@ def check_ops(ops: list[Op], batched: bool) -> None:
             cancel(queue, victim)
         elif op[0] == "pop":
             expected = _model_pop(model, op[1], batched)
-            got = queue.pop_batch(op[1], batched)
+            got = queue.pop_batch(op[1])
             assert got == expected
             for job in got:
                 job.state = JobState.RUNNING

@@ -1,4 +1,5 @@
-"""The scaling policy: pure functions of (model load, clock, room), tested with a fake clock."""
+"""The scaling policy: pure functions of a frozen view of the pool and the clock that
+return plans, tested with made-up views and a made-up clock."""
 
 from __future__ import annotations
 
@@ -8,7 +9,20 @@ from typing import Any
 import pytest
 
 from modelpool.supervisor import scaling
-from modelpool.supervisor.scaling import ModelLoad, ScalingPolicy, should_stop_one, workers_to_start
+from modelpool.supervisor.memory import ModelCharge
+from modelpool.supervisor.scaling import (
+    ModelLoad,
+    ModelView,
+    Plan,
+    PoolView,
+    ScalingPolicy,
+    Start,
+    Stop,
+    plan_scale_down,
+    plan_starts,
+    should_stop_one,
+    workers_wanted,
+)
 
 NOW = 1_000.0  # the fake clock's reading
 POLICY = ScalingPolicy(cold_start_workers=2, cooldown_idle_s=60.0)
@@ -29,65 +43,126 @@ def all_busy(**changes: Any) -> ModelLoad:
     return load(**{"queued": 3, "idle": 0, "busy": 2, **changes})
 
 
-# ---- workers_to_start ----------------------------------------------------------------
+# ---- workers_wanted -------------------------------------------------------------------
 
 
 def test_cold_start_starts_cold_start_workers() -> None:
-    assert workers_to_start(cold(), POLICY, NOW, room=10) == 2
+    assert workers_wanted(cold(), POLICY, NOW) == 2
 
 
 def test_cold_start_follows_policy() -> None:
-    assert workers_to_start(cold(), ScalingPolicy(cold_start_workers=3), NOW, room=10) == 3
+    assert workers_wanted(cold(), ScalingPolicy(cold_start_workers=3), NOW) == 3
 
 
 def test_cold_start_capped_by_max_workers() -> None:
-    assert workers_to_start(cold(max_workers=1), POLICY, NOW, room=10) == 1
-
-
-@pytest.mark.parametrize(("room", "expected"), [(2, 2), (1, 1), (0, 0), (-1, 0)])
-def test_cold_start_capped_by_room(room: int, expected: int) -> None:
-    assert workers_to_start(cold(), POLICY, NOW, room=room) == expected
+    assert workers_wanted(cold(max_workers=1), POLICY, NOW) == 1
 
 
 def test_nothing_starts_without_queued_work() -> None:
-    assert workers_to_start(cold(queued=0), POLICY, NOW, room=10) == 0
-    assert workers_to_start(all_busy(queued=0), POLICY, NOW, room=10) == 0
+    assert workers_wanted(cold(queued=0), POLICY, NOW) == 0
+    assert workers_wanted(all_busy(queued=0), POLICY, NOW) == 0
 
 
 def test_scale_up_by_one_when_all_busy() -> None:
-    assert workers_to_start(all_busy(), POLICY, NOW, room=10) == 1
+    assert workers_wanted(all_busy(), POLICY, NOW) == 1
 
 
 def test_no_scale_up_while_a_worker_is_idle() -> None:
-    assert workers_to_start(all_busy(idle=1, busy=1), POLICY, NOW, room=10) == 0
+    assert workers_wanted(all_busy(idle=1, busy=1), POLICY, NOW) == 0
 
 
 def test_no_scale_up_while_a_worker_is_starting() -> None:
     # One start at a time per model: the starting worker will take the work.
-    busy_and_starting = all_busy(live=3, starting=1)
-    assert workers_to_start(busy_and_starting, POLICY, NOW, room=10) == 0
+    assert workers_wanted(all_busy(live=3, starting=1), POLICY, NOW) == 0
 
 
 def test_no_scale_up_at_max_workers() -> None:
-    assert workers_to_start(all_busy(max_workers=2), POLICY, NOW, room=10) == 0
-    assert workers_to_start(all_busy(max_workers=3), POLICY, NOW, room=10) == 1
-
-
-def test_no_scale_up_without_room() -> None:
-    assert workers_to_start(all_busy(), POLICY, NOW, room=0) == 0
+    assert workers_wanted(all_busy(max_workers=2), POLICY, NOW) == 0
+    assert workers_wanted(all_busy(max_workers=3), POLICY, NOW) == 1
 
 
 def test_no_start_while_backing_off() -> None:
     blocked = NOW + 5.0
-    assert workers_to_start(cold(blocked_until=blocked), POLICY, NOW, room=10) == 0
-    assert workers_to_start(all_busy(blocked_until=blocked), POLICY, NOW, room=10) == 0
+    assert workers_wanted(cold(blocked_until=blocked), POLICY, NOW) == 0
+    assert workers_wanted(all_busy(blocked_until=blocked), POLICY, NOW) == 0
     # Once the clock reaches blocked_until the back-off is over.
-    assert workers_to_start(cold(blocked_until=blocked), POLICY, blocked, room=10) == 2
+    assert workers_wanted(cold(blocked_until=blocked), POLICY, blocked) == 2
 
 
 def test_no_start_when_failed() -> None:
-    assert workers_to_start(cold(failed=True), POLICY, NOW, room=10) == 0
-    assert workers_to_start(all_busy(failed=True), POLICY, NOW, room=10) == 0
+    assert workers_wanted(cold(failed=True), POLICY, NOW) == 0
+    assert workers_wanted(all_busy(failed=True), POLICY, NOW) == 0
+
+
+def test_a_warm_minimum_starts_without_work() -> None:
+    assert workers_wanted(cold(queued=0, warm=2), POLICY, NOW) == 2
+    assert workers_wanted(load(warm=2), POLICY, NOW) == 0
+
+
+# ---- plan_starts: memory, load slots, eviction, holders -------------------------------
+
+
+def charge(workers: int = 0, weights: float = 100, per_worker: float = 50) -> ModelCharge:
+    return ModelCharge(weights_mb=weights, per_worker_mb=per_worker, workers=workers)
+
+
+def view(*models: ModelView, budget: float = 1000, used: float = 0, loading: int = 0,
+         freeing: frozenset[str] = frozenset()) -> PoolView:
+    return PoolView(models={m.key: m for m in models}, loading=loading,
+                    max_concurrent_loads=2, budget_mb={"cpu": budget},
+                    used_mb={"cpu": used}, freeing=freeing)
+
+
+def model(key: str = "a", load_: ModelLoad | None = None, **changes: Any) -> ModelView:
+    base = ModelView(key=key, load=load_ or cold(), device="cpu", charge=charge())
+    return dataclasses.replace(base, **changes)
+
+
+def test_a_cold_start_that_fits_starts_its_workers() -> None:
+    plan = plan_starts(view(model()), "a", POLICY, NOW)
+    assert plan == Plan(start=(Start("a"), Start("a")), waiting_for_memory={"a": False})
+
+
+def test_starts_are_capped_by_free_load_slots_and_memory() -> None:
+    assert plan_starts(view(model(), loading=1), "a", POLICY, NOW).start == (Start("a"),)
+    assert plan_starts(view(model(), loading=2), "a", POLICY, NOW) == Plan()
+    # 1000 budget, 820 used: the weights (100) and one worker (50) fit, not a second.
+    assert plan_starts(view(model(), used=820), "a", POLICY, NOW).start == (Start("a"),)
+
+
+def test_no_room_evicts_the_least_recently_used_idle_workers_of_idle_models() -> None:
+    idle_b = model("b", load(queued=0, live=2, idle=2, busy=0), charge=charge(workers=2),
+                   idle_workers=((7, 50.0), (8, 10.0)))
+    busy_c = model("c", load(queued=3), charge=charge(workers=1), idle_workers=((9, 1.0),))
+    plan = plan_starts(view(model(), idle_b, busy_c, used=1000), "a", POLICY, NOW)
+    # a needs 150; b's LRU worker frees 50, its second 50 + the weights 100.
+    assert plan.stop == (Stop(8, "b", "evicted"), Stop(7, "b", "evicted"))
+    assert plan.start == () and plan.waiting_for_memory == {"a": True}
+
+
+def test_no_eviction_while_memory_is_already_being_freed() -> None:
+    idle_b = model("b", load(queued=0), charge=charge(workers=2), idle_workers=((7, 1.0),))
+    plan = plan_starts(view(model(), idle_b, used=1000, freeing=frozenset({"cpu"})), "a",
+                       POLICY, NOW)
+    assert plan == Plan(waiting_for_memory={"a": True})
+
+
+def test_a_model_with_a_holder_starts_the_holder_first() -> None:
+    assert plan_starts(view(model(uses_holder=True)), "a", POLICY, NOW).start == (
+        Start("a", holder=True),)
+    assert plan_starts(view(model(uses_holder=True, holder="loading")), "a", POLICY,
+                       NOW).start == ()
+    assert plan_starts(view(model(uses_holder=True, holder="stopping")), "a", POLICY,
+                       NOW).start == ()
+    assert plan_starts(view(model(uses_holder=True, holder="holding")), "a", POLICY,
+                       NOW).start == (Start("a"), Start("a"))
+
+
+def test_scale_down_stops_the_least_recently_used_idle_worker() -> None:
+    idle = model("a", load(idle=2, busy=0, last_active=NOW - 60),
+                 idle_workers=((1, 20.0), (2, 10.0)))
+    assert plan_scale_down(view(idle), POLICY, NOW).stop == (Stop(2, "a", "idle"),)
+    assert plan_scale_down(view(idle), POLICY, NOW - 1).stop == ()
 
 
 # ---- should_stop_one -----------------------------------------------------------------

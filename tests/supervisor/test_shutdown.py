@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -44,13 +43,16 @@ async def test_drain_lets_running_job_finish_and_cuts_the_rest(
     assert is_error(one_final(sink, late), ErrorCode.SHUTTING_DOWN)
     assert h.launcher.stopped == []  # still draining
     h.reply_embeddings(worker, job_id, 1.0)  # the worker answers during the drain
+    await h.settle()
+    assert not drain.done()  # "b" still waits for a worker
+    h.clock.advance(0.2)  # the deadline
 
-    drained, cut = await drain
+    drained, cut, kill_at = await drain
 
     assert isinstance(one_final(sink, running), Embeddings)
     reply = one_final(sink, queued)
     assert is_error(reply, ErrorCode.SHUTTING_DOWN) and "'emb'" in str(reply)
-    assert (drained, cut) == (1, 1)
+    assert (drained, cut, kill_at) == (1, 1, 1000.2 + shutdown.KILL_GRACE_S)
     assert set(h.launcher.stopped) == {worker, loading}
     assert all(not m.workers for m in h.pool.models.values())
     assert sink.jobs == {}
@@ -66,14 +68,14 @@ async def test_drain_returns_early_when_everything_finished(make_harness: MakeHa
     h.ready(worker)
     (item,) = h.works(worker)[0].items
 
-    started = time.monotonic()
+    started = h.clock.now()
     drain = asyncio.create_task(shutdown.drain_and_stop(h.pool))
     await h.settle()
     h.chunk(worker, item.job_id, 0, "x")
     h.end(worker, item.job_id)
-    assert await drain == (1, 0)
+    assert (await drain)[:2] == (1, 0)
 
-    assert time.monotonic() - started < 1.0
+    assert h.clock.now() == started  # no waiting for the deadline
     assert sink.messages[0].id == client_id
     assert isinstance(one_final(sink, client_id), End)
     assert set(h.launcher.stopped) == set(h.workers("gen"))
@@ -90,7 +92,10 @@ async def test_stream_cut_by_the_deadline_gets_one_shutting_down(
     (item,) = h.works(worker)[0].items
     h.chunk(worker, item.job_id, 0, "x")
 
-    assert await shutdown.drain_and_stop(h.pool) == (0, 1)
+    drain = asyncio.create_task(shutdown.drain_and_stop(h.pool))
+    await h.settle()
+    h.clock.advance(0.1)
+    assert (await drain)[:2] == (0, 1)
 
     assert is_error(one_final(sink, client_id), ErrorCode.SHUTTING_DOWN)
     h.end(worker, item.job_id)  # too late: the exit already cleared it
@@ -103,7 +108,7 @@ async def test_workers_that_ignore_stop_are_killed(make_harness: MakeHarness) ->
     await h.settle()
     h.launcher.exit_on_stop = False
 
-    await shutdown.stop_all_workers(h.pool, 0.0)
+    await shutdown.stop_all_workers(h.pool, h.clock.now())
 
     workers = h.workers("emb")
     assert set(h.launcher.stopped) == set(workers)

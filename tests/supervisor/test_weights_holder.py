@@ -13,9 +13,10 @@ import pytest
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.pipes import CpuStorage, SharedTensor, SharedWeights, Work
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor import gpus, management, shutdown
+from modelpool.supervisor import control, gpus, shutdown
 from modelpool.supervisor.gpus import Gpu
 from modelpool.supervisor.shm import SHM_DIR, weights_segment
+from modelpool.supervisor.status import build_status, refresh_memory
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -61,8 +62,8 @@ async def test_gpu_workers_map_the_holders_weights_charged_once(
     holder_settings, *worker_settings = h.launcher.settings
     assert holder_settings.hold_segment and holder_settings.weights is None
     assert len(worker_settings) == 2 and all(s.weights == WEIGHTS for s in worker_settings)
-    assert h.pool.capacity.used_mb("cuda:0") == 900 + 2 * 100  # weights once, as measured
-    status = management.build_status(h.pool, "/s", 0.0)
+    assert h.used_mb("cuda:0") == 900 + 2 * 100  # weights once, as measured
+    status = build_status(h.pool, "/s", 0.0)
     (model,) = [m for m in status.models if m.key == "emb"]
     assert [(w.state, w.holds_weights) for w in model.workers][-1] == ("holding", True)
 
@@ -74,11 +75,11 @@ async def test_gpu_processes_are_charged_their_whole_vram_as_nvidia_smi_sees_it(
     h = make_harness(models=[gpu_model()], gpus=GPUS, memory_fraction=1.0)
     await held_and_serving(h)
     (holder,), (first, second) = h.holders("emb"), h.workers("emb")
-    assert h.pool.capacity.used_mb("cuda:0") == 900 + 2 * 100
+    assert h.used_mb("cuda:0") == 900 + 2 * 100
     used = {holder.pid: 1250.0, first.pid: 420.0, second.pid: 380.0, 99999: 5.0}
     monkeypatch.setattr(gpus, "process_vram_mb", lambda: used)
-    await management.refresh_memory(h.pool)
-    assert h.pool.capacity.used_mb("cuda:0") == 1250 + 2 * 420  # the larger worker, each
+    await refresh_memory(h.pool)
+    assert h.used_mb("cuda:0") == 1250 + 2 * 420  # the larger worker, each
 
 
 async def test_weights_holder_off_loads_a_copy_per_gpu_worker(
@@ -95,14 +96,14 @@ async def test_the_holder_stops_only_after_its_last_worker(make_harness: MakeHar
     (holder,) = h.holders("emb")
     worker = h.workers("emb")[0]
     h.reply_embeddings(worker, job_id, 1.0)
-    management.unload_model(h.pool, "emb")
+    control.unload_model(h.pool, "emb")
     assert holder not in h.launcher.stopped  # workers may still be mapping its weights
     await h.settle()
     assert h.pool.models["emb"].workers == {}
     assert holder in h.launcher.stopped
     await h.settle()
     assert h.pool.models["emb"].holder is None
-    assert h.pool.capacity.used_mb("cpu") == 0
+    assert h.used_mb("cpu") == 0
 
 
 async def test_no_worker_maps_a_holder_that_is_stopping(make_harness: MakeHarness) -> None:
@@ -111,7 +112,7 @@ async def test_no_worker_maps_a_holder_that_is_stopping(make_harness: MakeHarnes
     (job_id,) = await held_and_serving(h)
     (holder,) = h.holders("emb")
     h.reply_embeddings(h.workers("emb")[0], job_id, 1.0)
-    management.unload_model(h.pool, "emb")
+    control.unload_model(h.pool, "emb")
     for worker in h.workers("emb"):
         h.die(worker, 0)
     assert holder.state is WorkerState.STOPPING
@@ -164,7 +165,7 @@ async def test_a_holder_that_fails_to_load_fails_the_waiting_requests(
     await h.settle()
     error = sink.only_error(client_id)
     assert error.code is ErrorCode.MODEL_LOAD_FAILED and "no such file" in error.message
-    assert h.pool.models["emb"].load_failures == 1
+    assert h.pool.models["emb"].failures.count == 1
 
 
 @pytest.mark.parametrize("loaded", [True, False])
@@ -201,13 +202,13 @@ async def test_shutdown_stops_the_holder_after_its_workers(make_harness: MakeHar
     h.pool.models["emb"].warm_target = 2  # `modelpool load`: only the shutdown stops it
     h.pool.shutting_down = True  # as drain_and_stop sets it
     h.launcher.exit_on_stop = False
-    stopping = asyncio.create_task(shutdown.stop_all_workers(h.pool, 1.0))
+    stopping = asyncio.create_task(shutdown.stop_all_workers(h.pool, h.clock.now() + 1.0))
     await h.settle()
     (holder,) = h.holders("emb")
     assert set(h.launcher.stopped) == set(h.workers("emb"))  # not the holder yet
     for worker in h.workers("emb"):
         h.die(worker, 0)
-    await asyncio.sleep(0.1)
+    await h.settle()
     assert h.launcher.stopped[-1] is holder
     h.die(holder, 0)
     await stopping
@@ -230,5 +231,5 @@ async def test_a_worker_loading_when_its_holder_dies_is_no_load_failure(
         worker.load_error = "RuntimeError: unable to open file"
         h.die(worker, 3)
     await h.settle()
-    assert sink.finals(client_id) == [] and h.pool.models["emb"].load_failures == 0
+    assert sink.finals(client_id) == [] and h.pool.models["emb"].failures.count == 0
     assert len(h.holders("emb")) == 2  # the request waits for the next holder

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from modelpool.protocol.messages import Generate, GenerateImage
+from modelpool.protocol import kinds
 from modelpool.registry.loaders import load_model
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers import shared_weights
@@ -72,8 +72,8 @@ def test_tied_weights_stay_tied_and_generation_is_unchanged(
                      path=str(tiny_models_dir / "tiny-llm"))
 
     def text(model: Any) -> str:
-        request = Generate(id=1, prompt="once upon a time", max_tokens=12, temperature=0,
-                           ignore_eos=True)
+        request = kinds.build("generate", "once upon a time", max_tokens=12, temperature=0,
+                              ignore_eos=True)
         return "".join(model.generate(request, GenerationStats()))
 
     private = load_model(spec)
@@ -88,7 +88,7 @@ def test_tied_weights_stay_tied_and_generation_is_unchanged(
 def test_a_pipelines_components_are_shared(tiny_models_dir: Path, segment: str) -> None:
     spec = ModelSpec(key="tiny-sd", capability="text_to_image",
                      path=str(tiny_models_dir / "tiny-sd"))
-    request = GenerateImage(id=1, prompt="a red square", steps=2, width=64, height=64)
+    request = kinds.build("generate_image", "a red square", steps=2, width=64, height=64)
     private = load_model(spec)
     worker = load_model(spec)
     assert {"pipe.unet", "pipe.vae", "pipe.text_encoder"} <= set(

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Chunk, End, Error, Generate
 from modelpool.protocol.pipes import WorkItem
@@ -63,7 +64,7 @@ class FakeModel:
 
 
 def _run(model: FakeModel, out: FakeOutbox, job_id: int = 9, **fields: object) -> None:
-    request = Generate(id=1, prompt="three word prompt", **fields)  # type: ignore[arg-type]
+    request = kinds.build("generate", "three word prompt", **fields)
     text_to_text.run(model, [WorkItem(job_id=job_id, request=request)], out, 1)
 
 

@@ -26,13 +26,14 @@ from modelpool.protocol.pipes import (
     Shutdown,
     WantWork,
     Work,
+    WorkerSettings,
     WorkItem,
     from_worker_decoder,
     heartbeat_decoder,
 )
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 from modelpool.workers import exitcodes
-from modelpool.workers.main import WorkerSettings, run_worker
+from modelpool.workers.main import run_worker
 
 TIMEOUT_S = 60.0
 

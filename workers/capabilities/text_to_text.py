@@ -64,7 +64,8 @@ def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
     request = item.request
     assert isinstance(request, Generate)
     stats = GenerationStats()
-    stream_text(item.job_id, lambda: model.generate(request, stats), stats, request.stop, out)
+    stream_text(item.job_id, lambda: model.generate(request, stats), stats,
+                request.sampling.stop, out)
 
 
 def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: GenerationStats,

@@ -33,4 +33,4 @@ def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) 
             continue
         stats = GenerationStats()
         stream_text(item.job_id, lambda i=image, r=request, s=stats: model.describe(i, r, s),
-                    stats, request.stop, out)
+                    stats, request.sampling.stop, out)

@@ -1,0 +1,164 @@
+"""The client without I/O: each operation of the request-kind table becomes (message,
+reply parser, streaming or not) here, once. Client and AsyncClient only do the round
+trip; the job API uses the same calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.framing import MAX_FRAME_BYTES
+from modelpool.protocol.kinds import BY_OP, STREAMED, Kind
+from modelpool.protocol.messages import (
+    Chunk,
+    End,
+    Error,
+    ImageProgress,
+    Priority,
+    Welcome,
+    encoder,
+)
+from modelpool.protocol.messages import Image as ImageMsg
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    text: str
+    finish_reason: str | None = None  # set on the last chunk only
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ImageChunk:
+    """Progress of generate_image; the last chunk carries the finished image in .png."""
+
+    step: int
+    total_steps: int
+    preview_png: bytes | None = None
+    png: bytes | None = None
+    width: int | None = None
+    height: int | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operation, ready to send: its request and how to read what comes back."""
+
+    kind: Kind
+    request: Any
+    single: bool  # one input where a list was possible: the reply is one row
+
+    @property
+    def id(self) -> int:
+        return int(self.request.id)
+
+    def parse(self, msg: Any) -> Any:
+        """A final reply into the result (array kinds), or a reply into a chunk (streams).
+        Raises PoolError for an Error."""
+        msg = check_reply(msg)
+        if self.kind.reply == "array":
+            array = np.frombuffer(msg.data, dtype=np.dtype(msg.dtype).newbyteorder("<"))
+            array = array.reshape(msg.shape)
+            return array[0] if self.single else array
+        if self.kind.reply == "text":
+            return text_chunk(msg)
+        return image_chunk(msg)
+
+
+def make_call(op: str, rid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """The Call for `client.<op>(*args, **kwargs)`."""
+    kind = BY_OP.get(op)
+    if kind is None:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"no operation {op!r}; one of {sorted(BY_OP)}")
+    common = request_options(kwargs.pop("priority", "normal"), kwargs.pop("timeout_s", None),
+                             kwargs.pop("deadline_s", None))
+    try:
+        fields, single = kind.build(*args, **kwargs)
+        request = kind.request(id=rid, **fields, **common)
+    except (TypeError, msgspec.ValidationError) as exc:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"{op}: {exc}") from None
+    return Call(kind, request, single)
+
+
+def request_options(priority: Priority, timeout_s: float | None,
+                    deadline_s: float | None) -> dict[str, Any]:
+    # sent_at lets the daemon count a deadline from when the request left the client.
+    return {"priority": priority, "timeout_s": timeout_s, "deadline_s": deadline_s,
+            "sent_at": time.time() if deadline_s is not None else None}
+
+
+def op_signature(kind: Kind, is_method: bool = True) -> inspect.Signature:
+    """What the user calls: the builder's parameters plus the options every request takes."""
+    params = list(inspect.signature(kind.build).parameters.values())
+    common = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                annotation=annotation)
+              for name, default, annotation in (("priority", "normal", "Priority"),
+                                                ("timeout_s", None, "float | None"),
+                                                ("deadline_s", None, "float | None"))]
+    self_param = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return inspect.Signature([*(self_param if is_method else []), *params, *common])
+
+
+def text_chunk(msg: Any) -> TextChunk:
+    if isinstance(msg, Chunk):
+        return TextChunk(text=msg.text)
+    assert isinstance(msg, End)
+    return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
+                     completion_tokens=msg.completion_tokens)
+
+
+def image_chunk(msg: Any) -> ImageChunk:
+    if isinstance(msg, ImageProgress):
+        return ImageChunk(step=msg.step, total_steps=msg.total_steps,
+                          preview_png=msg.preview_png)
+    assert isinstance(msg, ImageMsg)
+    return ImageChunk(step=-1, total_steps=-1, png=msg.png, width=msg.width,
+                      height=msg.height, seed=msg.seed)
+
+
+def is_last(chunk: TextChunk | ImageChunk) -> bool:
+    if isinstance(chunk, ImageChunk):
+        return chunk.png is not None
+    return chunk.finish_reason is not None
+
+
+def is_final(msg: Any) -> bool:
+    """Does this reply end its request?"""
+    return not isinstance(msg, STREAMED)
+
+
+def check_reply(msg: Any) -> Any:
+    if isinstance(msg, Error):
+        raise PoolError(msg.code, msg.message, msg.retry_after_s)
+    return msg
+
+
+def encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:
+    """Encode, refusing locally what the daemon would refuse as too large."""
+    payload = encoder.encode(msg)
+    limit = welcome.max_frame_bytes if welcome else MAX_FRAME_BYTES
+    if len(payload) > limit:
+        raise PoolError(ErrorCode.BAD_REQUEST,
+                        f"request of {len(payload)} bytes exceeds the daemon's limit of {limit}")
+    return payload
+
+
+def undecodable(exc: Exception) -> PoolError:
+    """A reply this client cannot read: most likely a daemon of a newer version."""
+    return PoolError(ErrorCode.PROTOCOL_VERSION, f"cannot decode the daemon's reply ({exc}); "
+                     "is the client older than the daemon?")
+
+
+def unavailable(path: str, exc: BaseException) -> PoolError:
+    return PoolError(ErrorCode.UNAVAILABLE, f"cannot reach the modelpool daemon at {path}: "
+                     f"{exc} (is `modelpool serve` running?)")
+

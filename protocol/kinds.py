@@ -1,0 +1,249 @@
+"""The one table of request kinds: what each request Struct is, for every part that
+handles one.
+
+A row says which capabilities serve the request, whether it is batched (and along which
+list field it is split, coalesced and merged back by rows) or streamed, whether running
+it twice gives the same answer (so identical requests may share one run), where its
+images are, what the daemon checks beyond the Struct's own types, and how a client
+builds it from friendly arguments. The supervisor, the workers, the client library, the
+CLI and the job API all read this table; nothing else in the project lists request
+kinds. Adding a capability is a row here, its Structs in messages.py, a worker adapter
+and a loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from modelpool.protocol.inputs import ImageLike, image_input
+from modelpool.protocol.messages import (
+    ChatMessage,
+    Chunk,
+    Describe,
+    Embed,
+    Embeddings,
+    EmbedImage,
+    End,
+    Error,
+    Generate,
+    GenerateImage,
+    Image,
+    ImageInput,
+    ImageProgress,
+    RequestDefaults,
+    Sampling,
+    WorkRequest,
+)
+
+ReplyStyle = Literal["array", "text", "image"]  # float32 rows | text chunks | image steps
+Fields = dict[str, Any]
+# A client's friendly arguments -> the request's fields, and whether the caller gave one
+# input where a list is also accepted (the reply is then one row, not a matrix).
+Builder = Callable[..., tuple[Fields, bool]]
+
+
+def _always(request: Any) -> bool:
+    return True
+
+
+def _no_images(request: Any) -> list[ImageInput]:
+    return []
+
+
+def _no_check(request: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Kind:
+    request: type[Any]  # the request Struct
+    op: str  # its name for clients: Client.<op>, submit(op, ...), `modelpool <op>`
+    served_by: tuple[str, ...]  # capabilities; a request naming no model: the first's default
+    build: Builder
+    final: type[Any]  # the reply that ends it successfully
+    chunk: type[Any] | None = None  # the replies streamed before it, if any
+    reply: ReplyStyle = "array"
+    inputs: str | None = None  # batched: the list field whose items are batch units
+    deterministic: Callable[[Any], bool] = _always  # after defaults are filled in
+    images: Callable[[Any], list[ImageInput]] = _no_images
+    with_images: Callable[[Any, list[ImageInput]], Any] | None = None
+    check: Callable[[Any], str | None] = _no_check  # what the Struct's types cannot say
+
+    @property
+    def batched(self) -> bool:
+        return self.inputs is not None
+
+    @property
+    def streaming(self) -> bool:
+        return self.chunk is not None
+
+    def size(self, request: Any) -> int:
+        """Units of batch capacity: one per input of a batched kind, else 1."""
+        return len(getattr(request, self.inputs)) if self.inputs else 1
+
+    def split(self, request: Any, size: int) -> list[Any]:
+        """Parts of at most `size` inputs, in order; each is a request of its own."""
+        assert self.inputs is not None
+        items = getattr(request, self.inputs)
+        return [msgspec.structs.replace(request, **{self.inputs: items[i : i + size]})
+                for i in range(0, len(items), size)]
+
+
+def merge_rows(replies: list[Any]) -> Any:
+    """The replies of a split request's parts, in order, as one reply of all their rows."""
+    first = replies[0]
+    return msgspec.structs.replace(
+        first, data=b"".join(r.data for r in replies),
+        shape=[sum(r.shape[0] for r in replies), *first.shape[1:]])
+
+
+# ---- client builders: friendly arguments -> request fields ----------------------------
+
+
+def embed(texts: str | list[str], model: str | None = None) -> tuple[Fields, bool]:
+    """float32 vectors: shape (dim,) for one text, (n, dim) for a list."""
+    single = isinstance(texts, str)
+    return {"model": model or "", "texts": [texts] if single else texts}, single
+
+
+def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
+             max_tokens: int | None = None, temperature: float | None = None,
+             top_p: float | None = None, seed: int | None = None,
+             stop: list[str] | None = None, ignore_eos: bool = False,
+             raw: bool = False) -> tuple[Fields, bool]:
+    """Stream generated text; a prompt, or a chat as [{"role", "content"}, ...].
+    Temperature 0 is greedy. Breaking out of the stream cancels it."""
+    fields: Fields = {"model": model or "", "raw": raw,
+                      "sampling": _sampling(max_tokens, temperature, top_p, seed, stop,
+                                            ignore_eos)}
+    if isinstance(prompt, str):
+        fields["prompt"] = prompt
+    else:
+        fields["messages"] = [ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
+    return fields, False
+
+
+def embed_image(images: ImageLike | list[ImageLike],
+                model: str | None = None) -> tuple[Fields, bool]:
+    """float32 vectors: (dim,) for one image, (n, dim) for a list. An image is a path,
+    bytes, a PIL image, base64 or an http(s) URL."""
+    single = not isinstance(images, list)
+    items = [image_input(i) for i in ([images] if single else images)]
+    return {"model": model or "", "images": items}, single
+
+
+def describe(image: ImageLike, query: str = "", model: str | None = None, *,
+             max_tokens: int | None = None, temperature: float | None = None,
+             top_p: float | None = None, seed: int | None = None,
+             stop: list[str] | None = None, ignore_eos: bool = False) -> tuple[Fields, bool]:
+    """Stream text about an image; no query asks for a caption."""
+    return {"model": model or "", "image": image_input(image), "prompt": query,
+            "sampling": _sampling(max_tokens, temperature, top_p, seed, stop,
+                                  ignore_eos)}, False
+
+
+def generate_image(prompt: str, model: str | None = None, *, steps: int | None = None,
+                   width: int | None = None, height: int | None = None,
+                   seed: int | None = None, guidance: float | None = None,
+                   negative_prompt: str = "", preview_every: int = 0) -> tuple[Fields, bool]:
+    """Progress per denoising step; the last chunk carries the PNG in .png."""
+    return {"model": model or "", "prompt": prompt, "steps": steps, "width": width,
+            "height": height, "seed": seed, "guidance": guidance,
+            "negative_prompt": negative_prompt, "preview_every": preview_every}, False
+
+
+def _sampling(max_tokens: int | None, temperature: float | None, top_p: float | None,
+              seed: int | None, stop: list[str] | None, ignore_eos: bool) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                    stop=stop or [], ignore_eos=ignore_eos)
+
+
+# ---- what the daemon checks and decides per kind ---------------------------------------
+
+
+def _greedy_or_seeded(request: Generate | Describe) -> bool:
+    return request.sampling.temperature == 0 or request.sampling.seed is not None
+
+
+def _prompt_or_messages(request: Generate) -> str | None:
+    return None if request.prompt or request.messages else "generate needs a prompt or messages"
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind(Embed, "embed", ("text_embedding", "image_embedding"), embed, Embeddings,
+         inputs="texts"),
+    Kind(Generate, "generate", ("text_to_text",), generate, End, Chunk, reply="text",
+         deterministic=_greedy_or_seeded, check=_prompt_or_messages),
+    Kind(EmbedImage, "embed_image", ("image_embedding",), embed_image, Embeddings,
+         inputs="images", images=lambda r: list(r.images),
+         with_images=lambda r, images: msgspec.structs.replace(r, images=images)),
+    Kind(Describe, "describe", ("vision",), describe, End, Chunk, reply="text",
+         deterministic=_greedy_or_seeded, images=lambda r: [r.image],
+         with_images=lambda r, images: msgspec.structs.replace(r, image=images[0])),
+    Kind(GenerateImage, "generate_image", ("text_to_image",), generate_image, Image,
+         ImageProgress, reply="image", deterministic=lambda r: r.seed is not None),
+)
+
+KIND_OF: dict[type, Kind] = {kind.request: kind for kind in KINDS}
+BY_OP: dict[str, Kind] = {kind.op: kind for kind in KINDS}
+STREAMED: tuple[type, ...] = tuple({k.chunk: None for k in KINDS if k.chunk})
+FINAL: tuple[type, ...] = (*{k.final: None for k in KINDS}, Error)
+
+
+@dataclass(frozen=True)
+class CapabilityFacts:
+    kinds: tuple[Kind, ...]  # what a model of this capability serves
+    batched: bool  # some of them coalesce into batches
+    streaming: bool  # some of them stream
+
+
+def _capability(name: str) -> CapabilityFacts:
+    kinds = tuple(k for k in KINDS if name in k.served_by)
+    return CapabilityFacts(kinds, any(k.batched for k in kinds), any(k.streaming for k in kinds))
+
+
+CAPABILITIES: dict[str, CapabilityFacts] = {
+    name: _capability(name)
+    for name in dict.fromkeys(cap for kind in KINDS for cap in kind.served_by)
+}
+
+
+def kind_of(request: WorkRequest) -> Kind:
+    return KIND_OF[type(request)]
+
+
+_DEFAULTED = frozenset(RequestDefaults.__struct_fields__)
+_DEFAULTABLE: dict[type, tuple[str, ...]] = {}
+
+
+def with_defaults(struct: Any, defaults: RequestDefaults) -> Any:
+    """The request (or a Struct inside it) with every unset parameter given the daemon's
+    default; the same object when none was unset."""
+    names = _DEFAULTABLE.get(type(struct))
+    if names is None:
+        names = tuple(n for n in struct.__struct_fields__
+                      if n in _DEFAULTED or n == "sampling")
+        _DEFAULTABLE[type(struct)] = names
+    changes = {}
+    for name in names:
+        value = getattr(struct, name)
+        if value is None:
+            changes[name] = getattr(defaults, name)
+        elif isinstance(value, msgspec.Struct):
+            filled = with_defaults(value, defaults)
+            if filled is not value:
+                changes[name] = filled
+    return msgspec.structs.replace(struct, **changes) if changes else struct
+
+
+def build(op: str, *args: Any, defaults: RequestDefaults | None = None,
+          **kwargs: Any) -> WorkRequest:
+    """The request `client.<op>(*args, **kwargs)` would send, with the daemon's defaults
+    filled in as admission would: for running a loaded model in-process (tests, benches)."""
+    kind = BY_OP[op]
+    fields, _ = kind.build(*args, **kwargs)
+    return with_defaults(kind.request(id=0, **fields), defaults or RequestDefaults())

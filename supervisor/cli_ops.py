@@ -1,0 +1,127 @@
+"""The CLI's request commands, one per row of the request-kind table: `modelpool embed`,
+`generate`, `embed-image`, `describe`, `generate-image`, ...
+
+Each command's arguments come from its row's client builder: parameters before `model`
+are positional (a list one takes several values), keyword-only ones are flags
+(`max_tokens` -> `--max-tokens`). What is printed depends on the kind of reply: arrays
+as one JSON row per line, text as it streams, images to the file given with -o.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import types
+import typing
+from typing import Any
+
+from modelpool.protocol.kinds import KINDS, Kind
+from modelpool.protocol.messages import PRIORITIES
+
+SubParsers = Any  # argparse's _SubParsersAction, which has no public name
+
+
+def add_request_commands(sub: SubParsers) -> None:
+    for kind in KINDS:
+        _add_command(sub, kind)
+
+
+def _add_command(sub: SubParsers, kind: Kind) -> None:
+    doc = inspect.getdoc(kind.build) or kind.op
+    cmd = sub.add_parser(kind.op.replace("_", "-"), help=doc.splitlines()[0], description=doc)
+    hints = typing.get_type_hints(kind.build)
+    for param in inspect.signature(kind.build).parameters.values():
+        hint = hints.get(param.name, str)
+        if param.name == "model":
+            cmd.add_argument("--model", help="model key or alias (default: the default "
+                             "model of the capability)")
+        elif param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            optional = param.default is not inspect.Parameter.empty
+            nargs = "+" if _takes_many(hint) else ("?" if optional else None)
+            cmd.add_argument(param.name, nargs=nargs,
+                             default=param.default if optional else None)
+        else:
+            _add_flag(cmd, param, hint)
+    if kind.reply == "image":
+        cmd.add_argument("-o", "--output", required=True, help="PNG file to write")
+    cmd.add_argument("--priority", choices=PRIORITIES, default="normal")
+    cmd.add_argument("--timeout", type=float, dest="timeout_s", help="seconds (default: "
+                     "the daemon's timeout_s)")
+    cmd.add_argument("--deadline", type=float, dest="deadline_s",
+                     help="seconds from now; expired work is never started")
+    cmd.set_defaults(func=lambda args: run(args, kind))
+
+
+def _add_flag(cmd: argparse.ArgumentParser, param: inspect.Parameter, hint: Any) -> None:
+    flag = "--" + param.name.replace("_", "-")
+    if hint is bool:
+        cmd.add_argument(flag, action="store_true", dest=param.name)
+    elif _takes_many(hint):
+        cmd.add_argument(flag, action="append", dest=param.name, help="may be repeated")
+    else:
+        cmd.add_argument(flag, type=_scalar(hint), default=param.default, dest=param.name)
+
+
+def _takes_many(hint: Any) -> bool:
+    """A list of texts, images, ...: several values on the command line. A list of chat
+    messages (dicts) is not something a command line gives."""
+    lists = [h for h in (typing.get_args(hint) if _is_union(hint) else (hint,))
+             if typing.get_origin(h) is list]
+    return any(typing.get_args(h)[0] in (str, Any) for h in lists)
+
+
+def _scalar(hint: Any) -> Any:
+    if _is_union(hint):
+        return next(h for h in typing.get_args(hint) if h is not type(None))
+    return hint
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def run(args: argparse.Namespace, kind: Kind) -> None:
+    from modelpool.protocol.client import Client
+
+    names = inspect.signature(kind.build).parameters
+    kwargs = {name: getattr(args, name) for name in names}
+    kwargs.update(priority=args.priority, timeout_s=args.timeout_s, deadline_s=args.deadline_s)
+    with Client(socket_path=args.socket) as client:
+        result = getattr(client, kind.op)(**kwargs)
+        if kind.reply == "array":
+            _print_rows(result)
+        elif kind.reply == "text":
+            _print_text(result)
+        else:
+            _write_image(result, args.output)
+
+
+def _print_rows(array: Any) -> None:
+    for row in array:
+        value = [round(float(x), 7) for x in row] if getattr(row, "ndim", 0) else float(row)
+        print(json.dumps(value))
+
+
+def _print_text(chunks: Any) -> None:
+    for chunk in chunks:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        if chunk.finish_reason:
+            sys.stdout.write("\n")
+            print(f"[{chunk.finish_reason}: {chunk.prompt_tokens} prompt + "
+                  f"{chunk.completion_tokens} generated tokens]", file=sys.stderr)
+
+
+def _write_image(chunks: Any, output: str) -> None:
+    for chunk in chunks:
+        if chunk.png is None:
+            done = int(30 * chunk.step / max(1, chunk.total_steps))
+            print(f"\r[{'#' * done}{'.' * (30 - done)}] step {chunk.step}/"
+                  f"{chunk.total_steps}", end="", file=sys.stderr, flush=True)
+            continue
+        with open(output, "wb") as out:
+            out.write(chunk.png)
+        print(f"\nwrote {output} ({chunk.width}x{chunk.height}, seed {chunk.seed})",
+              file=sys.stderr)

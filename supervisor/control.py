@@ -1,0 +1,48 @@
+"""Operations on the pool that are not about one request: `modelpool load` and `unload`."""
+
+from __future__ import annotations
+
+from modelpool.protocol.errors import ErrorCode
+from modelpool.supervisor import memory
+from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.pool import Pool
+
+
+class ControlError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _model(pool: Pool, name: str) -> ModelState:
+    spec = pool.registry.resolve(name)
+    if spec is None:
+        raise ControlError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}")
+    return pool.models[spec.key]
+
+
+def load_model(pool: Pool, name: str, workers: int) -> str:
+    """Keep `workers` workers up (clearing a failed state) until `unload`, so requests
+    never wait for a load. They start as load slots and memory allow."""
+    model = _model(pool, name)
+    if model.device is None or memory.never_fits(model.charge(),
+                                                 pool.capacity.budget_for(model.device)):
+        raise ControlError(ErrorCode.INSUFFICIENT_MEMORY,
+                           f"model {model.key!r} has no device or can never fit its memory "
+                           f"budget")
+    model.pin(workers, pool.scheduler.now())
+    pool.reconcile(model)
+    return (f"{model.key}: keeping {model.warm_target} worker(s) up; "
+            f"{len(model.live_workers())} live or starting")
+
+
+def unload_model(pool: Pool, name: str) -> str:
+    """Stop every worker of the model once its current work is done."""
+    model = _model(pool, name)
+    model.unpin()
+    live = model.live_workers()
+    for worker in live:
+        pool.stop_worker(worker)
+    pool.retire_unneeded_holder(model)  # else it stops after the last worker exits
+    return f"{model.key}: stopping {len(live)} worker(s)"

@@ -1,0 +1,80 @@
+"""Handing waiting work to workers that asked for it: the best job first (priority, then
+age), compatible waiting jobs coalesced into one batch, and expired work never sent.
+
+The pool calls `dispatch` whenever a model's queue or free workers change; this is the
+only place jobs go from a queue to a worker.
+"""
+
+from __future__ import annotations
+
+from modelpool.protocol.pipes import Work
+from modelpool.supervisor.clock import Scheduler
+from modelpool.supervisor.jobs import JobBook
+from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.queueing import Job, JobState
+from modelpool.supervisor.shm import SharedImages
+from modelpool.supervisor.workers import WorkerHandle, WorkerState
+
+
+class Dispatcher:
+    def __init__(self, scheduler: Scheduler, book: JobBook, shared: SharedImages,
+                 batch_wait_s: float) -> None:
+        self.scheduler = scheduler
+        self.book = book
+        self.shared = shared
+        self.batch_wait_s = batch_wait_s
+
+    def dispatch(self, model: ModelState) -> None:
+        if not len(model.queue):
+            return
+        for worker in model.free_workers():
+            if not len(model.queue) or self._wait_for_batch(model):
+                return
+            batch = self._runnable(model.queue.pop_batch(model.settings.max_batch))
+            if batch:
+                self._send(model, worker, batch)
+
+    def _send(self, model: ModelState, worker: WorkerHandle, batch: list[Job]) -> None:
+        now = self.scheduler.now()
+        for job in batch:
+            job.state, job.worker_id, job.started_at = JobState.RUNNING, worker.worker_id, now
+            worker.jobs[job.job_id] = job
+        worker.move_to(WorkerState.BUSY)
+        worker.wants_work, worker.last_used, worker.last_dispatch_at = False, now, now
+        model.metrics.batch(sum(job.size for job in batch))
+        worker.send(Work(items=[self.shared.work_item(job.job_id, job.kind, job.request)
+                                for job in batch]))
+
+    def _runnable(self, jobs: list[Job]) -> list[Job]:
+        """Drop what expired while waiting: expired work never reaches a worker."""
+        now = self.scheduler.now()
+        runnable = []
+        for job in jobs:
+            requesters = (job.parent or job).requesters
+            for req in requesters:
+                if not req.done and req.deadline_at is not None and req.deadline_at <= now:
+                    self.book.expire(req, deadline=True)
+            if any(not req.done for req in requesters):
+                runnable.append(job)
+        return runnable
+
+    def _wait_for_batch(self, model: ModelState) -> bool:
+        """Under load, give a small batch max_batch_wait_ms to fill before it runs.
+        An idle model never waits: a lone request should not pay for batching."""
+        if not model.spec.batched or self.batch_wait_s <= 0 or model.batch_waited:
+            return False
+        if model.batch_timer is not None:
+            return True
+        busy = any(w.state is WorkerState.BUSY for w in model.workers.values())
+        if not busy or len(model.queue) >= model.settings.max_batch:
+            return False
+        model.batch_timer = self.scheduler.call_later(self.batch_wait_s, self._wait_over,
+                                                      model)
+        return True
+
+    def _wait_over(self, model: ModelState) -> None:
+        model.batch_timer, model.batch_waited = None, True
+        try:
+            self.dispatch(model)
+        finally:
+            model.batch_waited = False

@@ -1,0 +1,147 @@
+"""What the daemon reports about itself: `modelpool status` and `modelpool models`, and the
+periodic re-measuring of workers' memory those figures (and the budget) rest on.
+
+Reads the pool's state; the only changes it makes are measurements, through the
+model's own note_* methods."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import os
+import time
+
+import psutil
+
+from modelpool.protocol.messages import (
+    DeviceMemory,
+    MemoryStatus,
+    ModelInfo,
+    ModelStatus,
+    PoolStatus,
+    WorkerStatus,
+)
+from modelpool.supervisor import gpus, memory
+from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.pool import Pool
+from modelpool.supervisor.workers import WorkerState
+
+
+async def refresh_memory(pool: Pool) -> None:
+    """Re-measure every ready worker's private memory (it grows with the batches it ran)
+    and, on a GPU, every worker's and holder's whole VRAM, CUDA context included. In a
+    thread: reading a process's smaps walks all its page tables, milliseconds for each
+    worker, and nvidia-smi takes tens; either would stall every request on the loop."""
+    targets = {worker.pid: (model, worker) for model in pool.models.values()
+               for worker in model.processes() if worker.pid is not None
+               and (worker.ready or worker.state is WorkerState.HOLDING)}
+    uss, vram = await asyncio.get_running_loop().run_in_executor(
+        None, _measure, list(targets), bool(pool.gpus))
+    for pid, (model, worker) in targets.items():
+        if not worker.alive:  # it exited while we measured
+            continue
+        if worker is model.holder:
+            model.note_holder_measured(uss.get(pid), vram.get(pid))
+        else:
+            model.note_uss(worker, uss.get(pid))
+            model.note_vram(vram.get(pid))
+
+
+def _measure(pids: list[int], on_gpus: bool) -> tuple[dict[int, float], dict[int, float]]:
+    """(USS, VRAM) in MiB by pid; a process that is exiting is left out."""
+    uss = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):  # exiting: its sentinel will tell
+            uss[pid] = psutil.Process(pid).memory_full_info().uss / 2**20
+    return uss, gpus.process_vram_mb() if on_gpus else {}
+
+
+def build_status(pool: Pool, socket_path: str, started_at: float) -> PoolStatus:
+    now = pool.scheduler.now()
+    models = [_model_status(pool, m, now) for m in pool.models.values()]
+    facts = memory.read_memory()
+    return PoolStatus(
+        pid=os.getpid(),
+        version=version(),
+        uptime_s=round(time.monotonic() - started_at, 3),
+        socket=socket_path,
+        shutting_down=pool.shutting_down,
+        models=models,
+        memory=MemoryStatus(
+            budget_mb=round(pool.capacity.budget_mb, 1),
+            used_mb=round(pool.capacity.used_mb(pool.models.values()), 1),
+            total_mb=round(facts.total_mb, 1),
+            available_mb=round(facts.available_mb, 1),
+            gpus=[DeviceMemory(device=g.device,
+                               budget_mb=round(pool.capacity.budget_for(g.device), 1),
+                               used_mb=round(pool.capacity.used_mb(pool.models.values(),
+                                                                   g.device), 1),
+                               total_mb=g.total_mb) for g in pool.gpus],
+        ),
+    )
+
+
+def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
+    workers = [
+        WorkerStatus(
+            worker_id=w.worker_id,
+            pid=w.pid,
+            state=w.state.value,
+            inflight=len(w.jobs),
+            started_s_ago=round(now - w.started_at, 3),
+            idle_s=round(now - w.last_used, 3) if w.state is WorkerState.IDLE else None,
+            uss_mb=round(w.uss_mb, 1) if w.uss_mb is not None else None,
+            last_heartbeat_s=(round(now - w.last_heartbeat, 3)
+                              if w.last_heartbeat is not None else None),
+            load_s=w.load_s,
+            holds_weights=w is model.holder,
+        )
+        for w in model.processes()
+    ]
+    queued, running = _by_priority(model)
+    priorities = model.metrics.snapshot(queued, running)
+    return ModelStatus(
+        key=model.spec.key, capability=model.spec.capability, state=model.state_name(),
+        queued=len(model.queue), running=model.running(),
+        completed=sum(p.completed for p in priorities),
+        failed=sum(p.failed + p.expired for p in priorities), workers=workers,
+        last_error=model.failures.last_error,
+        memory_mb=round(model.charge().charged_mb, 1),
+        health=model.health(now, pool.pool_config.heartbeat_timeout_s),
+        priorities=priorities, mean_batch=round(model.metrics.mean_batch, 2),
+        device=model.device,
+    )
+
+
+def _by_priority(model: ModelState) -> tuple[dict[str, int], dict[str, int]]:
+    """Requesters waiting and running, per priority (a deduplicated job counts each)."""
+    queued: collections.Counter[str] = collections.Counter()
+    running: collections.Counter[str] = collections.Counter()
+    for job in model.queue.jobs():
+        queued.update(r.priority for r in job.live)
+    for worker in model.workers.values():
+        for job in worker.jobs.values():
+            running.update(r.priority for r in job.live)
+    return dict(queued), dict(running)
+
+
+def models_info(pool: Pool) -> list[ModelInfo]:
+    defaults = set(pool.registry.defaults.values())
+    return [
+        ModelInfo(key=m.spec.key, capability=m.spec.capability, aliases=list(m.spec.aliases),
+                  source=m.spec.source, default=m.spec.key in defaults,
+                  state=m.state_name())
+        for m in pool.models.values()
+    ]
+
+
+@functools.cache  # it scans the installed distributions: far too slow for every status
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("modelpool")
+    except PackageNotFoundError:
+        return "0+unknown"

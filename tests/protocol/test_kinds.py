@@ -1,0 +1,97 @@
+"""The request-kind table: one row per request Struct, what it derives, and defaults."""
+
+from __future__ import annotations
+
+import typing
+
+import msgspec
+import pytest
+
+from modelpool.protocol import kinds
+from modelpool.protocol.kinds import BY_OP, CAPABILITIES, KIND_OF, KINDS, merge_rows, with_defaults
+from modelpool.protocol.messages import (
+    Describe,
+    Embed,
+    Embeddings,
+    Generate,
+    GenerateImage,
+    ImageInput,
+    RequestDefaults,
+    Sampling,
+    WorkRequest,
+)
+
+
+def test_every_request_struct_has_exactly_one_row() -> None:
+    assert set(KIND_OF) == set(typing.get_args(WorkRequest))
+    assert len(BY_OP) == len(KINDS) == len(KIND_OF)
+
+
+def test_capabilities_are_derived_from_the_rows() -> None:
+    assert CAPABILITIES["text_embedding"].batched
+    assert not CAPABILITIES["text_embedding"].streaming
+    assert CAPABILITIES["text_to_text"].streaming and not CAPABILITIES["text_to_text"].batched
+    # An image-embedding model also answers text embeddings (its text tower).
+    assert {k.op for k in CAPABILITIES["image_embedding"].kinds} == {"embed", "embed_image"}
+
+
+def test_batched_kinds_split_in_order_and_merge_back_by_rows() -> None:
+    kind = KIND_OF[Embed]
+    request = Embed(id=1, texts=[f"t{i}" for i in range(10)])
+    parts = kind.split(request, 4)
+    assert [p.texts for p in parts] == [request.texts[0:4], request.texts[4:8],
+                                        request.texts[8:10]]
+    assert [kind.size(p) for p in parts] == [4, 4, 2]
+    replies = [Embeddings(id=0, data=bytes([i]) * 2 * len(p.texts), shape=[len(p.texts), 2])
+               for i, p in enumerate(parts)]
+    merged = merge_rows(replies)
+    assert merged.shape == [10, 2] and merged.data == b"".join(r.data for r in replies)
+
+
+def test_only_repeatable_requests_are_deterministic() -> None:
+    generate, image = KIND_OF[Generate], KIND_OF[GenerateImage]
+    assert generate.deterministic(Generate(id=1, prompt="x", sampling=Sampling(temperature=0)))
+    assert generate.deterministic(Generate(id=1, prompt="x",
+                                           sampling=Sampling(temperature=1, seed=3)))
+    assert not generate.deterministic(Generate(id=1, prompt="x",
+                                               sampling=Sampling(temperature=1)))
+    assert image.deterministic(GenerateImage(id=1, prompt="x", seed=1))
+    assert not image.deterministic(GenerateImage(id=1, prompt="x"))
+    assert KIND_OF[Embed].deterministic(Embed(id=1, texts=["a"]))
+
+
+def test_images_are_found_and_replaced_through_the_row() -> None:
+    kind = KIND_OF[Describe]
+    request = Describe(id=1, image=ImageInput(data=b"png"))
+    assert kind.images(request) == [ImageInput(data=b"png")]
+    assert kind.with_images is not None
+    assert kind.with_images(request, [ImageInput(url="u")]).image == ImageInput(url="u")
+    assert KIND_OF[Embed].images(Embed(id=1, texts=["a"])) == []
+
+
+def test_generate_needs_a_prompt_or_messages() -> None:
+    check = KIND_OF[Generate].check
+    assert check(Generate(id=1)) is not None
+    assert check(Generate(id=1, prompt="hi")) is None
+
+
+def test_unset_parameters_get_the_daemons_defaults_and_set_ones_stay() -> None:
+    defaults = RequestDefaults(max_tokens=7, temperature=0.5, steps=3, width=64)
+    generate = with_defaults(Generate(id=1, prompt="x", sampling=Sampling(top_p=0.9)), defaults)
+    assert generate.sampling == Sampling(max_tokens=7, temperature=0.5, top_p=0.9)
+    image = with_defaults(GenerateImage(id=1, prompt="x", height=128), defaults)
+    assert (image.steps, image.width, image.height, image.guidance) == (3, 64, 128, 7.5)
+    embed = Embed(id=1, texts=["a"])
+    assert with_defaults(embed, defaults) is embed  # nothing to fill: no copy
+
+
+def test_build_makes_what_a_client_would_send_with_defaults_filled() -> None:
+    request = kinds.build("generate", [{"role": "user", "content": "hi"}], max_tokens=3)
+    assert isinstance(request, Generate)
+    assert request.messages[0].content == "hi" and request.sampling.max_tokens == 3
+    assert request.sampling.temperature == RequestDefaults().temperature
+
+
+def test_defaults_are_validated_like_the_fields_they_fill() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"width": 100}, RequestDefaults)  # not a multiple of 8
