@@ -10,6 +10,7 @@ code, deterministically, in a few seconds, and stays small on disk:
     tiny-clip    CLIPModel (text + vision towers) with its CLIPProcessor    ~0.4 MB
     tiny-vision  LLaVA (CLIP vision tower + tiny Llama), LlavaProcessor     ~0.7 MB
     tiny-sd      StableDiffusionPipeline (UNet, VAE, CLIP text encoder)     ~1.5 MB
+    tiny-rerank  BERT cross-encoder (one relevance logit), WordPiece tokenizer ~0.2 MB
 
 Usage:
     python scripts/make_tiny_models.py OUTDIR [--only NAME ...] [--force]
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script or loaded by path in tests
+import tiny_encoders
 from tiny_bpe import learn_bpe_merges
 
 # Heavy imports (torch, transformers, tokenizers) happen inside the builders so that
@@ -63,6 +65,7 @@ CHAT_TEMPLATE = (
 # BPE finds LLM_VOCAB_SIZE worth of merges. Part of the digest that marks built models.
 CORPUS_FILE = Path(__file__).with_name("tiny_corpus.txt")
 BPE_FILE = Path(__file__).with_name("tiny_bpe.py")
+ENCODERS_FILE = Path(__file__).with_name("tiny_encoders.py")
 
 
 def _corpus_lines() -> list[str]:
@@ -323,13 +326,16 @@ BUILDERS: dict[str, Builder] = {
     "tiny-clip": build_tiny_clip,
     "tiny-vision": build_tiny_vision,
     "tiny-sd": build_tiny_sd,
+    "tiny-rerank": lambda outdir: tiny_encoders.build_tiny_rerank(outdir, _corpus_lines(),
+                                                                  _seeded),
 }
 
 
 def _script_digest() -> str:
     # Stored in the marker so that editing a builder invalidates directories built by the
     # old code instead of silently serving stale fixtures.
-    sources = Path(__file__).read_bytes() + CORPUS_FILE.read_bytes() + BPE_FILE.read_bytes()
+    sources = b"".join(path.read_bytes() for path in (Path(__file__), CORPUS_FILE, BPE_FILE,
+                                                      ENCODERS_FILE))
     return hashlib.sha256(sources).hexdigest()
 
 

@@ -135,6 +135,7 @@ def test_rerun_skips_complete_models_unless_forced(
 # ---- the multimodal models: tiny-clip, tiny-vision, tiny-sd ----------------------------
 
 MULTIMODAL = ("tiny-clip", "tiny-vision", "tiny-sd")
+BEYOND_LLM = (*MULTIMODAL, "tiny-rerank")
 
 
 def _files(model_dir: Path) -> dict[str, bytes]:
@@ -148,8 +149,8 @@ def _image() -> Any:
     return Image.new("RGB", (48, 40), (30, 120, 200))
 
 
-@pytest.mark.parametrize("name", MULTIMODAL)
-def test_multimodal_directories_are_small(outdir: Path, name: str) -> None:
+@pytest.mark.parametrize("name", BEYOND_LLM)
+def test_other_directories_are_small(outdir: Path, name: str) -> None:
     files = _files(outdir / name)
     assert sum(len(data) for data in files.values()) < 5 * 1024 * 1024
     weights = [path for path in files if path.endswith(".safetensors")]
@@ -236,13 +237,33 @@ def test_sd_loads_with_diffusers(outdir: Path) -> None:
     assert image.size == (64, 64)
 
 
-def test_multimodal_builds_are_deterministic(tmp_path: Path, outdir: Path) -> None:
+def test_rerank_scores_query_document_pairs(outdir: Path) -> None:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model_dir = outdir / "tiny-rerank"
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert model.config.architectures == ["BertForSequenceClassification"]
+    assert model.config.num_labels == 1
+    pair = tokenizer("what is a worker", "a worker runs one model")
+    assert pair["input_ids"][0] == tokenizer.cls_token_id
+    assert pair["input_ids"].count(tokenizer.sep_token_id) == 2
+    assert set(pair["token_type_ids"]) == {0, 1}  # the document is segment B
+    batch = tokenizer(["q", "q"], ["a worker", "the queue holds requests"], padding=True,
+                      return_tensors="pt")
+    with torch.inference_mode():
+        logits = model(**batch).logits
+    assert logits.shape == (2, 1) and abs(float(logits[0] - logits[1])) > 1e-3
+
+
+def test_other_builds_are_deterministic(tmp_path: Path, outdir: Path) -> None:
     # A fresh process: hash-map order there differs from this one, which once made the
     # tokenizers BPE trainer (with an end-of-word suffix) learn different merges.
-    only = [arg for name in MULTIMODAL for arg in ("--only", name)]
+    only = [arg for name in BEYOND_LLM for arg in ("--only", name)]
     subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), *only], check=True,
                    capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    for name in MULTIMODAL:
+    for name in BEYOND_LLM:
         rebuilt, original = _files(tmp_path / name), _files(outdir / name)
         assert rebuilt.keys() == original.keys(), name
         for path, data in rebuilt.items():
