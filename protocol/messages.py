@@ -147,8 +147,7 @@ class StopDaemon(_Msg, frozen=True, kw_only=True, tag="stop"):
 
 WorkRequest = Embed | Generate | EmbedImage | Describe | GenerateImage
 ClientMessage = (
-    Hello | Embed | Generate | EmbedImage | Describe | GenerateImage | Cancel | GetStatus
-    | ListModels | LoadModel | UnloadModel | StopDaemon
+    Hello | WorkRequest | Cancel | GetStatus | ListModels | LoadModel | UnloadModel | StopDaemon
 )
 
 
@@ -302,10 +301,10 @@ class Ack(_Msg, frozen=True, kw_only=True, tag="ack"):
     message: str = ""
 
 
-ServerMessage = (
-    Welcome | Embeddings | Chunk | End | ImageProgress | Image | Error | StatusReply
-    | ModelsReply | Ack
-)
+# What answers a WorkRequest: streamed chunks, then one final reply. Workers send these
+# up their pipes too, under the supervisor's job id.
+WorkReply = Embeddings | Chunk | End | ImageProgress | Image | Error
+ServerMessage = Welcome | WorkReply | StatusReply | ModelsReply | Ack
 
 # Built once: msgspec decoders and encoders are cheap to call and costly to build.
 client_decoder = msgspec.msgpack.Decoder(ClientMessage)

@@ -12,15 +12,7 @@ from typing import Any
 
 import msgspec
 
-from modelpool.protocol.messages import (
-    Chunk,
-    Embeddings,
-    End,
-    Error,
-    Image,
-    ImageProgress,
-    WorkRequest,
-)
+from modelpool.protocol.messages import WorkReply, WorkRequest
 from modelpool.registry.spec import ModelSpec
 
 
@@ -152,9 +144,7 @@ class WantWork(_Msg, frozen=True, kw_only=True, tag="want_work"):
     pass
 
 
-FromWorker = (
-    Ready | LoadFailed | WantWork | Embeddings | Chunk | End | ImageProgress | Image | Error
-)
+FromWorker = Ready | LoadFailed | WantWork | WorkReply
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
