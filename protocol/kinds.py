@@ -35,7 +35,9 @@ from modelpool.protocol.messages import (
     ImageInput,
     ImageProgress,
     RequestDefaults,
+    Rerank,
     Sampling,
+    Scores,
     WorkRequest,
 )
 
@@ -156,6 +158,11 @@ def generate_image(prompt: str, model: str | None = None, *, steps: int | None =
             "negative_prompt": negative_prompt, "preview_every": preview_every}, False
 
 
+def rerank(query: str, documents: list[str], model: str | None = None) -> tuple[Fields, bool]:
+    """float32 relevance scores, one per document, in order (higher: more relevant)."""
+    return {"model": model or "", "query": query, "documents": documents}, False
+
+
 def _sampling(max_tokens: int | None, temperature: float | None, top_p: float | None,
               seed: int | None, stop: list[str] | None, ignore_eos: bool) -> Sampling:
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -186,6 +193,7 @@ KINDS: tuple[Kind, ...] = (
          with_images=lambda r, images: msgspec.structs.replace(r, image=images[0])),
     Kind(GenerateImage, "generate_image", ("text_to_image",), generate_image, Image,
          ImageProgress, reply="image", deterministic=lambda r: r.seed is not None),
+    Kind(Rerank, "rerank", ("rerank",), rerank, Scores, inputs="documents"),
 )
 
 KIND_OF: dict[type, Kind] = {kind.request: kind for kind in KINDS}

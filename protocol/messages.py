@@ -118,6 +118,13 @@ class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     guidance: Guidance = 7.5
 
 
+class Rerank(_Request, frozen=True, kw_only=True, tag="rerank"):
+    """How relevant each document is to the query: one score per document, in order."""
+
+    query: str
+    documents: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_TEXTS)]
+
+
 class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
     id: int  # the id of the request to cancel
 
@@ -145,7 +152,7 @@ class StopDaemon(_Msg, frozen=True, kw_only=True, tag="stop"):
     id: int
 
 
-WorkRequest = Embed | Generate | EmbedImage | Describe | GenerateImage
+WorkRequest = Embed | Generate | EmbedImage | Describe | GenerateImage | Rerank
 ClientMessage = (
     Hello | WorkRequest | Cancel | GetStatus | ListModels | LoadModel | UnloadModel | StopDaemon
 )
@@ -165,6 +172,16 @@ class Embeddings(_Msg, frozen=True, kw_only=True, tag="embeddings"):
     id: int
     data: bytes  # raw little-endian float32, row-major
     shape: list[int]
+    dtype: str = "float32"
+    model: str = ""
+
+
+class Scores(_Msg, frozen=True, kw_only=True, tag="scores"):
+    """The final reply of rerank: one relevance score per document, in request order."""
+
+    id: int
+    data: bytes  # raw little-endian float32
+    shape: list[int]  # [number of documents]
     dtype: str = "float32"
     model: str = ""
 
@@ -303,7 +320,7 @@ class Ack(_Msg, frozen=True, kw_only=True, tag="ack"):
 
 # What answers a WorkRequest: streamed chunks, then one final reply. Workers send these
 # up their pipes too, under the supervisor's job id.
-WorkReply = Embeddings | Chunk | End | ImageProgress | Image | Error
+WorkReply = Embeddings | Scores | Chunk | End | ImageProgress | Image | Error
 ServerMessage = Welcome | WorkReply | StatusReply | ModelsReply | Ack
 
 # Built once: msgspec decoders and encoders are cheap to call and costly to build.

@@ -34,6 +34,7 @@ LOADERS: dict[str, CapabilityLoader] = {
     "vision": CapabilityLoader("modelpool.registry.loaders.vision_lm:load"),
     "text_to_image": CapabilityLoader("modelpool.registry.loaders.diffusion:load",
                                       preload=("diffusers",)),
+    "rerank": CapabilityLoader("modelpool.registry.loaders.cross_encoder:load"),
 }
 
 

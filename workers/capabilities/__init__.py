@@ -8,6 +8,7 @@ from typing import Any
 from modelpool.protocol.pipes import WorkItem
 from modelpool.workers.capabilities import (
     image_embedding,
+    rerank,
     text_embedding,
     text_to_image,
     text_to_text,
@@ -23,4 +24,5 @@ ADAPTERS: dict[str, Adapter] = {
     "image_embedding": image_embedding.run,
     "vision": vision.run,
     "text_to_image": text_to_image.run,
+    "rerank": rerank.run,
 }
