@@ -16,7 +16,7 @@ from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import memory, scaling
 from modelpool.supervisor.config import PoolConfig
 from modelpool.supervisor.metrics import ModelMetrics
-from modelpool.supervisor.queueing import JobQueue
+from modelpool.supervisor.queueing import Job, JobQueue, JobState
 from modelpool.supervisor.shm import weights_segment
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
@@ -162,6 +162,25 @@ class ModelState:
             workers=sum(w.state is not WorkerState.DEAD for w in self.workers.values()),
             shared_weights=self.device == "cpu" or self.uses_holder,
             held=self.holder is not None)
+
+    def wait_cause(self, job: Job) -> str:
+        """Why a job of this model has not finished yet, for TIMEOUT and DEADLINE_EXPIRED."""
+        if job.parts:
+            return f"split into {len(job.parts)} parts, {len(job.part_replies)} done"
+        if job.state is JobState.RUNNING:
+            worker = self.workers.get(job.worker_id or 0)
+            return f"running on worker pid {worker.pid if worker else '?'}"
+        if not self.workers:
+            return "waiting for memory" if self.waiting_for_memory else "waiting for a worker"
+        if not self.has_ready_worker():
+            return "the model was still loading"
+        return f"waiting in a queue of {len(self.queue)}"
+
+    def active_jobs(self) -> list[Job]:
+        """Its jobs still owed a final reply: queued, and held by its workers."""
+        held = [j for w in self.workers.values() for j in w.jobs.values()
+                if j.state is not JobState.DONE]
+        return [*self.queue.jobs(), *held]
 
     def worker_settings(self, worker_id: int, holder: bool, heartbeat_interval_s: float,
                         images: ImagePolicy) -> WorkerSettings:

@@ -150,17 +150,7 @@ class Pool:
                 worker.send(Abort(job_id=job.job_id))
 
     def wait_cause(self, job: Job) -> str:
-        model = self.models[job.model_key]
-        if job.parts:
-            return f"split into {len(job.parts)} parts, {len(job.part_replies)} done"
-        if job.state is JobState.RUNNING:
-            worker = model.workers.get(job.worker_id or 0)
-            return f"running on worker pid {worker.pid if worker else '?'}"
-        if not model.workers:
-            return "waiting for memory" if model.waiting_for_memory else "waiting for a worker"
-        if not model.has_ready_worker():
-            return "the model was still loading"
-        return f"waiting in a queue of {len(model.queue)}"
+        return self.models[job.model_key].wait_cause(job)
 
     def job_closed(self, job: Job, was_queued: bool) -> None:
         model = self.models[job.model_key]
@@ -411,9 +401,4 @@ class Pool:
 
     def active_jobs(self) -> list[Job]:
         """Every accepted job still owed a final reply."""
-        jobs: list[Job] = []
-        for model in self.models.values():
-            jobs.extend(model.queue.jobs())
-            for worker in model.workers.values():
-                jobs.extend(j for j in worker.jobs.values() if j.state is not JobState.DONE)
-        return jobs
+        return [job for model in self.models.values() for job in model.active_jobs()]
