@@ -218,6 +218,7 @@ def queue_full_latency(count: int) -> dict[str, Any]:
 
 class _Sink:
     closed = False
+    owner = "bench"
 
     def __init__(self) -> None:
         self.jobs: dict[int, Any] = {}

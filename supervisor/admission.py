@@ -4,7 +4,7 @@ answer with."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import Kind
@@ -93,11 +93,16 @@ def memory_error(model: ModelState, budget_for: Callable[[str], float]) -> Rejec
 
 
 def bounds_error(model: ModelState, models: Iterable[ModelState], nbytes: int,
-                 config: PoolConfig) -> Rejection | None:
-    """No queue is unbounded: per model in requests, in all in requests and bytes."""
+                 config: PoolConfig, owner: Hashable = None) -> Rejection | None:
+    """No queue is unbounded: per model in requests, in all in requests and bytes; and
+    no one client takes the last quarter of a model's queue, which is kept for others."""
     limit = model.settings.max_queue
     if len(model.queue) >= limit:
         return ErrorCode.QUEUE_FULL, f"model {model.key!r} has {limit} requests waiting"
+    share = max(1, limit - limit // 4)
+    if model.queue.held[owner] >= share:
+        return (ErrorCode.QUEUE_FULL, f"this client has {share} requests waiting for model "
+                f"{model.key!r}; the rest of its queue is kept for other clients")
     queued_total = queued_bytes = 0
     for other in models:  # one pass: this runs for every request
         queued_total += other.queue.live

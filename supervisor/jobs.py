@@ -70,7 +70,7 @@ class JobBook:
                 key: bytes | None) -> Job:
         job = Job(job_id=next(self._job_ids), request=request, kind=kind, model_key=model_key,
                   accepted_at=req.accepted_at, requesters=[req], dedup_key=key,
-                  history=[] if key and kind.streaming else None)
+                  history=[] if key and kind.streaming else None, owner=req.sink.owner)
         req.job = job
         if key:
             self.index[key] = job
@@ -84,7 +84,7 @@ class JobBook:
             job.parts.append(Job(job_id=next(self._job_ids), request=part_request,
                                  kind=job.kind, model_key=job.model_key,
                                  accepted_at=job.accepted_at, parent=job,
-                                 nbytes=job.nbytes // len(requests)))
+                                 nbytes=job.nbytes // len(requests), owner=job.owner))
         job.state = JobState.RUNNING  # it runs as its parts
         return job.parts
 

@@ -89,7 +89,7 @@ class Pool:
         leader = self.book.leader_for(key)
         if reject is None and leader is None and model is not None:
             reject = admission.bounds_error(model, self.models.values(), nbytes,
-                                            self.pool_config)
+                                            self.pool_config, sink.owner)
         if reject is not None:
             self._reject(sink, request, model, reject)
             return

@@ -6,10 +6,13 @@ when identical requests were deduplicated). Pure data structures: no I/O, no clo
 
 from __future__ import annotations
 
+import collections
 import enum
 import hashlib
 import heapq
 import itertools
+import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +24,7 @@ from modelpool.protocol.messages import PRIORITIES, WorkRequest, encoder
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
 PROMOTION_FLOOR = PRIORITY_RANK["high"]  # ageing never lifts work into `critical`
 DEDUP_MAX_BYTES = 1 << 20  # hashing bigger inputs costs more than it is likely to save
+FINISH_TAGS_KEPT = 4096  # owners' finish tags kept before the idle ones are dropped
 
 
 class ReplySink(Protocol):
@@ -28,6 +32,7 @@ class ReplySink(Protocol):
 
     closed: bool
     jobs: dict[int, Any]
+    owner: Hashable  # who takes turns with other clients in the queues
 
     def send(self, msg: Any) -> None: ...
 
@@ -64,6 +69,8 @@ class Job:
     requesters: list[Requester] = field(default_factory=list)
     state: JobState = JobState.QUEUED
     rank: int | None = None  # current priority rank once queued; ageing lowers it
+    entry: int | None = None  # the queue's current heap entry for it
+    owner: Hashable = None  # whose turn it takes in fair queueing: its client
     worker_id: int | None = None
     started_at: float | None = None
     chunks_sent: int = 0
@@ -109,13 +116,23 @@ def aged_rank(rank: int, waited_s: float, promote_every_s: float) -> int:
 
 
 class JobQueue:
-    """A min-heap on (rank, arrival order). Removal and re-ranking are lazy: an entry whose
-    job left QUEUED, or whose rank changed, is skipped when it reaches the top."""
+    """A min-heap on (rank, start tag, arrival order): priority first, then start-time
+    fair queueing across owners (client connections) within a priority. Each owner's
+    next job starts where its previous one finished (its start tag plus its size), and
+    never before the tag of the job dispatched last; so one client with a thousand
+    waiting requests and another with one take turns instead of queueing FIFO, and a
+    lone client's jobs keep their arrival order.
+
+    Removal and re-ranking are lazy: an entry whose job left QUEUED, or that is not the
+    job's current entry (it was promoted or re-queued since), is skipped at the top."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Job]] = []
+        self._heap: list[tuple[int, float, int, Job]] = []
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
+        self._virtual = [0.0] * len(PRIORITIES)  # per rank: start tag last dispatched
+        self._finish: dict[tuple[int, Hashable], float] = {}  # (rank, owner): last finish
+        self.held: collections.Counter[Hashable] = collections.Counter()  # waiting, by owner
         self.live = 0
         self.nbytes = 0  # of the jobs waiting
 
@@ -123,29 +140,24 @@ class JobQueue:
         return self.live
 
     def push(self, job: Job) -> None:
-        job.rank = PRIORITY_RANK[job.request.priority]
-        heapq.heappush(self._heap, (job.rank, next(self._order), job))
-        self.live += 1
-        self.nbytes += job.nbytes
+        rank = PRIORITY_RANK[job.request.priority]
+        self._enqueue(job, rank, self._start_tag(rank, job), next(self._order))
+        self._count(job, 1)
 
     def push_front(self, job: Job) -> None:
         """Re-queue ahead of everything of the same rank (a dead worker's job)."""
-        if job.rank is None:
-            job.rank = PRIORITY_RANK[job.request.priority]
-        heapq.heappush(self._heap, (job.rank, next(self._front), job))
-        self.live += 1
-        self.nbytes += job.nbytes
+        rank = job.rank if job.rank is not None else PRIORITY_RANK[job.request.priority]
+        self._enqueue(job, rank, -math.inf, next(self._front))
+        self._count(job, 1)
 
     def promote(self, job: Job, rank: int) -> None:
         """Move a queued job up to rank (ageing, or a more urgent requester attached)."""
         if job.state is JobState.QUEUED and job.rank is not None and rank < job.rank:
-            job.rank = rank
-            heapq.heappush(self._heap, (rank, next(self._order), job))
+            self._enqueue(job, rank, self._start_tag(rank, job), next(self._order))
 
     def discard(self, job: Job) -> None:
         """Call after moving a queued job out of QUEUED (cancelled, timed out)."""
-        self.live -= 1
-        self.nbytes -= job.nbytes
+        self._count(job, -1)
         self._drop_dead_top()
 
     def pop_batch(self, max_size: int) -> list[Job]:
@@ -162,7 +174,7 @@ class JobQueue:
             self._drop_dead_top()
             if not self._heap:
                 break
-            nxt = self._heap[0][2]
+            nxt = self._heap[0][3]
             if nxt.size + size > max_size or nxt.kind is not batch[0].kind:
                 break
             batch.append(self._pop())
@@ -172,21 +184,47 @@ class JobQueue:
     def jobs(self) -> list[Job]:
         seen: set[int] = set()
         out = []
-        for _, _, job in self._heap:
+        for *_, job in self._heap:
             if job.state is JobState.QUEUED and job.job_id not in seen:
                 seen.add(job.job_id)
                 out.append(job)
         return out
 
+    def _start_tag(self, rank: int, job: Job) -> float:
+        key = (rank, job.owner)
+        start = max(self._virtual[rank], self._finish.get(key, 0.0))
+        self._finish[key] = start + job.size
+        if len(self._finish) > FINISH_TAGS_KEPT:
+            self._forget_idle_owners()
+        return start
+
+    def _forget_idle_owners(self) -> None:
+        """An owner whose last finish is behind its rank's clock starts from the clock
+        anyway: its entry says nothing."""
+        self._finish = {key: finish for key, finish in self._finish.items()
+                        if finish > self._virtual[key[0]]}
+
+    def _enqueue(self, job: Job, rank: int, tag: float, order: int) -> None:
+        job.rank, job.entry = rank, order
+        heapq.heappush(self._heap, (rank, tag, order, job))
+
+    def _count(self, job: Job, delta: int) -> None:
+        self.live += delta
+        self.nbytes += delta * job.nbytes
+        self.held[job.owner] += delta
+        if not self.held[job.owner]:
+            del self.held[job.owner]
+
     def _pop(self) -> Job:
-        job = heapq.heappop(self._heap)[2]
-        self.live -= 1
-        self.nbytes -= job.nbytes
+        rank, tag, _, job = heapq.heappop(self._heap)
+        if tag > self._virtual[rank]:
+            self._virtual[rank] = tag
+        self._count(job, -1)
         return job
 
     def _drop_dead_top(self) -> None:
         while self._heap:
-            rank, _, job = self._heap[0]
-            if job.state is JobState.QUEUED and rank == job.rank:
+            _, _, order, job = self._heap[0]
+            if job.state is JobState.QUEUED and order == job.entry:
                 return
             heapq.heappop(self._heap)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
+import itertools
 import logging
 import os
 import signal
@@ -51,6 +52,9 @@ SCALE_TICK_S = 1.0
 MEMORY_REFRESH_S = 5.0  # re-measure workers' USS and VRAM (~2 ms a worker, in a thread)
 
 
+_connection_ids = itertools.count(1)
+
+
 class AlreadyRunning(Exception):
     pass
 
@@ -63,6 +67,7 @@ class Connection:
         self.max_buffer = max_buffer
         self.jobs: dict[int, Any] = {}
         self.closed = False
+        self.owner = next(_connection_ids)  # its own turn in fair queueing
 
     def send(self, msg: msgspec.Struct) -> None:
         if self.closed:

@@ -173,6 +173,7 @@ class FakeSink:
 
     def __init__(self, name: str = "client") -> None:
         self.name = name
+        self.owner = name  # sinks of one name share a turn in fair queueing
         self.closed = False
         self.jobs: dict[int, Job] = {}
         self.messages: list[Any] = []

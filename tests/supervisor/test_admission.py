@@ -205,3 +205,38 @@ async def test_a_failing_part_fails_the_request_and_drops_the_rest(
     assert len(h.pool.models["emb"].queue) == 0  # the other parts will never run
     h.want_work(worker)
     assert len(h.works(worker)) == 1
+
+
+# ---- fairness between clients ---------------------------------------------------------
+
+
+async def test_a_client_cannot_take_the_last_quarter_of_a_queue(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, max_queue=8)
+    await one_busy_worker(h)
+    flood, polite = h.sink("flood"), h.sink("polite")
+    for i in range(7):
+        h.embed(flood, [f"f{i}"])
+    (error,) = flood.errors()  # 6 waiting: the 7th is refused
+    assert error.code is ErrorCode.QUEUE_FULL and "other clients" in error.message
+    assert error.retry_after_s is not None
+    h.embed(polite, ["p"])
+    assert polite.errors() == [] and len(h.pool.models["emb"].queue) == 7
+
+
+async def test_a_polite_client_is_served_between_a_floods_requests(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, max_batch=1)
+    await one_busy_worker(h)
+    (worker,) = h.workers("emb")
+    flood, polite = h.sink("flood"), h.sink("polite")
+    flood_ids = {h.embed(flood, [f"f{i}"]) for i in range(40)}
+    polite_ids = {h.embed(polite, [f"p{i}"]) for i in range(4)}
+    served = []
+    for _ in range(8):
+        job_id = h.job_ids(worker)[-1]
+        h.reply_embeddings(worker, job_id, 1.0)
+        h.want_work(worker)
+        served.append(h.works(worker)[-1].items[0].request.id)
+    assert sum(i in polite_ids for i in served) == 4  # every other dispatch
+    assert sum(i in flood_ids for i in served) == 4

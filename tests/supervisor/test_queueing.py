@@ -27,7 +27,8 @@ class FakeSink:
 _ids = itertools.count(1)
 
 
-def make_job(priority: Priority = "normal", texts: int = 1, generate: bool = False) -> Job:
+def make_job(priority: Priority = "normal", texts: int = 1, generate: bool = False,
+             owner: str = "") -> Job:
     jid = next(_ids)
     request: Embed | Generate
     if generate:
@@ -35,7 +36,7 @@ def make_job(priority: Priority = "normal", texts: int = 1, generate: bool = Fal
     else:
         request = Embed(id=jid, texts=["t"] * texts, priority=priority)
     return Job(job_id=jid, request=request, kind=KIND_OF[type(request)], model_key="m",
-               accepted_at=0.0)
+               accepted_at=0.0, owner=owner)
 
 
 def cancel(queue: JobQueue, job: Job) -> None:
@@ -158,6 +159,53 @@ def test_discarded_job_never_returned_in_a_batch() -> None:
     cancel(queue, b)  # b is not at the top, so it stays in the heap until it surfaces
     assert queue.pop_batch(10) == [a, c]
     assert len(queue) == 0
+
+
+# ---- fairness between clients ---------------------------------------------------------
+
+
+def test_a_flooding_client_and_a_polite_one_take_turns() -> None:
+    queue = JobQueue()
+    flood = [make_job(owner="flood") for _ in range(100)]
+    polite = [make_job(owner="polite") for _ in range(10)]
+    for job in flood + polite:  # the flood arrived first
+        queue.push(job)
+    first_20 = [job.owner for job in drain(queue)[:20]]
+    assert first_20.count("polite") == 10
+    assert first_20[:4] in (["flood", "polite"] * 2, ["polite", "flood"] * 2)
+    assert queue.held == {}
+
+
+def test_turns_are_weighted_by_batch_size() -> None:
+    """A client sending 4 texts a request gets a quarter as many requests through as one
+    sending single texts: the same number of texts."""
+    queue = JobQueue()
+    for _ in range(20):
+        queue.push(make_job(texts=4, owner="big"))
+        queue.push(make_job(texts=1, owner="small"))
+    first = drain(queue)[:10]
+    texts = {owner: sum(j.size for j in first if j.owner == owner) for owner in ("big", "small")}
+    assert abs(texts["big"] - texts["small"]) <= 4
+
+
+def test_fairness_stays_within_a_priority() -> None:
+    queue = JobQueue()
+    for _ in range(5):
+        queue.push(make_job("batch", owner="a"))
+    queue.push(make_job("high", owner="b"))
+    queue.push(make_job("normal", owner="a"))
+    assert [j.request.priority for j in drain(queue)][:2] == ["high", "normal"]
+
+
+def test_jobs_waiting_are_counted_by_client() -> None:
+    queue = JobQueue()
+    jobs = [make_job(owner="a"), make_job(owner="a"), make_job(owner="b")]
+    for job in jobs:
+        queue.push(job)
+    assert queue.held == {"a": 2, "b": 1}
+    cancel(queue, jobs[0])
+    assert queue.pop_batch(1) == [jobs[2]]  # b's first job goes before a's second
+    assert queue.held == {"a": 1}
 
 
 def test_priority_rank_follows_priorities() -> None:
