@@ -57,7 +57,7 @@ def model_load(model: ModelState) -> scaling.ModelLoad:
         max_workers=model.settings.max_workers,
         last_active=model.last_active,
         last_scale_down=model.last_scale_down,
-        blocked_until=model.failures.blocked_until,
+        blocked_until=max(model.failures.blocked_until, model.deaths.blocked_until),
         failed=model.failed,
         warm=model.warm_target,
     )
@@ -75,4 +75,6 @@ def model_view(model: ModelState) -> scaling.ModelView:
         key=model.key, load=model_load(model), device=model.device or "cpu",
         charge=model.charge(), uses_holder=model.uses_holder, holder=holder_state,
         idle_workers=tuple((w.worker_id, w.last_used) for w in model.workers.values()
-                           if w.state is WorkerState.IDLE and not w.jobs))
+                           if w.state is WorkerState.IDLE and not w.jobs),
+        loading_workers=tuple((w.worker_id, w.started_at) for w in model.workers.values()
+                              if w.state in LOADING))

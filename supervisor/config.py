@@ -53,6 +53,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     load_backoff_s: Positive = 1.0  # first respawn delay after a load failure; doubles
     load_backoff_max_s: Positive = 60.0
     max_load_failures: Annotated[int, msgspec.Meta(ge=1)] = 3
+    load_timeout_s: Positive = 600.0  # a load still running after this fails
+    load_stall_s: Positive = 120.0  # a load that reads and computes nothing this long fails
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

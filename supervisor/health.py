@@ -3,16 +3,28 @@
 A worker is hung when its heartbeat thread has gone quiet for heartbeat_timeout_s (the
 process is stopped, deadlocked in C code that holds the GIL, or swapping to death), or
 when it holds work whose progress counter has not moved for stall_timeout_s (the work
-loop is stuck while the heartbeat thread still runs).
+loop is stuck while the heartbeat thread still runs). A load is given load_timeout_s in
+all, and fails sooner if its progress (bytes read, CPU spent) stands still for
+load_stall_s: a stuck download or a wedged file system, which would otherwise hold a
+load slot forever.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.models import LOADING, ModelState
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
+
+
+@dataclass(frozen=True)
+class Limits:
+    heartbeat_timeout_s: float
+    stall_timeout_s: float
+    load_timeout_s: float
+    load_stall_s: float
 
 
 @dataclass(frozen=True)
@@ -21,20 +33,34 @@ class WorkerPulse:
     last_heartbeat: float | None
     progress_changed_at: float
     busy: bool
+    loading: bool = False
 
 
-def hung_reason(pulse: WorkerPulse, now: float, heartbeat_timeout_s: float,
-                stall_timeout_s: float) -> str | None:
+@dataclass(frozen=True)
+class Verdict:
+    reason: str
+    failed_load: bool  # the load, not the process, is what failed: a load failure
+
+
+def hung_reason(pulse: WorkerPulse, now: float, limits: Limits) -> Verdict | None:
     last_sign = pulse.last_heartbeat if pulse.last_heartbeat is not None else pulse.started_at
-    if now - last_sign > heartbeat_timeout_s:
-        return f"no heartbeat for {now - last_sign:.1f}s"
-    if pulse.busy and now - pulse.progress_changed_at > stall_timeout_s:
-        return f"no progress on its work for {now - pulse.progress_changed_at:.1f}s"
+    if now - last_sign > limits.heartbeat_timeout_s:
+        return Verdict(f"no heartbeat for {now - last_sign:.1f}s", failed_load=False)
+    still = now - pulse.progress_changed_at
+    if pulse.loading:
+        if now - pulse.started_at > limits.load_timeout_s:
+            return Verdict(f"still loading after {now - pulse.started_at:.0f}s "
+                           f"(load_timeout_s)", failed_load=True)
+        if still > limits.load_stall_s:
+            return Verdict(f"no loading progress for {still:.0f}s (load_stall_s)",
+                           failed_load=True)
+    if pulse.busy and still > limits.stall_timeout_s:
+        return Verdict(f"no progress on its work for {still:.1f}s", failed_load=False)
     return None
 
 
 def hung_workers(models: Iterable[ModelState], now: float,
-                 heartbeat_timeout_s: float) -> Iterator[tuple[WorkerHandle, str]]:
+                 limits: Limits) -> Iterator[tuple[WorkerHandle, Verdict]]:
     """Every process judged hung now, with why; those already judged are left out."""
     for model in models:
         for worker in model.processes():
@@ -43,7 +69,8 @@ def hung_workers(models: Iterable[ModelState], now: float,
                 continue  # not a process yet: the forkserver may still import torch
             pulse = WorkerPulse(worker.spawned_at, worker.last_heartbeat,
                                 max(worker.progress_changed_at, worker.last_dispatch_at),
-                                bool(worker.jobs))
-            reason = hung_reason(pulse, now, heartbeat_timeout_s, model.settings.stall_timeout_s)
-            if reason:
-                yield worker, reason
+                                bool(worker.jobs), loading=worker.state in LOADING)
+            own = dataclasses.replace(limits, stall_timeout_s=model.settings.stall_timeout_s)
+            verdict = hung_reason(pulse, now, own)
+            if verdict:
+                yield worker, verdict

@@ -71,7 +71,8 @@ class ModelState:
     holder: WorkerHandle | None = None  # the weights holder, when the model uses one
     shared_weights: SharedWeights | None = None  # what the holder shares once loaded
     metrics: ModelMetrics = field(default_factory=ModelMetrics)
-    failures: LoadFailures = field(default_factory=LoadFailures)
+    failures: LoadFailures = field(default_factory=LoadFailures)  # its loader failed
+    deaths: LoadFailures = field(default_factory=LoadFailures)  # workers died before Ready
     last_active: float = 0.0  # last arrival or completion of a request
     last_scale_down: float = 0.0
     measured_weights_mb: float | None = None  # file-backed weights, reported at Ready
@@ -170,6 +171,8 @@ class ModelState:
         if job.state is JobState.RUNNING:
             worker = self.workers.get(job.worker_id or 0)
             return f"running on worker pid {worker.pid if worker else '?'}"
+        if not self.workers and self.deaths.count:
+            return f"its workers died while loading: {self.deaths.last_error}"
         if not self.workers:
             return "waiting for memory" if self.waiting_for_memory else "waiting for a worker"
         if not self.has_ready_worker():
@@ -198,7 +201,7 @@ class ModelState:
     def note_ready(self, worker: WorkerHandle, msg: Ready, now: float) -> None:
         worker.info, worker.load_s = msg.info, round(msg.load_s, 3)
         worker.last_used = worker.ready_at = now
-        self.failures = LoadFailures()
+        self.failures, self.deaths = LoadFailures(), LoadFailures()
         if worker is self.holder:
             worker.uss_mb = msg.uss_mb
             self.shared_weights = msg.weights
@@ -245,9 +248,17 @@ class ModelState:
         self.warm_target = 0
 
     def note_load_failure(self, started_at: float, cause: str, now: float) -> None:
-        """Workers started together fail together: one attempt, one failure, one back-off
-        (doubling up to its cap)."""
-        record = self.failures
+        """The loader failed: counts towards `failed`, and backs off."""
+        self._note(self.failures, started_at, cause, now)
+
+    def note_death(self, started_at: float, cause: str, now: float) -> None:
+        """A worker died before Ready, its loader blameless (a signal, the OOM killer, no
+        file descriptors to start it): another start after a back-off; never `failed`."""
+        self._note(self.deaths, started_at, cause, now)
+
+    def _note(self, record: LoadFailures, started_at: float, cause: str, now: float) -> None:
+        # Workers started together fail together: one attempt, one failure, one back-off
+        # (doubling up to its cap).
         if record.last_at is None or started_at > record.last_at:
             record.last_at = now
             record.count += 1
@@ -256,4 +267,4 @@ class ModelState:
         record.last_error = cause
 
     def clear_failures(self) -> None:
-        self.failures = LoadFailures()
+        self.failures, self.deaths = LoadFailures(), LoadFailures()

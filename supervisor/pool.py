@@ -233,8 +233,7 @@ class Pool:
             log.log(logging.INFO if expected else logging.WARNING,
                     "worker %d (pid %s) of %s exited: %s", worker.worker_id, worker.pid,
                     model.key, exitcodes.describe(exitcode))
-            if (cause := recovery.load_failure(worker, exitcode)) is not None:
-                self._load_failed(model, worker, cause)
+            self._note_failed_start(model, worker, exitcode)
             for job in worker.jobs.values():
                 self.shared.release(job.job_id)
                 self._requeue_or_fail(model, job, worker, exitcode)
@@ -254,8 +253,8 @@ class Pool:
                 exitcodes.describe(exitcode))
         if holder.stop_requested:
             return
-        if (cause := recovery.load_failure(holder, exitcode, holder=True)) is not None:
-            self._load_failed(model, holder, cause)
+        if holder.ready_at is None:
+            self._note_failed_start(model, holder, exitcode, holder=True)
             return
         # CUDA memory shared over IPC dies with its exporter: its workers must not run
         # one more kernel on it (their work is re-queued). CPU mappings outlive it: those
@@ -269,14 +268,23 @@ class Pool:
             else:
                 self.stop_worker(worker)
 
-    def _load_failed(self, model: ModelState, worker: WorkerHandle, cause: str) -> None:
-        model.note_load_failure(worker.started_at, cause, self.scheduler.now())
-        log.error("model %s failed to load (%d in a row): %s", model.key,
-                  model.failures.count, cause)
-        if model.has_ready_worker():
-            return  # a sibling serves; the queue keeps waiting for it
-        for job in model.queue.jobs():
-            self.book.fail(job, ErrorCode.MODEL_LOAD_FAILED, f"model {model.key!r}: {cause}")
+    def _note_failed_start(self, model: ModelState, worker: WorkerHandle,
+                           exitcode: int | None, holder: bool = False) -> None:
+        """A loader that failed backs off and fails what waits (unless a sibling serves);
+        a process that died for any other reason backs off and is started again."""
+        now = self.scheduler.now()
+        if (cause := recovery.load_failure(worker)) is not None:
+            model.note_load_failure(worker.started_at, cause, now)
+            log.error("model %s failed to load (%d in a row): %s", model.key,
+                      model.failures.count, cause)
+            if not model.has_ready_worker():
+                for job in model.queue.jobs():
+                    self.book.fail(job, ErrorCode.MODEL_LOAD_FAILED,
+                                   f"model {model.key!r}: {cause}")
+        elif (cause := recovery.death_before_ready(worker, exitcode, holder)) is not None:
+            model.note_death(worker.started_at, cause, now)
+            log.warning("model %s: %s (%d in a row); starting again in %.1fs", model.key,
+                        cause, model.deaths.count, model.deaths.blocked_until - now)
 
     def _requeue_or_fail(self, model: ModelState, job: Job, worker: WorkerHandle,
                          exitcode: int | None) -> None:
@@ -318,6 +326,11 @@ class Pool:
             worker = model.workers.get(stop.worker_id)
             if worker is None:
                 continue
+            if stop.reason == "preempted":
+                log.info("stopping worker %d of %s, loading, to free a load slot for a "
+                         "model that waits for its first", stop.worker_id, model.key)
+                self.stop_worker(worker, grace_s=0.0)  # a load reads no Shutdown
+                continue
             if stop.reason == "evicted":
                 log.info("evicting idle worker %d of %s to make room", stop.worker_id, model.key)
             else:
@@ -339,12 +352,18 @@ class Pool:
         self.reconcile_waiting()
 
     def check_health(self) -> None:
-        """Kill hung workers; their exit re-queues their work like any other death."""
-        now, timeout = self.scheduler.now(), self.pool_config.heartbeat_timeout_s
-        for worker, reason in list(health.hung_workers(self.models.values(), now, timeout)):
-            log.warning("worker %d (pid %s) of %s is hung (%s): terminating it",
-                        worker.worker_id, worker.pid, worker.model_key, reason)
-            self.kill_hung(worker, reason)
+        """Kill hung workers; their exit re-queues their work like any other death. A
+        load that timed out or stalled is a load failure."""
+        config = self.pool_config
+        limits = health.Limits(config.heartbeat_timeout_s, config.stall_timeout_s,
+                               config.load_timeout_s, config.load_stall_s)
+        for worker, verdict in list(health.hung_workers(self.models.values(),
+                                                        self.scheduler.now(), limits)):
+            log.warning("worker %d (pid %s) of %s is hung (%s): killing it",
+                        worker.worker_id, worker.pid, worker.model_key, verdict.reason)
+            if verdict.failed_load:
+                worker.load_error = f"the load failed: {verdict.reason}"
+            self.kill_hung(worker, verdict.reason)
 
     def retire_unneeded_holder(self, model: ModelState) -> None:
         if model.holder is not None and scaling.holder_unneeded(capacity.model_view(model)):
@@ -369,10 +388,10 @@ class Pool:
         try:
             await self.launcher.start(worker, settings)
         except Exception as exc:
-            worker.load_error = f"worker start failed: {exc}"
+            worker.start_error = f"{type(exc).__name__}: {exc}"
             self.handle_exit(worker, None)
             return
-        worker.spawned_at = self.scheduler.now()
+        worker.spawned_at = worker.progress_changed_at = self.scheduler.now()
         if worker.state is WorkerState.STOPPING:  # stopped while it was being created
             self.launcher.kill(worker)
         elif worker.state is WorkerState.STARTING:
@@ -389,15 +408,16 @@ class Pool:
             self.launcher.kill(worker)
             return
         grace = self.pool_config.shutdown_timeout_s + 1 if grace_s is None else grace_s
+        if grace <= 0:
+            self.launcher.kill(worker)
+            return
         worker.kill_timer = self.scheduler.call_later(grace, self.launcher.kill, worker)
 
     def kill_hung(self, worker: WorkerHandle, reason: str) -> None:
-        """No more work for it; SIGTERM now, SIGKILL after a short grace."""
+        """No more work for it, and SIGKILL now: a stopped or wedged process would not
+        act on a gentler signal before it is continued."""
         worker.hung = reason
-        self.launcher.terminate(worker)
-        if worker.kill_timer is None:
-            worker.kill_timer = self.scheduler.call_later(recovery.HUNG_KILL_GRACE_S,
-                                                          self.launcher.kill, worker)
+        self.launcher.kill(worker)
 
     def active_jobs(self) -> list[Job]:
         """Every accepted job still owed a final reply."""

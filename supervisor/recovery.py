@@ -11,20 +11,26 @@ from modelpool.supervisor.queueing import Job
 from modelpool.supervisor.workers import WorkerHandle
 from modelpool.workers import exitcodes
 
-HUNG_KILL_GRACE_S = 1.0  # SIGTERM first so a worker can flush its logs; then SIGKILL
+
+def load_failure(worker: WorkerHandle) -> str | None:
+    """Why its load failed: only what the loader itself reported (LoadFailed), or a load
+    that timed out or stalled. None for every other exit."""
+    return None if worker.stop_requested else worker.load_error
 
 
-def load_failure(worker: WorkerHandle, exitcode: int | None, holder: bool = False) -> str | None:
-    """Why the worker failed to load, or None when its exit is no load failure (it had
-    loaded, or we stopped it)."""
-    if worker.stop_requested:
+def death_before_ready(worker: WorkerHandle, exitcode: int | None,
+                       holder: bool = False) -> str | None:
+    """Why a worker died before Ready, its loader blameless (killed by a signal or the
+    OOM killer, or never started); None if it was ready, stopped by us, or its load
+    failed."""
+    if worker.stop_requested or worker.ready_at is not None or worker.load_error:
         return None
-    if worker.load_error is not None:
-        return worker.load_error
-    if worker.ready_at is None and exitcode != exitcodes.OK:
-        what = "weights holder" if holder else "worker"
-        return f"{what} exited while loading: {exitcodes.describe(exitcode)}"
-    return None
+    what = "weights holder" if holder else "worker"
+    if worker.start_error is not None:
+        return f"{what} could not start: {worker.start_error}"
+    if exitcode == exitcodes.OK:
+        return None
+    return f"{what} died while loading: {exitcodes.describe(exitcode)}"
 
 
 def death_verdict(job: Job, pid: int | None, exitcode: int | None) -> str | None:

@@ -10,6 +10,8 @@ Rules:
 - nothing starts while a failed load backs off or after the model is marked failed;
 - memory: a start that does not fit the budget evicts idle workers of other models on
   the same device, least recently used first, or else waits for memory;
+- load slots: every waiting model gets one before any model gets a second, even if
+  that means stopping another model's extra load (one that is not its first);
 - a weights holder starts before its model's workers and stops when none is left.
 """
 
@@ -49,6 +51,7 @@ class ModelView:
     uses_holder: bool = False
     holder: HolderState = "none"
     idle_workers: tuple[tuple[int, float], ...] = ()  # (worker id, last used), no work held
+    loading_workers: tuple[tuple[int, float], ...] = ()  # (worker id, started at)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ class Start:
 class Stop:
     worker_id: int
     model_key: str
-    reason: str  # "idle" (scale-down), "evicted" (room for another model)
+    reason: str  # "idle" (scale-down), "evicted" (room for another model), "preempted"
+    # (an extra load of one model stopped so that another model's first can start)
 
 
 @dataclass(frozen=True)
@@ -111,23 +115,54 @@ def workers_wanted(load: ModelLoad, policy: ScalingPolicy, now: float) -> int:
 
 
 def plan_starts(view: PoolView, key: str, policy: ScalingPolicy, now: float) -> Plan:
-    """What to start for one model, or whom to evict so that it can start."""
+    """What to start for one model, or whom to evict or preempt so that it can start.
+    Every waiting model gets one load slot before any model gets a second."""
     model = view.models[key]
     want = workers_wanted(model.load, policy, now)
-    slots = view.max_concurrent_loads - view.loading
-    if want == 0 or slots <= 0:
+    if want == 0:
         return Plan()
     room = memory.room_for(model.charge, view.used_mb.get(model.device, 0.0),
                            view.budget_mb.get(model.device, 0.0))
+    slots = view.max_concurrent_loads - view.loading
     if room == 0:
+        if slots <= 0:
+            return Plan()
         return Plan(stop=_evictions(view, model), waiting_for_memory={key: True})
+    preempt: tuple[Stop, ...] = ()
+    if model.load.live == 0 and slots <= 0:
+        preempt = _preemption(view, model)
+        slots += len(preempt)
+    elif model.load.live > 0:
+        slots -= _waiting_for_a_first_worker(view, key, now)
     count = min(want, slots, room)
+    if count <= 0:
+        return Plan()
     waiting = {key: False}
     if model.uses_holder and model.holder != "holding":
         # Workers start once a holder shares its weights (not one that is stopping).
         holder = (Start(key, holder=True),) if model.holder == "none" else ()
-        return Plan(start=holder, waiting_for_memory=waiting)
-    return Plan(start=(Start(key),) * count, waiting_for_memory=waiting)
+        return Plan(start=holder, stop=preempt if holder else (), waiting_for_memory=waiting)
+    return Plan(start=(Start(key),) * count, stop=preempt, waiting_for_memory=waiting)
+
+
+def _waiting_for_a_first_worker(view: PoolView, key: str, now: float) -> int:
+    return sum(1 for other in view.models.values()
+               if other.key != key and other.load.queued and other.load.live == 0
+               and not other.load.failed and now >= other.load.blocked_until)
+
+
+def _preemption(view: PoolView, model: ModelView) -> tuple[Stop, ...]:
+    """The newest load of another model that is not that model's only way to serve (it
+    has a worker ready, or another one loading): stopped for this model's first."""
+    candidates = [
+        (started, worker_id, other.key)
+        for other in view.models.values() if other.key != model.key
+        and (other.load.live - other.load.starting >= 1 or len(other.loading_workers) >= 2)
+        for worker_id, started in other.loading_workers]
+    if not candidates:
+        return ()
+    _, worker_id, owner = max(candidates)
+    return (Stop(worker_id, owner, "preempted"),)
 
 
 def _evictions(view: PoolView, model: ModelView) -> tuple[Stop, ...]:

@@ -88,7 +88,8 @@ class WorkerHandle:
     uss_mb: float | None = None
     load_s: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    load_error: str | None = None
+    load_error: str | None = None  # its loader failed (or its load timed out or stalled)
+    start_error: str | None = None  # its process could not be started
     writer: asyncio.StreamWriter | None = None
     beat_writer: asyncio.StreamWriter | None = None  # unused, owns the heartbeat socket
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -238,12 +239,6 @@ class Launcher:
     def shutdown(self, handle: WorkerHandle) -> bool:
         """Ask the worker to exit after its current work; False if it cannot be told."""
         return handle.send(Shutdown())
-
-    def terminate(self, handle: WorkerHandle) -> None:
-        """SIGTERM (a stopped process gets it only when continued)."""
-        if handle.pid is not None and handle.state is not WorkerState.DEAD:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(handle.pid, signal.SIGTERM)
 
     def kill(self, handle: WorkerHandle) -> None:
         if handle.pid is not None and handle.state is not WorkerState.DEAD:

@@ -39,8 +39,13 @@ from modelpool.protocol.pipes import (
     to_worker_decoder,
 )
 from modelpool.workers import exitcodes, priority
+from modelpool.workers.progress import load_progress
 
 IDLE_TRIM_S = 1.0  # idle this long after work: return freed memory to the OS
+# A load runs at idle priority so that it slows no serving model; one that takes longer
+# than this (a saturated machine gives an idle task almost no CPU) competes normally, so
+# that it still finishes.
+LOAD_IDLE_S = 1.0
 
 
 class Worker:
@@ -50,6 +55,7 @@ class Worker:
         self.sock = sock
         self.images = images or ImagePolicy()
         self.progress = 0
+        self.loaded = False  # until then the heartbeat reports load progress
         self.aborts: set[int] = set()
         self.stopping = False
 
@@ -104,10 +110,14 @@ class Worker:
 
 def heartbeat_loop(sock: socket.socket, worker: Worker, interval: float) -> None:
     priority.restore_this_thread()  # a slow, idle-priority load must still beat on time
-    seq = 0
+    seq, started, raised = 0, time.monotonic(), False
     while True:
+        if not worker.loaded and not raised and time.monotonic() - started > LOAD_IDLE_S:
+            priority.restore_all_threads()
+            raised = True
+        beat = worker.progress if worker.loaded else load_progress()
         try:
-            send_frame(sock, encoder.encode(Heartbeat(seq=seq, progress=worker.progress)))
+            send_frame(sock, encoder.encode(Heartbeat(seq=seq, progress=beat)))
         except OSError:
             return  # the supervisor is gone; the work pipe will tell the main thread
         seq += 1
@@ -123,6 +133,7 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
                      args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
     model = _load(settings, worker)  # at idle priority, from the forkserver
+    worker.loaded = True
     if settings.hold_segment is not None:
         hold(worker)  # stays idle: it only keeps the weights alive
     priority.restore_all_threads()

@@ -164,3 +164,56 @@ def test_no_leak_after_200_worker_kills(make_daemon: MakeDaemon) -> None:
                              daemon.socket_path, "health"], capture_output=True, text=True,
                             cwd=ROOT, timeout=60)
     assert health.returncode == 0, health.stdout
+
+
+def test_a_stopped_worker_is_killed_at_its_timeout_without_waiting_out_a_grace(
+        make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\nheartbeat_timeout_s = 2.0\ncold_start_workers = 2\n"
+                         + model_entry("slow", run_s=0.05, max_workers=2))
+    with daemon.client() as c:
+        c.embed("warm", model="slow")
+        deadline = time.monotonic() + 20
+        while len(worker_pids(daemon, "slow")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    pids = worker_pids(daemon, "slow")
+
+    async def run() -> float:
+        async with AsyncClient(daemon.socket_path) as c:
+            for pid in pids:  # whichever takes the job, it stops; the other is replaced
+                os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            result = await asyncio.wait_for(c.embed("abcd", model="slow"), timeout=30)
+            assert result[0] == 4.0
+            return time.monotonic() - stopped
+
+    took = asyncio.run(run())
+    assert "is hung (no heartbeat" in daemon.log()
+    # 2 s of silence, a check every 0.25 s, SIGKILL at once (no SIGTERM a stopped process
+    # would not act on), then a replacement loads (no weights) and runs it.
+    assert took < 2.0 + 1.0, took
+
+
+def test_stop_with_a_hung_worker_takes_the_drain_and_no_more(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\nheartbeat_timeout_s = 60\nshutdown_timeout_s = 2\n"
+                         "cold_start_workers = 1\n" + model_entry("slow", run_s=0.5))
+    with daemon.client() as c:
+        c.embed("warm", model="slow")
+    (pid,) = worker_pids(daemon, "slow")
+
+    async def run() -> float:
+        async with AsyncClient(daemon.socket_path) as c:
+            call = asyncio.ensure_future(c.embed("abcd", model="slow"))
+            await asyncio.sleep(0.1)  # the worker has taken the job
+            os.kill(pid, signal.SIGSTOP)
+            started = time.monotonic()
+            daemon.process.send_signal(signal.SIGTERM)
+            with pytest.raises(PoolError) as err:
+                await asyncio.wait_for(call, timeout=30)
+            assert err.value.code is ErrorCode.SHUTTING_DOWN
+            await asyncio.get_running_loop().run_in_executor(None, daemon.process.wait, 30)
+            return time.monotonic() - started
+
+    took = asyncio.run(run())
+    assert daemon.process.returncode == 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert took < 2.0 + 1.5, took  # shutdown_timeout_s, then kill what is left at once

@@ -127,9 +127,9 @@ class FakeWriter:
 
 
 class FakeLauncher:
-    """Records starts, shutdowns, kills and terminations. A worker told to shut down
-    exits with code 0 on the next loop iteration, as a worker honouring Shutdown would;
-    a terminated (hung) one dies of the signal likewise."""
+    """Records starts, shutdowns and kills. A worker told to shut down exits with code 0
+    on the next loop iteration, as a worker honouring Shutdown would; a killed one dies
+    of the signal likewise."""
 
     def __init__(self) -> None:
         self.events: Pool | None = None
@@ -137,7 +137,6 @@ class FakeLauncher:
         self.settings: list[Any] = []
         self.stopped: list[WorkerHandle] = []
         self.killed: list[WorkerHandle] = []
-        self.terminated: list[WorkerHandle] = []
         self.exit_on_stop = True
         self._pids = itertools.count(4001)
 
@@ -154,11 +153,10 @@ class FakeLauncher:
         return True
 
     def kill(self, handle: WorkerHandle) -> None:
+        """SIGKILL: the process dies on the next loop iteration."""
         self.killed.append(handle)
-
-    def terminate(self, handle: WorkerHandle) -> None:
-        self.terminated.append(handle)
-        asyncio.get_running_loop().call_soon(self.exit, handle, -15)
+        if handle.pid is not None:
+            asyncio.get_running_loop().call_soon(self.exit, handle, -9)
 
     def exit(self, handle: WorkerHandle, exitcode: int | None) -> None:
         """The process is gone: what the real launcher reports when the sentinel fires."""

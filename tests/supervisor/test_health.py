@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from modelpool.protocol.pipes import Heartbeat
-from modelpool.supervisor.health import WorkerPulse, hung_reason
+from modelpool.supervisor.health import Limits, WorkerPulse, hung_reason
 from modelpool.supervisor.status import build_status
 
 if TYPE_CHECKING:
@@ -16,32 +16,50 @@ if TYPE_CHECKING:
     MakeHarness = Callable[..., Harness]
 
 
-def pulse(last_heartbeat: float | None, progress_at: float = 0.0,
-          busy: bool = False) -> WorkerPulse:
+LIMITS = Limits(heartbeat_timeout_s=5, stall_timeout_s=60, load_timeout_s=600,
+                load_stall_s=120)
+
+
+def pulse(last_heartbeat: float | None, progress_at: float = 0.0, busy: bool = False,
+          loading: bool = False) -> WorkerPulse:
     return WorkerPulse(started_at=0.0, last_heartbeat=last_heartbeat,
-                       progress_changed_at=progress_at, busy=busy)
+                       progress_changed_at=progress_at, busy=busy, loading=loading)
 
 
 def test_silence_past_the_timeout_is_a_hang() -> None:
-    assert hung_reason(pulse(10.0), now=14.9, heartbeat_timeout_s=5, stall_timeout_s=60) is None
-    reason = hung_reason(pulse(10.0), now=15.1, heartbeat_timeout_s=5, stall_timeout_s=60)
-    assert reason is not None and "no heartbeat" in reason
+    assert hung_reason(pulse(10.0), now=14.9, limits=LIMITS) is None
+    verdict = hung_reason(pulse(10.0), now=15.1, limits=LIMITS)
+    assert verdict is not None and "no heartbeat" in verdict.reason
+    assert not verdict.failed_load  # the process is stuck, not its load
 
 
 def test_a_worker_that_never_beat_is_judged_from_its_start() -> None:
-    assert hung_reason(pulse(None), now=4.0, heartbeat_timeout_s=5, stall_timeout_s=60) is None
-    assert hung_reason(pulse(None), now=6.0, heartbeat_timeout_s=5, stall_timeout_s=60)
+    assert hung_reason(pulse(None), now=4.0, limits=LIMITS) is None
+    assert hung_reason(pulse(None), now=6.0, limits=LIMITS)
 
 
 def test_stalled_work_is_a_hang_only_while_busy() -> None:
     stalled = pulse(99.0, progress_at=30.0, busy=True)
-    reason = hung_reason(stalled, now=100.0, heartbeat_timeout_s=5, stall_timeout_s=60)
-    assert reason is not None and "no progress" in reason
+    verdict = hung_reason(stalled, now=100.0, limits=LIMITS)
+    assert verdict is not None and "no progress" in verdict.reason
     idle = pulse(99.0, progress_at=30.0, busy=False)
-    assert hung_reason(idle, now=100.0, heartbeat_timeout_s=5, stall_timeout_s=60) is None
+    assert hung_reason(idle, now=100.0, limits=LIMITS) is None
 
 
-async def test_a_silent_worker_is_terminated_and_its_work_requeued(
+def test_a_load_that_stands_still_or_takes_too_long_fails() -> None:
+    assert hung_reason(pulse(200.0, progress_at=100.0, loading=True), now=200.0,
+                       limits=LIMITS) is None
+    stalled = hung_reason(pulse(300.0, progress_at=100.0, loading=True), now=300.0,
+                          limits=LIMITS)
+    assert stalled is not None and stalled.failed_load and "load_stall_s" in stalled.reason
+    slow = hung_reason(pulse(700.0, progress_at=699.0, loading=True), now=700.0,
+                       limits=LIMITS)
+    assert slow is not None and slow.failed_load and "load_timeout_s" in slow.reason
+    # A loaded worker's idle progress counter is no stall.
+    assert hung_reason(pulse(300.0, progress_at=100.0), now=300.0, limits=LIMITS) is None
+
+
+async def test_a_silent_worker_is_killed_and_its_work_requeued(
         make_harness: MakeHarness) -> None:
     h = make_harness(heartbeat_timeout_s=5, cold_start_workers=2)
     sink = h.sink()
@@ -55,11 +73,11 @@ async def test_a_silent_worker_is_terminated_and_its_work_requeued(
     h.clock.advance(4)
     h.pool.handle_heartbeat(second, Heartbeat(seq=1, progress=1))
     h.pool.check_health()
-    assert h.launcher.terminated == []
+    assert h.launcher.killed == []
     h.clock.advance(2)  # first: silent for 6 s
     h.pool.handle_heartbeat(second, Heartbeat(seq=2, progress=1))
     h.pool.check_health()
-    assert h.launcher.terminated == [first]
+    assert h.launcher.killed == [first]
     status = {m.key: m for m in build_status(h.pool, "/s", 0.0).models}
     assert "hung" in status["emb"].health
     await h.settle()
@@ -68,7 +86,7 @@ async def test_a_silent_worker_is_terminated_and_its_work_requeued(
     assert len(sink.finals(client_id)) == 1
 
 
-async def test_busy_worker_without_progress_is_terminated(make_harness: MakeHarness) -> None:
+async def test_busy_worker_without_progress_is_killed(make_harness: MakeHarness) -> None:
     h = make_harness(heartbeat_timeout_s=5, stall_timeout_s=30, cold_start_workers=1)
     h.generate(h.sink())
     await h.settle()
@@ -78,9 +96,9 @@ async def test_busy_worker_without_progress_is_terminated(make_harness: MakeHarn
         h.clock.advance(1)
         h.pool.handle_heartbeat(worker, Heartbeat(seq=second, progress=7))  # alive, stuck
         h.pool.check_health()
-        if h.launcher.terminated:
+        if h.launcher.killed:
             break
-    assert h.launcher.terminated == [worker]
+    assert h.launcher.killed == [worker]
     assert 30 <= second <= 32
 
 
@@ -91,7 +109,7 @@ async def test_a_slow_forkserver_does_not_make_a_new_worker_look_hung(
     h.clock.advance(10)  # the forkserver took 10 s to import torch before forking
     await h.settle()
     h.pool.check_health()
-    assert h.launcher.terminated == []
+    assert h.launcher.killed == []
     h.clock.advance(6)  # but a spawned worker silent for 6 s is hung
     h.pool.check_health()
-    assert h.launcher.terminated == h.workers("gen")
+    assert h.launcher.killed == h.workers("gen")

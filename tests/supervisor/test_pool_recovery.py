@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embeddings
-from modelpool.protocol.pipes import LoadFailed
+from modelpool.protocol.pipes import Heartbeat, LoadFailed
 from modelpool.supervisor import control
 from modelpool.supervisor.workers import WorkerState
 from modelpool.workers import exitcodes
@@ -191,3 +191,140 @@ async def test_model_is_failed_after_max_load_failures_until_load_model(
     assert len(h.launcher.started) == 7
     assert model.state_name() == "loading"
     assert model.failures.count == 0
+
+
+# ---- deaths before Ready are not load failures ----------------------------------------
+
+
+async def test_a_loading_worker_killed_by_a_signal_is_started_again_not_a_load_failure(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(load_backoff_s=1.0, max_load_failures=1)
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"])
+    await h.settle()
+    for worker in h.workers("emb"):
+        h.die(worker, -9)  # the OOM killer, say: no LoadFailed from the loader
+    await h.settle()
+    model = h.pool.models["emb"]
+    assert sink.messages == [] and client_id in sink.jobs  # still waiting
+    assert (model.failures.count, model.deaths.count) == (0, 1)
+    assert model.state_name() != "failed" and len(h.launcher.started) == 2
+    h.clock.advance(1.01)  # the back-off ends: the periodic tick starts workers again
+    h.pool.tick()
+    await h.settle()
+    assert len(h.launcher.started) == 4
+    worker = h.workers("emb")[2]
+    h.ready(worker)
+    h.reply_embeddings(worker, h.job_ids(worker)[0], 1.0)
+    (reply,) = sink.finals(client_id)
+    assert isinstance(reply, Embeddings) and model.deaths.count == 0
+
+
+async def test_a_worker_that_cannot_be_started_waits_and_retries(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(load_backoff_s=1.0, cold_start_workers=1)
+
+    async def no_fds(handle: object, settings: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    real_start, h.launcher.start = h.launcher.start, no_fds  # type: ignore[method-assign]
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"], timeout_s=60)
+    await h.settle()
+    model = h.pool.models["emb"]
+    assert model.deaths.count == 1 and "Too many open files" in (model.deaths.last_error or "")
+    assert sink.messages == [] and model.failures.count == 0
+    h.launcher.start = real_start  # type: ignore[method-assign]
+    h.clock.advance(1.01)
+    h.pool.tick()
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    h.reply_embeddings(worker, h.job_ids(worker)[0], 1.0)
+    assert isinstance(sink.finals(client_id)[0], Embeddings)
+
+
+async def test_a_timeout_while_workers_keep_dying_names_the_cause(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(load_backoff_s=5.0)
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"], timeout_s=2)
+    await h.settle()
+    for worker in h.workers("emb"):
+        h.die(worker, -9)
+    h.clock.advance(2)
+    error = sink.only_error(client_id)
+    assert error.code is ErrorCode.TIMEOUT and "died while loading" in error.message
+
+
+# ---- loads that never end -------------------------------------------------------------
+
+
+async def _stuck_load(h: Harness, seconds: int, moving: bool) -> None:
+    """Every worker of emb beats once a second while loading; its load progress moves
+    or stands still."""
+    for second in range(1, seconds + 1):
+        h.clock.advance(1)
+        for worker in h.workers("emb"):
+            if worker.state is WorkerState.LOADING:
+                h.pool.handle_heartbeat(worker, Heartbeat(seq=second,
+                                                          progress=second if moving else 7))
+        h.pool.check_health()
+        await h.settle()
+
+
+async def test_a_load_that_stands_still_fails_with_its_cause(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(load_stall_s=30, heartbeat_timeout_s=5)
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"], timeout_s=1000)
+    await h.settle()
+    await _stuck_load(h, 29, moving=False)
+    assert h.launcher.killed == []
+    await _stuck_load(h, 3, moving=False)
+    assert set(h.launcher.killed) == set(h.workers("emb")[:2])
+    error = sink.only_error(client_id)
+    assert error.code is ErrorCode.MODEL_LOAD_FAILED and "load_stall_s" in error.message
+    assert h.pool.models["emb"].failures.count == 1
+
+
+async def test_a_load_that_moves_runs_until_load_timeout(make_harness: MakeHarness) -> None:
+    h = make_harness(load_stall_s=30, load_timeout_s=100, heartbeat_timeout_s=5)
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"], timeout_s=1000)
+    await h.settle()
+    await _stuck_load(h, 95, moving=True)
+    assert h.launcher.killed == []
+    await _stuck_load(h, 10, moving=True)
+    error = sink.only_error(client_id)
+    assert error.code is ErrorCode.MODEL_LOAD_FAILED and "load_timeout_s" in error.message
+
+
+# ---- load slots -----------------------------------------------------------------------
+
+
+async def test_each_waiting_model_gets_a_load_slot_before_any_gets_a_second(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(max_concurrent_loads=2, cold_start_workers=2)
+    h.generate(h.sink())
+    await h.settle()
+    _, second = h.workers("gen")  # one cold model took both slots
+    h.embed(h.sink(), ["x"])
+    await h.settle()
+    # Its second load gives way to the other model's first.
+    assert [w.model_key for w in h.launcher.started] == ["gen", "gen", "emb"]
+    assert h.launcher.killed == [second] and h.pool.models["gen"].failures.count == 0
+    assert h.pool.models["gen"].deaths.count == 0  # stopped by us: no failure at all
+
+
+async def test_a_freed_load_slot_goes_to_a_model_without_a_worker_first(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(max_concurrent_loads=1, cold_start_workers=1, max_workers_per_model=2)
+    h.generate(h.sink())
+    h.generate(h.sink())  # waits for gen's first worker: gen will want a second
+    h.embed(h.sink(), ["x"])  # waits for the one load slot
+    await h.settle()
+    assert [w.model_key for w in h.launcher.started] == ["gen"]
+    h.ready(h.workers("gen")[0])  # busy at once: gen wants a second worker
+    await h.settle()
+    assert [w.model_key for w in h.launcher.started] == ["gen", "emb"]

@@ -131,7 +131,7 @@ async def test_a_dead_gpu_holder_kills_its_workers_and_their_work_runs_again(
     (holder,) = h.holders("emb")
     h.die(holder, -9)
     await h.settle()
-    assert set(h.launcher.terminated) == set(h.workers("emb"))  # no kernel on freed memory
+    assert set(h.launcher.killed) == set(h.workers("emb"))  # no kernel on freed memory
     await h.settle()
     (new_holder,) = [w for w in h.holders("emb") if w is not holder]
     h.hold(new_holder, WEIGHTS, vram_mb=900)
@@ -149,7 +149,7 @@ async def test_a_dead_cpu_holder_lets_its_workers_finish(make_harness: MakeHarne
     (holder,) = h.holders("emb")
     h.die(holder, -9)
     await h.settle()
-    assert h.launcher.terminated == []  # their private mappings outlive the holder
+    assert h.launcher.killed == []  # their private mappings outlive the holder
     assert set(h.launcher.stopped) == set(h.workers("emb"))
 
 
