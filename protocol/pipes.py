@@ -116,6 +116,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     threads: int = 0  # torch intra-op threads; 0: torch's default
     max_batch: int = 32
     heartbeat_interval_s: float = 0.5
+    idle_load_s: float = 1.0  # then a load that is still running leaves idle priority
     images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
     # Set for a weights holder: load, share the weights (CPU ones in this shared-memory
     # segment), never serve.

@@ -55,6 +55,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_load_failures: Annotated[int, msgspec.Meta(ge=1)] = 3
     load_timeout_s: Positive = 600.0  # a load still running after this fails
     load_stall_s: Positive = 120.0  # a load that reads and computes nothing this long fails
+    idle_load_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0  # loads at idle priority this long
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -185,14 +185,15 @@ class ModelState:
                 if j.state is not JobState.DONE]
         return [*self.queue.jobs(), *held]
 
-    def worker_settings(self, worker_id: int, holder: bool, heartbeat_interval_s: float,
+    def worker_settings(self, worker_id: int, holder: bool, pool: PoolConfig,
                         images: ImagePolicy) -> WorkerSettings:
         """What a new worker (or weights holder) of this model is told."""
         return WorkerSettings(
             worker_id=worker_id,
             spec=msgspec.structs.replace(self.spec, device=self.device or "cpu"),
             threads=self.settings.threads, max_batch=self.settings.max_batch,
-            heartbeat_interval_s=heartbeat_interval_s, images=images,
+            heartbeat_interval_s=pool.heartbeat_interval_s, idle_load_s=pool.idle_load_s,
+            images=images,
             hold_segment=weights_segment(worker_id) if holder else None,
             weights=None if holder else self.shared_weights)
 

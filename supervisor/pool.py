@@ -378,8 +378,7 @@ class Pool:
             model.holder = worker
         else:
             model.workers[worker.worker_id] = worker
-        settings = model.worker_settings(worker.worker_id, holder,
-                                         self.pool_config.heartbeat_interval_s,
+        settings = model.worker_settings(worker.worker_id, holder, self.pool_config,
                                          self.config.images)
         asyncio.get_running_loop().create_task(self._launch(worker, settings))
         return worker

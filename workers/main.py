@@ -42,10 +42,6 @@ from modelpool.workers import exitcodes, priority
 from modelpool.workers.progress import load_progress
 
 IDLE_TRIM_S = 1.0  # idle this long after work: return freed memory to the OS
-# A load runs at idle priority so that it slows no serving model; one that takes longer
-# than this (a saturated machine gives an idle task almost no CPU) competes normally, so
-# that it still finishes.
-LOAD_IDLE_S = 1.0
 
 
 class Worker:
@@ -108,11 +104,16 @@ class Worker:
                 os._exit(exitcodes.PROTOCOL_ERROR)  # work is only sent when we ask for it
 
 
-def heartbeat_loop(sock: socket.socket, worker: Worker, interval: float) -> None:
+def heartbeat_loop(sock: socket.socket, worker: Worker, interval: float,
+                   idle_load_s: float) -> None:
+    """Beats until the supervisor is gone. A load runs at idle priority so that it slows
+    no serving model; one still running after idle_load_s competes normally instead, so
+    that it finishes even on a machine that serving keeps busy (where an idle task gets
+    almost no CPU)."""
     priority.restore_this_thread()  # a slow, idle-priority load must still beat on time
     seq, started, raised = 0, time.monotonic(), False
     while True:
-        if not worker.loaded and not raised and time.monotonic() - started > LOAD_IDLE_S:
+        if not worker.loaded and not raised and time.monotonic() - started > idle_load_s:
             priority.restore_all_threads()
             raised = True
         beat = worker.progress if worker.loaded else load_progress()
@@ -131,7 +132,8 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     settings = msgspec.msgpack.decode(settings_bytes, type=WorkerSettings)
     worker = Worker(work_sock, settings.images)
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
-                     args=(beat_sock, worker, settings.heartbeat_interval_s)).start()
+                     args=(beat_sock, worker, settings.heartbeat_interval_s,
+                           settings.idle_load_s)).start()
     model = _load(settings, worker)  # at idle priority, from the forkserver
     worker.loaded = True
     if settings.hold_segment is not None:

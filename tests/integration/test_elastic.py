@@ -98,8 +98,9 @@ def test_a_model_that_can_never_fit_is_refused_at_once(make_daemon: MakeDaemon) 
 
 def test_a_loading_model_never_delays_a_loaded_one(make_daemon: MakeDaemon) -> None:
     # One worker each, so the two loads fit the two load slots (max_concurrent_loads).
-    daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + model_entry("fast")
-                         + model_entry("slow-a", load_s=4) + model_entry("slow-b", load_s=4))
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\nidle_load_s = 60\n"
+                         + model_entry("fast") + model_entry("slow-a", load_s=4)
+                         + model_entry("slow-b", load_s=4))
     with daemon.client() as c:
         c.embed("warm", model="fast")
     done: list[float] = []
@@ -160,7 +161,7 @@ def test_the_idle_cgroup_holds_the_forkserver_not_serving_workers_and_goes_with_
 def test_without_the_idle_cgroup_a_loading_worker_runs_sched_idle(
         make_daemon: MakeDaemon) -> None:
     daemon = make_daemon("[daemon]\nidle_cgroup = false\n[pool]\ncold_start_workers = 1\n"
-                         + model_entry("slow", load_s=3))
+                         "idle_load_s = 60\n" + model_entry("slow", load_s=3))
     slow = start_loading(daemon, "slow")
     policy = os.sched_getscheduler(slow)
     if LOWERED:
@@ -228,3 +229,17 @@ def test_unloading_a_model_while_it_loads_is_not_a_load_failure(
         wait_until(lambda: not status_of(daemon, "slow")["workers"], 10, "the worker killed")
         assert status_of(daemon, "slow")["last_error"] is None
         assert len(c.embed(["loads again at once"], model="slow")) == 1
+
+
+@pytest.mark.skipif(not LOWERED, reason="no right to restore priority: loads are not lowered")
+def test_a_load_longer_than_idle_load_s_leaves_idle_priority(make_daemon: MakeDaemon) -> None:
+    """So that a load still finishes on a machine that serving keeps busy, where an idle
+    task gets almost no CPU."""
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\nidle_load_s = 0.5\n"
+                         + model_entry("slow", load_s=6))
+    slow = start_loading(daemon, "slow")
+    time.sleep(1.5)  # past idle_load_s, still loading
+    assert status_of(daemon, "slow")["workers"][0]["state"] == "loading"
+    assert os.sched_getscheduler(slow) not in (os.SCHED_IDLE,)
+    if IDLE_CGROUP_POSSIBLE:
+        assert not cpu_cgroup(slow).endswith("-loading")
