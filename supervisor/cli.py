@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -61,6 +62,16 @@ def _admin_commands(sub: SubParsers) -> None:
     stop.set_defaults(func=lambda a: _ack(a, lambda c: c.stop()))
 
 
+def _ignore_working_directory() -> None:
+    """Nothing in the directory the daemon was started from may shadow a module, in the
+    daemon or in its workers (a stray queue.py there once broke every worker start, and
+    would run its code in each). The forkserver is a `python -c` child, whose sys.path
+    would start with its working directory: PYTHONSAFEPATH tells it not to."""
+    cwd = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
+    os.environ["PYTHONSAFEPATH"] = "1"
+
+
 def _client(args: argparse.Namespace) -> Any:
     from modelpool.protocol.client import Client
 
@@ -68,6 +79,7 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _ignore_working_directory()
     import asyncio
 
     import msgspec

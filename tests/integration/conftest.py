@@ -65,7 +65,7 @@ class Daemon:
             raise
 
 
-def _wait_for_socket(daemon: Daemon, timeout_s: float) -> None:
+def wait_for_socket(daemon: Daemon, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if daemon.process.poll() is not None:
@@ -105,7 +105,7 @@ def start_daemon(workdir: Path, config_toml: str, socket_path: str | None = None
             cwd=ROOT, env={**daemon_env(socket_path), **(env or {})}, stdout=log,
             stderr=subprocess.STDOUT)
     daemon = Daemon(process, socket_path, log_path)
-    _wait_for_socket(daemon, 30)
+    wait_for_socket(daemon, 30)
     return daemon
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import psutil
 import pytest
-from conftest import ROOT, Daemon, daemon_env, fresh_socket_path, model_entry
+from conftest import ROOT, Daemon, daemon_env, fresh_socket_path, model_entry, wait_for_socket
 
 from modelpool.protocol.client import PoolError, TextChunk
 from modelpool.protocol.errors import ErrorCode
@@ -194,3 +194,29 @@ def test_poison_input_fails_with_worker_died_and_others_are_served(
         assert err.value.code is ErrorCode.WORKER_DIED
         assert "already retried" in err.value.message
         assert c.embed("fine", model="slow")[0] == 4.0
+
+
+def test_modules_in_the_working_directory_are_never_imported(tmp_path: Path) -> None:
+    """A stray queue.py where the daemon was started once broke every worker start (and
+    would have run its code in each)."""
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    marker = tmp_path / "imported"
+    (workdir / "queue.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                      "raise SystemExit('the stray queue.py was imported')\n")
+    config = tmp_path / "modelpool.toml"
+    config.write_text("[pool]\ncold_start_workers = 1\n" + model_entry("fast"))
+    socket_path = fresh_socket_path()
+    modelpool = str(Path(sys.executable).with_name("modelpool"))
+    log = (tmp_path / "daemon.log").open("wb")
+    process = subprocess.Popen([modelpool, "--socket", socket_path, "serve", "--config",
+                                str(config)], cwd=workdir, env=daemon_env(socket_path),
+                               stdout=log, stderr=subprocess.STDOUT)
+    daemon = Daemon(process, socket_path, tmp_path / "daemon.log")
+    try:
+        wait_for_socket(daemon, 30)
+        with daemon.client() as c:
+            assert c.embed("abc", model="fast")[0] == 3.0
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    assert not marker.exists()
