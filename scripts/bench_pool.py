@@ -4,6 +4,7 @@ cost per request, rejection latency under flood (loads beside traffic: bench_loa
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ import numpy as np
 import psutil
 from bench import MINILM, Daemon, percentiles
 
-from modelpool.protocol.client import AsyncClient, Client
+from modelpool.protocol.client import AsyncClient, Client, PoolError
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import frame, recv_frame, send_frame
 from modelpool.protocol.messages import Embed, Error, Hello, encoder, server_decoder
@@ -104,7 +105,9 @@ def kill_recovery(rounds: int) -> dict[str, Any]:
         daemon.stop()
 
 
-async def _throughput(sock: str, seconds: float, kill_every_s: float | None) -> float:
+async def _throughput(sock: str, seconds: float, kill_every_s: float | None,
+                      errors: collections.Counter[str] | None = None) -> float:
+    """Texts a second, 64 in flight; errors (by code) are counted into `errors`."""
     done = 0
     stop_at = time.perf_counter() + seconds
 
@@ -112,7 +115,12 @@ async def _throughput(sock: str, seconds: float, kill_every_s: float | None) -> 
         nonlocal done
         while time.perf_counter() < stop_at:
             done += 1  # distinct texts: identical ones would be deduplicated
-            await c.embed(f"sentence {done} of moderate length for the throughput run")
+            try:
+                await c.embed(f"sentence {done} of moderate length for the throughput run")
+            except PoolError as exc:
+                if errors is None:
+                    raise
+                errors[exc.code.value] += 1
 
     async def killer(c: AsyncClient) -> None:
         while kill_every_s and time.perf_counter() < stop_at:
@@ -137,9 +145,10 @@ def throughput_under_kills(seconds: float) -> dict[str, Any]:
             c.load(MINILM, workers=2)
             c.embed("warm")
         calm = asyncio.run(_throughput(daemon.socket, seconds, None))
-        killed = asyncio.run(_throughput(daemon.socket, seconds, 1.0))
+        errors: collections.Counter[str] = collections.Counter()
+        killed = asyncio.run(_throughput(daemon.socket, seconds, 1.0, errors))
         return {"undisturbed_texts_per_s": calm, "one_kill_per_s_texts_per_s": killed,
-                "ratio": round(killed / calm, 3)}
+                "ratio": round(killed / calm, 3), "errors_under_kills": dict(errors)}
     finally:
         daemon.stop()
 

@@ -328,3 +328,22 @@ async def test_a_freed_load_slot_goes_to_a_model_without_a_worker_first(
     h.ready(h.workers("gen")[0])  # busy at once: gen wants a second worker
     await h.settle()
     assert [w.model_key for w in h.launcher.started] == ["gen", "emb"]
+
+
+async def test_a_warm_minimum_is_restored_when_a_back_off_ends(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(load_backoff_s=2.0)
+    control.load_model(h.pool, "emb", 2)
+    await h.settle()
+    for worker in h.workers("emb"):
+        h.die(worker, -9)  # both die while loading, no request waiting
+    await h.settle()
+    assert len(h.launcher.started) == 2  # backing off
+    h.clock.advance(1)
+    h.pool.tick()
+    await h.settle()
+    assert len(h.launcher.started) == 2
+    h.clock.advance(1.01)
+    h.pool.tick()
+    await h.settle()
+    assert len(h.launcher.started) == 4
