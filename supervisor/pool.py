@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.kinds import KIND_OF, STREAMED, Kind, with_defaults
+from modelpool.protocol.kinds import STREAMED
 from modelpool.protocol.messages import Error, WorkRequest
 from modelpool.protocol.pipes import (
     Abort,
@@ -28,18 +28,17 @@ from modelpool.protocol.pipes import (
     WantWork,
     WorkerSettings,
 )
-from modelpool.registry.spec import ModelSpec, Registry
-from modelpool.supervisor import admission, capacity, health, recovery, scaling
-from modelpool.supervisor.admission import Rejection
+from modelpool.registry.spec import Registry
+from modelpool.supervisor import capacity, health, recovery, scaling
 from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
 from modelpool.supervisor.dispatch import Dispatcher
 from modelpool.supervisor.gpus import Gpu, resolve_device
+from modelpool.supervisor.intake import Intake
 from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelSettings, ModelState
 from modelpool.supervisor.queueing import PRIORITY_RANK, Job, JobState, Requester, aged_rank
-from modelpool.supervisor.queueing import dedup_key as make_dedup_key
 from modelpool.supervisor.shm import SharedImages, unlink_segment, weights_segment
 from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
 from modelpool.workers import exitcodes
@@ -70,6 +69,9 @@ class Pool:
         self.shared = SharedImages()
         self.dispatcher = Dispatcher(scheduler, self.book, self.shared,
                                      config.pool.max_batch_wait_ms / 1000)
+        self.intake = Intake(config, registry, self.models, self.capacity, self.book,
+                             scheduler, len(self.gpus), lambda: self.shutting_down,
+                             self.reconcile)
         self.shutting_down = False
         self._worker_ids = itertools.count(1)
         self.changed = asyncio.Event()  # set whenever a request ends or a worker exits
@@ -77,61 +79,7 @@ class Pool:
     # ---- requests ----------------------------------------------------------------------
 
     def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> None:
-        kind = KIND_OF[type(request)]
-        spec = admission.resolve(self.registry, kind, request)
-        model = self.models[spec.key] if spec else None
-        request = with_defaults(request, self.config.defaults)
-        deadline_in = admission.deadline_in(request, self.scheduler.wall())
-        reject = self._admission_error(sink, kind, request, spec)
-        if reject is None and deadline_in is not None and deadline_in <= 0:
-            reject = ErrorCode.DEADLINE_EXPIRED, "the deadline passed before the daemon got it"
-        key = make_dedup_key(kind, request, spec.key) if spec and not reject else None
-        leader = self.book.leader_for(key)
-        if reject is None and leader is None and model is not None:
-            reject = admission.bounds_error(model, self.models.values(), nbytes,
-                                            self.pool_config, sink.owner)
-        if reject is not None:
-            self._reject(sink, request, model, reject)
-            return
-        assert model is not None
-        timeout = request.timeout_s or model.settings.timeout_s
-        req = self.book.requester(sink, request, timeout, deadline_in)
-        model.last_active = req.accepted_at
-        if leader is not None:
-            self.book.attach(req, leader)
-            model.metrics.by_priority[req.priority].deduplicated += 1
-            model.queue.promote(leader, PRIORITY_RANK[req.priority])
-            return
-        job = self.book.new_job(req, kind, request, model.key, key)
-        job.nbytes = nbytes
-        if kind.batched and job.size > model.settings.max_batch:
-            for part in self.book.split(job, model.settings.max_batch):
-                model.queue.push(part)
-        else:
-            model.queue.push(job)
-        self.reconcile(model)
-
-    def _admission_error(self, sink: Any, kind: Kind, request: WorkRequest,
-                         spec: ModelSpec | None) -> Rejection | None:
-        if request.id in sink.jobs:
-            return ErrorCode.BAD_REQUEST, f"request id {request.id} is already in flight"
-        if self.shutting_down:
-            return ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"
-        reject = admission.request_error(kind, request, spec, self.config.images)
-        if reject is not None or spec is None:
-            return reject
-        model = self.models[spec.key]
-        return (admission.load_error(model, self.scheduler.now(), len(self.gpus))
-                or admission.memory_error(model, self.capacity.budget_for))
-
-    def _reject(self, sink: Any, request: WorkRequest, model: ModelState | None,
-                reject: Rejection) -> None:
-        code, message = reject
-        retry = admission.retry_after(model) if code in (ErrorCode.QUEUE_FULL,
-                                                         ErrorCode.OVERLOADED) else None
-        if model is not None:
-            model.metrics.by_priority[request.priority].rejected[code.value] += 1
-        sink.send(Error(id=request.id, code=code, message=message, retry_after_s=retry))
+        self.intake.submit(sink, request, nbytes)
 
     def cancel(self, sink: Any, client_id: int) -> None:
         self.book.cancel(sink, client_id)

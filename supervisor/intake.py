@@ -1,0 +1,120 @@
+"""Admission into the pool: whether a request may be queued, and queueing it: joined to
+an identical one already waiting or running, or split into parts when it is a batched
+request over max_batch. Refusals are answered at once with a typed error.
+
+A component of the Pool: it queues into the pool's models and calls back `queued(model)`
+so the pool dispatches and scales; it decides nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.kinds import KIND_OF, Kind, with_defaults
+from modelpool.protocol.messages import Error, WorkRequest
+from modelpool.registry.spec import ModelSpec, Registry
+from modelpool.supervisor import admission
+from modelpool.supervisor.admission import Rejection
+from modelpool.supervisor.capacity import Capacity
+from modelpool.supervisor.clock import Scheduler
+from modelpool.supervisor.config import Config
+from modelpool.supervisor.jobs import JobBook
+from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.queueing import PRIORITY_RANK, Job
+from modelpool.supervisor.queueing import dedup_key as make_dedup_key
+
+
+class Intake:
+    def __init__(self, config: Config, registry: Registry, models: dict[str, ModelState],
+                 capacity: Capacity, book: JobBook, scheduler: Scheduler, gpu_count: int,
+                 closed: Callable[[], bool], queued: Callable[[ModelState], None]) -> None:
+        self.config = config
+        self.registry = registry
+        self.models = models
+        self.capacity = capacity
+        self.book = book
+        self.scheduler = scheduler
+        self.gpu_count = gpu_count
+        self.closed = closed  # the daemon is shutting down
+        self.queued = queued
+
+    def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> None:
+        """Queue the request for the sink (a connection, or a submitted job's mailbox
+        entry), which gets its replies; or answer it with the reason it cannot be."""
+        kind, spec, model, request, deadline_in = self._prepare(request)
+        reject: Rejection | None = None
+        if request.id in sink.jobs:
+            reject = ErrorCode.BAD_REQUEST, f"request id {request.id} is already in flight"
+        reject = reject or self._static_refusal(kind, request, spec, deadline_in)
+        key = make_dedup_key(kind, request, spec.key) if spec and not reject else None
+        leader = self.book.leader_for(key)
+        if reject is None and leader is None and model is not None:
+            reject = admission.bounds_error(model, self.models.values(), nbytes,
+                                            self.config.pool, sink.owner)
+        if reject is not None:
+            sink.send(self._error(request, model, reject))
+            return
+        assert model is not None
+        timeout = request.timeout_s or model.settings.timeout_s
+        req = self.book.requester(sink, request, timeout, deadline_in)
+        model.last_active = req.accepted_at
+        if leader is not None:
+            self.book.attach(req, leader)
+            model.metrics.by_priority[req.priority].deduplicated += 1
+            model.queue.promote(leader, PRIORITY_RANK[req.priority])
+            return
+        self._queue(model, self.book.new_job(req, kind, request, model.key, key), nbytes)
+
+    def refusal(self, owner: Hashable, request: WorkRequest, nbytes: int = 0) -> Error | None:
+        """What submit would answer this request with if it refused it; nothing queued."""
+        kind, spec, model, request, deadline_in = self._prepare(request)
+        reject = self._static_refusal(kind, request, spec, deadline_in)
+        if reject is None and model is not None:
+            key = make_dedup_key(kind, request, model.key)
+            if self.book.leader_for(key) is None:
+                reject = admission.bounds_error(model, self.models.values(), nbytes,
+                                                self.config.pool, owner)
+        return self._error(request, model, reject) if reject else None
+
+    def _prepare(self, request: WorkRequest) -> tuple[Kind, ModelSpec | None,
+                                                      ModelState | None, WorkRequest,
+                                                      float | None]:
+        kind = KIND_OF[type(request)]
+        spec = admission.resolve(self.registry, kind, request)
+        request = with_defaults(request, self.config.defaults)
+        deadline_in = admission.deadline_in(request, self.scheduler.wall())
+        return kind, spec, self.models[spec.key] if spec else None, request, deadline_in
+
+    def _static_refusal(self, kind: Kind, request: WorkRequest, spec: ModelSpec | None,
+                        deadline_in: float | None) -> Rejection | None:
+        if self.closed():
+            return ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"
+        reject = admission.request_error(kind, request, spec, self.config.images)
+        if reject is not None or spec is None:
+            return reject
+        model = self.models[spec.key]
+        reject = (admission.load_error(model, self.scheduler.now(), self.gpu_count)
+                  or admission.memory_error(model, self.capacity.budget_for))
+        if reject is None and deadline_in is not None and deadline_in <= 0:
+            reject = ErrorCode.DEADLINE_EXPIRED, "the deadline passed before the daemon got it"
+        return reject
+
+    def _queue(self, model: ModelState, job: Job, nbytes: int) -> None:
+        job.nbytes = nbytes
+        if job.kind.batched and job.size > model.settings.max_batch:
+            for part in self.book.split(job, model.settings.max_batch):
+                model.queue.push(part)
+        else:
+            model.queue.push(job)
+        self.queued(model)
+
+    def _error(self, request: WorkRequest, model: ModelState | None,
+               reject: Rejection) -> Error:
+        code, message = reject
+        retry = admission.retry_after(model) if code in (ErrorCode.QUEUE_FULL,
+                                                         ErrorCode.OVERLOADED) else None
+        if model is not None:
+            model.metrics.by_priority[request.priority].rejected[code.value] += 1
+        return Error(id=request.id, code=code, message=message, retry_after_s=retry)
