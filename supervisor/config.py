@@ -58,11 +58,21 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     idle_load_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0  # loads at idle priority this long
 
 
+class JobsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Submitted jobs (the job API): their results and how long they are kept."""
+
+    result_retention_s: Positive = 3600.0  # a result is kept this long after its job ended
+    max_mailbox_bytes: Annotated[int, msgspec.Meta(ge=1)] = 1 << 30  # then OVERLOADED
+    timeout_s: Positive = 3600.0  # a job's bound unless it gives its own timeout_s
+    max_claim: Annotated[int, msgspec.Meta(ge=1)] = 1000  # jobs taken from the queue at once
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
     defaults: RequestDefaults = msgspec.field(default_factory=RequestDefaults)
+    jobs: JobsConfig = msgspec.field(default_factory=JobsConfig)
     models: list[ModelSpec] = []
 
     def registry(self) -> Registry:

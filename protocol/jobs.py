@@ -1,0 +1,132 @@
+"""The job API on the wire: hand the daemon a request, get a key at once, and retrieve
+the result later, from any connection, until it expires.
+
+    Submit(request)   -> JobKey(key)            the same admission errors as a direct call
+    Retrieve(key, timeout_s) -> JobResult | Error   waits up to timeout_s; TIMEOUT if not done
+    JobQuery(key)     -> JobReply(JobInfo)      state and times
+    CancelJob(key), ForgetJob(key) -> Ack
+    ListJobs()        -> JobsReply              the caller's recent jobs
+    GetStats()        -> StatsReply             the pool's figures
+
+A key is unguessable and belongs to the user who submitted it: to anyone else it does
+not exist (RESULT_NOT_FOUND).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from modelpool.protocol.messages import Embeddings, Image, Scores, WorkRequest
+
+JobState = Literal["queued", "running", "done", "failed", "cancelled"]
+ENDED: frozenset[str] = frozenset({"done", "failed", "cancelled"})
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defaults=True):
+    pass
+
+
+class Submit(_Msg, frozen=True, kw_only=True, tag="submit"):
+    id: int
+    request: WorkRequest  # its own id is not used
+    single: bool = False  # one input where a list was possible: the result is one row
+
+
+class JobKey(_Msg, frozen=True, kw_only=True, tag="job_key"):
+    id: int
+    key: str
+
+
+class Retrieve(_Msg, frozen=True, kw_only=True, tag="retrieve"):
+    id: int
+    key: str
+    timeout_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 30.0  # 0: do not wait
+
+
+class Completion(_Msg, frozen=True, kw_only=True, tag="completion"):
+    """A generate or describe job's result: the whole text at once."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model: str = ""
+
+
+class JobResult(_Msg, frozen=True, kw_only=True, tag="job_result"):
+    id: int
+    key: str
+    result: Embeddings | Scores | Completion | Image  # their own ids are not used
+    single: bool = False
+
+
+class JobInfo(msgspec.Struct, frozen=True, kw_only=True):
+    key: str
+    op: str  # the request kind: "embed", "generate", ...
+    model: str
+    priority: str
+    state: JobState
+    submitted_at: float  # seconds since the epoch
+    started_at: float | None = None
+    finished_at: float | None = None
+    error_code: str | None = None  # failed or cancelled: why
+    error_message: str | None = None
+    node: str = ""  # which daemon ran it
+
+
+class JobQuery(_Msg, frozen=True, kw_only=True, tag="job"):
+    id: int
+    key: str
+
+
+class JobReply(_Msg, frozen=True, kw_only=True, tag="job_reply"):
+    id: int
+    job: JobInfo
+
+
+class CancelJob(_Msg, frozen=True, kw_only=True, tag="cancel_job"):
+    id: int
+    key: str
+
+
+class ForgetJob(_Msg, frozen=True, kw_only=True, tag="forget_job"):
+    id: int
+    key: str
+
+
+class ListJobs(_Msg, frozen=True, kw_only=True, tag="jobs"):
+    id: int
+    limit: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 100
+
+
+class JobsReply(_Msg, frozen=True, kw_only=True, tag="jobs_reply"):
+    id: int
+    jobs: list[JobInfo]
+
+
+class GetStats(_Msg, frozen=True, kw_only=True, tag="stats"):
+    id: int
+
+
+class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    workers: int  # live worker processes, weights holders left out
+    busy_workers: int
+    active_jobs: int  # requests and jobs running on a worker now
+    queued_jobs: int  # waiting for a worker
+    memory_used_mb: float
+    memory_budget_mb: float
+    completed: int  # since the daemon started
+    failed: int
+    stored_results: int  # jobs whose result the mailbox holds
+    mailbox_bytes: int
+
+
+class StatsReply(_Msg, frozen=True, kw_only=True, tag="stats_reply"):
+    id: int
+    stats: PoolStats
+
+
+JobRequest = Submit | Retrieve | JobQuery | CancelJob | ForgetJob | ListJobs | GetStats
+JobResponse = JobKey | JobResult | JobReply | JobsReply | StatsReply

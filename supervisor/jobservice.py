@@ -1,0 +1,233 @@
+"""The job API: a submitted job runs through the same pool as a direct request, with the
+same priorities, deadlines, dedup, batching and recovery; its result goes to the mailbox
+instead of a connection, so it outlives the connection that submitted it.
+
+Jobs wait in a TaskQueue until this daemon claims them (at once in memory; when it has
+room, with a shared queue) and their records and results live in a Mailbox; both are
+interfaces, so a shared backend is a new module, not a change here or in the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any
+
+import msgspec
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.jobs import ENDED, Completion, JobInfo, JobResult, PoolStats, Submit
+from modelpool.protocol.kinds import KIND_OF
+from modelpool.protocol.messages import (
+    Chunk,
+    Embeddings,
+    End,
+    Error,
+    Image,
+    Scores,
+    WorkRequest,
+    encoder,
+)
+from modelpool.supervisor import admission
+from modelpool.supervisor.config import JobsConfig
+from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
+from modelpool.supervisor.pool import Pool
+from modelpool.supervisor.queueing import JobState
+from modelpool.supervisor.tasks import TaskQueue
+
+log = logging.getLogger("modelpool.jobs")
+
+KEY_BYTES = 16  # 128 random bits: keys cannot be guessed
+_request_decoder = msgspec.msgpack.Decoder(WorkRequest)
+_result_decoder = msgspec.msgpack.Decoder(Embeddings | Scores | Completion | Image)
+
+
+class MailboxSink:
+    """A submitted job's replies, gathered into one result: its `connection` in the pool.
+    Closing the client connection that submitted the job does not touch it."""
+
+    closed = False
+
+    def __init__(self, service: JobService, record: JobRecord) -> None:
+        self.service = service
+        self.record = record
+        self.owner = ("jobs", record.uid)  # one user's jobs take one turn in the queues
+        self.jobs: dict[int, Any] = {}
+        self._text: list[str] = []
+
+    @property
+    def running(self) -> bool:
+        req = self.jobs.get(0)
+        return req is not None and req.job is not None and req.job.state is JobState.RUNNING
+
+    def send(self, msg: Any) -> None:
+        match msg:
+            case Chunk(text=text):
+                self._text.append(text)
+            case End():
+                self.service.ended(self, Completion(
+                    text="".join(self._text), finish_reason=msg.finish_reason,
+                    prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
+                    model=msg.model))
+            case Error() | Embeddings() | Scores() | Image():
+                self.service.ended(self, msg)
+            case _:
+                pass  # image progress: the stored result is the finished image
+
+
+class JobService:
+    def __init__(self, pool: Pool, queue: TaskQueue, mailbox: Mailbox, config: JobsConfig,
+                 node: str) -> None:
+        self.pool = pool
+        self.queue = queue
+        self.mailbox = mailbox
+        self.config = config
+        self.node = node
+        self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
+        self._endings: set[asyncio.Task[None]] = set()
+
+    # ---- what clients ask --------------------------------------------------------------
+
+    async def submit(self, uid: int, msg: Submit, nbytes: int) -> str:
+        """Admit a job (the same refusals as a direct request) and return its key."""
+        request = msgspec.structs.replace(
+            msg.request, id=0, timeout_s=msg.request.timeout_s or self.config.timeout_s)
+        refusal = self.pool.intake.refusal(("jobs", uid), request, nbytes)
+        if refusal is not None:
+            raise PoolError(refusal.code, refusal.message, refusal.retry_after_s)
+        kind = KIND_OF[type(request)]
+        spec = admission.resolve(self.pool.registry, kind, request)
+        record = JobRecord(key=secrets.token_urlsafe(KEY_BYTES), uid=uid, op=kind.op,
+                           model=spec.key if spec else request.model,
+                           priority=request.priority, request=encoder.encode(request),
+                           single=msg.single, submitted_at=self.pool.scheduler.wall())
+        try:
+            await self.mailbox.add(record)
+        except MailboxFull as exc:
+            raise PoolError(ErrorCode.OVERLOADED, str(exc), 1.0) from None
+        await self.queue.put(record)
+        await self.pump()
+        return record.key
+
+    async def retrieve(self, uid: int, key: str, timeout_s: float, rid: int) -> JobResult:
+        await self._own(uid, key)
+        record = await self.mailbox.wait(key, timeout_s)
+        if record is None:
+            raise _not_found(key)
+        if record.state not in ENDED:
+            state = (await self.info(uid, key)).state
+            raise PoolError(ErrorCode.TIMEOUT, f"job {key} is still {state} after "
+                            f"{timeout_s:g}s; it goes on, retrieve it again later")
+        if record.state != "done" or record.result is None:
+            raise PoolError(ErrorCode(record.error_code or ErrorCode.INTERNAL),
+                            record.error_message or "the job failed")
+        return JobResult(id=rid, key=key, result=_result_decoder.decode(record.result),
+                         single=record.single)
+
+    async def info(self, uid: int, key: str) -> JobInfo:
+        record = await self._own(uid, key)
+        info = record.info()
+        sink = self._running.get(key)
+        if sink is not None and info.state not in ENDED:
+            info = msgspec.structs.replace(info, state="running" if sink.running else "queued")
+        return info
+
+    async def cancel(self, uid: int, key: str) -> None:
+        record = await self._own(uid, key)
+        if record.state in ENDED:
+            return
+        sink = self._running.get(key)
+        if sink is not None:
+            self.pool.cancel(sink, 0)  # the sink gets CANCELLED, and ends the job
+        elif await self.queue.cancel(key):
+            await self._store(record, Error(id=0, code=ErrorCode.CANCELLED,
+                                            message=f"job {key} cancelled"))
+
+    async def forget(self, uid: int, key: str) -> None:
+        await self.cancel(uid, key)
+        await self.mailbox.remove(key)
+
+    async def recent(self, uid: int, limit: int) -> list[JobInfo]:
+        return [await self.info(uid, r.key) for r in await self.mailbox.recent(uid, limit)]
+
+    async def stats(self) -> PoolStats:
+        models = list(self.pool.models.values())
+        workers = [w for m in models for w in m.live_workers()]
+        counters = [c for m in models for c in m.metrics.by_priority.values()]
+        stored, nbytes = await self.mailbox.usage()
+        return PoolStats(
+            workers=len(workers), busy_workers=sum(bool(w.jobs) for w in workers),
+            active_jobs=sum(m.running() for m in models),
+            queued_jobs=sum(len(m.queue) for m in models) + await self.queue.length(),
+            memory_used_mb=round(self.pool.capacity.used_mb(models), 1),
+            memory_budget_mb=round(self.pool.capacity.budget_mb, 1),
+            completed=sum(c.completed for c in counters),
+            failed=sum(c.failed + c.expired for c in counters),
+            stored_results=stored, mailbox_bytes=nbytes)
+
+    # ---- running jobs ------------------------------------------------------------------
+
+    async def pump(self) -> None:
+        """Claim what there is room for, and start it in the pool."""
+        for record in await self.queue.claim(self.config.max_claim):
+            sink = MailboxSink(self, record)
+            self._running[record.key] = sink
+            await self.mailbox.start(record.key, self.node, self.pool.scheduler.wall())
+            # A refusal here (the pool filled up since the job was admitted) ends the
+            # job with that error, like any other.
+            self.pool.submit(sink, _request_decoder.decode(record.request),
+                             len(record.request))
+
+    def ended(self, sink: MailboxSink, result: Any) -> None:
+        """The pool's final reply for a job (called in the pool's call stack)."""
+        task = asyncio.get_running_loop().create_task(self._end(sink, result))
+        self._endings.add(task)
+        task.add_done_callback(self._endings.discard)
+
+    async def _end(self, sink: MailboxSink, result: Any) -> None:
+        key = sink.record.key
+        self._running.pop(key, None)
+        await self._store(sink.record, result)
+        if not await self.queue.complete(key):
+            log.info("job %s ended here after its claim was lost: its result was kept only "
+                     "if it was the first", key)
+
+    async def _store(self, record: JobRecord, result: Any) -> None:
+        now = self.pool.scheduler.wall()
+        if isinstance(result, Error):
+            state = "cancelled" if result.code is ErrorCode.CANCELLED else "failed"
+            outcome = JobRecord(key=record.key, uid=record.uid, op=record.op,
+                                model=record.model, priority=record.priority, request=b"",
+                                submitted_at=record.submitted_at, state=state,
+                                finished_at=now, error_code=result.code.value,
+                                error_message=result.message)
+        else:
+            outcome = JobRecord(key=record.key, uid=record.uid, op=record.op,
+                                model=record.model, priority=record.priority, request=b"",
+                                submitted_at=record.submitted_at, state="done",
+                                finished_at=now, result=encoder.encode(result))
+        if not await self.mailbox.finish(record.key, outcome):
+            log.info("job %s ended twice; the second result was dropped", record.key)
+
+    async def tick(self) -> None:
+        """Periodic: drop expired results; renew the claims of jobs running here."""
+        await self.mailbox.expire(self.pool.scheduler.wall())
+        if self._running:
+            await self.queue.extend(list(self._running))
+
+    async def settle(self) -> None:
+        """Wait for results being stored (before the daemon exits)."""
+        if self._endings:
+            await asyncio.gather(*self._endings, return_exceptions=True)
+
+    async def _own(self, uid: int, key: str) -> JobRecord:
+        record = await self.mailbox.get(key)
+        if record is None or record.uid != uid:
+            raise _not_found(key)  # another user's key is one that does not exist
+        return record
+
+
+def _not_found(key: str) -> PoolError:
+    return PoolError(ErrorCode.RESULT_NOT_FOUND, f"no job {key!r}: never submitted, "
+                     "forgotten, expired, or not yours")

@@ -1,0 +1,196 @@
+"""The job API on the pool with fakes: submit, retrieve, cancel, forget, expiry, bounds,
+and a dead worker's job getting exactly one result."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.jobs import Completion, Submit
+from modelpool.protocol.messages import Embed, Embeddings, Generate, Sampling
+from modelpool.protocol.pipes import Abort
+from modelpool.supervisor.config import JobsConfig
+from modelpool.supervisor.jobservice import JobService
+from modelpool.supervisor.mailbox import MemoryMailbox
+from modelpool.supervisor.tasks import MemoryTaskQueue
+
+if TYPE_CHECKING:
+    from conftest import Harness
+
+MakeHarness = Callable[..., "Harness"]
+ME, OTHER = 1000, 1001
+
+
+def service(h: Harness, **config: Any) -> JobService:
+    jobs = JobsConfig(**config)
+    mailbox = MemoryMailbox(h.clock, jobs.result_retention_s, jobs.max_mailbox_bytes)
+    return JobService(h.pool, MemoryTaskQueue(), mailbox, jobs, "node-a")
+
+
+def embed(*texts: str, single: bool = False, **fields: Any) -> Submit:
+    return Submit(id=7, request=Embed(id=3, model="emb", texts=list(texts), **fields),
+                  single=single)
+
+
+async def test_submit_returns_a_key_and_retrieve_the_result(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+    key = await jobs.submit(ME, embed("hello", single=True), 100)
+    assert len(key) >= 22 and key != await jobs.submit(ME, embed("other"), 100)
+    assert (await jobs.info(ME, key)).state == "queued"
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    assert (await jobs.info(ME, key)).state == "running"
+    job_id = h.job_ids(worker)[0]
+    h.reply_embeddings(worker, job_id, 0.5, 0.25)
+    await h.settle()
+    result = await jobs.retrieve(ME, key, 0, rid=42)
+    assert (result.id, result.key, result.single) == (42, key, True)
+    assert isinstance(result.result, Embeddings) and result.result.model == "emb"
+    again = await jobs.retrieve(ME, key, 0, rid=43)  # any number of times
+    assert again.result == result.result
+    info = await jobs.info(ME, key)
+    assert info.state == "done" and info.finished_at is not None and info.node == "node-a"
+
+
+async def test_retrieve_times_out_and_the_job_goes_on(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+    key = await jobs.submit(ME, embed("slow"), 100)
+    waiting = asyncio.ensure_future(jobs.retrieve(ME, key, 5.0, rid=1))
+    await h.settle()
+    h.clock.advance(5.0)
+    with pytest.raises(PoolError) as err:
+        await waiting
+    assert err.value.code is ErrorCode.TIMEOUT and "goes on" in err.value.message
+    waiting = asyncio.ensure_future(jobs.retrieve(ME, key, 60.0, rid=2))
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    h.reply_embeddings(worker, h.job_ids(worker)[0], 1.0)
+    result = await waiting
+    assert isinstance(result.result, Embeddings)
+
+
+async def test_another_user_cannot_see_a_job(make_harness: MakeHarness) -> None:
+    h = make_harness()
+    jobs = service(h)
+    key = await jobs.submit(ME, embed("mine"), 100)
+    for call in (jobs.retrieve(OTHER, key, 0, rid=1), jobs.info(OTHER, key),
+                 jobs.cancel(OTHER, key), jobs.forget(OTHER, key)):
+        with pytest.raises(PoolError) as err:
+            await call
+        assert err.value.code is ErrorCode.RESULT_NOT_FOUND
+    assert await jobs.recent(OTHER, 10) == []
+    assert [j.key for j in await jobs.recent(ME, 10)] == [key]
+
+
+async def test_a_generated_stream_is_kept_as_one_completion(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+    request = Generate(id=1, model="gen", prompt="hi", sampling=Sampling(max_tokens=3))
+    key = await jobs.submit(ME, Submit(id=1, request=request), 100)
+    await h.settle()
+    (worker,) = h.workers("gen")
+    h.ready(worker)
+    job_id = h.job_ids(worker)[0]
+    for seq, text in enumerate(["Once", " upon", " a"]):
+        h.chunk(worker, job_id, seq, text)
+    h.end(worker, job_id, reason="length")
+    await h.settle()
+    result = (await jobs.retrieve(ME, key, 0, rid=1)).result
+    assert isinstance(result, Completion)
+    assert (result.text, result.finish_reason, result.completion_tokens) == (
+        "Once upon a", "length", 3)
+
+
+async def test_a_job_whose_worker_dies_gets_exactly_one_result(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=2)
+    jobs = service(h)
+    key = await jobs.submit(ME, embed("x"), 100)
+    await h.settle()
+    dying, other = h.workers("emb")
+    h.ready(dying)
+    h.die(dying, -9)
+    h.ready(other)
+    h.reply_embeddings(other, h.job_ids(other)[0], 1.0)
+    h.reply_embeddings(other, h.job_ids(other)[0], 2.0)  # a duplicate reply: ignored
+    await h.settle()
+    assert isinstance((await jobs.retrieve(ME, key, 0, rid=1)).result, Embeddings)
+    assert (await jobs.stats()).stored_results == 1
+
+
+async def test_cancel_a_queued_and_a_running_job(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+    request = Generate(id=1, model="gen", prompt="long", sampling=Sampling(temperature=1))
+    running = await jobs.submit(ME, Submit(id=1, request=request), 100)
+    queued = await jobs.submit(ME, Submit(id=2, request=request), 100)
+    await h.settle()
+    (worker,) = h.workers("gen")
+    h.ready(worker)
+    await jobs.cancel(ME, queued)
+    await jobs.cancel(ME, running)
+    await h.settle()
+    assert any(isinstance(m, Abort) for m in h.sent(worker))  # the stream is stopped
+    for key in (queued, running):
+        with pytest.raises(PoolError) as err:
+            await jobs.retrieve(ME, key, 0, rid=1)
+        assert err.value.code is ErrorCode.CANCELLED
+        assert (await jobs.info(ME, key)).state == "cancelled"
+
+
+async def test_results_expire_after_the_retention_and_can_be_forgotten_early(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h, result_retention_s=60)
+    kept = await jobs.submit(ME, embed("a"), 100)
+    forgotten = await jobs.submit(ME, embed("b"), 100)
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    for job_id in h.job_ids(worker):  # one batch of both
+        h.reply_embeddings(worker, job_id, 1.0)
+    await h.settle()
+    await jobs.forget(ME, forgotten)
+    h.clock.advance(59)
+    await jobs.tick()
+    assert (await jobs.info(ME, kept)).state == "done"
+    h.clock.advance(1)
+    await jobs.tick()
+    for key in (kept, forgotten):
+        with pytest.raises(PoolError) as err:
+            await jobs.retrieve(ME, key, 0, rid=1)
+        assert err.value.code is ErrorCode.RESULT_NOT_FOUND
+    assert (await jobs.stats()).mailbox_bytes == 0
+
+
+async def test_a_full_mailbox_refuses_new_jobs_and_keeps_what_it_has(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h, max_mailbox_bytes=50)
+    key = await jobs.submit(ME, embed("x" * 60), 100)  # the first fits: room was left
+    with pytest.raises(PoolError) as err:
+        await jobs.submit(ME, embed("y"), 100)
+    assert err.value.code is ErrorCode.OVERLOADED and err.value.retry_after_s
+    assert (await jobs.info(ME, key)).state == "queued"
+
+
+async def test_submit_refuses_what_a_direct_call_would(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, max_queue=2)
+    jobs = service(h)
+    with pytest.raises(PoolError) as err:
+        await jobs.submit(ME, Submit(id=1, request=Embed(id=1, model="nope", texts=["a"])), 1)
+    assert err.value.code is ErrorCode.UNKNOWN_MODEL
+    await jobs.submit(ME, embed("a"), 1)
+    await jobs.submit(ME, embed("b"), 1)
+    with pytest.raises(PoolError) as err:
+        await jobs.submit(ME, embed("c"), 1)
+    assert err.value.code is ErrorCode.QUEUE_FULL
+    assert (await jobs.stats()).queued_jobs == 2
