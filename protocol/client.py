@@ -30,18 +30,22 @@ from modelpool.protocol.client_core import (
     Call,
     ImageChunk,
     TextChunk,
+    TextResult,
     check_reply,
     encode_checked,
     is_final,
     is_last,
+    job_result,
     make_call,
     op_signature,
+    submit_message,
     unavailable,
     undecodable,
 )
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import MAX_FRAME_BYTES, read_frame, recv_frame, send_frame
 from modelpool.protocol.framing import frame as make_frame
+from modelpool.protocol.jobs import CancelJob, ForgetJob, GetStats, JobQuery, ListJobs, Retrieve
 from modelpool.protocol.kinds import KINDS, Kind
 from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -55,12 +59,13 @@ from modelpool.protocol.messages import (
     UnloadModel,
     Welcome,
     encoder,
-    server_decoder,
     to_builtins,
 )
 from modelpool.protocol.paths import default_socket_path
+from modelpool.protocol.wire import server_decoder
 
-__all__ = ["AsyncClient", "Client", "ErrorCode", "ImageChunk", "PoolError", "TextChunk"]
+__all__ = ["AsyncClient", "Client", "ErrorCode", "ImageChunk", "PoolError", "TextChunk",
+           "TextResult"]
 
 
 class Client:
@@ -167,6 +172,47 @@ class Client:
 
     def stop(self) -> str:
         return check_reply(self._final(StopDaemon(id=next(self._ids)))).message
+
+    # ---- jobs: hand work over now, collect the result later, from any connection -------
+
+    def submit(self, op: str, *args: Any, **kwargs: Any) -> str:
+        """Submit `op` ("embed", "generate", ...) with that method's arguments; returns
+        the job's key at once. The job runs even if this client goes away."""
+        msg = submit_message(next(self._ids), op, args, kwargs)
+        return str(check_reply(self._final(msg)).key)
+
+    def retrieve(self, key: str, timeout_s: float = 30.0) -> Any:
+        """What the direct call returns (an array; a TextResult for generate and
+        describe; the final ImageChunk for generate_image), or PoolError with the job's
+        code: TIMEOUT if not done within timeout_s (the job goes on), RESULT_NOT_FOUND."""
+        waiting = self._sock.gettimeout()
+        if waiting is not None:  # the reply may take timeout_s to come
+            self._sock.settimeout(max(waiting, timeout_s + 5))
+        try:
+            reply = self._final(Retrieve(id=next(self._ids), key=key, timeout_s=timeout_s))
+        finally:
+            self._sock.settimeout(waiting)
+        return job_result(check_reply(reply))
+
+    def job(self, key: str) -> dict[str, Any]:
+        """A job's state (queued, running, done, failed, cancelled) and times."""
+        return to_builtins(check_reply(self._final(JobQuery(id=next(self._ids), key=key))).job)
+
+    def cancel(self, key: str) -> None:
+        check_reply(self._final(CancelJob(id=next(self._ids), key=key)))
+
+    def forget(self, key: str) -> None:
+        """Remove a job's result now rather than at the end of its retention."""
+        check_reply(self._final(ForgetJob(id=next(self._ids), key=key)))
+
+    def jobs(self, limit: int = 100) -> list[dict[str, Any]]:
+        """This user's recent jobs, newest first."""
+        msg = ListJobs(id=next(self._ids), limit=limit)
+        return to_builtins(check_reply(self._final(msg)).jobs)
+
+    def stats(self) -> dict[str, Any]:
+        """Workers, active and queued jobs, memory used and budget, completed and failed."""
+        return to_builtins(check_reply(self._final(GetStats(id=next(self._ids)))).stats)
 
 
 class AsyncClient:
@@ -280,6 +326,33 @@ class AsyncClient:
 
     async def stop(self) -> str:
         return check_reply(await self._final(StopDaemon(id=next(self._ids)))).message
+
+    # ---- jobs: as Client's ------------------------------------------------------------
+
+    async def submit(self, op: str, *args: Any, **kwargs: Any) -> str:
+        msg = submit_message(next(self._ids), op, args, kwargs)
+        return str(check_reply(await self._final(msg)).key)
+
+    async def retrieve(self, key: str, timeout_s: float = 30.0) -> Any:
+        msg = Retrieve(id=next(self._ids), key=key, timeout_s=timeout_s)
+        return job_result(check_reply(await self._final(msg)))
+
+    async def job(self, key: str) -> dict[str, Any]:
+        msg = JobQuery(id=next(self._ids), key=key)
+        return to_builtins(check_reply(await self._final(msg)).job)
+
+    async def cancel(self, key: str) -> None:
+        check_reply(await self._final(CancelJob(id=next(self._ids), key=key)))
+
+    async def forget(self, key: str) -> None:
+        check_reply(await self._final(ForgetJob(id=next(self._ids), key=key)))
+
+    async def jobs(self, limit: int = 100) -> list[dict[str, Any]]:
+        msg = ListJobs(id=next(self._ids), limit=limit)
+        return to_builtins(check_reply(await self._final(msg)).jobs)
+
+    async def stats(self) -> dict[str, Any]:
+        return to_builtins(check_reply(await self._final(GetStats(id=next(self._ids)))).stats)
 
 
 def _named(method: Callable[..., Any], kind: Kind, owner: type) -> Callable[..., Any]:

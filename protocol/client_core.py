@@ -15,6 +15,7 @@ import numpy as np
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import MAX_FRAME_BYTES
+from modelpool.protocol.jobs import Completion, JobResult, Submit
 from modelpool.protocol.kinds import BY_OP, STREAMED, Kind
 from modelpool.protocol.messages import (
     Chunk,
@@ -47,6 +48,38 @@ class ImageChunk:
     width: int | None = None
     height: int | None = None
     seed: int | None = None
+
+
+@dataclass(frozen=True)
+class TextResult:
+    """A generate or describe job's result, retrieved whole."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    model: str
+
+
+def job_result(reply: JobResult) -> Any:
+    """What the direct call would have returned: an array (one row for one input), a
+    TextResult, or the final ImageChunk with .png."""
+    result = reply.result
+    if isinstance(result, Completion):
+        return TextResult(result.text, result.finish_reason, result.prompt_tokens,
+                          result.completion_tokens, result.model)
+    if isinstance(result, ImageMsg):
+        return image_chunk(result)
+    array = np.frombuffer(result.data, dtype=np.dtype(result.dtype).newbyteorder("<"))
+    array = array.reshape(result.shape)
+    return array[0] if reply.single else array
+
+
+def submit_message(rid: int, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Submit:
+    """The Submit for `client.submit(op, *args, **kwargs)`: the request the direct call
+    would send."""
+    call = make_call(op, 0, args, kwargs)
+    return Submit(id=rid, request=call.request, single=call.single)
 
 
 @dataclass(frozen=True)

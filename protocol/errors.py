@@ -25,7 +25,7 @@ class ErrorCode(enum.StrEnum):
     IMAGE_TOO_LARGE = "IMAGE_TOO_LARGE"  # image bytes or pixels over the configured caps
     URL_NOT_ALLOWED = "URL_NOT_ALLOWED"  # image URL refused by the fetch policy
     UNAVAILABLE = "UNAVAILABLE"  # the client cannot reach the daemon, or lost it
-    RESULT_NOT_FOUND = "RESULT_NOT_FOUND"  # no such job key (unknown, expired, forgotten, not yours)
+    RESULT_NOT_FOUND = "RESULT_NOT_FOUND"  # no such job: unknown, expired, forgotten, not yours
     INTERNAL = "INTERNAL"  # a bug in modelpool; the message says where
 
 

@@ -1,4 +1,5 @@
-"""Every message on the client socket: tagged msgspec Structs, one Union per direction.
+"""The messages on the client socket: tagged msgspec Structs (the job API's are in
+protocol/jobs.py; the one Union per direction and its decoder in protocol/wire.py).
 
 Requests carry a client-chosen ``id``; every reply carries it back, so one
 connection multiplexes many requests. A request ends with exactly one final
@@ -153,9 +154,9 @@ class StopDaemon(_Msg, frozen=True, kw_only=True, tag="stop"):
 
 
 WorkRequest = Embed | Generate | EmbedImage | Describe | GenerateImage | Rerank
-ClientMessage = (
-    Hello | WorkRequest | Cancel | GetStatus | ListModels | LoadModel | UnloadModel | StopDaemon
-)
+# The control messages beside the work requests; every message a client may send is in
+# protocol/wire.py's ClientMessage.
+ControlRequest = Cancel | GetStatus | ListModels | LoadModel | UnloadModel | StopDaemon
 
 
 # ---- daemon -> client -------------------------------------------------------------
@@ -321,12 +322,9 @@ class Ack(_Msg, frozen=True, kw_only=True, tag="ack"):
 # What answers a WorkRequest: streamed chunks, then one final reply. Workers send these
 # up their pipes too, under the supervisor's job id.
 WorkReply = Embeddings | Scores | Chunk | End | ImageProgress | Image | Error
-ServerMessage = Welcome | WorkReply | StatusReply | ModelsReply | Ack
+ControlReply = StatusReply | ModelsReply | Ack
 
-# Built once: msgspec decoders and encoders are cheap to call and costly to build.
-client_decoder = msgspec.msgpack.Decoder(ClientMessage)
-server_decoder = msgspec.msgpack.Decoder(ServerMessage)
-encoder = msgspec.msgpack.Encoder()
+encoder = msgspec.msgpack.Encoder()  # built once: cheap to call, costly to build
 
 
 def to_builtins(obj: Any) -> Any:

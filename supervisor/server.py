@@ -36,9 +36,9 @@ from modelpool.protocol.messages import (
     StopDaemon,
     UnloadModel,
     Welcome,
-    client_decoder,
     encoder,
 )
+from modelpool.protocol.wire import client_decoder
 from modelpool.supervisor import cgroups, control, gpus, realtime, shm, status
 from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config

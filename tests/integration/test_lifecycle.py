@@ -22,7 +22,8 @@ from conftest import ROOT, Daemon, daemon_env, fresh_socket_path, model_entry, w
 from modelpool.protocol.client import PoolError, TextChunk
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import HEADER, recv_frame, send_frame
-from modelpool.protocol.messages import Embed, Embeddings, Error, Hello, encoder, server_decoder
+from modelpool.protocol.messages import Embed, Embeddings, Error, Hello, encoder
+from modelpool.protocol.wire import server_decoder
 
 MakeDaemon = Callable[[str], Daemon]
 

@@ -17,7 +17,8 @@ from conftest import Daemon
 from modelpool.protocol.client import AsyncClient, PoolError
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import frame, recv_frame, send_frame
-from modelpool.protocol.messages import Embed, Error, Hello, encoder, server_decoder
+from modelpool.protocol.messages import Embed, Error, Hello, encoder
+from modelpool.protocol.wire import server_decoder
 
 MakeDaemon = Callable[..., Daemon]
 

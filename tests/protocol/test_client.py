@@ -18,7 +18,8 @@ from modelpool.protocol.client import Client
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import recv_frame, send_frame
 from modelpool.protocol.inputs import image_input
-from modelpool.protocol.messages import Welcome, client_decoder, encoder
+from modelpool.protocol.messages import Welcome, encoder
+from modelpool.protocol.wire import client_decoder
 
 Script = Callable[[socket.socket], None]
 

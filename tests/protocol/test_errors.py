@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Error, encoder, server_decoder
+from modelpool.protocol.messages import Error, encoder
+from modelpool.protocol.wire import server_decoder
 
 
 def test_pool_error_carries_its_fields() -> None:

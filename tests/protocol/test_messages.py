@@ -10,13 +10,29 @@ import pytest
 
 from modelpool.protocol import pipes
 from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.jobs import (
+    CancelJob,
+    Completion,
+    ForgetJob,
+    GetStats,
+    JobInfo,
+    JobKey,
+    JobQuery,
+    JobReply,
+    JobResult,
+    JobsReply,
+    ListJobs,
+    PoolStats,
+    Retrieve,
+    StatsReply,
+    Submit,
+)
 from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Cancel,
     ChatMessage,
     Chunk,
-    ClientMessage,
     Describe,
     Embed,
     Embeddings,
@@ -40,16 +56,14 @@ from modelpool.protocol.messages import (
     Rerank,
     Sampling,
     Scores,
-    ServerMessage,
     StatusReply,
     StopDaemon,
     UnloadModel,
     Welcome,
     WorkerStatus,
-    client_decoder,
     encoder,
-    server_decoder,
 )
+from modelpool.protocol.wire import ClientMessage, ServerMessage, client_decoder, server_decoder
 
 CLIENT_MESSAGES: list[msgspec.Struct] = [
     Hello(protocol_version=PROTOCOL_VERSION, client="pytest"),
@@ -72,6 +86,13 @@ CLIENT_MESSAGES: list[msgspec.Struct] = [
     LoadModel(id=6, model="minilm", workers=3),
     UnloadModel(id=7, model="minilm"),
     StopDaemon(id=8),
+    Submit(id=13, request=Embed(id=0, texts=["a"]), single=True),
+    Retrieve(id=14, key="k" * 22, timeout_s=2.5),
+    JobQuery(id=15, key="k" * 22),
+    CancelJob(id=16, key="k" * 22),
+    ForgetJob(id=17, key="k" * 22),
+    ListJobs(id=18, limit=5),
+    GetStats(id=19),
 ]
 
 
@@ -100,6 +121,16 @@ SERVER_MESSAGES: list[msgspec.Struct] = [
     ModelsReply(id=4, models=[ModelInfo(key="m", capability="vision", aliases=["v"],
                                         source="path:/m", default=True, state="cold")]),
     Ack(id=5, message="loaded"),
+    JobKey(id=13, key="k" * 22),
+    JobResult(id=14, key="k" * 22, single=True,
+              result=Completion(text="Once", finish_reason="stop", completion_tokens=1)),
+    JobReply(id=15, job=JobInfo(key="k", op="embed", model="m", priority="normal",
+                                state="done", submitted_at=1.5, finished_at=2.5)),
+    JobsReply(id=18, jobs=[]),
+    StatsReply(id=19, stats=PoolStats(workers=2, busy_workers=1, active_jobs=1,
+                                      queued_jobs=3, memory_used_mb=10.0,
+                                      memory_budget_mb=100.0, completed=5, failed=0,
+                                      stored_results=1, mailbox_bytes=64)),
 ]
 
 
