@@ -25,6 +25,7 @@ class ErrorCode(enum.StrEnum):
     IMAGE_TOO_LARGE = "IMAGE_TOO_LARGE"  # image bytes or pixels over the configured caps
     URL_NOT_ALLOWED = "URL_NOT_ALLOWED"  # image URL refused by the fetch policy
     UNAVAILABLE = "UNAVAILABLE"  # the client cannot reach the daemon, or lost it
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # the daemon's [access] policy refuses it
     INTERNAL = "INTERNAL"  # a bug in modelpool; the message says where
 
 
