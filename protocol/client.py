@@ -62,6 +62,7 @@ from modelpool.protocol.messages import (
     to_builtins,
 )
 from modelpool.protocol.paths import default_socket_path
+from modelpool.protocol.peers import Peer, check_daemon, trusted_daemon_uids
 from modelpool.protocol.wire import server_decoder
 
 __all__ = ["AsyncClient", "Client", "ErrorCode", "ImageChunk", "PoolError", "TextChunk",
@@ -72,8 +73,11 @@ class Client:
     """Blocking client. Not thread-safe: use one per thread."""
 
     def __init__(self, socket_path: str | None = None, timeout_s: float | None = None,
-                 name: str = "python") -> None:
+                 name: str = "python", daemon_uid: int | str | None = None) -> None:
+        """daemon_uid: a user (uid or name) whose daemon to trust besides your own and
+        root's (default: $MODELPOOL_DAEMON_UID); any other daemon is refused."""
         self.socket_path = socket_path or default_socket_path()
+        trusted = trusted_daemon_uids(daemon_uid)
         self._ids = itertools.count(1)
         self._inbox: dict[int, collections.deque[Any]] = collections.defaultdict(collections.deque)
         self._dropped: set[int] = set()
@@ -84,8 +88,13 @@ class Client:
         except OSError as exc:
             self._sock.close()
             raise unavailable(self.socket_path, exc) from exc
-        self._send(Hello(protocol_version=PROTOCOL_VERSION, client=name))
-        self.welcome: Welcome = check_reply(self._recv())
+        try:
+            self.daemon: Peer = check_daemon(self._sock, self.socket_path, trusted)
+            self._send(Hello(protocol_version=PROTOCOL_VERSION, client=name))
+            self.welcome: Welcome = check_reply(self._recv())
+        except BaseException:
+            self._sock.close()
+            raise
 
     def __enter__(self) -> Client:
         return self
@@ -218,9 +227,13 @@ class Client:
 class AsyncClient:
     """asyncio client; any number of tasks may share one connection."""
 
-    def __init__(self, socket_path: str | None = None, name: str = "python-async") -> None:
+    def __init__(self, socket_path: str | None = None, name: str = "python-async",
+                 daemon_uid: int | str | None = None) -> None:
+        """daemon_uid: as for Client."""
         self.socket_path = socket_path or default_socket_path()
         self.name = name
+        self._trusted = trusted_daemon_uids(daemon_uid)
+        self.daemon: Peer | None = None
         self._ids = itertools.count(1)
         self._routes: dict[int, asyncio.Queue[Any]] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -232,9 +245,16 @@ class AsyncClient:
             reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
         except OSError as exc:
             raise unavailable(self.socket_path, exc) from exc
-        self._writer.write(make_frame(encoder.encode(
-            Hello(protocol_version=PROTOCOL_VERSION, client=self.name))))
-        self.welcome = check_reply(server_decoder.decode(await read_frame(reader)))
+        try:
+            self.daemon = check_daemon(self._writer.get_extra_info("socket"), self.socket_path,
+                                       self._trusted)
+            self._writer.write(make_frame(encoder.encode(
+                Hello(protocol_version=PROTOCOL_VERSION, client=self.name))))
+            self.welcome = check_reply(server_decoder.decode(await read_frame(reader)))
+        except BaseException:
+            self._writer.close()
+            self._writer = None
+            raise
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
         return self
 

@@ -26,6 +26,7 @@ class ErrorCode(enum.StrEnum):
     URL_NOT_ALLOWED = "URL_NOT_ALLOWED"  # image URL refused by the fetch policy
     UNAVAILABLE = "UNAVAILABLE"  # the client cannot reach the daemon, or lost it
     RESULT_NOT_FOUND = "RESULT_NOT_FOUND"  # no such job: unknown, expired, forgotten, not yours
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # the daemon's [access] policy refuses it
     INTERNAL = "INTERNAL"  # a bug in modelpool; the message says where
 
 

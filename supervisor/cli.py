@@ -86,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from modelpool.supervisor.config import ConfigError, load_config
     from modelpool.supervisor.server import AlreadyRunning, serve
+    from modelpool.supervisor.socket_dir import UnsafeSocketDir
 
     try:
         config = load_config(args.config)
@@ -99,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(config))
-    except AlreadyRunning as exc:
+    except (AlreadyRunning, UnsafeSocketDir) as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 1
     return 0

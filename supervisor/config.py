@@ -6,19 +6,38 @@ A wrong field is reported with its path (e.g. "Expected `int`, got `str` - at
 
 from __future__ import annotations
 
+import grp
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
-from modelpool.protocol.messages import RequestDefaults
+from modelpool.protocol.messages import Priority, RequestDefaults
 from modelpool.protocol.paths import default_socket_path
+from modelpool.protocol.peers import uid_of
 from modelpool.protocol.pipes import ImagePolicy
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+UserRef = int | str  # a uid, or a user name
+GroupRef = int | str  # a gid, or a group name
+
+
+def gid_of(group: int | str) -> int:
+    """A gid given as a number, a string of digits or a group name. KeyError if unknown."""
+    if isinstance(group, int):
+        return group
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+
+
+def _known(lookup: Callable[[int | str], int], name: int | str, what: str) -> None:
+    try:
+        lookup(name)
+    except KeyError:
+        raise ValueError(f"no {what} {name!r}") from None
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -29,6 +48,27 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_client_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024
     realtime: bool = False  # the event loop as SCHED_FIFO, when permitted (supervisor/realtime.py)
     idle_cgroup: bool = True  # start, load, stop workers in an idle cpu cgroup (cgroups.py)
+
+    def __post_init__(self) -> None:
+        if self.socket_group is not None:
+            _known(gid_of, self.socket_group, "group")
+
+
+class AccessConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who may use the daemon besides its own user and root (who always may, uncapped)."""
+
+    allow_users: list[UserRef] = []  # may connect
+    allow_groups: list[GroupRef] = []  # their members (primary or supplementary) may connect
+    admin_users: list[UserRef] = []  # may connect and also stop, load and unload
+    max_priority: Priority = "critical"  # the highest priority other users may ask for
+    max_priority_for: dict[str, Priority] = {}  # per user name or uid, instead of max_priority
+
+    def __post_init__(self) -> None:
+        # An unknown name is a config error at start, not a surprise at the first client.
+        for user in (*self.allow_users, *self.admin_users, *self.max_priority_for):
+            _known(uid_of, user, "user")
+        for group in self.allow_groups:
+            _known(gid_of, group, "group")
 
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -73,6 +113,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
     defaults: RequestDefaults = msgspec.field(default_factory=RequestDefaults)
     jobs: JobsConfig = msgspec.field(default_factory=JobsConfig)
+    access: AccessConfig = msgspec.field(default_factory=AccessConfig)
     models: list[ModelSpec] = []
 
     def registry(self) -> Registry:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import itertools
 import logging
 import os
@@ -38,12 +37,14 @@ from modelpool.protocol.messages import (
     Welcome,
     encoder,
 )
+from modelpool.protocol.peers import Peer, peer_of
 from modelpool.protocol.wire import client_decoder
-from modelpool.supervisor import cgroups, control, gpus, realtime, shm, status
+from modelpool.supervisor import access, cgroups, control, gpus, realtime, shm, status
 from modelpool.supervisor.clock import LoopScheduler
-from modelpool.supervisor.config import Config
+from modelpool.supervisor.config import Config, gid_of
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.shutdown import drain_and_stop
+from modelpool.supervisor.socket_dir import secure_socket_dir
 from modelpool.supervisor.workers import Launcher, forkserver_context
 
 log = logging.getLogger("modelpool.server")
@@ -60,14 +61,19 @@ class AlreadyRunning(Exception):
 
 
 class Connection:
-    """One client connection; the ReplySink of every job it submitted."""
+    """One client connection; the ReplySink of every job it submitted. `peer` is who the
+    kernel says the client is (pid, uid, gid, groups), fixed for the connection's life;
+    `access` applies the [access] policy to it."""
 
-    def __init__(self, writer: asyncio.StreamWriter, max_buffer: int) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, max_buffer: int,
+                 policy: access.AccessPolicy) -> None:
         self.writer = writer
+        self.peer: Peer = peer_of(writer.get_extra_info("socket"))
+        self.access = access.ConnectionAccess(policy, self.peer)
         self.max_buffer = max_buffer
         self.jobs: dict[int, Any] = {}
         self.closed = False
-        self.owner = next(_connection_ids)  # its own turn in fair queueing
+        self.owner = (self.peer.uid, next(_connection_ids))  # its turn in fair queueing
 
     def send(self, msg: msgspec.Struct) -> None:
         if self.closed:
@@ -89,9 +95,11 @@ class Connection:
 
 
 def bind_unix_socket(path: str, group: str | None) -> socket.socket:
-    """Bind with the right mode from the start (umask before bind, not chmod after)."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    """Bind with the right mode from the start (umask before bind, not chmod after), in
+    a directory no one else can swap it in (socket_dir.py)."""
+    gid = gid_of(group) if group else None
+    for warning in secure_socket_dir(os.path.dirname(path) or ".", gid):
+        log.warning("%s", warning)
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise AlreadyRunning(f"{path} exists and is not a socket; refusing to replace it")
@@ -109,8 +117,8 @@ def bind_unix_socket(path: str, group: str | None) -> socket.socket:
         sock.bind(path)
     finally:
         os.umask(old_umask)
-    if group:
-        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    if gid is not None:
+        os.chown(path, -1, gid)
     sock.listen(1024)
     sock.setblocking(False)
     return sock
@@ -134,14 +142,18 @@ class Server:
         self.pool = Pool(config, registry, self.launcher, LoopScheduler(), gpus=gpu_list,
                          cpus=os.cpu_count() or 1)
         self.launcher.events = self.pool
+        self.access = access.AccessPolicy.from_config(config.access, os.geteuid())
+        if warning := self.access.unreachable_group_warning(config.daemon.socket_group):
+            log.warning("%s", warning)
         self._socket_inode: int | None = None
 
     async def run(self) -> None:
         if self.config.daemon.realtime:
             realtime.enter_realtime()
+        # The socket first: a daemon that may not serve there leaves nothing behind.
+        sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
         loading_cgroup = cgroups.enter(self.config.daemon.idle_cgroup)  # before the forkserver
         loop = asyncio.get_running_loop()
-        sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
         if removed := shm.remove_stale_segments():
             log.info("removed %d shared-memory segment(s) left by a dead daemon", removed)
         self._socket_inode = os.stat(self.socket_path).st_ino
@@ -199,9 +211,11 @@ class Server:
 
     async def _serve_client(self, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
-        conn = Connection(writer, self.config.daemon.max_client_buffer_bytes)
+        conn = Connection(writer, self.config.daemon.max_client_buffer_bytes, self.access)
         try:
-            if await self._handshake(conn, reader):
+            if refusal := conn.access.refusal():
+                await access.turn_away(conn, reader, refusal)
+            elif await self._handshake(conn, reader):
                 while (payload := await self._read_frame(conn, reader)) is not None:
                     self._handle_frame(conn, payload)
         except (ConnectionError, asyncio.CancelledError):
@@ -268,6 +282,9 @@ class Server:
                             message=f"{type(exc).__name__}: {exc}"))
 
     def _dispatch(self, conn: Connection, msg: Any, nbytes: int) -> None:
+        if refusal := conn.access.check(msg):
+            conn.send(refusal)
+            return
         match msg:
             case _ if type(msg) in KIND_OF:
                 self.pool.submit(conn, msg, nbytes)
