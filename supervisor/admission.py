@@ -101,8 +101,8 @@ def bounds_error(model: ModelState, models: Iterable[ModelState], nbytes: int,
         return ErrorCode.QUEUE_FULL, f"model {model.key!r} has {limit} requests waiting"
     share = max(1, limit - limit // 4)
     if model.queue.held[owner] >= share:
-        return (ErrorCode.QUEUE_FULL, f"this client has {share} requests waiting for model "
-                f"{model.key!r}; the rest of its queue is kept for other clients")
+        return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this client's "
+                "requests wait; the rest is kept for others")
     queued_total = queued_bytes = 0
     for other in models:  # one pass: this runs for every request
         queued_total += other.queue.live

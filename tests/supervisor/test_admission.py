@@ -218,7 +218,7 @@ async def test_a_client_cannot_take_the_last_quarter_of_a_queue(
     for i in range(7):
         h.embed(flood, [f"f{i}"])
     (error,) = flood.errors()  # 6 waiting: the 7th is refused
-    assert error.code is ErrorCode.QUEUE_FULL and "other clients" in error.message
+    assert error.code is ErrorCode.QUEUE_FULL and "kept for others" in error.message
     assert error.retry_after_s is not None
     h.embed(polite, ["p"])
     assert polite.errors() == [] and len(h.pool.models["emb"].queue) == 7
