@@ -14,6 +14,7 @@ not exist (RESULT_NOT_FOUND).
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal
 
 import msgspec
@@ -130,3 +131,4 @@ class StatsReply(_Msg, frozen=True, kw_only=True, tag="stats_reply"):
 
 JobRequest = Submit | Retrieve | JobQuery | CancelJob | ForgetJob | ListJobs | GetStats
 JobResponse = JobKey | JobResult | JobReply | JobsReply | StatsReply
+JOB_REQUESTS: tuple[type, ...] = typing.get_args(JobRequest)

@@ -23,6 +23,7 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import HEADER
+from modelpool.protocol.jobs import Submit
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
     PRIORITIES,
@@ -96,10 +97,11 @@ class AccessPolicy:
                          message=f"`{command}` is only for the daemon's user "
                                  f"({user_name(self.daemon_uid)}), root and [access] "
                                  f"admin_users; you are {user_name(peer.uid)}")
-        cap = self.priority_cap(peer) if type(msg) in KIND_OF else None
-        if cap is not None and PRIORITIES.index(msg.priority) < PRIORITIES.index(cap):
+        request = msg.request if isinstance(msg, Submit) else msg  # a job asks the same
+        cap = self.priority_cap(peer) if type(request) in KIND_OF else None
+        if cap is not None and PRIORITIES.index(request.priority) < PRIORITIES.index(cap):
             return Error(id=msg.id, code=ErrorCode.BAD_REQUEST,
-                         message=f"priority {msg.priority!r} is above the highest allowed "
+                         message=f"priority {request.priority!r} is above the highest allowed "
                                  f"for {user_name(peer.uid)}: {cap!r}")
         return None
 

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from modelpool.protocol.errors import PoolError
+from modelpool.supervisor.cli_jobs import add_job_commands
 from modelpool.supervisor.cli_ops import add_request_commands
 
 
@@ -33,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML config (default: $MODELPOOL_CONFIG, else built-in)")
     serve.set_defaults(func=_serve)
     add_request_commands(sub)
+    add_job_commands(sub)
     _admin_commands(sub)
     return parser
 

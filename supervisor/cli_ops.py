@@ -25,10 +25,16 @@ SubParsers = Any  # argparse's _SubParsersAction, which has no public name
 
 def add_request_commands(sub: SubParsers) -> None:
     for kind in KINDS:
-        _add_command(sub, kind)
+        _add_command(sub, kind, job=False)
 
 
-def _add_command(sub: SubParsers, kind: Kind) -> None:
+def add_submit_commands(sub: SubParsers) -> None:
+    """`modelpool submit OP ARGS...`: the same commands, as jobs."""
+    for kind in KINDS:
+        _add_command(sub, kind, job=True)
+
+
+def _add_command(sub: SubParsers, kind: Kind, job: bool) -> None:
     doc = inspect.getdoc(kind.build) or kind.op
     cmd = sub.add_parser(kind.op.replace("_", "-"), help=doc.splitlines()[0], description=doc)
     hints = typing.get_type_hints(kind.build)
@@ -44,14 +50,16 @@ def _add_command(sub: SubParsers, kind: Kind) -> None:
                              default=param.default if optional else None)
         else:
             _add_flag(cmd, param, hint)
-    if kind.reply == "image":
+    if kind.reply == "image" and not job:
         cmd.add_argument("-o", "--output", required=True, help="PNG file to write")
+    if job:
+        cmd.add_argument("--json", action="store_true", help='print {"key": ...}')
     cmd.add_argument("--priority", choices=PRIORITIES, default="normal")
     cmd.add_argument("--timeout", type=float, dest="timeout_s", help="seconds (default: "
                      "the daemon's timeout_s)")
     cmd.add_argument("--deadline", type=float, dest="deadline_s",
                      help="seconds from now; expired work is never started")
-    cmd.set_defaults(func=lambda args: run(args, kind))
+    cmd.set_defaults(func=lambda args: (submit if job else run)(args, kind))
 
 
 def _add_flag(cmd: argparse.ArgumentParser, param: inspect.Parameter, hint: Any) -> None:
@@ -85,20 +93,31 @@ def _is_union(hint: Any) -> bool:
 def run(args: argparse.Namespace, kind: Kind) -> None:
     from modelpool.protocol.client import Client
 
-    names = inspect.signature(kind.build).parameters
-    kwargs = {name: getattr(args, name) for name in names}
-    kwargs.update(priority=args.priority, timeout_s=args.timeout_s, deadline_s=args.deadline_s)
     with Client(socket_path=args.socket) as client:
-        result = getattr(client, kind.op)(**kwargs)
+        result = getattr(client, kind.op)(**_arguments(args, kind))
         if kind.reply == "array":
-            _print_rows(result)
+            print_rows(result)
         elif kind.reply == "text":
             _print_text(result)
         else:
-            _write_image(result, args.output)
+            write_image(result, args.output)
 
 
-def _print_rows(array: Any) -> None:
+def submit(args: argparse.Namespace, kind: Kind) -> None:
+    from modelpool.protocol.client import Client
+
+    with Client(socket_path=args.socket) as client:
+        key = client.submit(kind.op, **_arguments(args, kind))
+    print(json.dumps({"key": key}) if args.json else key)
+
+
+def _arguments(args: argparse.Namespace, kind: Kind) -> dict[str, Any]:
+    kwargs = {name: getattr(args, name) for name in inspect.signature(kind.build).parameters}
+    kwargs.update(priority=args.priority, timeout_s=args.timeout_s, deadline_s=args.deadline_s)
+    return kwargs
+
+
+def print_rows(array: Any) -> None:
     for row in array:
         value = [round(float(x), 7) for x in row] if getattr(row, "ndim", 0) else float(row)
         print(json.dumps(value))
@@ -109,12 +128,16 @@ def _print_text(chunks: Any) -> None:
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         if chunk.finish_reason:
-            sys.stdout.write("\n")
-            print(f"[{chunk.finish_reason}: {chunk.prompt_tokens} prompt + "
-                  f"{chunk.completion_tokens} generated tokens]", file=sys.stderr)
+            print_text_end(chunk)
 
 
-def _write_image(chunks: Any, output: str) -> None:
+def print_text_end(result: Any) -> None:
+    sys.stdout.write("\n")
+    print(f"[{result.finish_reason}: {result.prompt_tokens} prompt + "
+          f"{result.completion_tokens} generated tokens]", file=sys.stderr)
+
+
+def write_image(chunks: Any, output: str) -> None:
     for chunk in chunks:
         if chunk.png is None:
             done = int(30 * chunk.step / max(1, chunk.total_steps))

@@ -14,12 +14,14 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import HEADER, frame
+from modelpool.protocol.jobs import JOB_REQUESTS
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -42,14 +44,18 @@ from modelpool.protocol.wire import client_decoder
 from modelpool.supervisor import access, cgroups, control, gpus, realtime, shm, status
 from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config, gid_of
+from modelpool.supervisor.jobservice import JobService
+from modelpool.supervisor.mailbox import MemoryMailbox
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.shutdown import drain_and_stop
 from modelpool.supervisor.socket_dir import secure_socket_dir
+from modelpool.supervisor.tasks import MemoryTaskQueue
 from modelpool.supervisor.workers import Launcher, forkserver_context
 
 log = logging.getLogger("modelpool.server")
 
 SCALE_TICK_S = 1.0
+MAX_PENDING_REPLIES = 1024  # job requests (a retrieve waits) being answered per connection
 MEMORY_REFRESH_S = 5.0  # re-measure workers' USS and VRAM (~2 ms a worker, in a thread)
 
 
@@ -72,6 +78,7 @@ class Connection:
         self.access = access.ConnectionAccess(policy, self.peer)
         self.max_buffer = max_buffer
         self.jobs: dict[int, Any] = {}
+        self.tasks: set[asyncio.Task[None]] = set()  # replies being worked out (job API)
         self.closed = False
         self.owner = (self.peer.uid, next(_connection_ids))  # its turn in fair queueing
 
@@ -139,9 +146,15 @@ class Server:
         if gpu_list:
             log.info("GPUs: %s", ", ".join(f"{g.device} {g.name} ({g.total_mb:.0f} MiB)"
                                            for g in gpu_list))
-        self.pool = Pool(config, registry, self.launcher, LoopScheduler(), gpus=gpu_list,
+        scheduler = LoopScheduler()
+        self.pool = Pool(config, registry, self.launcher, scheduler, gpus=gpu_list,
                          cpus=os.cpu_count() or 1)
         self.launcher.events = self.pool
+        # The embedded default: jobs and results in this process (they do not survive it).
+        mailbox = MemoryMailbox(scheduler, config.jobs.result_retention_s,
+                                config.jobs.max_mailbox_bytes)
+        self.jobs = JobService(self.pool, MemoryTaskQueue(), mailbox, config.jobs,
+                               node=socket.gethostname())
         self.access = access.AccessPolicy.from_config(config.access, os.geteuid())
         if warning := self.access.unreachable_group_warning(config.daemon.socket_group):
             log.warning("%s", warning)
@@ -171,6 +184,7 @@ class Server:
             log.info("stopping: refusing new work, draining")
             server.close()
             _, _, kill_at = await drain_and_stop(self.pool)
+            await self.jobs.settle()
             self.pool.shared.release_all()
             await self.launcher.close(kill_at - self.pool.scheduler.now())
         finally:
@@ -191,6 +205,7 @@ class Server:
         while True:
             await asyncio.sleep(min(SCALE_TICK_S, self.config.pool.cooldown_idle_s / 4))
             self.pool.tick()
+            await self.jobs.tick()
 
     async def _memory_ticker(self) -> None:
         """Apart from the scale ticker, which must not wait on nvidia-smi (it can take
@@ -224,7 +239,31 @@ class Server:
             log.exception("client connection failed")
         finally:
             self.pool.forget_sink(conn)
+            for task in conn.tasks:  # retrieves waiting for a reply nobody will read
+                task.cancel()
             conn.close()
+
+    def _answer_later(self, conn: Connection, rid: int, reply: Coroutine[Any, Any, Any]) -> None:
+        """Send what the coroutine returns, without holding up this connection's other
+        requests; a bounded number at a time per connection."""
+        if len(conn.tasks) >= MAX_PENDING_REPLIES:
+            reply.close()
+            conn.send(Error(id=rid, code=ErrorCode.OVERLOADED, retry_after_s=1.0,
+                            message=f"{MAX_PENDING_REPLIES} job requests of this connection "
+                                    "are still being answered"))
+            return
+
+        async def answer() -> None:
+            try:
+                conn.send(await reply)
+            except Exception as exc:
+                log.exception("internal error answering a job request")
+                conn.send(Error(id=rid, code=ErrorCode.INTERNAL,
+                                message=f"{type(exc).__name__}: {exc}"))
+
+        task = asyncio.get_running_loop().create_task(answer())
+        conn.tasks.add(task)
+        task.add_done_callback(conn.tasks.discard)
 
     async def _handshake(self, conn: Connection, reader: asyncio.StreamReader) -> bool:
         payload = await self._read_frame(conn, reader)
@@ -288,6 +327,8 @@ class Server:
         match msg:
             case _ if type(msg) in KIND_OF:
                 self.pool.submit(conn, msg, nbytes)
+            case _ if isinstance(msg, JOB_REQUESTS):
+                self._answer_later(conn, msg.id, self.jobs.answer(conn.peer.uid, msg, nbytes))
             case Cancel(id=client_id):
                 self.pool.cancel(conn, client_id)
             case GetStatus(id=rid):

@@ -15,7 +15,11 @@ _integration = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = _integration
 _spec.loader.exec_module(_integration)
 
+OTHER_GID = _integration.OTHER_GID
+OTHER_UID = _integration.OTHER_UID
 ROOT = _integration.ROOT
+as_other_user = _integration.as_other_user
+other_user_env = _integration.other_user_env
 Daemon = _integration.Daemon
 daemon_env = _integration.daemon_env
 fresh_socket_path = _integration.fresh_socket_path

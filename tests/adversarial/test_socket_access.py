@@ -19,7 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Daemon, daemon_env, fresh_socket_path, model_entry, wait_for_socket
+from conftest import (
+    OTHER_GID,
+    OTHER_UID,
+    ROOT,
+    Daemon,
+    as_other_user,
+    daemon_env,
+    fresh_socket_path,
+    model_entry,
+    other_user_env,
+    wait_for_socket,
+)
 
 from modelpool.protocol.client import AsyncClient, Client
 from modelpool.protocol.errors import ErrorCode, PoolError
@@ -27,7 +38,6 @@ from modelpool.protocol.peers import DAEMON_UID_ENV
 from modelpool.supervisor import cgroups
 
 MakeDaemon = Callable[..., Daemon]
-OTHER_UID, OTHER_GID = 101, 104  # postgres
 SLOW = model_entry("slow", run_s=0, max_workers=1)
 GROUP_SOCKET = '[daemon]\nsocket_group = "postgres"\n'
 
@@ -64,49 +74,12 @@ print(json.dumps(report))
 """
 
 
-# Runs argv as the other user. The interpreter may live where that user cannot reach
-# (here: root's home, 0700); then a private mount namespace shows it, and nothing else
-# of that directory, to the command, without touching the machine's own mounts.
-AS_OTHER_USER = f"""
-set -e
-hidden=$1 prefix=$2; shift 2
-if [ -n "$hidden" ]; then
-    keep=$(mktemp -d /tmp/mpt-prefix-XXXXXX)
-    mount --bind "$prefix" "$keep"
-    mount -t tmpfs -o mode=755,size=1m tmpfs "$hidden"
-    mkdir -p "$prefix"
-    mount --bind "$keep" "$prefix"
-    umount "$keep"
-    rmdir "$keep"
-fi
-exec setpriv --reuid={OTHER_UID} --regid={OTHER_GID} --clear-groups "$@"
-"""
-
-
-def as_other_user(argv: list[str]) -> list[str]:
-    prefix = os.path.realpath(sys.base_prefix)
-    closed = [d for d in _ancestors(prefix) if not os.stat(d).st_mode & 0o001]
-    hidden = closed[0] if closed else ""
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c", AS_OTHER_USER, "sh",
-            hidden, prefix, *argv]
-
-
-def _ancestors(path: str) -> list[str]:
-    parts = path.strip("/").split("/")
-    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-
-
 def other_user_client(socket_path: str, ops: list[str], connections: int = 1) -> dict[str, Any]:
     run = subprocess.run(as_other_user([sys.executable, "-c", CLIENT, socket_path,
                                         json.dumps(ops), str(connections)]),
-                         cwd=ROOT, capture_output=True, timeout=60, env=_client_env())
+                         cwd=ROOT, capture_output=True, timeout=60, env=other_user_env())
     assert run.returncode == 0, run.stderr.decode(errors="replace")
     return json.loads(run.stdout)
-
-
-def _client_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "MODELPOOL_SOCKET"}
-    return {**env, "HOME": "/tmp"}
 
 
 def access_log_lines(daemon: Daemon) -> list[str]:

@@ -132,3 +132,46 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
         finally:
             for child in daemon.descendants():
                 child.kill()
+
+
+# ---- another user: for tests of who may do what ---------------------------------------
+
+OTHER_UID, OTHER_GID = 101, 104  # the postgres user of these machines
+
+
+# Runs argv as the other user. The interpreter may live where that user cannot reach
+# (here: root's home, 0700); then a private mount namespace shows it, and nothing else
+# of that directory, to the command, without touching the machine's own mounts.
+AS_OTHER_USER = f"""
+set -e
+hidden=$1 prefix=$2; shift 2
+if [ -n "$hidden" ]; then
+    keep=$(mktemp -d /tmp/mpt-prefix-XXXXXX)
+    mount --bind "$prefix" "$keep"
+    mount -t tmpfs -o mode=755,size=1m tmpfs "$hidden"
+    mkdir -p "$prefix"
+    mount --bind "$keep" "$prefix"
+    umount "$keep"
+    rmdir "$keep"
+fi
+exec setpriv --reuid={OTHER_UID} --regid={OTHER_GID} --clear-groups "$@"
+"""
+
+
+def as_other_user(argv: list[str]) -> list[str]:
+    prefix = os.path.realpath(sys.base_prefix)
+    closed = [d for d in _ancestors(prefix) if not os.stat(d).st_mode & 0o001]
+    hidden = closed[0] if closed else ""
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", AS_OTHER_USER, "sh",
+            hidden, prefix, *argv]
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def other_user_env() -> dict[str, str]:
+    """The environment for a client run as the other user."""
+    env = {k: v for k, v in os.environ.items() if k != "MODELPOOL_SOCKET"}
+    return {**env, "HOME": "/tmp"}
