@@ -258,10 +258,17 @@ def pool_figures(quick: bool) -> dict[str, Any]:
     }
 
 
+def jobs_figures(quick: bool) -> dict[str, Any]:
+    import bench_jobs
+
+    return {"noop_submit_retrieve": bench_jobs.noop_overhead(500 if quick else 3000),
+            "minilm_as_jobs": bench_jobs.minilm_throughput(5000 if quick else 50000, 50)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("embedding", "pool"))
+    parser.add_argument("--only", choices=("embedding", "pool", "jobs"))
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
@@ -270,6 +277,8 @@ def main() -> None:
         report["embedding"] = embedding_figures(args.quick)
     if args.only in (None, "pool"):
         report["pool"] = pool_figures(args.quick)
+    if args.only in (None, "jobs"):
+        report["jobs"] = jobs_figures(args.quick)
     print(json.dumps(report, indent=2))
 
 
