@@ -104,7 +104,7 @@ class JobsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     result_retention_s: Positive = 3600.0  # a result is kept this long after its job ended
     max_mailbox_bytes: Annotated[int, msgspec.Meta(ge=1)] = 1 << 30  # then OVERLOADED
     timeout_s: Positive = 3600.0  # a job's bound unless it gives its own timeout_s
-    max_claim: Annotated[int, msgspec.Meta(ge=1)] = 1000  # jobs taken from the queue at once
+    max_queued: Annotated[int, msgspec.Meta(ge=1)] = 100_000  # jobs waiting; then QUEUE_FULL
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

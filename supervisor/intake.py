@@ -8,7 +8,7 @@ so the pool dispatches and scales; it decides nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 from modelpool.protocol.errors import ErrorCode
@@ -40,9 +40,10 @@ class Intake:
         self.closed = closed  # the daemon is shutting down
         self.queued = queued
 
-    def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> None:
+    def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> bool:
         """Queue the request for the sink (a connection, or a submitted job's mailbox
-        entry), which gets its replies; or answer it with the reason it cannot be."""
+        entry), which gets its replies; or answer it with the reason it cannot be
+        (False)."""
         kind, spec, model, request, deadline_in = self._prepare(request)
         reject: Rejection | None = None
         if request.id in sink.jobs:
@@ -55,7 +56,7 @@ class Intake:
                                             self.config.pool, sink.owner)
         if reject is not None:
             sink.send(self._error(request, model, reject))
-            return
+            return False
         assert model is not None
         timeout = request.timeout_s or model.settings.timeout_s
         req = self.book.requester(sink, request, timeout, deadline_in)
@@ -64,18 +65,16 @@ class Intake:
             self.book.attach(req, leader)
             model.metrics.by_priority[req.priority].deduplicated += 1
             model.queue.promote(leader, PRIORITY_RANK[req.priority])
-            return
+            return True
         self._queue(model, self.book.new_job(req, kind, request, model.key, key), nbytes)
+        return True
 
-    def refusal(self, owner: Hashable, request: WorkRequest, nbytes: int = 0) -> Error | None:
-        """What submit would answer this request with if it refused it; nothing queued."""
+    def refusal(self, request: WorkRequest) -> Error | None:
+        """What submit would refuse this request with whatever the queues hold (unknown
+        model, bad field, failed model, ...); nothing is queued. Jobs, which wait in
+        their own queue, are refused with these."""
         kind, spec, model, request, deadline_in = self._prepare(request)
         reject = self._static_refusal(kind, request, spec, deadline_in)
-        if reject is None and model is not None:
-            key = make_dedup_key(kind, request, model.key)
-            if self.book.leader_for(key) is None:
-                reject = admission.bounds_error(model, self.models.values(), nbytes,
-                                                self.config.pool, owner)
         return self._error(request, model, reject) if reject else None
 
     def _prepare(self, request: WorkRequest) -> tuple[Kind, ModelSpec | None,

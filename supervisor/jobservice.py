@@ -53,13 +53,25 @@ from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.queueing import JobState
-from modelpool.supervisor.tasks import TaskQueue
+from modelpool.supervisor.tasks import QueueFull, TaskQueue
 
 log = logging.getLogger("modelpool.jobs")
 
 KEY_BYTES = 16  # 128 random bits: keys cannot be guessed
+JOB_BACKLOG = 8  # jobs per worker in a model's queue in the pool; the rest wait outside
 _request_decoder = msgspec.msgpack.Decoder(WorkRequest)
 _result_decoder = msgspec.msgpack.Decoder(Embeddings | Scores | Completion | Image)
+
+
+class _Requesters(dict[int, Any]):
+    """The sink's requests in flight, as the pool's job book registers them; whether one
+    ever was tells a refusal (answered before it) from a job's real end."""
+
+    registered = False
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        self.registered = True
+        super().__setitem__(key, value)
 
 
 class MailboxSink:
@@ -72,7 +84,9 @@ class MailboxSink:
         self.service = service
         self.record = record
         self.owner = ("jobs", record.uid)  # one user's jobs take one turn in the queues
-        self.jobs: dict[int, Any] = {}
+        self.jobs = _Requesters()
+        self.lost = False  # its claim lapsed: another daemon's result counts, not ours
+        self.refusal: Error | None = None  # the pool refused to queue it
         self._text: list[str] = []
 
     @property
@@ -81,6 +95,8 @@ class MailboxSink:
         return req is not None and req.job is not None and req.job.state is JobState.RUNNING
 
     def send(self, msg: Any) -> None:
+        if self.lost:
+            return
         match msg:
             case Chunk(text=text):
                 self._text.append(text)
@@ -89,6 +105,8 @@ class MailboxSink:
                     text="".join(self._text), finish_reason=msg.finish_reason,
                     prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
                     model=msg.model))
+            case Error() if not self.jobs.registered:
+                self.refusal = msg  # answered at once, never queued
             case Error() | Embeddings() | Scores() | Image():
                 self.service.ended(self, msg)
             case _:
@@ -109,10 +127,13 @@ class JobService:
     # ---- what clients ask --------------------------------------------------------------
 
     async def submit(self, uid: int, msg: Submit, nbytes: int) -> str:
-        """Admit a job (the same refusals as a direct request) and return its key."""
+        """Admit a job and return its key. It is refused as a direct request would be
+        (unknown model, bad field, ...), except that it waits in the job queue rather
+        than the model's: QUEUE_FULL at [jobs] max_queued, OVERLOADED with a full
+        mailbox."""
         request = msgspec.structs.replace(
             msg.request, id=0, timeout_s=msg.request.timeout_s or self.config.timeout_s)
-        refusal = self.pool.intake.refusal(("jobs", uid), request, nbytes)
+        refusal = self.pool.intake.refusal(request)
         if refusal is not None:
             raise PoolError(refusal.code, refusal.message, refusal.retry_after_s)
         kind = KIND_OF[type(request)]
@@ -125,7 +146,11 @@ class JobService:
             await self.mailbox.add(record)
         except MailboxFull as exc:
             raise PoolError(ErrorCode.OVERLOADED, str(exc), 1.0) from None
-        await self.queue.put(record)
+        try:
+            await self.queue.put(record)
+        except QueueFull as exc:
+            await self.mailbox.remove(record.key)
+            raise PoolError(ErrorCode.QUEUE_FULL, str(exc), 1.0) from None
         await self.pump()
         return record.key
 
@@ -211,15 +236,41 @@ class JobService:
     # ---- running jobs ------------------------------------------------------------------
 
     async def pump(self) -> None:
-        """Claim what there is room for, and start it in the pool."""
-        for record in await self.queue.claim(self.config.max_claim):
-            sink = MailboxSink(self, record)
-            self._running[record.key] = sink
+        """Claim the best waiting jobs of each model that the pool has room for, and
+        start them there."""
+        if self.pool.shutting_down:
+            return
+        for model, waiting in (await self.queue.waiting()).items():
+            room = min(waiting, self._room(model))
+            claimed = await self.queue.claim(model, room) if room else []
+            for i, record in enumerate(claimed):
+                if not await self._start(record):
+                    for rest in claimed[i + 1:]:  # the pool is full for now: they wait
+                        await self.queue.release(rest)
+                    break
+
+    async def _start(self, record: JobRecord) -> bool:
+        sink = MailboxSink(self, record)
+        self._running[record.key] = sink
+        if self.pool.submit(sink, _request_decoder.decode(record.request), len(record.request)):
             await self.mailbox.start(record.key, self.node, self.pool.scheduler.wall())
-            # A refusal here (the pool filled up since the job was admitted) ends the
-            # job with that error, like any other.
-            self.pool.submit(sink, _request_decoder.decode(record.request),
-                             len(record.request))
+            return True
+        self._running.pop(record.key)
+        if sink.refusal is not None and sink.refusal.code in (ErrorCode.QUEUE_FULL,
+                                                              ErrorCode.OVERLOADED):
+            await self.queue.release(record)  # it waits again
+        else:  # it cannot run at all (its deadline passed, its model failed): say why
+            await self._store(record, sink.refusal)
+        return False
+
+    def _room(self, key: str) -> int:
+        """Jobs of the model that may join its queue in the pool: a backlog that keeps
+        its workers (or the ones a first job starts) busy, and no more, so that the
+        rest wait in the job queue, in priority order."""
+        model = self.pool.models.get(key)
+        if model is None:
+            return 0
+        return max(0, JOB_BACKLOG * max(1, len(model.live_workers())) - len(model.queue))
 
     def ended(self, sink: MailboxSink, result: Any) -> None:
         """The pool's final reply for a job (called in the pool's call stack)."""
@@ -234,6 +285,7 @@ class JobService:
         if not await self.queue.complete(key):
             log.info("job %s ended here after its claim was lost: its result was kept only "
                      "if it was the first", key)
+        await self.pump()  # room for the next one
 
     async def _store(self, record: JobRecord, result: Any) -> None:
         now = self.pool.scheduler.wall()
@@ -253,10 +305,29 @@ class JobService:
             log.info("job %s ended twice; the second result was dropped", record.key)
 
     async def tick(self) -> None:
-        """Periodic: drop expired results; renew the claims of jobs running here."""
+        """Periodic: drop expired results; renew the claims of jobs running here (and
+        stop those whose claim lapsed: someone else runs them now); claim what waits."""
         await self.mailbox.expire(self.pool.scheduler.wall())
         if self._running:
-            await self.queue.extend(list(self._running))
+            for key in await self.queue.extend(list(self._running)):
+                self._lost(key)
+        await self.queue.sweep()
+        await self.pump()
+
+    async def run(self) -> None:
+        """Claim jobs as they come (the queue's `ready`, set by new jobs)."""
+        while True:
+            await self.queue.ready.wait()
+            self.queue.ready.clear()
+            await self.pump()
+
+    def _lost(self, key: str) -> None:
+        sink = self._running.pop(key, None)
+        if sink is not None:
+            log.warning("job %s: its claim lapsed and another daemon runs it; stopping it "
+                        "here", key)
+            sink.lost = True
+            self.pool.cancel(sink, 0)
 
     async def settle(self) -> None:
         """Wait for results being stored (before the daemon exits)."""

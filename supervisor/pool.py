@@ -78,8 +78,9 @@ class Pool:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> None:
-        self.intake.submit(sink, request, nbytes)
+    def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> bool:
+        """Queue the request, or answer the sink why not (False)."""
+        return self.intake.submit(sink, request, nbytes)
 
     def cancel(self, sink: Any, client_id: int) -> None:
         self.book.cancel(sink, client_id)

@@ -153,8 +153,8 @@ class Server:
         # The embedded default: jobs and results in this process (they do not survive it).
         mailbox = MemoryMailbox(scheduler, config.jobs.result_retention_s,
                                 config.jobs.max_mailbox_bytes)
-        self.jobs = JobService(self.pool, MemoryTaskQueue(), mailbox, config.jobs,
-                               node=socket.gethostname())
+        self.jobs = JobService(self.pool, MemoryTaskQueue(config.jobs.max_queued), mailbox,
+                               config.jobs, node=socket.gethostname())
         self.access = access.AccessPolicy.from_config(config.access, os.geteuid())
         if warning := self.access.unreachable_group_warning(config.daemon.socket_group):
             log.warning("%s", warning)
@@ -177,6 +177,7 @@ class Server:
         ticker = loop.create_task(self._scale_ticker())
         health = loop.create_task(self._health_ticker())
         measure = loop.create_task(self._memory_ticker())
+        claims = loop.create_task(self.jobs.run())
         log.info("modelpool serving on %s (pid %d, %d models known)", self.socket_path,
                  os.getpid(), len(self.pool.models))
         try:
@@ -192,6 +193,7 @@ class Server:
             ticker.cancel()
             health.cancel()
             measure.cancel()
+            claims.cancel()
             warm.cancel()
             self._remove_socket()
             server.close()

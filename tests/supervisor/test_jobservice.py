@@ -28,7 +28,7 @@ ME, OTHER = 1000, 1001
 def service(h: Harness, **config: Any) -> JobService:
     jobs = JobsConfig(**config)
     mailbox = MemoryMailbox(h.clock, jobs.result_retention_s, jobs.max_mailbox_bytes)
-    return JobService(h.pool, MemoryTaskQueue(), mailbox, jobs, "node-a")
+    return JobService(h.pool, MemoryTaskQueue(jobs.max_queued), mailbox, jobs, "node-a")
 
 
 def embed(*texts: str, single: bool = False, **fields: Any) -> Submit:
@@ -183,14 +183,57 @@ async def test_a_full_mailbox_refuses_new_jobs_and_keeps_what_it_has(
 
 
 async def test_submit_refuses_what_a_direct_call_would(make_harness: MakeHarness) -> None:
-    h = make_harness(cold_start_workers=1, max_queue=2)
-    jobs = service(h)
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h, max_queued=10)
     with pytest.raises(PoolError) as err:
         await jobs.submit(ME, Submit(id=1, request=Embed(id=1, model="nope", texts=["a"])), 1)
     assert err.value.code is ErrorCode.UNKNOWN_MODEL
-    await jobs.submit(ME, embed("a"), 1)
-    await jobs.submit(ME, embed("b"), 1)
     with pytest.raises(PoolError) as err:
-        await jobs.submit(ME, embed("c"), 1)
+        await jobs.submit(ME, Submit(id=1, request=Generate(id=1, model="gen")), 1)
+    assert err.value.code is ErrorCode.BAD_REQUEST  # no prompt
+
+
+async def test_jobs_wait_in_their_own_queue_in_priority_order(
+        make_harness: MakeHarness) -> None:
+    """The pool gets a backlog of jobs per worker; the rest wait in the job queue,
+    bounded by max_queued, and leave it best first."""
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h, max_queued=13)
+    keys = [await jobs.submit(ME, embed(f"t{i}", priority="batch"), 1) for i in range(10)]
+    urgent = await jobs.submit(ME, embed("urgent", priority="high"), 1)
+    assert len(h.pool.models["emb"].queue) == 8  # the backlog for one worker
+    assert (await jobs.stats()).queued_jobs == 11
+    for i in range(10):
+        await jobs.submit(ME, embed(f"more {i}", priority="batch"), 1)
+    with pytest.raises(PoolError) as err:
+        await jobs.submit(ME, embed("too many"), 1)
     assert err.value.code is ErrorCode.QUEUE_FULL
-    assert (await jobs.stats()).queued_jobs == 2
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    for job_id in h.job_ids(worker):  # the first batch: the backlog
+        h.reply_embeddings(worker, job_id, 1.0)
+    await h.settle()
+    assert (await jobs.info(ME, urgent)).state in ("queued", "running")
+    h.want_work(worker)
+    assert h.works(worker)[-1].items[0].request.texts == ["urgent"]  # claimed first
+    assert (await jobs.info(ME, keys[0])).state == "done"
+
+
+async def test_jobs_the_pool_has_no_room_for_wait_instead_of_failing(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, max_queue=4)  # 3 per client: a quarter is kept
+    jobs = service(h)
+    keys = [await jobs.submit(ME, embed(f"t{i}"), 1) for i in range(6)]
+    assert len(h.pool.models["emb"].queue) == 3
+    assert [(await jobs.info(ME, k)).state for k in keys] == ["queued"] * 6
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    for _ in range(3):
+        for job_id in h.job_ids(worker):
+            h.reply_embeddings(worker, job_id, 1.0)
+        await h.settle()
+        h.want_work(worker)
+    assert [(await jobs.info(ME, k)).state for k in keys] == ["done"] * 6
+    assert (await jobs.stats()).failed == 0
