@@ -285,6 +285,29 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     gpus: list[DeviceMemory] = []
 
 
+class ModelLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """One model on one daemon of a cluster, as that daemon reports it."""
+
+    live: int = 0  # workers, loading ones included
+    ready: int = 0
+    idle: int = 0
+    queued: int = 0  # requests waiting in its queue there
+
+
+class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    beat_s_ago: float
+    models: dict[str, ModelLoad] = {}
+    running_jobs: int = 0
+
+
+class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
+    node: str  # this daemon's name
+    reachable: bool  # its PostgreSQL answers
+    nodes: list[NodeStatus] = []  # the live ones
+    queued_jobs: dict[str, int] = {}  # waiting in the shared queue, by model
+
+
 class PoolStatus(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     version: str
@@ -293,6 +316,7 @@ class PoolStatus(msgspec.Struct, frozen=True, kw_only=True):
     shutting_down: bool
     models: list[ModelStatus]
     memory: MemoryStatus
+    cluster: ClusterStatus | None = None  # when daemons share a PostgreSQL queue
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -107,12 +107,26 @@ class JobsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_queued: Annotated[int, msgspec.Meta(ge=1)] = 100_000  # jobs waiting; then QUEUE_FULL
 
 
+class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Daemons on several hosts sharing one PostgreSQL job queue and mailbox."""
+
+    postgres: str = ""  # "postgresql://..."; default $MODELPOOL_POSTGRES; "": no cluster
+    node_name: str = ""  # default: the host name
+    lease_s: Positive = 10.0  # a claim lapses this long after its last renewal
+    route_remote: bool = True  # direct requests for a model served elsewhere go there
+
+    @property
+    def dsn(self) -> str:
+        return self.postgres or os.environ.get("MODELPOOL_POSTGRES", "")
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     images: ImagePolicy = msgspec.field(default_factory=ImagePolicy)
     defaults: RequestDefaults = msgspec.field(default_factory=RequestDefaults)
     jobs: JobsConfig = msgspec.field(default_factory=JobsConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     access: AccessConfig = msgspec.field(default_factory=AccessConfig)
     models: list[ModelSpec] = []
 

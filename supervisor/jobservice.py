@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -36,7 +37,7 @@ from modelpool.protocol.jobs import (
     StatsReply,
     Submit,
 )
-from modelpool.protocol.kinds import KIND_OF
+from modelpool.protocol.kinds import KIND_OF, with_defaults
 from modelpool.protocol.messages import (
     Ack,
     Chunk,
@@ -52,7 +53,7 @@ from modelpool.supervisor import admission
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
 from modelpool.supervisor.pool import Pool
-from modelpool.supervisor.queueing import JobState
+from modelpool.supervisor.queueing import JobState, dedup_key
 from modelpool.supervisor.tasks import QueueFull, TaskQueue
 
 log = logging.getLogger("modelpool.jobs")
@@ -115,12 +116,15 @@ class MailboxSink:
 
 class JobService:
     def __init__(self, pool: Pool, queue: TaskQueue, mailbox: Mailbox, config: JobsConfig,
-                 node: str) -> None:
+                 node: str, shared: bool = False) -> None:
         self.pool = pool
         self.queue = queue
         self.mailbox = mailbox
         self.config = config
         self.node = node
+        self.shared = shared  # other daemons claim from the same queue
+        self.may_load: Callable[[str], bool] = lambda key: True  # set by the cluster
+        queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         self._endings: set[asyncio.Task[None]] = set()
 
@@ -138,10 +142,13 @@ class JobService:
             raise PoolError(refusal.code, refusal.message, refusal.retry_after_s)
         kind = KIND_OF[type(request)]
         spec = admission.resolve(self.pool.registry, kind, request)
+        model = spec.key if spec else request.model
         record = JobRecord(key=secrets.token_urlsafe(KEY_BYTES), uid=uid, op=kind.op,
-                           model=spec.key if spec else request.model,
-                           priority=request.priority, request=encoder.encode(request),
-                           single=msg.single, submitted_at=self.pool.scheduler.wall())
+                           model=model, priority=request.priority,
+                           request=encoder.encode(request), single=msg.single,
+                           dedup=dedup_key(kind, with_defaults(request, self.pool.config
+                                                               .defaults), model),
+                           submitted_at=self.pool.scheduler.wall())
         try:
             await self.mailbox.add(record)
         except MailboxFull as exc:
@@ -233,6 +240,34 @@ class JobService:
                          retry_after_s=exc.retry_after_s)
         return Ack(id=msg.id)
 
+    async def relay(self, uid: int, request: WorkRequest) -> list[Any]:
+        """A direct request run by another daemon through the shared queue; its replies
+        as the direct path sends them (a stream arrives as one chunk and its end)."""
+        timeout = request.timeout_s or self.pool.config.pool.timeout_s
+        try:
+            key = await self.submit(uid, Submit(id=request.id, request=request), 0)
+        except PoolError as exc:
+            return [Error(id=request.id, code=exc.code, message=exc.message,
+                          retry_after_s=exc.retry_after_s)]
+        try:
+            result = await self.retrieve(uid, key, timeout, request.id)
+        except PoolError as exc:
+            if exc.code is ErrorCode.TIMEOUT:
+                await self.cancel(uid, key)
+            return [Error(id=request.id, code=exc.code, message=exc.message)]
+        except asyncio.CancelledError:  # the client went away: so does its request
+            await self.cancel(uid, key)
+            raise
+        finally:
+            await self.mailbox.remove(key)
+        reply = result.result
+        if isinstance(reply, Completion):
+            return [Chunk(id=request.id, seq=0, text=reply.text),
+                    End(id=request.id, finish_reason=reply.finish_reason,
+                        prompt_tokens=reply.prompt_tokens,
+                        completion_tokens=reply.completion_tokens, model=reply.model)]
+        return [msgspec.structs.replace(reply, id=request.id)]
+
     # ---- running jobs ------------------------------------------------------------------
 
     async def pump(self) -> None:
@@ -270,7 +305,15 @@ class JobService:
         model = self.pool.models.get(key)
         if model is None:
             return 0
-        return max(0, JOB_BACKLOG * max(1, len(model.live_workers())) - len(model.queue))
+        live = len(model.live_workers())
+        if not live and not self.may_load(key):
+            return 0  # in a cluster: another daemon serves it, or there is no room here
+        return max(0, JOB_BACKLOG * max(1, live) - len(model.queue))
+
+    def _cancel_here(self, key: str) -> None:
+        sink = self._running.get(key)
+        if sink is not None:
+            self.pool.cancel(sink, 0)
 
     def ended(self, sink: MailboxSink, result: Any) -> None:
         """The pool's final reply for a job (called in the pool's call stack)."""
@@ -281,6 +324,10 @@ class JobService:
     async def _end(self, sink: MailboxSink, result: Any) -> None:
         key = sink.record.key
         self._running.pop(key, None)
+        if self.shared and isinstance(result, Error) and \
+                result.code is ErrorCode.SHUTTING_DOWN:
+            await self.queue.release(sink.record)  # another daemon runs it
+            return
         await self._store(sink.record, result)
         if not await self.queue.complete(key):
             log.info("job %s ended here after its claim was lost: its result was kept only "

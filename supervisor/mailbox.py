@@ -28,6 +28,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     priority: str
     request: bytes  # the WorkRequest, msgpack
     single: bool = False
+    dedup: bytes | None = None  # identical work has the same key (None: may differ)
     submitted_at: float  # seconds since the epoch, as every time here
     state: str = "queued"
     started_at: float | None = None
@@ -36,6 +37,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     result: bytes | None = None  # the final reply (Embeddings, Scores, Completion, Image)
     error_code: str | None = None
     error_message: str | None = None
+    attempt: int = 0  # how many claims it has had: a shared queue's fencing token
 
     @property
     def nbytes(self) -> int:

@@ -41,15 +41,22 @@ from modelpool.protocol.messages import (
 )
 from modelpool.protocol.peers import Peer, peer_of
 from modelpool.protocol.wire import client_decoder
-from modelpool.supervisor import access, cgroups, control, gpus, realtime, shm, status
+from modelpool.supervisor import (
+    access,
+    admission,
+    cgroups,
+    cluster,
+    control,
+    gpus,
+    realtime,
+    shm,
+    status,
+)
 from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config, gid_of
-from modelpool.supervisor.jobservice import JobService
-from modelpool.supervisor.mailbox import MemoryMailbox
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.shutdown import drain_and_stop
 from modelpool.supervisor.socket_dir import secure_socket_dir
-from modelpool.supervisor.tasks import MemoryTaskQueue
 from modelpool.supervisor.workers import Launcher, forkserver_context
 
 log = logging.getLogger("modelpool.server")
@@ -150,11 +157,8 @@ class Server:
         self.pool = Pool(config, registry, self.launcher, scheduler, gpus=gpu_list,
                          cpus=os.cpu_count() or 1)
         self.launcher.events = self.pool
-        # The embedded default: jobs and results in this process (they do not survive it).
-        mailbox = MemoryMailbox(scheduler, config.jobs.result_retention_s,
-                                config.jobs.max_mailbox_bytes)
-        self.jobs = JobService(self.pool, MemoryTaskQueue(config.jobs.max_queued), mailbox,
-                               config.jobs, node=socket.gethostname())
+        self.jobs, self.cluster = cluster.job_service(
+            config, self.pool, scheduler, config.cluster.node_name or socket.gethostname())
         self.access = access.AccessPolicy.from_config(config.access, os.geteuid())
         if warning := self.access.unreachable_group_warning(config.daemon.socket_group):
             log.warning("%s", warning)
@@ -178,6 +182,8 @@ class Server:
         health = loop.create_task(self._health_ticker())
         measure = loop.create_task(self._memory_ticker())
         claims = loop.create_task(self.jobs.run())
+        touch = (loop.create_task(cluster.keep_in_touch(self.cluster, self.jobs))
+                 if self.cluster else None)
         log.info("modelpool serving on %s (pid %d, %d models known)", self.socket_path,
                  os.getpid(), len(self.pool.models))
         try:
@@ -194,6 +200,9 @@ class Server:
             health.cancel()
             measure.cancel()
             claims.cancel()
+            if touch is not None:
+                touch.cancel()
+                await self.cluster.store.close()  # type: ignore[union-attr]
             warm.cancel()
             self._remove_socket()
             server.close()
@@ -207,7 +216,8 @@ class Server:
         while True:
             await asyncio.sleep(min(SCALE_TICK_S, self.config.pool.cooldown_idle_s / 4))
             self.pool.tick()
-            await self.jobs.tick()
+            if self.cluster is None:  # a cluster's jobs tick with its beat
+                await self.jobs.tick()
 
     async def _memory_ticker(self) -> None:
         """Apart from the scale ticker, which must not wait on nvidia-smi (it can take
@@ -245,6 +255,14 @@ class Server:
                 task.cancel()
             conn.close()
 
+    def _served_elsewhere(self, request: Any) -> bool:
+        """In a cluster: a model not loaded here, loaded with room on another daemon,
+        is asked there through the shared queue rather than loaded here too."""
+        if self.cluster is None or not self.config.cluster.route_remote:
+            return False
+        spec = admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
+        return spec is not None and self.cluster.should_route(spec.key)
+
     def _answer_later(self, conn: Connection, rid: int, reply: Coroutine[Any, Any, Any]) -> None:
         """Send what the coroutine returns, without holding up this connection's other
         requests; a bounded number at a time per connection."""
@@ -257,7 +275,9 @@ class Server:
 
         async def answer() -> None:
             try:
-                conn.send(await reply)
+                answered = await reply
+                for message in answered if isinstance(answered, list) else [answered]:
+                    conn.send(message)
             except Exception as exc:
                 log.exception("internal error answering a job request")
                 conn.send(Error(id=rid, code=ErrorCode.INTERNAL,
@@ -327,6 +347,8 @@ class Server:
             conn.send(refusal)
             return
         match msg:
+            case _ if type(msg) in KIND_OF and self._served_elsewhere(msg):
+                self._answer_later(conn, msg.id, self.jobs.relay(conn.peer.uid, msg))
             case _ if type(msg) in KIND_OF:
                 self.pool.submit(conn, msg, nbytes)
             case _ if isinstance(msg, JOB_REQUESTS):
@@ -334,7 +356,9 @@ class Server:
             case Cancel(id=client_id):
                 self.pool.cancel(conn, client_id)
             case GetStatus(id=rid):
-                report = status.build_status(self.pool, self.socket_path, self.started_at)
+                report = status.build_status(
+                    self.pool, self.socket_path, self.started_at,
+                    self.cluster.status() if self.cluster else None)
                 conn.send(StatusReply(id=rid, status=report))
             case ListModels(id=rid):
                 conn.send(ModelsReply(id=rid, models=status.models_info(self.pool)))

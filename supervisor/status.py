@@ -16,6 +16,7 @@ import time
 import psutil
 
 from modelpool.protocol.messages import (
+    ClusterStatus,
     DeviceMemory,
     MemoryStatus,
     ModelInfo,
@@ -58,7 +59,8 @@ def _measure(pids: list[int], on_gpus: bool) -> tuple[dict[int, float], dict[int
     return uss, gpus.process_vram_mb() if on_gpus else {}
 
 
-def build_status(pool: Pool, socket_path: str, started_at: float) -> PoolStatus:
+def build_status(pool: Pool, socket_path: str, started_at: float,
+                 cluster: ClusterStatus | None = None) -> PoolStatus:
     now = pool.scheduler.now()
     models = [_model_status(pool, m, now) for m in pool.models.values()]
     facts = memory.read_memory()
@@ -80,6 +82,7 @@ def build_status(pool: Pool, socket_path: str, started_at: float) -> PoolStatus:
                                                                    g.device), 1),
                                total_mb=g.total_mb) for g in pool.gpus],
         ),
+        cluster=cluster,
     )
 
 

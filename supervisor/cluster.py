@@ -1,0 +1,172 @@
+"""This daemon as a node of a cluster: it registers itself, beats once a second with what
+it has loaded and how busy it is, and keeps the other live nodes' beats, from which it
+decides whether to take jobs of a model it has not loaded (not when another node has
+that model loaded with room to spare: a job never waits behind a load here that it
+need not) and whether a direct request is better sent through the shared queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from modelpool.protocol.errors import PoolError
+from modelpool.protocol.messages import ClusterStatus, ModelLoad, NodeStatus
+from modelpool.supervisor import memory
+from modelpool.supervisor.clock import Scheduler
+from modelpool.supervisor.config import Config
+from modelpool.supervisor.jobservice import JobService
+from modelpool.supervisor.mailbox import MemoryMailbox
+from modelpool.supervisor.models import LOADING, ModelState
+from modelpool.supervisor.pgjobs import PgJobs
+from modelpool.supervisor.pgstore import PgStore
+from modelpool.supervisor.pool import Pool
+from modelpool.supervisor.tasks import MemoryTaskQueue
+from modelpool.supervisor.workers import WorkerState
+
+log = logging.getLogger("modelpool.cluster")
+
+NODE_LIVE_S = 3.0  # a node whose last beat is older is presumed gone
+BEAT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    beat_s_ago: float
+    models: Mapping[str, ModelLoad]
+    running_jobs: int
+
+
+def serves_with_room(peer: Peer, key: str) -> bool:
+    """The peer has the model loaded and could take more of its work now."""
+    load = peer.models.get(key)
+    return load is not None and load.ready > 0 and (load.idle > 0 or load.queued < load.ready)
+
+
+def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads: int,
+                  used_mb: float, budget_mb: float) -> bool:
+    """Should this node take jobs of a model it has no worker for (and so start one)?
+    Not when a live peer serves it with room, nor without a load slot or memory."""
+    if any(serves_with_room(peer, model.key) for peer in peers):
+        return False
+    if loading >= max_loads or model.failed or model.device is None:
+        return False
+    return memory.room_for(model.charge(), used_mb, budget_mb) > 0
+
+
+class ClusterNode:
+    def __init__(self, name: str, pool: Pool, jobs: PgJobs, store: PgStore) -> None:
+        self.name = name
+        self.pool = pool
+        self.jobs = jobs
+        self.store = store
+        self.peers: list[Peer] = []  # the other live nodes, as of the last beat
+        self.reachable = False
+        self.queued: dict[str, int] = {}
+
+    def may_load(self, key: str) -> bool:
+        model = self.pool.models[key]
+        models = list(self.pool.models.values())
+        loading = sum(w.state in LOADING for m in models for w in m.processes())
+        device = model.device or "cpu"
+        return may_load_here(model, self.peers, loading, self.pool.config.pool.max_concurrent_loads,
+                             self.pool.capacity.used_mb(models, device),
+                             self.pool.capacity.budget_for(device))
+
+    def should_route(self, key: str) -> bool:
+        """A direct request for this model: through the shared queue to a peer that has it
+        loaded with room, rather than loading it here?"""
+        model = self.pool.models.get(key)
+        if model is None or model.live_workers() or not self.reachable:
+            return False
+        return any(serves_with_room(peer, key) for peer in self.peers)
+
+    def report(self) -> dict[str, ModelLoad]:
+        out = {}
+        for model in self.pool.models.values():
+            live = model.live_workers()
+            if live or len(model.queue):
+                out[model.key] = ModelLoad(
+                    live=len(live), ready=sum(w.ready for w in live),
+                    idle=sum(w.state is WorkerState.IDLE for w in live),
+                    queued=len(model.queue))
+        return out
+
+    async def beat(self) -> None:
+        """Say what this node serves; learn what the others do."""
+        report = {"models": msgspec.to_builtins(self.report()),
+                  "running_jobs": sum(m.running() for m in self.pool.models.values())}
+        try:
+            rows = await self.store.fetch("""
+                WITH me AS (
+                    INSERT INTO modelpool.nodes (name, report) VALUES (%s, %s::jsonb)
+                    ON CONFLICT (name) DO UPDATE SET beat_at = now(), report = excluded.report)
+                SELECT name, extract(epoch FROM now() - beat_at) AS ago, report
+                FROM modelpool.nodes
+                WHERE name <> %s AND beat_at > now() - make_interval(secs => %s)""",
+                (self.name, json.dumps(report), self.name, NODE_LIVE_S))
+            self.queued = await self.jobs.waiting()
+        except PoolError as exc:
+            if self.reachable:
+                log.warning("cluster beat failed: %s", exc.message)
+            self.reachable, self.peers = False, []
+            return
+        self.reachable = True
+        self.peers = [Peer(row["name"], float(row["ago"]),
+                           msgspec.convert(row["report"].get("models", {}),
+                                           dict[str, ModelLoad]),
+                           int(row["report"].get("running_jobs", 0))) for row in rows]
+
+    def status(self) -> ClusterStatus:
+        me = NodeStatus(name=self.name, beat_s_ago=0.0, models=self.report(),
+                        running_jobs=sum(m.running() for m in self.pool.models.values()))
+        others = [NodeStatus(name=p.name, beat_s_ago=round(p.beat_s_ago, 2),
+                             models=dict(p.models), running_jobs=p.running_jobs)
+                  for p in self.peers]
+        return ClusterStatus(node=self.name, reachable=self.reachable, nodes=[me, *others],
+                             queued_jobs=dict(self.queued))
+
+
+def job_service(config: Config, pool: Pool, scheduler: Scheduler,
+                node: str) -> tuple[JobService, ClusterNode | None]:
+    """The job API on the embedded in-memory queue and mailbox, or, with [cluster]
+    postgres set, on the PostgreSQL shared by the cluster's daemons."""
+    jobs = config.jobs
+    if not config.cluster.dsn:
+        mailbox = MemoryMailbox(scheduler, jobs.result_retention_s, jobs.max_mailbox_bytes)
+        return JobService(pool, MemoryTaskQueue(jobs.max_queued), mailbox, jobs, node), None
+    backend = PgJobs(node, config.cluster.lease_s, jobs.result_retention_s,
+                     jobs.max_mailbox_bytes, jobs.max_queued)
+    store = backend.connect(config.cluster.dsn)
+    service = JobService(pool, backend, backend, jobs, node, shared=True)
+    cluster = ClusterNode(node, pool, backend, store)
+    service.may_load = cluster.may_load
+    return service, cluster
+
+
+async def keep_in_touch(cluster: ClusterNode, jobs: JobService) -> None:
+    """Connect (and migrate the schema), then beat and tick once a second; a PostgreSQL
+    that is down only delays this, with back-off, while the daemon serves on."""
+    backoff = 0.5
+    while True:
+        try:
+            await cluster.store.start()
+            break
+        except PoolError as exc:
+            log.warning("cluster: %s; retrying in %.1fs", exc.message, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(5.0, backoff * 2)
+    log.info("cluster node %s: connected", cluster.name)
+    while True:
+        await cluster.beat()
+        if cluster.reachable:
+            with contextlib.suppress(PoolError):  # the beat logs it once
+                await jobs.tick()
+        await asyncio.sleep(BEAT_S)

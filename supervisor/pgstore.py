@@ -1,0 +1,161 @@
+"""The cluster's PostgreSQL: a pool of connections for queries, one connection that
+LISTENs, the schema the daemon creates and migrates itself, and reconnection with
+back-off when the server goes away.
+
+Every query error is raised as PoolError(UNAVAILABLE) naming the cause, so a cluster
+operation fails clearly while the server is down and the daemon keeps serving direct
+requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+
+log = logging.getLogger("modelpool.cluster")
+
+SCHEMA = "modelpool"
+MIGRATION_LOCK = 0x6D6F64656C706F6F  # pg_advisory_xact_lock: one migrating daemon at a time
+CHANNELS = ("modelpool_jobs", "modelpool_done", "modelpool_cancel")
+
+# Each entry moves the schema one version on; never edit one that has shipped.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE modelpool.jobs (
+        key text PRIMARY KEY,
+        uid integer NOT NULL,
+        op text NOT NULL,
+        model text NOT NULL,
+        priority smallint NOT NULL,
+        request bytea NOT NULL,
+        single boolean NOT NULL DEFAULT false,
+        dedup bytea,
+        leader text,
+        submitted_at double precision NOT NULL,
+        state text NOT NULL DEFAULT 'queued',
+        node text NOT NULL DEFAULT '',
+        attempt integer NOT NULL DEFAULT 0,
+        lease_until timestamptz,
+        started_at double precision,
+        finished_at double precision,
+        result bytea,
+        error_code text,
+        error_message text,
+        expires_at timestamptz
+    );
+    CREATE INDEX jobs_waiting ON modelpool.jobs (model, priority, submitted_at)
+        WHERE state = 'queued';
+    CREATE INDEX jobs_leases ON modelpool.jobs (lease_until) WHERE state = 'running';
+    CREATE INDEX jobs_expiry ON modelpool.jobs (expires_at) WHERE expires_at IS NOT NULL;
+    CREATE INDEX jobs_identical ON modelpool.jobs (dedup)
+        WHERE state IN ('queued', 'running') AND leader IS NULL;
+    CREATE INDEX jobs_joined ON modelpool.jobs (leader) WHERE leader IS NOT NULL;
+    CREATE INDEX jobs_owner ON modelpool.jobs (uid, submitted_at);
+    CREATE TABLE modelpool.nodes (
+        name text PRIMARY KEY,
+        started_at timestamptz NOT NULL DEFAULT now(),
+        beat_at timestamptz NOT NULL DEFAULT now(),
+        report jsonb NOT NULL DEFAULT '{}'
+    );
+    """,
+)
+
+
+def unavailable(exc: BaseException) -> PoolError:
+    return PoolError(ErrorCode.UNAVAILABLE, f"the cluster's PostgreSQL is unreachable: "
+                     f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+
+
+class PgStore:
+    def __init__(self, dsn: str, on_notify: Callable[[str, str], None],
+                 on_reconnect: Callable[[], None]) -> None:
+        self.dsn = dsn
+        self.on_notify = on_notify  # (channel, payload), on the event loop
+        self.on_reconnect = on_reconnect  # notifications may have been missed meanwhile
+        self.pool = AsyncConnectionPool(dsn, min_size=1, max_size=8, open=False,
+                                        kwargs={"autocommit": True}, reconnect_timeout=0)
+        self._listener: asyncio.Task[None] | None = None
+        self.listening = asyncio.Event()
+        self.migrated = False
+
+    async def start(self) -> None:
+        await self.pool.open(wait=False)
+        await self.migrate()
+        self._listener = asyncio.get_running_loop().create_task(self._listen())
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+        await self.pool.close(timeout=2.0)
+
+    async def migrate(self) -> int:
+        """Create or bring the schema up to date; safe when several daemons start at once.
+        Returns the version it is at."""
+        async with self.transaction() as cur:
+            await cur.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            await cur.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
+            await cur.execute(f"CREATE TABLE IF NOT EXISTS {SCHEMA}.meta (version integer)")
+            await cur.execute(f"SELECT version FROM {SCHEMA}.meta")
+            row = await cur.fetchone()
+            version = row["version"] if row else 0
+            for number, sql in enumerate(MIGRATIONS[version:], start=version + 1):
+                await cur.execute(sql)
+                log.info("cluster schema migrated to version %d", number)
+            await cur.execute(f"DELETE FROM {SCHEMA}.meta")
+            await cur.execute(f"INSERT INTO {SCHEMA}.meta VALUES (%s)", (len(MIGRATIONS),))
+        self.migrated = True
+        return len(MIGRATIONS)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[psycopg.AsyncCursor[Any]]:
+        try:
+            async with self.pool.connection(timeout=5.0) as conn, conn.transaction(), \
+                    conn.cursor(row_factory=dict_row) as cur:
+                yield cur
+        except (psycopg.OperationalError, psycopg.InterfaceError, OSError) as exc:
+            raise unavailable(exc) from exc
+        except Exception as exc:
+            if type(exc).__name__ == "PoolTimeout":
+                raise unavailable(exc) from exc
+            raise
+
+    async def fetch(self, sql: str, params: Any = ()) -> list[dict[str, Any]]:
+        if not self.migrated:
+            raise PoolError(ErrorCode.UNAVAILABLE, "the cluster's PostgreSQL has not been "
+                            "reached yet (see the daemon's log)")
+        async with self.transaction() as cur:
+            await cur.execute(sql, params)
+            return await cur.fetchall() if cur.description else []
+
+    async def _listen(self) -> None:
+        """One connection LISTENing on the cluster's channels, reconnected with back-off;
+        after a reconnection everyone re-checks, for what may have been missed."""
+        backoff = 0.5
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                        self.dsn, autocommit=True, connect_timeout=5) as conn:
+                    for channel in CHANNELS:
+                        await conn.execute(f"LISTEN {channel}")
+                    self.listening.set()
+                    backoff = 0.5
+                    self.on_reconnect()
+                    async for note in conn.notifies():
+                        self.on_notify(note.channel, note.payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self.listening.is_set():
+                    log.warning("lost the cluster's PostgreSQL (%s); reconnecting", exc)
+                self.listening.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(5.0, backoff * 2)
