@@ -1,0 +1,46 @@
+"""The cluster's pure decisions: who serves a model with room, and whether this daemon
+should take jobs of a model it has not loaded (and so load it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from modelpool.protocol.messages import ModelLoad
+from modelpool.supervisor.cluster import Peer, may_load_here, serves_with_room
+
+if TYPE_CHECKING:
+    from conftest import Harness
+
+MakeHarness = Callable[..., "Harness"]
+
+
+def peer(**models: ModelLoad) -> Peer:
+    return Peer(name="b", beat_s_ago=0.5, models=models, running_jobs=0)
+
+
+def test_a_peer_serves_with_room_while_a_worker_idles_or_its_queue_is_short() -> None:
+    assert serves_with_room(peer(m=ModelLoad(live=2, ready=2, idle=1, queued=0)), "m")
+    assert serves_with_room(peer(m=ModelLoad(live=2, ready=2, idle=0, queued=1)), "m")
+    assert not serves_with_room(peer(m=ModelLoad(live=2, ready=2, idle=0, queued=2)), "m")
+    assert not serves_with_room(peer(m=ModelLoad(live=1, ready=0)), "m")  # still loading
+    assert not serves_with_room(peer(), "m")
+
+
+def test_a_model_served_elsewhere_with_room_is_not_loaded_here(
+        make_harness: MakeHarness) -> None:
+    h = make_harness()
+    model = h.pool.models["emb"]
+    busy = peer(emb=ModelLoad(live=1, ready=1, idle=0, queued=5))
+    roomy = peer(emb=ModelLoad(live=1, ready=1, idle=1))
+    assert may_load_here(model, [busy], loading=0, max_loads=2, used_mb=0, budget_mb=1000)
+    assert not may_load_here(model, [roomy], loading=0, max_loads=2, used_mb=0,
+                             budget_mb=1000)
+
+
+def test_no_load_without_a_slot_or_memory(make_harness: MakeHarness) -> None:
+    h = make_harness()
+    model = h.pool.models["emb"]  # 10 MiB of weights and 10 a worker
+    assert not may_load_here(model, [], loading=2, max_loads=2, used_mb=0, budget_mb=1000)
+    assert not may_load_here(model, [], loading=0, max_loads=2, used_mb=990, budget_mb=1000)
+    assert may_load_here(model, [], loading=1, max_loads=2, used_mb=980, budget_mb=1000)
