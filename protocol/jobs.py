@@ -122,6 +122,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     failed: int
     stored_results: int  # jobs whose result the mailbox holds
     mailbox_bytes: int
+    nodes: int = 1  # daemons sharing a queue: the figures are their sums
 
 
 class StatsReply(_Msg, frozen=True, kw_only=True, tag="stats_reply"):

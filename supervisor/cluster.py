@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from modelpool.protocol.errors import PoolError
+from modelpool.protocol.jobs import PoolStats
 from modelpool.protocol.messages import ClusterStatus, ModelLoad, NodeStatus
 from modelpool.supervisor import memory
 from modelpool.supervisor.clock import Scheduler
@@ -42,6 +44,16 @@ class Peer:
     beat_s_ago: float
     models: Mapping[str, ModelLoad]
     running_jobs: int
+    stats: PoolStats | None = None
+
+
+def _peer(row: dict[str, Any]) -> Peer:
+    report = row["report"]
+    stats = report.get("stats")
+    return Peer(row["name"], float(row["ago"]),
+                msgspec.convert(report.get("models", {}), dict[str, ModelLoad]),
+                int(report.get("running_jobs", 0)),
+                msgspec.convert(stats, PoolStats) if stats else None)
 
 
 def serves_with_room(peer: Peer, key: str) -> bool:
@@ -62,11 +74,13 @@ def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads:
 
 
 class ClusterNode:
-    def __init__(self, name: str, pool: Pool, jobs: PgJobs, store: PgStore) -> None:
+    def __init__(self, name: str, pool: Pool, jobs: PgJobs, store: PgStore,
+                 local_stats: Callable[[], PoolStats]) -> None:
         self.name = name
         self.pool = pool
         self.jobs = jobs
         self.store = store
+        self.local_stats = local_stats
         self.peers: list[Peer] = []  # the other live nodes, as of the last beat
         self.reachable = False
         self.queued: dict[str, int] = {}
@@ -102,7 +116,8 @@ class ClusterNode:
     async def beat(self) -> None:
         """Say what this node serves; learn what the others do."""
         report = {"models": msgspec.to_builtins(self.report()),
-                  "running_jobs": sum(m.running() for m in self.pool.models.values())}
+                  "running_jobs": sum(m.running() for m in self.pool.models.values()),
+                  "stats": msgspec.to_builtins(self.local_stats())}
         try:
             rows = await self.store.fetch("""
                 WITH me AS (
@@ -119,10 +134,10 @@ class ClusterNode:
             self.reachable, self.peers = False, []
             return
         self.reachable = True
-        self.peers = [Peer(row["name"], float(row["ago"]),
-                           msgspec.convert(row["report"].get("models", {}),
-                                           dict[str, ModelLoad]),
-                           int(row["report"].get("running_jobs", 0))) for row in rows]
+        self.peers = [_peer(row) for row in rows]
+
+    def peer_stats(self) -> list[PoolStats]:
+        return [peer.stats for peer in self.peers if peer.stats is not None]
 
     def status(self) -> ClusterStatus:
         me = NodeStatus(name=self.name, beat_s_ago=0.0, models=self.report(),
@@ -146,8 +161,8 @@ def job_service(config: Config, pool: Pool, scheduler: Scheduler,
                      jobs.max_mailbox_bytes, jobs.max_queued)
     store = backend.connect(config.cluster.dsn)
     service = JobService(pool, backend, backend, jobs, node, shared=True)
-    cluster = ClusterNode(node, pool, backend, store)
-    service.may_load = cluster.may_load
+    cluster = ClusterNode(node, pool, backend, store, service.local_stats)
+    service.may_load, service.peer_stats = cluster.may_load, cluster.peer_stats
     return service, cluster
 
 

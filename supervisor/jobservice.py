@@ -123,7 +123,9 @@ class JobService:
         self.config = config
         self.node = node
         self.shared = shared  # other daemons claim from the same queue
-        self.may_load: Callable[[str], bool] = lambda key: True  # set by the cluster
+        # Set by the cluster: may this daemon load a model; the other nodes' figures.
+        self.may_load: Callable[[str], bool] = lambda key: True
+        self.peer_stats: Callable[[], list[PoolStats]] = list
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         self._endings: set[asyncio.Task[None]] = set()
@@ -202,20 +204,35 @@ class JobService:
     async def recent(self, uid: int, limit: int) -> list[JobInfo]:
         return [await self.info(uid, r.key) for r in await self.mailbox.recent(uid, limit)]
 
-    async def stats(self) -> PoolStats:
+    def local_stats(self) -> PoolStats:
+        """This daemon's own figures (a cluster's nodes beat them to each other)."""
         models = list(self.pool.models.values())
         workers = [w for m in models for w in m.live_workers()]
         counters = [c for m in models for c in m.metrics.by_priority.values()]
-        stored, nbytes = await self.mailbox.usage()
         return PoolStats(
             workers=len(workers), busy_workers=sum(bool(w.jobs) for w in workers),
             active_jobs=sum(m.running() for m in models),
-            queued_jobs=sum(len(m.queue) for m in models) + await self.queue.length(),
+            queued_jobs=sum(len(m.queue) for m in models),
             memory_used_mb=round(self.pool.capacity.used_mb(models), 1),
             memory_budget_mb=round(self.pool.capacity.budget_mb, 1),
             completed=sum(c.completed for c in counters),
             failed=sum(c.failed + c.expired for c in counters),
-            stored_results=stored, mailbox_bytes=nbytes)
+            stored_results=0, mailbox_bytes=0)
+
+    async def stats(self) -> PoolStats:
+        """The pool's figures; in a cluster, every live node's added up."""
+        mine = self.local_stats()
+        every = [mine, *self.peer_stats()]
+        stored, nbytes = await self.mailbox.usage()
+        return PoolStats(
+            workers=sum(s.workers for s in every),
+            busy_workers=sum(s.busy_workers for s in every),
+            active_jobs=sum(s.active_jobs for s in every),
+            queued_jobs=sum(s.queued_jobs for s in every) + await self.queue.length(),
+            memory_used_mb=round(sum(s.memory_used_mb for s in every), 1),
+            memory_budget_mb=round(sum(s.memory_budget_mb for s in every), 1),
+            completed=sum(s.completed for s in every), failed=sum(s.failed for s in every),
+            stored_results=stored, mailbox_bytes=nbytes, nodes=len(every))
 
     async def answer(self, uid: int, msg: JobRequest, nbytes: int) -> Any:
         """The reply to one job API message from user uid (an Error for a PoolError)."""
