@@ -127,6 +127,20 @@ def _status(args: argparse.Namespace) -> None:
     print(f"memory: {mem['used_mb']:.0f} MiB charged of a {mem['budget_mb']:.0f} MiB budget "
           f"({mem['available_mb']:.0f} MiB available); daemon pid {status['pid']}, "
           f"up {status['uptime_s']:.0f}s")
+    if status.get("cluster"):
+        _print_cluster(status["cluster"])
+
+
+def _print_cluster(cluster: dict[str, Any]) -> None:
+    reach = "" if cluster["reachable"] else " (its PostgreSQL is unreachable)"
+    print(f"cluster: this node is {cluster['node']}{reach}")
+    for node in cluster["nodes"]:
+        models = ", ".join(f"{key} {m['ready']}/{m['live']} ready, {m['queued']} queued"
+                           for key, m in node["models"].items()) or "nothing loaded"
+        print(f"  {node['name']:<20} beat {node['beat_s_ago']:.1f}s ago, "
+              f"{node['running_jobs']} running: {models}")
+    waiting = ", ".join(f"{k}: {n}" for k, n in cluster["queued_jobs"].items()) or "none"
+    print(f"  jobs waiting in the shared queue: {waiting}")
 
 
 def _health(args: argparse.Namespace) -> int:
