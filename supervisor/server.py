@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.framing import HEADER, frame
+from modelpool.protocol.framing import frame
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -39,8 +39,10 @@ from modelpool.protocol.messages import (
     encoder,
 )
 from modelpool.supervisor import cgroups, control, gpus, realtime, shm, status
+from modelpool.supervisor.acceptor import Acceptor, auto_max_connections, raise_fd_limit
 from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config
+from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.shutdown import drain_and_stop
 from modelpool.supervisor.workers import Launcher, forkserver_context
@@ -53,34 +55,6 @@ MEMORY_REFRESH_S = 5.0  # re-measure workers' USS and VRAM (~2 ms a worker, in a
 
 class AlreadyRunning(Exception):
     pass
-
-
-class Connection:
-    """One client connection; the ReplySink of every job it submitted."""
-
-    def __init__(self, writer: asyncio.StreamWriter, max_buffer: int) -> None:
-        self.writer = writer
-        self.max_buffer = max_buffer
-        self.jobs: dict[int, Any] = {}
-        self.closed = False
-
-    def send(self, msg: msgspec.Struct) -> None:
-        if self.closed:
-            return
-        self.writer.write(frame(encoder.encode(msg)))
-        if self.writer.transport.get_write_buffer_size() > self.max_buffer:
-            # A client that does not read its replies must not grow our memory.
-            log.warning("dropping a client that stopped reading (%d bytes unsent)",
-                        self.writer.transport.get_write_buffer_size())
-            self.close(abort=True)
-
-    def close(self, abort: bool = False) -> None:
-        if not self.closed:
-            self.closed = True
-            if abort:
-                self.writer.transport.abort()
-            else:
-                self.writer.close()
 
 
 def bind_unix_socket(path: str, group: str | None) -> socket.socket:
@@ -113,6 +87,7 @@ def bind_unix_socket(path: str, group: str | None) -> socket.socket:
 
 class Server:
     def __init__(self, config: Config) -> None:
+        fd_limit = raise_fd_limit()  # before any child is started: they inherit it
         self.config = config
         self.socket_path = os.path.abspath(config.daemon.socket)
         self.stop_requested = asyncio.Event()
@@ -130,6 +105,10 @@ class Server:
                          cpus=os.cpu_count() or 1)
         self.launcher.events = self.pool
         self._socket_inode: int | None = None
+        max_connections = config.daemon.max_connections or auto_max_connections(fd_limit)
+        self.connections = ConnectionTable(config.daemon, max_connections,
+                                           self.pool.scheduler.now)
+        self._client_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         if self.config.daemon.realtime:
@@ -142,17 +121,21 @@ class Server:
         self._socket_inode = os.stat(self.socket_path).st_ino
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
-        server = await asyncio.start_unix_server(self._serve_client, sock=sock)
+        acceptor = Acceptor(sock, self.pool.scheduler, self._accepted)
+        acceptor.start()
         warm = loop.create_task(self.launcher.warm_up())
         ticker = loop.create_task(self._scale_ticker())
         health = loop.create_task(self._health_ticker())
         measure = loop.create_task(self._memory_ticker())
-        log.info("modelpool serving on %s (pid %d, %d models known)", self.socket_path,
-                 os.getpid(), len(self.pool.models))
+        sweep = loop.create_task(self._connection_ticker())
+        log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients)",
+                 self.socket_path, os.getpid(), len(self.pool.models),
+                 self.connections.max_connections)
         try:
             await self.stop_requested.wait()
             log.info("stopping: refusing new work, draining")
-            server.close()
+            acceptor.close()
+            sock.close()
             _, _, kill_at = await drain_and_stop(self.pool)
             self.pool.shared.release_all()
             await self.launcher.close(kill_at - self.pool.scheduler.now())
@@ -161,9 +144,11 @@ class Server:
             ticker.cancel()
             health.cancel()
             measure.cancel()
+            sweep.cancel()
             warm.cancel()
             self._remove_socket()
-            server.close()
+            acceptor.close()
+            sock.close()
 
     def _remove_socket(self) -> None:
         with contextlib.suppress(OSError):
@@ -182,6 +167,11 @@ class Server:
             await asyncio.sleep(MEMORY_REFRESH_S)
             await status.refresh_memory(self.pool)
 
+    async def _connection_ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.connections.sweep_interval_s)
+            self.connections.sweep()
+
     async def _health_ticker(self) -> None:
         interval = min(1.0, self.config.pool.heartbeat_timeout_s / 4)
         while True:
@@ -190,74 +180,93 @@ class Server:
 
     # ---- one client --------------------------------------------------------------------
 
+    def _accepted(self, sock: socket.socket) -> None:
+        if self.connections.full:
+            self._refuse(sock)  # at once: a refused client must not hold an fd a moment longer
+            return
+        task = asyncio.get_running_loop().create_task(self._serve_socket(sock))
+        self._client_tasks.add(task)  # the loop keeps only a weak reference to tasks
+        task.add_done_callback(self._client_tasks.discard)
+
+    def _refusal(self) -> Error:
+        return Error(id=None, code=ErrorCode.OVERLOADED, retry_after_s=1.0,
+                     message=f"too many clients ({self.connections.max_connections}, "
+                             f"max_connections): retry later")
+
+    def _refuse(self, sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.send(frame(encoder.encode(self._refusal())))  # tiny: fits any socket buffer
+        sock.close()
+
+    async def _serve_socket(self, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except OSError:
+            sock.close()
+            return
+        await self._serve_client(reader, writer)
+
     async def _serve_client(self, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
-        conn = Connection(writer, self.config.daemon.max_client_buffer_bytes)
+        conn = Connection(reader, writer, self.connections)
+        if not self.connections.admit(conn):  # others were accepted in the same batch
+            refusal = self._refusal()
+            conn.goodbye(refusal.code, refusal.message, refusal.retry_after_s)
+            return
+        limit = self.config.daemon.max_frame_bytes
         try:
-            if await self._handshake(conn, reader):
-                while (payload := await self._read_frame(conn, reader)) is not None:
+            if await self._handshake(conn, limit):
+                while (payload := await conn.next_frame(limit)) is not None:
                     self._handle_frame(conn, payload)
         except (ConnectionError, asyncio.CancelledError):
             pass
-        except Exception:
+        except Exception:  # a bug, not the client's doing: every input is handled above
             log.exception("client connection failed")
         finally:
             self.pool.forget_sink(conn)
             conn.close()
 
-    async def _handshake(self, conn: Connection, reader: asyncio.StreamReader) -> bool:
-        payload = await self._read_frame(conn, reader)
+    async def _handshake(self, conn: Connection, limit: int) -> bool:
+        payload = await conn.next_frame(limit)
         if payload is None:
             return False
         try:
             hello = msgspec.msgpack.decode(payload, type=Hello)
-        except msgspec.DecodeError as exc:
-            conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
-                            message=f"the first frame must be a hello: {exc}"))
+        except Exception as exc:  # see decode_request: not only DecodeError
+            conn.goodbye(ErrorCode.BAD_REQUEST,
+                         f"the first frame must be a hello: {_decode_failure(exc)}")
             return False
         if hello.protocol_version != PROTOCOL_VERSION:
-            conn.send(Error(id=None, code=ErrorCode.PROTOCOL_VERSION,
-                            message=f"client speaks protocol {hello.protocol_version}, "
-                                    f"daemon speaks {PROTOCOL_VERSION}"))
+            conn.goodbye(ErrorCode.PROTOCOL_VERSION,
+                         f"client speaks protocol {hello.protocol_version}, "
+                         f"daemon speaks {PROTOCOL_VERSION}")
             return False
         conn.send(Welcome(protocol_version=PROTOCOL_VERSION,
                           server_version=status.version(),
-                          max_frame_bytes=self.config.daemon.max_frame_bytes,
+                          max_frame_bytes=limit,
                           default_models=dict(self.pool.registry.defaults)))
         return True
 
-    async def _read_frame(self, conn: Connection, reader: asyncio.StreamReader) -> bytes | None:
-        """The next frame; None at end of stream. Oversized frames are skipped, not fatal."""
-        limit = self.config.daemon.max_frame_bytes
-        while True:
-            try:
-                (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-                if size <= limit:
-                    return await reader.readexactly(size)
-                await _discard(reader, size)
-            except asyncio.IncompleteReadError as exc:
-                if exc.partial:
-                    conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
-                                    message=f"truncated frame: the stream ended after "
-                                            f"{len(exc.partial)} bytes"))
-                return None
-            conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
-                            message=f"frame of {size} bytes exceeds the limit of {limit}"))
-
     def _handle_frame(self, conn: Connection, payload: bytes) -> None:
-        try:
-            msg = client_decoder.decode(payload)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-            conn.send(Error(id=_guess_id(payload), code=ErrorCode.BAD_REQUEST,
-                            message=f"invalid request: {exc}"))
+        msg = decode_request(payload)
+        if isinstance(msg, Error):
+            conn.send(msg)
+            return
+        rid = getattr(msg, "id", None)
+        if rid is not None and not isinstance(msg, Cancel) and rid in conn.jobs:
+            # Its own id would read as a final reply to the request in flight: no id.
+            conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
+                            message=f"request id {rid} is already in flight on this "
+                                    f"connection: this {type(msg).__name__} was refused, "
+                                    f"request {rid} goes on"))
             return
         try:
             self._dispatch(conn, msg, len(payload))
         except control.ControlError as exc:
-            conn.send(Error(id=getattr(msg, "id", None), code=exc.code, message=exc.message))
+            conn.send(Error(id=rid, code=exc.code, message=exc.message))
         except Exception as exc:
             log.exception("internal error handling %s", type(msg).__name__)
-            conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.INTERNAL,
+            conn.send(Error(id=rid, code=ErrorCode.INTERNAL,
                             message=f"{type(exc).__name__}: {exc}"))
 
     def _dispatch(self, conn: Connection, msg: Any, nbytes: int) -> None:
@@ -285,19 +294,41 @@ class Server:
                                 message=f"unsupported request {type(msg).__name__}"))
 
 
-async def _discard(reader: asyncio.StreamReader, size: int) -> None:
-    while size > 0:
-        size -= len(await reader.readexactly(min(size, 1 << 16)))
+class _Envelope(msgspec.Struct):
+    """What an undecodable frame may still say: its request id. Decoding into it skips
+    every other value without building it, so it costs no memory."""
+
+    id: int | None = None
 
 
-def _guess_id(payload: bytes) -> int | None:
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def decode_request(payload: bytes) -> Any:
+    """The client's message, or the BAD_REQUEST Error that answers it. Never raises."""
+    try:
+        return client_decoder.decode(payload)
+    except Exception as exc:  # also UnicodeDecodeError, RecursionError, MemoryError
+        return Error(id=_request_id(payload), code=ErrorCode.BAD_REQUEST,
+                     message=f"invalid request: {_decode_failure(exc)}")
+
+
+def _request_id(payload: bytes) -> int | None:
     """The request id of a frame that failed typed decoding, so the error can name it."""
     try:
-        raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+        return _envelope_decoder.decode(payload).id
+    except Exception:
         return None
-    rid = raw.get("id") if isinstance(raw, dict) else None
-    return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+
+
+def _decode_failure(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 ({exc.reason})"
+    if isinstance(exc, RecursionError):
+        return "values nested too deeply"
+    if isinstance(exc, msgspec.DecodeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def serve(config: Config) -> None:
