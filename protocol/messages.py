@@ -284,6 +284,13 @@ class MemoryStatus(msgspec.Struct, frozen=True, kw_only=True):
     gpus: list[DeviceMemory] = []
 
 
+class ClientsStatus(msgspec.Struct, frozen=True, kw_only=True):
+    connections: int
+    max_connections: int
+    unread_reply_bytes: int  # replies written to clients that have not taken them yet
+    max_unread_total_bytes: int
+
+
 class PoolStatus(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     version: str
@@ -292,6 +299,7 @@ class PoolStatus(msgspec.Struct, frozen=True, kw_only=True):
     shutting_down: bool
     models: list[ModelStatus]
     memory: MemoryStatus
+    clients: ClientsStatus | None = None  # filled in by the server, which owns connections
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):

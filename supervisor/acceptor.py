@@ -7,11 +7,17 @@ raises its soft fd limit to the hard one at start, keeps the number of connectio
 under that limit with a reserve for worker pipes (extra clients are accepted, told
 OVERLOADED and closed), and if accepting still fails it pauses accepting for a moment
 and logs at most one line per ACCEPT_LOG_EVERY_S.
+
+A refused client is answered once its hello has come (or after REFUSE_GRACE_S): closed
+any sooner, its own send of the hello would fail (a Unix socket refuses writes to a
+closed peer) and it would never read why. At most MAX_REFUSING wait at once, within the
+fd reserve; beyond that a refused client is closed at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import socket
@@ -24,6 +30,8 @@ log = logging.getLogger("modelpool.server")
 ACCEPT_BATCH = 16  # accepts per wake-up, so a connection storm cannot hog the loop
 ACCEPT_RETRY_S = 0.5  # after a failed accept (out of fds, memory)
 ACCEPT_LOG_EVERY_S = 10.0
+REFUSE_GRACE_S = 0.5
+MAX_REFUSING = 32
 MIN_FD_RESERVE = 128  # fds kept for worker pipes, sentinels, shared memory, logs
 MAX_AUTO_CONNECTIONS = 4096
 
@@ -48,13 +56,17 @@ def auto_max_connections(fd_limit: int) -> int:
 
 
 class Acceptor:
-    """Accepts clients and hands each accepted socket to on_client."""
+    """Accepts clients and hands each to on_client, which says whether it had room; a
+    client without room is sent refusal() and closed."""
 
     def __init__(self, sock: socket.socket, scheduler: Scheduler,
-                 on_client: Callable[[socket.socket], None]) -> None:
+                 on_client: Callable[[socket.socket], bool],
+                 refusal: Callable[[], bytes]) -> None:
         self.sock = sock
         self.scheduler = scheduler
         self.on_client = on_client
+        self.refusal = refusal
+        self.refusing = 0
         self._retry: Timer | None = None
         self._failures_unlogged = 0
         self._last_logged: float | None = None
@@ -84,7 +96,32 @@ class Acceptor:
                 self._retry = self.scheduler.call_later(ACCEPT_RETRY_S, self.start)
                 return
             conn.setblocking(False)
-            self.on_client(conn)
+            if not self.on_client(conn):
+                self._refuse(conn)
+
+    def _refuse(self, conn: socket.socket) -> None:
+        if self.refusing >= MAX_REFUSING:
+            conn.close()
+            return
+        self.refusing += 1
+        loop = asyncio.get_running_loop()
+        timer: Timer | None = None
+
+        def answer() -> None:
+            if conn.fileno() == -1:
+                return  # answered already
+            loop.remove_reader(conn.fileno())
+            if timer is not None:
+                timer.cancel()
+            with contextlib.suppress(OSError):
+                conn.recv(1 << 16)  # the hello, unread: closing over it would reset the peer
+            with contextlib.suppress(OSError):
+                conn.send(self.refusal())  # tiny: fits any socket buffer
+            conn.close()
+            self.refusing -= 1
+
+        loop.add_reader(conn.fileno(), answer)  # the hello (or the client's end) arrives
+        timer = self.scheduler.call_later(REFUSE_GRACE_S, answer)
 
     def _note_failure(self, exc: OSError) -> None:
         now = self.scheduler.now()

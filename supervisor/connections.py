@@ -19,7 +19,7 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import HEADER, frame
-from modelpool.protocol.messages import Error, encoder
+from modelpool.protocol.messages import ClientsStatus, Error, encoder
 from modelpool.supervisor.config import DaemonConfig
 
 log = logging.getLogger("modelpool.server")
@@ -131,19 +131,26 @@ class ConnectionTable:
         self.frame_timeout_s = config.frame_timeout_s
         self.now = now
         self.live: set[Connection] = set()
+        self.opening = 0  # accepted, not yet live
         # Unread reply bytes of all connections: exact after each sweep and each shedding,
         # an overestimate in between (a client's reads are not seen until its next reply).
         self.unsent_total = 0
 
-    @property
-    def full(self) -> bool:
-        return len(self.live) >= self.max_connections
-
-    def admit(self, conn: Connection) -> bool:
-        if self.full:
+    def reserve(self) -> bool:
+        """A place for a client just accepted, or False when max_connections are taken."""
+        if len(self.live) + self.opening >= self.max_connections:
             return False
-        self.live.add(conn)
+        self.opening += 1
         return True
+
+    def admit(self, conn: Connection) -> None:
+        """The reserved place, taken."""
+        self.opening -= 1
+        self.live.add(conn)
+
+    def release(self) -> None:
+        """The reserved place, given back unused."""
+        self.opening -= 1
 
     def remove(self, conn: Connection) -> None:
         if conn in self.live:
@@ -176,6 +183,12 @@ class ConnectionTable:
         for conn in self.live:
             conn.counted = conn.unsent()
         self.unsent_total = sum(conn.counted for conn in self.live)
+
+    def status(self) -> ClientsStatus:
+        self.recount()
+        return ClientsStatus(connections=len(self.live), max_connections=self.max_connections,
+                             unread_reply_bytes=self.unsent_total,
+                             max_unread_total_bytes=self.max_unsent_total)
 
     @property
     def sweep_interval_s(self) -> float:

@@ -121,7 +121,7 @@ class Server:
         self._socket_inode = os.stat(self.socket_path).st_ino
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
-        acceptor = Acceptor(sock, self.pool.scheduler, self._accepted)
+        acceptor = Acceptor(sock, self.pool.scheduler, self._accepted, self._refusal)
         acceptor.start()
         warm = loop.create_task(self.launcher.warm_up())
         ticker = loop.create_task(self._scale_ticker())
@@ -180,28 +180,26 @@ class Server:
 
     # ---- one client --------------------------------------------------------------------
 
-    def _accepted(self, sock: socket.socket) -> None:
-        if self.connections.full:
-            self._refuse(sock)  # at once: a refused client must not hold an fd a moment longer
-            return
+    def _accepted(self, sock: socket.socket) -> bool:
+        """Serve a client just accepted; False if there is no room for it."""
+        if not self.connections.reserve():
+            return False
         task = asyncio.get_running_loop().create_task(self._serve_socket(sock))
         self._client_tasks.add(task)  # the loop keeps only a weak reference to tasks
         task.add_done_callback(self._client_tasks.discard)
+        return True
 
-    def _refusal(self) -> Error:
-        return Error(id=None, code=ErrorCode.OVERLOADED, retry_after_s=1.0,
-                     message=f"too many clients ({self.connections.max_connections}, "
-                             f"max_connections): retry later")
-
-    def _refuse(self, sock: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            sock.send(frame(encoder.encode(self._refusal())))  # tiny: fits any socket buffer
-        sock.close()
+    def _refusal(self) -> bytes:
+        return frame(encoder.encode(Error(
+            id=None, code=ErrorCode.OVERLOADED, retry_after_s=1.0,
+            message=f"too many clients ({self.connections.max_connections}, "
+                    f"max_connections): retry later")))
 
     async def _serve_socket(self, sock: socket.socket) -> None:
         try:
             reader, writer = await asyncio.open_unix_connection(sock=sock)
         except OSError:
+            self.connections.release()
             sock.close()
             return
         await self._serve_client(reader, writer)
@@ -209,10 +207,7 @@ class Server:
     async def _serve_client(self, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
         conn = Connection(reader, writer, self.connections)
-        if not self.connections.admit(conn):  # others were accepted in the same batch
-            refusal = self._refusal()
-            conn.goodbye(refusal.code, refusal.message, refusal.retry_after_s)
-            return
+        self.connections.admit(conn)
         limit = self.config.daemon.max_frame_bytes
         try:
             if await self._handshake(conn, limit):
@@ -276,7 +271,9 @@ class Server:
             case Cancel(id=client_id):
                 self.pool.cancel(conn, client_id)
             case GetStatus(id=rid):
-                report = status.build_status(self.pool, self.socket_path, self.started_at)
+                report = msgspec.structs.replace(
+                    status.build_status(self.pool, self.socket_path, self.started_at),
+                    clients=self.connections.status())
                 conn.send(StatusReply(id=rid, status=report))
             case ListModels(id=rid):
                 conn.send(ModelsReply(id=rid, models=status.models_info(self.pool)))
