@@ -27,6 +27,7 @@ log = logging.getLogger("modelpool.server")
 PAUSE_READING_BYTES = 1 << 20  # unread replies above this: read no more of the client's requests
 RESUME_READING_BYTES = 256 << 10  # ... until they drain below this
 DISCARD_CHUNK = 1 << 16
+READ_CHUNK = 1 << 20  # frames larger than this are read piecewise into their own buffer
 SWEEP_MAX_S = 1.0
 
 
@@ -77,7 +78,7 @@ class Connection:
 
     # ---- reading ------------------------------------------------------------------------
 
-    async def next_frame(self, limit: int) -> bytes | None:
+    async def next_frame(self, limit: int) -> bytes | bytearray | None:
         """The client's next frame; None when it is gone. An oversized frame is answered at
         once and its bytes are discarded as they arrive (the framing stays intact, so the
         connection stays usable); the frame timeout bounds how long that may take."""
@@ -90,7 +91,8 @@ class Connection:
             if self.frame_started is None:
                 self.frame_started = self.table.now()
             if size <= limit:
-                payload = await self._read(size, mid_frame=True)
+                payload = await (self._read(size, mid_frame=True) if size <= READ_CHUNK
+                                 else self._read_large(size))
                 self._frame_done()
                 return payload
             self.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
@@ -113,6 +115,20 @@ class Connection:
                                 message=f"truncated frame: the stream ended after "
                                         f"{len(exc.partial)} of {size} bytes"))
             return None
+
+    async def _read_large(self, size: int) -> bytearray | None:
+        """A large body, grown as its bytes arrive: readexactly would hold it twice at the
+        end (the reader's buffer and the copy it returns)."""
+        body = bytearray()
+        while len(body) < size:
+            chunk = await self.reader.read(min(size - len(body), READ_CHUNK))
+            if not chunk:
+                self.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
+                                message=f"truncated frame: the stream ended after "
+                                        f"{len(body)} of {size} bytes"))
+                return None
+            body += chunk
+        return body
 
     def _frame_done(self) -> None:
         self.frame_started = None

@@ -213,6 +213,7 @@ class Server:
             if await self._handshake(conn, limit):
                 while (payload := await conn.next_frame(limit)) is not None:
                     self._handle_frame(conn, payload)
+                    del payload  # not held while the next frame is awaited (up to 64 MiB)
         except (ConnectionError, asyncio.CancelledError):
             pass
         except Exception:  # a bug, not the client's doing: every input is handled above
@@ -242,7 +243,7 @@ class Server:
                           default_models=dict(self.pool.registry.defaults)))
         return True
 
-    def _handle_frame(self, conn: Connection, payload: bytes) -> None:
+    def _handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None:
         msg = decode_request(payload)
         if isinstance(msg, Error):
             conn.send(msg)
@@ -301,7 +302,7 @@ class _Envelope(msgspec.Struct):
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
-def decode_request(payload: bytes) -> Any:
+def decode_request(payload: bytes | bytearray) -> Any:
     """The client's message, or the BAD_REQUEST Error that answers it. Never raises."""
     try:
         return client_decoder.decode(payload)
@@ -310,7 +311,7 @@ def decode_request(payload: bytes) -> Any:
                      message=f"invalid request: {_decode_failure(exc)}")
 
 
-def _request_id(payload: bytes) -> int | None:
+def _request_id(payload: bytes | bytearray) -> int | None:
     """The request id of a frame that failed typed decoding, so the error can name it."""
     try:
         return _envelope_decoder.decode(payload).id
