@@ -67,9 +67,9 @@ class Connection:
                 self.writer.close()
             self.table.remove(self)
 
-    def goodbye(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+    def goodbye(self, code: ErrorCode, message: str) -> None:
         """Say why, then close; at once if the client is not reading (nothing would drain)."""
-        self.send(Error(id=None, code=code, message=message, retry_after_s=retry_after_s))
+        self.send(Error(id=None, code=code, message=message))
         self.close(abort=not self.closed and self.unsent() > 0)
 
     def drop(self, reason: str) -> None:
