@@ -4,8 +4,9 @@ fuzzed frames, a frame-sized bomb and clients that never read their replies.
 
 Prints one JSON object: supervisor RSS before and after 10,000 fuzzed frames (target
 +20 MB at most), RSS after and during one max-size bomb frame (target: at most twice
-the frame), the time to the reply to a bad frame (target p99 10 ms), and the unread
-replies held for clients that never read (bounded by max_unread_total_bytes).
+the frame), the time to the reply to a bad frame (target p99 10 ms), the unread
+replies held for clients that never read (bounded by max_unread_total_bytes), and the
+log lines written while 600 idle connections meet a 512-fd limit.
 
     python scripts/adversarial.py            # ~1 minute on 2 cores
     python scripts/adversarial.py --frames 2000
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import socket
 import sys
 import threading
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench import Daemon, percentiles  # noqa: E402
 from fuzz_frames import bomb_frame, fuzzed_frames  # noqa: E402
 
-from modelpool.protocol.client import Client  # noqa: E402
+from modelpool.protocol.client import Client, PoolError  # noqa: E402
 from modelpool.protocol.framing import HEADER, recv_frame, send_frame  # noqa: E402
 from modelpool.protocol.messages import (  # noqa: E402
     Embed,
@@ -178,6 +180,41 @@ def unread_figures(daemon: Daemon, clients: int, requests: int) -> dict[str, Any
             "polite_client_served": polite_ok}
 
 
+def fd_exhaustion_figures(idle: int, nofile: int, seconds: float) -> dict[str, Any]:
+    """idle connections (no hello) to a daemon under RLIMIT_NOFILE = nofile: the log lines
+    written meanwhile (asyncio's accept loop wrote ~14,000 a second), the client turned
+    away, and whether clients are served once the idle ones are gone."""
+    daemon = Daemon(NOOP)
+    try:
+        # Set before the daemon has finished importing (it raises soft to hard at start).
+        resource.prlimit(daemon.process.pid, resource.RLIMIT_NOFILE, (nofile, nofile))
+        daemon.wait_listening()
+        log = daemon.dir / "log"
+        lines_before = log.read_text().count("\n")
+        socks = []
+        for _ in range(idle):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(daemon.socket)
+            socks.append(sock)
+        time.sleep(seconds)
+        try:
+            with Client(socket_path=daemon.socket, timeout_s=5) as c:
+                turned_away = f"served: {c.status()['clients']}"
+        except PoolError as exc:
+            turned_away = str(exc)
+        lines = log.read_text().count("\n") - lines_before
+        for sock in socks:
+            sock.close()
+        time.sleep(0.5)
+        with Client(socket_path=daemon.socket, timeout_s=10) as c:
+            served_after = c.embed("x", model="noop").shape == (4,)
+    finally:
+        daemon.stop()
+    return {"idle_connections": idle, "nofile": nofile, "seconds": seconds,
+            "log_lines": lines, "new_client_got": turned_away,
+            "served_once_they_left": served_after}
+
+
 def _dropped(sock: socket.socket) -> bool:
     """Read what the daemon kept for this client; True if it then closed the connection."""
     sock.settimeout(0.5)
@@ -207,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                    "unread_replies": unread_figures(daemon, clients=16, requests=300)}
     finally:
         daemon.stop()
+    figures["fd_exhaustion"] = fd_exhaustion_figures(idle=600, nofile=512, seconds=20)
     print(json.dumps(figures, indent=2))
     return 0
 
