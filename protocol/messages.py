@@ -308,6 +308,13 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
     queued_jobs: dict[str, int] = {}  # waiting in the shared queue, by model
 
 
+class ClientsStatus(msgspec.Struct, frozen=True, kw_only=True):
+    connections: int
+    max_connections: int
+    unread_reply_bytes: int  # replies written to clients that have not taken them yet
+    max_unread_total_bytes: int
+
+
 class PoolStatus(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     version: str
@@ -317,6 +324,7 @@ class PoolStatus(msgspec.Struct, frozen=True, kw_only=True):
     models: list[ModelStatus]
     memory: MemoryStatus
     cluster: ClusterStatus | None = None  # when daemons share a PostgreSQL queue
+    clients: ClientsStatus | None = None  # filled in by the server, which owns connections
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):

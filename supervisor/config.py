@@ -45,7 +45,15 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     socket_group: str | None = None  # set: socket is 0660 and owned by this group
     log_level: str = "INFO"
     max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024
+    # One client's replies it has not read: over this, the client is dropped.
     max_client_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024
+    # All clients' unread replies: over this, the client holding the most is dropped.
+    max_unread_total_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 256 * 1024 * 1024
+    # 0: from the fd limit, a quarter kept for workers; more clients are told OVERLOADED.
+    max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # A client with nothing in flight that sends nothing this long is closed; 0: never.
+    idle_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 3600.0
+    frame_timeout_s: Positive = 30.0  # a begun frame (and the hello) must arrive within this
     realtime: bool = False  # the event loop as SCHED_FIFO, when permitted (supervisor/realtime.py)
     idle_cgroup: bool = True  # start, load, stop workers in an idle cpu cgroup (cgroups.py)
 

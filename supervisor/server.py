@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.framing import HEADER, frame
+from modelpool.protocol.framing import frame
 from modelpool.protocol.jobs import JOB_REQUESTS
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
@@ -39,7 +38,7 @@ from modelpool.protocol.messages import (
     Welcome,
     encoder,
 )
-from modelpool.protocol.peers import Peer, peer_of
+from modelpool.protocol.peers import peer_of
 from modelpool.protocol.wire import client_decoder
 from modelpool.supervisor import (
     access,
@@ -52,8 +51,10 @@ from modelpool.supervisor import (
     shm,
     status,
 )
+from modelpool.supervisor.acceptor import Acceptor, auto_max_connections, raise_fd_limit
 from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config, gid_of
+from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.shutdown import drain_and_stop
 from modelpool.supervisor.socket_dir import secure_socket_dir
@@ -66,46 +67,8 @@ MAX_PENDING_REPLIES = 1024  # job requests (a retrieve waits) being answered per
 MEMORY_REFRESH_S = 5.0  # re-measure workers' USS and VRAM (~2 ms a worker, in a thread)
 
 
-_connection_ids = itertools.count(1)
-
-
 class AlreadyRunning(Exception):
     pass
-
-
-class Connection:
-    """One client connection; the ReplySink of every job it submitted. `peer` is who the
-    kernel says the client is (pid, uid, gid, groups), fixed for the connection's life;
-    `access` applies the [access] policy to it."""
-
-    def __init__(self, writer: asyncio.StreamWriter, max_buffer: int,
-                 policy: access.AccessPolicy) -> None:
-        self.writer = writer
-        self.peer: Peer = peer_of(writer.get_extra_info("socket"))
-        self.access = access.ConnectionAccess(policy, self.peer)
-        self.max_buffer = max_buffer
-        self.jobs: dict[int, Any] = {}
-        self.tasks: set[asyncio.Task[None]] = set()  # replies being worked out (job API)
-        self.closed = False
-        self.owner = (self.peer.uid, next(_connection_ids))  # its turn in fair queueing
-
-    def send(self, msg: msgspec.Struct) -> None:
-        if self.closed:
-            return
-        self.writer.write(frame(encoder.encode(msg)))
-        if self.writer.transport.get_write_buffer_size() > self.max_buffer:
-            # A client that does not read its replies must not grow our memory.
-            log.warning("dropping a client that stopped reading (%d bytes unsent)",
-                        self.writer.transport.get_write_buffer_size())
-            self.close(abort=True)
-
-    def close(self, abort: bool = False) -> None:
-        if not self.closed:
-            self.closed = True
-            if abort:
-                self.writer.transport.abort()
-            else:
-                self.writer.close()
 
 
 def bind_unix_socket(path: str, group: str | None) -> socket.socket:
@@ -140,6 +103,7 @@ def bind_unix_socket(path: str, group: str | None) -> socket.socket:
 
 class Server:
     def __init__(self, config: Config) -> None:
+        fd_limit = raise_fd_limit()  # before any child is started: they inherit it
         self.config = config
         self.socket_path = os.path.abspath(config.daemon.socket)
         self.stop_requested = asyncio.Event()
@@ -163,6 +127,10 @@ class Server:
         if warning := self.access.unreachable_group_warning(config.daemon.socket_group):
             log.warning("%s", warning)
         self._socket_inode: int | None = None
+        max_connections = config.daemon.max_connections or auto_max_connections(fd_limit)
+        self.connections = ConnectionTable(config.daemon, max_connections,
+                                           self.pool.scheduler.now)
+        self._client_tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         if self.config.daemon.realtime:
@@ -176,7 +144,8 @@ class Server:
         self._socket_inode = os.stat(self.socket_path).st_ino
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
-        server = await asyncio.start_unix_server(self._serve_client, sock=sock)
+        acceptor = Acceptor(sock, self.pool.scheduler, self._accepted, self._refusal)
+        acceptor.start()
         warm = loop.create_task(self.launcher.warm_up())
         ticker = loop.create_task(self._scale_ticker())
         health = loop.create_task(self._health_ticker())
@@ -184,12 +153,15 @@ class Server:
         claims = loop.create_task(self.jobs.run())
         touch = (loop.create_task(cluster.keep_in_touch(self.cluster, self.jobs))
                  if self.cluster else None)
-        log.info("modelpool serving on %s (pid %d, %d models known)", self.socket_path,
-                 os.getpid(), len(self.pool.models))
+        sweep = loop.create_task(self._connection_ticker())
+        log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients)",
+                 self.socket_path, os.getpid(), len(self.pool.models),
+                 self.connections.max_connections)
         try:
             await self.stop_requested.wait()
             log.info("stopping: refusing new work, draining")
-            server.close()
+            acceptor.close()
+            sock.close()
             _, _, kill_at = await drain_and_stop(self.pool)
             await self.jobs.settle()
             self.pool.shared.release_all()
@@ -200,12 +172,14 @@ class Server:
             health.cancel()
             measure.cancel()
             claims.cancel()
+            sweep.cancel()
             if touch is not None:
                 touch.cancel()
                 await self.cluster.store.close()  # type: ignore[union-attr]
             warm.cancel()
             self._remove_socket()
-            server.close()
+            acceptor.close()
+            sock.close()
 
     def _remove_socket(self) -> None:
         with contextlib.suppress(OSError):
@@ -226,6 +200,11 @@ class Server:
             await asyncio.sleep(MEMORY_REFRESH_S)
             await status.refresh_memory(self.pool)
 
+    async def _connection_ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.connections.sweep_interval_s)
+            self.connections.sweep()
+
     async def _health_ticker(self) -> None:
         # Often enough that a hung worker is killed within a quarter second of its
         # timeout; each check only compares a few timestamps per worker.
@@ -236,18 +215,46 @@ class Server:
 
     # ---- one client --------------------------------------------------------------------
 
+    def _accepted(self, sock: socket.socket) -> bool:
+        """Serve a client just accepted; False if there is no room for it."""
+        if not self.connections.reserve():
+            return False
+        task = asyncio.get_running_loop().create_task(self._serve_socket(sock))
+        self._client_tasks.add(task)  # the loop keeps only a weak reference to tasks
+        task.add_done_callback(self._client_tasks.discard)
+        return True
+
+    def _refusal(self) -> bytes:
+        return frame(encoder.encode(Error(
+            id=None, code=ErrorCode.OVERLOADED, retry_after_s=1.0,
+            message=f"too many clients ({self.connections.max_connections}, "
+                    f"max_connections): retry later")))
+
+    async def _serve_socket(self, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except OSError:
+            self.connections.release()
+            sock.close()
+            return
+        await self._serve_client(reader, writer)
+
     async def _serve_client(self, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
-        conn = Connection(writer, self.config.daemon.max_client_buffer_bytes, self.access)
+        conn = Connection(reader, writer, self.connections, self.access,
+                          peer_of(writer.get_extra_info("socket")))
+        self.connections.admit(conn)
+        limit = self.config.daemon.max_frame_bytes
         try:
             if refusal := conn.access.refusal():
                 await access.turn_away(conn, reader, refusal)
-            elif await self._handshake(conn, reader):
-                while (payload := await self._read_frame(conn, reader)) is not None:
+            elif await self._handshake(conn, limit):
+                while (payload := await conn.next_frame(limit)) is not None:
                     self._handle_frame(conn, payload)
+                    del payload  # not held while the next frame is awaited (up to 64 MiB)
         except (ConnectionError, asyncio.CancelledError):
             pass
-        except Exception:
+        except Exception:  # a bug, not the client's doing: every input is handled above
             log.exception("client connection failed")
         finally:
             self.pool.forget_sink(conn)
@@ -287,59 +294,47 @@ class Server:
         conn.tasks.add(task)
         task.add_done_callback(conn.tasks.discard)
 
-    async def _handshake(self, conn: Connection, reader: asyncio.StreamReader) -> bool:
-        payload = await self._read_frame(conn, reader)
+    async def _handshake(self, conn: Connection, limit: int) -> bool:
+        payload = await conn.next_frame(limit)
         if payload is None:
             return False
         try:
             hello = msgspec.msgpack.decode(payload, type=Hello)
-        except msgspec.DecodeError as exc:
-            conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
-                            message=f"the first frame must be a hello: {exc}"))
+        except Exception as exc:  # see decode_request: not only DecodeError
+            conn.goodbye(ErrorCode.BAD_REQUEST,
+                         f"the first frame must be a hello: {_decode_failure(exc)}")
             return False
         if hello.protocol_version != PROTOCOL_VERSION:
-            conn.send(Error(id=None, code=ErrorCode.PROTOCOL_VERSION,
-                            message=f"client speaks protocol {hello.protocol_version}, "
-                                    f"daemon speaks {PROTOCOL_VERSION}"))
+            conn.goodbye(ErrorCode.PROTOCOL_VERSION,
+                         f"client speaks protocol {hello.protocol_version}, "
+                         f"daemon speaks {PROTOCOL_VERSION}")
             return False
         conn.send(Welcome(protocol_version=PROTOCOL_VERSION,
                           server_version=status.version(),
-                          max_frame_bytes=self.config.daemon.max_frame_bytes,
+                          max_frame_bytes=limit,
                           default_models=dict(self.pool.registry.defaults)))
         return True
 
-    async def _read_frame(self, conn: Connection, reader: asyncio.StreamReader) -> bytes | None:
-        """The next frame; None at end of stream. Oversized frames are skipped, not fatal."""
-        limit = self.config.daemon.max_frame_bytes
-        while True:
-            try:
-                (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-                if size <= limit:
-                    return await reader.readexactly(size)
-                await _discard(reader, size)
-            except asyncio.IncompleteReadError as exc:
-                if exc.partial:
-                    conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
-                                    message=f"truncated frame: the stream ended after "
-                                            f"{len(exc.partial)} bytes"))
-                return None
+    def _handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None:
+        msg = decode_request(payload)
+        if isinstance(msg, Error):
+            conn.send(msg)
+            return
+        rid = getattr(msg, "id", None)
+        if rid is not None and not isinstance(msg, Cancel) and rid in conn.jobs:
+            # Its own id would read as a final reply to the request in flight: no id.
             conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
-                            message=f"frame of {size} bytes exceeds the limit of {limit}"))
-
-    def _handle_frame(self, conn: Connection, payload: bytes) -> None:
-        try:
-            msg = client_decoder.decode(payload)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-            conn.send(Error(id=_guess_id(payload), code=ErrorCode.BAD_REQUEST,
-                            message=f"invalid request: {exc}"))
+                            message=f"request id {rid} is already in flight on this "
+                                    f"connection: this {type(msg).__name__} was refused, "
+                                    f"request {rid} goes on"))
             return
         try:
             self._dispatch(conn, msg, len(payload))
         except control.ControlError as exc:
-            conn.send(Error(id=getattr(msg, "id", None), code=exc.code, message=exc.message))
+            conn.send(Error(id=rid, code=exc.code, message=exc.message))
         except Exception as exc:
             log.exception("internal error handling %s", type(msg).__name__)
-            conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.INTERNAL,
+            conn.send(Error(id=rid, code=ErrorCode.INTERNAL,
                             message=f"{type(exc).__name__}: {exc}"))
 
     def _dispatch(self, conn: Connection, msg: Any, nbytes: int) -> None:
@@ -356,9 +351,10 @@ class Server:
             case Cancel(id=client_id):
                 self.pool.cancel(conn, client_id)
             case GetStatus(id=rid):
-                report = status.build_status(
-                    self.pool, self.socket_path, self.started_at,
-                    self.cluster.status() if self.cluster else None)
+                report = msgspec.structs.replace(
+                    status.build_status(self.pool, self.socket_path, self.started_at,
+                                        self.cluster.status() if self.cluster else None),
+                    clients=self.connections.status())
                 conn.send(StatusReply(id=rid, status=report))
             case ListModels(id=rid):
                 conn.send(ModelsReply(id=rid, models=status.models_info(self.pool)))
@@ -376,19 +372,41 @@ class Server:
                                 message=f"unsupported request {type(msg).__name__}"))
 
 
-async def _discard(reader: asyncio.StreamReader, size: int) -> None:
-    while size > 0:
-        size -= len(await reader.readexactly(min(size, 1 << 16)))
+class _Envelope(msgspec.Struct):
+    """What an undecodable frame may still say: its request id. Decoding into it skips
+    every other value without building it, so it costs no memory."""
+
+    id: int | None = None
 
 
-def _guess_id(payload: bytes) -> int | None:
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def decode_request(payload: bytes | bytearray) -> Any:
+    """The client's message, or the BAD_REQUEST Error that answers it. Never raises."""
+    try:
+        return client_decoder.decode(payload)
+    except Exception as exc:  # also UnicodeDecodeError, RecursionError, MemoryError
+        return Error(id=_request_id(payload), code=ErrorCode.BAD_REQUEST,
+                     message=f"invalid request: {_decode_failure(exc)}")
+
+
+def _request_id(payload: bytes | bytearray) -> int | None:
     """The request id of a frame that failed typed decoding, so the error can name it."""
     try:
-        raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+        return _envelope_decoder.decode(payload).id
+    except Exception:
         return None
-    rid = raw.get("id") if isinstance(raw, dict) else None
-    return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+
+
+def _decode_failure(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 ({exc.reason})"
+    if isinstance(exc, RecursionError):
+        return "values nested too deeply"
+    if isinstance(exc, msgspec.DecodeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def serve(config: Config) -> None:

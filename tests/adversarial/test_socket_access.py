@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
+from adversarial_helpers import (
     OTHER_GID,
     OTHER_UID,
     ROOT,
