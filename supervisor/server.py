@@ -13,39 +13,21 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import frame
-from modelpool.protocol.jobs import JOB_REQUESTS
-from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
-    PROTOCOL_VERSION,
-    Ack,
-    Cancel,
     Error,
-    GetStatus,
-    Hello,
-    ListModels,
-    LoadModel,
-    ModelsReply,
-    StatusReply,
-    StopDaemon,
-    UnloadModel,
-    Welcome,
+    PoolStatus,
     encoder,
 )
 from modelpool.protocol.peers import peer_of
-from modelpool.protocol.wire import client_decoder
 from modelpool.supervisor import (
     access,
-    admission,
     cgroups,
     cluster,
-    control,
     gpus,
     realtime,
     shm,
@@ -55,6 +37,7 @@ from modelpool.supervisor.acceptor import Acceptor, auto_max_connections, raise_
 from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config, gid_of
 from modelpool.supervisor.connections import Connection, ConnectionTable
+from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.shutdown import drain_and_stop
 from modelpool.supervisor.socket_dir import secure_socket_dir
@@ -130,7 +113,15 @@ class Server:
         max_connections = config.daemon.max_connections or auto_max_connections(fd_limit)
         self.connections = ConnectionTable(config.daemon, max_connections,
                                            self.pool.scheduler.now)
+        self.front = FrontDoor(config, self.pool, self.jobs, self.cluster, self.status_report,
+                               self.stop_requested)
         self._client_tasks: set[asyncio.Task[None]] = set()
+
+    def status_report(self) -> PoolStatus:
+        return msgspec.structs.replace(
+            status.build_status(self.pool, self.socket_path, self.started_at,
+                                self.cluster.status() if self.cluster else None),
+            clients=self.connections.status())
 
     async def run(self) -> None:
         if self.config.daemon.realtime:
@@ -248,9 +239,9 @@ class Server:
         try:
             if refusal := conn.access.refusal():
                 await access.turn_away(conn, reader, refusal)
-            elif await self._handshake(conn, limit):
+            elif await self.front.handshake(conn, limit):
                 while (payload := await conn.next_frame(limit)) is not None:
-                    self._handle_frame(conn, payload)
+                    self.front.handle_frame(conn, payload)
                     del payload  # not held while the next frame is awaited (up to 64 MiB)
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -261,153 +252,6 @@ class Server:
             for task in conn.tasks:  # retrieves waiting for a reply nobody will read
                 task.cancel()
             conn.close()
-
-    def _served_elsewhere(self, request: Any) -> bool:
-        """In a cluster: a model not loaded here, loaded with room on another daemon,
-        is asked there through the shared queue rather than loaded here too."""
-        if self.cluster is None or not self.config.cluster.route_remote:
-            return False
-        spec = admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
-        return spec is not None and self.cluster.should_route(spec.key)
-
-    def _answer_later(self, conn: Connection, rid: int, reply: Coroutine[Any, Any, Any]) -> None:
-        """Send what the coroutine returns, without holding up this connection's other
-        requests; a bounded number at a time per connection."""
-        if len(conn.tasks) >= MAX_PENDING_REPLIES:
-            reply.close()
-            conn.send(Error(id=rid, code=ErrorCode.OVERLOADED, retry_after_s=1.0,
-                            message=f"{MAX_PENDING_REPLIES} job requests of this connection "
-                                    "are still being answered"))
-            return
-
-        async def answer() -> None:
-            try:
-                answered = await reply
-                for message in answered if isinstance(answered, list) else [answered]:
-                    conn.send(message)
-            except Exception as exc:
-                log.exception("internal error answering a job request")
-                conn.send(Error(id=rid, code=ErrorCode.INTERNAL,
-                                message=f"{type(exc).__name__}: {exc}"))
-
-        task = asyncio.get_running_loop().create_task(answer())
-        conn.tasks.add(task)
-        task.add_done_callback(conn.tasks.discard)
-
-    async def _handshake(self, conn: Connection, limit: int) -> bool:
-        payload = await conn.next_frame(limit)
-        if payload is None:
-            return False
-        try:
-            hello = msgspec.msgpack.decode(payload, type=Hello)
-        except Exception as exc:  # see decode_request: not only DecodeError
-            conn.goodbye(ErrorCode.BAD_REQUEST,
-                         f"the first frame must be a hello: {_decode_failure(exc)}")
-            return False
-        if hello.protocol_version != PROTOCOL_VERSION:
-            conn.goodbye(ErrorCode.PROTOCOL_VERSION,
-                         f"client speaks protocol {hello.protocol_version}, "
-                         f"daemon speaks {PROTOCOL_VERSION}")
-            return False
-        conn.send(Welcome(protocol_version=PROTOCOL_VERSION,
-                          server_version=status.version(),
-                          max_frame_bytes=limit,
-                          default_models=dict(self.pool.registry.defaults)))
-        return True
-
-    def _handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None:
-        msg = decode_request(payload)
-        if isinstance(msg, Error):
-            conn.send(msg)
-            return
-        rid = getattr(msg, "id", None)
-        if rid is not None and not isinstance(msg, Cancel) and rid in conn.jobs:
-            # Its own id would read as a final reply to the request in flight: no id.
-            conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
-                            message=f"request id {rid} is already in flight on this "
-                                    f"connection: this {type(msg).__name__} was refused, "
-                                    f"request {rid} goes on"))
-            return
-        try:
-            self._dispatch(conn, msg, len(payload))
-        except control.ControlError as exc:
-            conn.send(Error(id=rid, code=exc.code, message=exc.message))
-        except Exception as exc:
-            log.exception("internal error handling %s", type(msg).__name__)
-            conn.send(Error(id=rid, code=ErrorCode.INTERNAL,
-                            message=f"{type(exc).__name__}: {exc}"))
-
-    def _dispatch(self, conn: Connection, msg: Any, nbytes: int) -> None:
-        if refusal := conn.access.check(msg):
-            conn.send(refusal)
-            return
-        match msg:
-            case _ if type(msg) in KIND_OF and self._served_elsewhere(msg):
-                self._answer_later(conn, msg.id, self.jobs.relay(conn.peer.uid, msg))
-            case _ if type(msg) in KIND_OF:
-                self.pool.submit(conn, msg, nbytes)
-            case _ if isinstance(msg, JOB_REQUESTS):
-                self._answer_later(conn, msg.id, self.jobs.answer(conn.peer.uid, msg, nbytes))
-            case Cancel(id=client_id):
-                self.pool.cancel(conn, client_id)
-            case GetStatus(id=rid):
-                report = msgspec.structs.replace(
-                    status.build_status(self.pool, self.socket_path, self.started_at,
-                                        self.cluster.status() if self.cluster else None),
-                    clients=self.connections.status())
-                conn.send(StatusReply(id=rid, status=report))
-            case ListModels(id=rid):
-                conn.send(ModelsReply(id=rid, models=status.models_info(self.pool)))
-            case LoadModel(id=rid, model=name, workers=count):
-                conn.send(Ack(id=rid, message=control.load_model(self.pool, name, count)))
-            case UnloadModel(id=rid, model=name):
-                conn.send(Ack(id=rid, message=control.unload_model(self.pool, name)))
-            case StopDaemon(id=rid):
-                conn.send(Ack(id=rid, message="stopping"))
-                self.stop_requested.set()
-            case Hello():
-                conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST, message="already greeted"))
-            case _:
-                conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.BAD_REQUEST,
-                                message=f"unsupported request {type(msg).__name__}"))
-
-
-class _Envelope(msgspec.Struct):
-    """What an undecodable frame may still say: its request id. Decoding into it skips
-    every other value without building it, so it costs no memory."""
-
-    id: int | None = None
-
-
-_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
-
-
-def decode_request(payload: bytes | bytearray) -> Any:
-    """The client's message, or the BAD_REQUEST Error that answers it. Never raises."""
-    try:
-        return client_decoder.decode(payload)
-    except Exception as exc:  # also UnicodeDecodeError, RecursionError, MemoryError
-        return Error(id=_request_id(payload), code=ErrorCode.BAD_REQUEST,
-                     message=f"invalid request: {_decode_failure(exc)}")
-
-
-def _request_id(payload: bytes | bytearray) -> int | None:
-    """The request id of a frame that failed typed decoding, so the error can name it."""
-    try:
-        return _envelope_decoder.decode(payload).id
-    except Exception:
-        return None
-
-
-def _decode_failure(exc: Exception) -> str:
-    if isinstance(exc, UnicodeDecodeError):
-        return f"a string is not valid UTF-8 ({exc.reason})"
-    if isinstance(exc, RecursionError):
-        return "values nested too deeply"
-    if isinstance(exc, msgspec.DecodeError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
 
 async def serve(config: Config) -> None:
     await Server(config).run()

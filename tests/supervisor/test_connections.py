@@ -21,7 +21,7 @@ from modelpool.supervisor.acceptor import Acceptor, auto_max_connections
 from modelpool.supervisor.access import AccessPolicy
 from modelpool.supervisor.config import DaemonConfig
 from modelpool.supervisor.connections import Connection, ConnectionTable
-from modelpool.supervisor.server import decode_request
+from modelpool.supervisor.frontdoor import decode_request
 
 KB = 1024
 

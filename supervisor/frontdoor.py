@@ -1,0 +1,198 @@
+"""The daemon's front door on its socket: the handshake, then each frame of a connection
+decoded (never raising), checked against the connection's access, and handed to where
+it goes: the pool, the job API, another daemon of the cluster, or a control operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import msgspec
+
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.jobs import JOB_REQUESTS
+from modelpool.protocol.kinds import KIND_OF
+from modelpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Cancel,
+    Error,
+    GetStatus,
+    Hello,
+    ListModels,
+    LoadModel,
+    ModelsReply,
+    PoolStatus,
+    StatusReply,
+    StopDaemon,
+    UnloadModel,
+    Welcome,
+)
+from modelpool.protocol.wire import client_decoder
+from modelpool.supervisor import admission, control, status
+from modelpool.supervisor.cluster import ClusterNode
+from modelpool.supervisor.config import Config
+from modelpool.supervisor.connections import Connection
+from modelpool.supervisor.jobservice import JobService
+from modelpool.supervisor.pool import Pool
+
+log = logging.getLogger("modelpool.server")
+
+MAX_PENDING_REPLIES = 1024  # job requests (a retrieve waits) being answered per connection
+
+
+class FrontDoor:
+    def __init__(self, config: Config, pool: Pool, jobs: JobService,
+                 cluster: ClusterNode | None, status_report: Callable[[], PoolStatus],
+                 stop: asyncio.Event) -> None:
+        self.config = config
+        self.pool = pool
+        self.jobs = jobs
+        self.cluster = cluster
+        self.status_report = status_report
+        self.stop = stop
+
+    def _served_elsewhere(self, request: Any) -> bool:
+        """In a cluster: a model not loaded here, loaded with room on another daemon,
+        is asked there through the shared queue rather than loaded here too."""
+        if self.cluster is None or not self.config.cluster.route_remote:
+            return False
+        spec = admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
+        return spec is not None and self.cluster.should_route(spec.key)
+
+    def _answer_later(self, conn: Connection, rid: int, reply: Coroutine[Any, Any, Any]) -> None:
+        """Send what the coroutine returns, without holding up this connection's other
+        requests; a bounded number at a time per connection."""
+        if len(conn.tasks) >= MAX_PENDING_REPLIES:
+            reply.close()
+            conn.send(Error(id=rid, code=ErrorCode.OVERLOADED, retry_after_s=1.0,
+                            message=f"{MAX_PENDING_REPLIES} job requests of this connection "
+                                    "are still being answered"))
+            return
+
+        async def answer() -> None:
+            try:
+                answered = await reply
+                for message in answered if isinstance(answered, list) else [answered]:
+                    conn.send(message)
+            except Exception as exc:
+                log.exception("internal error answering a job request")
+                conn.send(Error(id=rid, code=ErrorCode.INTERNAL,
+                                message=f"{type(exc).__name__}: {exc}"))
+
+        task = asyncio.get_running_loop().create_task(answer())
+        conn.tasks.add(task)
+        task.add_done_callback(conn.tasks.discard)
+
+    async def handshake(self, conn: Connection, limit: int) -> bool:
+        payload = await conn.next_frame(limit)
+        if payload is None:
+            return False
+        try:
+            hello = msgspec.msgpack.decode(payload, type=Hello)
+        except Exception as exc:  # see decode_request: not only DecodeError
+            conn.goodbye(ErrorCode.BAD_REQUEST,
+                         f"the first frame must be a hello: {_decode_failure(exc)}")
+            return False
+        if hello.protocol_version != PROTOCOL_VERSION:
+            conn.goodbye(ErrorCode.PROTOCOL_VERSION,
+                         f"client speaks protocol {hello.protocol_version}, "
+                         f"daemon speaks {PROTOCOL_VERSION}")
+            return False
+        conn.send(Welcome(protocol_version=PROTOCOL_VERSION,
+                          server_version=status.version(),
+                          max_frame_bytes=limit,
+                          default_models=dict(self.pool.registry.defaults)))
+        return True
+
+    def handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None:
+        msg = decode_request(payload)
+        if isinstance(msg, Error):
+            conn.send(msg)
+            return
+        rid = getattr(msg, "id", None)
+        if rid is not None and not isinstance(msg, Cancel) and rid in conn.jobs:
+            # Its own id would read as a final reply to the request in flight: no id.
+            conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
+                            message=f"request id {rid} is already in flight on this "
+                                    f"connection: this {type(msg).__name__} was refused, "
+                                    f"request {rid} goes on"))
+            return
+        try:
+            self._dispatch(conn, msg, len(payload))
+        except control.ControlError as exc:
+            conn.send(Error(id=rid, code=exc.code, message=exc.message))
+        except Exception as exc:
+            log.exception("internal error handling %s", type(msg).__name__)
+            conn.send(Error(id=rid, code=ErrorCode.INTERNAL,
+                            message=f"{type(exc).__name__}: {exc}"))
+
+    def _dispatch(self, conn: Connection, msg: Any, nbytes: int) -> None:
+        if refusal := conn.access.check(msg):
+            conn.send(refusal)
+            return
+        match msg:
+            case _ if type(msg) in KIND_OF and self._served_elsewhere(msg):
+                self._answer_later(conn, msg.id, self.jobs.relay(conn.peer.uid, msg))
+            case _ if type(msg) in KIND_OF:
+                self.pool.submit(conn, msg, nbytes)
+            case _ if isinstance(msg, JOB_REQUESTS):
+                self._answer_later(conn, msg.id, self.jobs.answer(conn.peer.uid, msg, nbytes))
+            case Cancel(id=client_id):
+                self.pool.cancel(conn, client_id)
+            case GetStatus(id=rid):
+                conn.send(StatusReply(id=rid, status=self.status_report()))
+            case ListModels(id=rid):
+                conn.send(ModelsReply(id=rid, models=status.models_info(self.pool)))
+            case LoadModel(id=rid, model=name, workers=count):
+                conn.send(Ack(id=rid, message=control.load_model(self.pool, name, count)))
+            case UnloadModel(id=rid, model=name):
+                conn.send(Ack(id=rid, message=control.unload_model(self.pool, name)))
+            case StopDaemon(id=rid):
+                conn.send(Ack(id=rid, message="stopping"))
+                self.stop.set()
+            case Hello():
+                conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST, message="already greeted"))
+            case _:
+                conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.BAD_REQUEST,
+                                message=f"unsupported request {type(msg).__name__}"))
+
+
+class _Envelope(msgspec.Struct):
+    """What an undecodable frame may still say: its request id. Decoding into it skips
+    every other value without building it, so it costs no memory."""
+
+    id: int | None = None
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def decode_request(payload: bytes | bytearray) -> Any:
+    """The client's message, or the BAD_REQUEST Error that answers it. Never raises."""
+    try:
+        return client_decoder.decode(payload)
+    except Exception as exc:  # also UnicodeDecodeError, RecursionError, MemoryError
+        return Error(id=_request_id(payload), code=ErrorCode.BAD_REQUEST,
+                     message=f"invalid request: {_decode_failure(exc)}")
+
+
+def _request_id(payload: bytes | bytearray) -> int | None:
+    """The request id of a frame that failed typed decoding, so the error can name it."""
+    try:
+        return _envelope_decoder.decode(payload).id
+    except Exception:
+        return None
+
+
+def _decode_failure(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 ({exc.reason})"
+    if isinstance(exc, RecursionError):
+        return "values nested too deeply"
+    if isinstance(exc, msgspec.DecodeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
