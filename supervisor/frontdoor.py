@@ -12,8 +12,22 @@ from typing import Any
 
 import msgspec
 
-from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.jobs import JOB_REQUESTS
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.jobs import (
+    JOB_REQUESTS,
+    CancelJob,
+    ForgetJob,
+    GetStats,
+    JobKey,
+    JobQuery,
+    JobReply,
+    JobRequest,
+    JobsReply,
+    ListJobs,
+    Retrieve,
+    StatsReply,
+    Submit,
+)
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
     PROTOCOL_VERSION,
@@ -140,7 +154,7 @@ class FrontDoor:
             case _ if type(msg) in KIND_OF:
                 self.pool.submit(conn, msg, nbytes)
             case _ if isinstance(msg, JOB_REQUESTS):
-                self._answer_later(conn, msg.id, self.jobs.answer(conn.peer.uid, msg, nbytes))
+                self._answer_later(conn, msg.id, self._job(conn.peer.uid, msg, nbytes))
             case Cancel(id=client_id):
                 self.pool.cancel(conn, client_id)
             case GetStatus(id=rid):
@@ -159,6 +173,30 @@ class FrontDoor:
             case _:
                 conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.BAD_REQUEST,
                                 message=f"unsupported request {type(msg).__name__}"))
+
+
+    async def _job(self, uid: int, msg: JobRequest, nbytes: int) -> Any:
+        """The reply to one job API message from user uid (an Error for a PoolError)."""
+        try:
+            match msg:
+                case Submit():
+                    return JobKey(id=msg.id, key=await self.jobs.submit(uid, msg, nbytes))
+                case Retrieve(key=key, timeout_s=timeout_s):
+                    return await self.jobs.retrieve(uid, key, timeout_s, msg.id)
+                case JobQuery(key=key):
+                    return JobReply(id=msg.id, job=await self.jobs.info(uid, key))
+                case CancelJob(key=key):
+                    await self.jobs.cancel(uid, key)
+                case ForgetJob(key=key):
+                    await self.jobs.forget(uid, key)
+                case ListJobs(limit=limit):
+                    return JobsReply(id=msg.id, jobs=await self.jobs.recent(uid, limit))
+                case GetStats():
+                    return StatsReply(id=msg.id, stats=await self.jobs.stats())
+        except PoolError as exc:
+            return Error(id=msg.id, code=exc.code, message=exc.message,
+                         retry_after_s=exc.retry_after_s)
+        return Ack(id=msg.id)
 
 
 class _Envelope(msgspec.Struct):

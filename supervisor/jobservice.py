@@ -20,26 +20,14 @@ import msgspec
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import (
     ENDED,
-    CancelJob,
     Completion,
-    ForgetJob,
-    GetStats,
     JobInfo,
-    JobKey,
-    JobQuery,
-    JobReply,
-    JobRequest,
     JobResult,
-    JobsReply,
-    ListJobs,
     PoolStats,
-    Retrieve,
-    StatsReply,
     Submit,
 )
 from modelpool.protocol.kinds import KIND_OF, with_defaults
 from modelpool.protocol.messages import (
-    Ack,
     Chunk,
     Embeddings,
     End,
@@ -233,29 +221,6 @@ class JobService:
             memory_budget_mb=round(sum(s.memory_budget_mb for s in every), 1),
             completed=sum(s.completed for s in every), failed=sum(s.failed for s in every),
             stored_results=stored, mailbox_bytes=nbytes, nodes=len(every))
-
-    async def answer(self, uid: int, msg: JobRequest, nbytes: int) -> Any:
-        """The reply to one job API message from user uid (an Error for a PoolError)."""
-        try:
-            match msg:
-                case Submit():
-                    return JobKey(id=msg.id, key=await self.submit(uid, msg, nbytes))
-                case Retrieve(key=key, timeout_s=timeout_s):
-                    return await self.retrieve(uid, key, timeout_s, msg.id)
-                case JobQuery(key=key):
-                    return JobReply(id=msg.id, job=await self.info(uid, key))
-                case CancelJob(key=key):
-                    await self.cancel(uid, key)
-                case ForgetJob(key=key):
-                    await self.forget(uid, key)
-                case ListJobs(limit=limit):
-                    return JobsReply(id=msg.id, jobs=await self.recent(uid, limit))
-                case GetStats():
-                    return StatsReply(id=msg.id, stats=await self.stats())
-        except PoolError as exc:
-            return Error(id=msg.id, code=exc.code, message=exc.message,
-                         retry_after_s=exc.retry_after_s)
-        return Ack(id=msg.id)
 
     async def relay(self, uid: int, request: WorkRequest) -> list[Any]:
         """A direct request run by another daemon through the shared queue; its replies
