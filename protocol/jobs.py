@@ -123,6 +123,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     stored_results: int  # jobs whose result the mailbox holds
     mailbox_bytes: int
     nodes: int = 1  # daemons sharing a queue: the figures are their sums
+    duplicate_results: int = 0  # a job run twice (a lapsed claim): the later result dropped
 
 
 class StatsReply(_Msg, frozen=True, kw_only=True, tag="stats_reply"):

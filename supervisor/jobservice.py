@@ -10,6 +10,7 @@ interfaces, so a shared backend is a new module, not a change here or in the poo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import Callable
@@ -116,6 +117,9 @@ class JobService:
         self.peer_stats: Callable[[], list[PoolStats]] = list
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
+        # Results not yet stored (the shared mailbox was unreachable): retried each tick.
+        self._unstored: dict[str, tuple[JobRecord, Any]] = {}
+        self.duplicates = 0  # results dropped because the job had ended already
         self._endings: set[asyncio.Task[None]] = set()
 
     # ---- what clients ask --------------------------------------------------------------
@@ -181,7 +185,7 @@ class JobService:
         sink = self._running.get(key)
         if sink is not None:
             self.pool.cancel(sink, 0)  # the sink gets CANCELLED, and ends the job
-        elif await self.queue.cancel(key):
+        elif await self.queue.cancel(key) and not self.shared:  # shared: stored with it
             await self._store(record, Error(id=0, code=ErrorCode.CANCELLED,
                                             message=f"job {key} cancelled"))
 
@@ -205,7 +209,7 @@ class JobService:
             memory_budget_mb=round(self.pool.capacity.budget_mb, 1),
             completed=sum(c.completed for c in counters),
             failed=sum(c.failed + c.expired for c in counters),
-            stored_results=0, mailbox_bytes=0)
+            stored_results=0, mailbox_bytes=0, duplicate_results=self.duplicates)
 
     async def stats(self) -> PoolStats:
         """The pool's figures; in a cluster, every live node's added up."""
@@ -220,7 +224,8 @@ class JobService:
             memory_used_mb=round(sum(s.memory_used_mb for s in every), 1),
             memory_budget_mb=round(sum(s.memory_budget_mb for s in every), 1),
             completed=sum(s.completed for s in every), failed=sum(s.failed for s in every),
-            stored_results=stored, mailbox_bytes=nbytes, nodes=len(every))
+            stored_results=stored, mailbox_bytes=nbytes, nodes=len(every),
+            duplicate_results=sum(s.duplicate_results for s in every))
 
     async def relay(self, uid: int, request: WorkRequest) -> list[Any]:
         """A direct request run by another daemon through the shared queue; its replies
@@ -287,10 +292,14 @@ class JobService:
         model = self.pool.models.get(key)
         if model is None:
             return 0
-        live = len(model.live_workers())
+        live = model.live_workers()
         if not live and not self.may_load(key):
             return 0  # in a cluster: another daemon serves it, or there is no room here
-        return max(0, JOB_BACKLOG * max(1, live) - len(model.queue))
+        if self.shared and not any(w.ready for w in live):
+            # A load comes first: take the one job that starts it and leave the rest to
+            # the nodes that have the model loaded, so that none waits behind this load.
+            return max(0, 1 - len(model.queue))
+        return max(0, JOB_BACKLOG * max(1, len(live)) - len(model.queue))
 
     def _cancel_here(self, key: str) -> None:
         sink = self._running.get(key)
@@ -306,15 +315,20 @@ class JobService:
     async def _end(self, sink: MailboxSink, result: Any) -> None:
         key = sink.record.key
         self._running.pop(key, None)
-        if self.shared and isinstance(result, Error) and \
-                result.code is ErrorCode.SHUTTING_DOWN:
-            await self.queue.release(sink.record)  # another daemon runs it
-            return
-        await self._store(sink.record, result)
-        if not await self.queue.complete(key):
-            log.info("job %s ended here after its claim was lost: its result was kept only "
-                     "if it was the first", key)
-        await self.pump()  # room for the next one
+        try:
+            if self.shared and isinstance(result, Error) and \
+                    result.code is ErrorCode.SHUTTING_DOWN:
+                await self.queue.release(sink.record)  # another daemon runs it
+                return
+            await self._store(sink.record, result)
+            if not await self.queue.complete(key):
+                log.info("job %s ended here after its claim was lost: its result was kept "
+                         "only if it was the first", key)
+            await self.pump()  # room for the next one
+        except PoolError as exc:  # the shared store is unreachable: try again at the tick
+            if not self._unstored:  # once per outage
+                log.warning("results wait here to be stored: %s", exc.message)
+            self._unstored[key] = (sink.record, result)
 
     async def _store(self, record: JobRecord, result: Any) -> None:
         now = self.pool.scheduler.wall()
@@ -331,11 +345,13 @@ class JobService:
                                 submitted_at=record.submitted_at, state="done",
                                 finished_at=now, result=encoder.encode(result))
         if not await self.mailbox.finish(record.key, outcome):
+            self.duplicates += 1
             log.info("job %s ended twice; the second result was dropped", record.key)
 
     async def tick(self) -> None:
         """Periodic: drop expired results; renew the claims of jobs running here (and
         stop those whose claim lapsed: someone else runs them now); claim what waits."""
+        await self._store_pending()
         await self.mailbox.expire(self.pool.scheduler.wall())
         if self._running:
             for key in await self.queue.extend(list(self._running)):
@@ -348,7 +364,10 @@ class JobService:
         while True:
             await self.queue.ready.wait()
             self.queue.ready.clear()
-            await self.pump()
+            try:
+                await self.pump()
+            except PoolError as exc:  # the shared queue is unreachable: it wakes us again
+                log.warning("cannot claim jobs: %s", exc.message)
 
     def _lost(self, key: str) -> None:
         sink = self._running.pop(key, None)
@@ -362,6 +381,13 @@ class JobService:
         """Wait for results being stored (before the daemon exits)."""
         if self._endings:
             await asyncio.gather(*self._endings, return_exceptions=True)
+        with contextlib.suppress(PoolError):
+            await self._store_pending()  # one more try before the daemon exits
+
+    async def _store_pending(self) -> None:
+        for key, (record, result) in list(self._unstored.items()):
+            await self._store(record, result)  # raises while still unreachable
+            del self._unstored[key]
 
     async def _own(self, uid: int, key: str) -> JobRecord:
         record = await self.mailbox.get(key)

@@ -105,7 +105,7 @@ class PgJobs:
         return None  # the claim marked it running
 
     async def finish(self, key: str, outcome: JobRecord) -> bool:
-        attempt = self._held.pop(key, None)
+        attempt = self._held.get(key)
         if attempt is None:
             return False  # not ours (any more)
         rows = await self._fetch(f"""
@@ -135,6 +135,7 @@ class PgJobs:
             {"state": outcome.state, "result": outcome.result, "code": outcome.error_code,
              "message": outcome.error_message, "at": outcome.finished_at, "key": key,
              "node": self.node, "attempt": attempt, "keep": self.retention_s})
+        self._held.pop(key, None)  # kept until then: a failed query is tried again
         return any(row["key"] == key for row in rows)
 
     async def wait(self, key: str, timeout_s: float) -> JobRecord | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 
@@ -25,6 +25,15 @@ log = logging.getLogger("modelpool.cluster")
 
 SCHEMA = "modelpool"
 MIGRATION_LOCK = 0x6D6F64656C706F6F  # pg_advisory_xact_lock: one migrating daemon at a time
+CONNECT_TIMEOUT_S = 3
+# A link that goes silent (a cut cable, a peer that vanished) fails the connection in
+# about three seconds instead of TCP's minutes, so a query never hangs the node past its
+# leases: unacknowledged data, keepalive probes included, time out (libpq >= 12).
+CONNECTION_OPTIONS: dict[str, Any] = {
+    "autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1,
+    "keepalives_idle": 1, "keepalives_interval": 1, "keepalives_count": 2,
+    "tcp_user_timeout": 3000,
+}
 CHANNELS = ("modelpool_jobs", "modelpool_done", "modelpool_cancel")
 
 # Each entry moves the schema one version on; never edit one that has shipped.
@@ -81,8 +90,12 @@ class PgStore:
         self.dsn = dsn
         self.on_notify = on_notify  # (channel, payload), on the event loop
         self.on_reconnect = on_reconnect  # notifications may have been missed meanwhile
-        self.pool = AsyncConnectionPool(dsn, min_size=1, max_size=8, open=False,
-                                        kwargs={"autocommit": True}, reconnect_timeout=0)
+        # Connections are checked as they are handed out (one empty query), so the ones a
+        # server restart broke are replaced, not failed on; a server that is down fails
+        # each operation within CONNECT_TIMEOUT_S rather than retrying in the background.
+        self.pool = AsyncConnectionPool(
+            dsn, min_size=1, max_size=8, open=False, check=AsyncConnectionPool.check_connection,
+            kwargs=CONNECTION_OPTIONS, reconnect_timeout=0)
         self._listener: asyncio.Task[None] | None = None
         self.listening = asyncio.Event()
         self.migrated = False
@@ -118,15 +131,11 @@ class PgStore:
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[psycopg.AsyncCursor[Any]]:
         try:
-            async with self.pool.connection(timeout=5.0) as conn, conn.transaction(), \
-                    conn.cursor(row_factory=dict_row) as cur:
+            async with self.pool.connection(timeout=CONNECT_TIMEOUT_S) as conn, \
+                    conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
                 yield cur
-        except (psycopg.OperationalError, psycopg.InterfaceError, OSError) as exc:
+        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError) as exc:
             raise unavailable(exc) from exc
-        except Exception as exc:
-            if type(exc).__name__ == "PoolTimeout":
-                raise unavailable(exc) from exc
-            raise
 
     async def fetch(self, sql: str, params: Any = ()) -> list[dict[str, Any]]:
         if not self.migrated:
@@ -143,7 +152,7 @@ class PgStore:
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
-                        self.dsn, autocommit=True, connect_timeout=5) as conn:
+                        self.dsn, **CONNECTION_OPTIONS) as conn:
                     for channel in CHANNELS:
                         await conn.execute(f"LISTEN {channel}")
                     self.listening.set()

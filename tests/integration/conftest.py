@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,15 +93,17 @@ def fresh_socket_path() -> str:
 
 
 def start_daemon(workdir: Path, config_toml: str, socket_path: str | None = None,
-                 env: dict[str, str] | None = None) -> Daemon:
+                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> Daemon:
+    """`prefix` runs the daemon through a command such as `ip netns exec NS` (one that
+    execs it, so the process is the daemon itself)."""
     socket_path = socket_path or fresh_socket_path()
     config = workdir / "modelpool.toml"
     config.write_text(textwrap.dedent(config_toml))
     log_path = workdir / "daemon.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "modelpool.supervisor.cli", "--socket", socket_path, "serve",
-             "--config", str(config)],
+            [*prefix, sys.executable, "-m", "modelpool.supervisor.cli", "--socket", socket_path,
+             "serve", "--config", str(config)],
             cwd=ROOT, env={**daemon_env(socket_path), **(env or {})}, stdout=log,
             stderr=subprocess.STDOUT)
     daemon = Daemon(process, socket_path, log_path)

@@ -24,11 +24,13 @@ DIM = 8
 
 class SlowEmbedder:
     """Embeds text as a deterministic vector after run_s seconds; "CRASH" kills the worker.
-    With a log path, appends every text it runs to that file (one per line)."""
+    With a log path, appends every text it runs to that file (one per line). A `mark`
+    becomes the vector's last element, to tell which daemon computed it."""
 
-    def __init__(self, run_s: float, log: str | None = None) -> None:
+    def __init__(self, run_s: float, log: str | None = None, mark: float = DIM - 1) -> None:
         self.run_s = run_s
         self.log = log
+        self.mark = mark
 
     def info(self) -> dict[str, Any]:
         return {"dim": DIM}
@@ -40,7 +42,8 @@ class SlowEmbedder:
             with open(self.log, "a") as log:
                 log.writelines(f"{t}\n" for t in texts)
         time.sleep(self.run_s)
-        rows = [[float(len(t))] + [float(i) for i in range(1, DIM)] for t in texts]
+        rows = [[float(len(t))] + [float(i) for i in range(1, DIM - 1)] + [self.mark]
+                for t in texts]
         return np.asarray(rows, dtype=np.float32)
 
 
@@ -64,7 +67,8 @@ class CountingGenerator:
 
 def slow_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowEmbedder:
     time.sleep(float(spec.options.get("load_s", 0)))
-    return SlowEmbedder(float(spec.options.get("run_s", 0)), spec.options.get("log"))
+    return SlowEmbedder(float(spec.options.get("run_s", 0)), spec.options.get("log"),
+                        float(spec.options.get("mark", DIM - 1)))
 
 
 def counting_generator(spec: ModelSpec, model_dir: Path | None) -> CountingGenerator:

@@ -1,0 +1,225 @@
+"""The shared queue and mailbox on a real PostgreSQL, driven in-process as two or more
+daemons would: the schema, leases and their fencing, joins, cancels, bounds, and waiting
+by LISTEN/NOTIFY."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from conftest import Database
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.supervisor.mailbox import JobRecord
+from modelpool.supervisor.pgjobs import PgJobs
+from modelpool.supervisor.pgstore import MIGRATIONS, PgStore
+from modelpool.supervisor.tasks import QueueFull
+
+KEYS = iter(range(10**6))
+
+
+def record(model: str = "m", priority: str = "normal", dedup: bytes | None = None,
+           at: float | None = None) -> JobRecord:
+    return JobRecord(key=f"k{next(KEYS)}", uid=1000, op="embed", model=model,
+                     priority=priority, request=b"\x80", dedup=dedup,
+                     submitted_at=at if at is not None else time.time())
+
+
+def done(rec: JobRecord, result: bytes) -> JobRecord:
+    return JobRecord(key=rec.key, uid=rec.uid, op=rec.op, model=rec.model,
+                     priority=rec.priority, request=b"", submitted_at=rec.submitted_at,
+                     state="done", finished_at=time.time(), result=result)
+
+
+@contextlib.asynccontextmanager
+async def node(database: Database, name: str, lease_s: float = 10.0,
+               max_queued: int = 10_000) -> AsyncIterator[PgJobs]:
+    jobs = PgJobs(name, lease_s, retention_s=60, max_bytes=1 << 30, max_queued=max_queued)
+    store = jobs.connect(database.dsn)
+    await store.start()
+    await asyncio.wait_for(store.listening.wait(), 10)
+    try:
+        yield jobs
+    finally:
+        await store.close()
+
+
+async def submit(jobs: PgJobs, rec: JobRecord) -> JobRecord:
+    await jobs.add(rec)
+    await jobs.put(rec)
+    return rec
+
+
+async def test_the_schema_is_created_once_when_several_daemons_start_together(
+        database: Database) -> None:
+    stores = [PgStore(database.dsn, lambda c, p: None, lambda: None) for _ in range(4)]
+    for store in stores:
+        await store.pool.open(wait=False)
+    try:
+        versions = await asyncio.gather(*(store.migrate() for store in stores))
+        again = await stores[0].migrate()
+    finally:
+        await asyncio.gather(*(store.pool.close() for store in stores))
+    assert versions == [len(MIGRATIONS)] * 4 and again == len(MIGRATIONS)
+    assert database.query("SELECT version FROM modelpool.meta") == [(len(MIGRATIONS),)]
+    assert database.query("SELECT count(*) FROM modelpool.jobs") == [(0,)]
+
+
+async def test_a_claim_is_a_lease_and_only_its_holder_completes_the_job(
+        database: Database) -> None:
+    async with node(database, "a", lease_s=0.5) as a, node(database, "b", lease_s=0.5) as b:
+        rec = await submit(a, record())
+        assert [r.key for r in await a.claim("m", 5)] == [rec.key]
+        assert await b.claim("m", 5) == []  # held by a
+        await asyncio.sleep(0.8)  # a neither renews nor finishes: its lease lapses
+        assert await b.sweep() == 1
+        again = await b.claim("m", 5)
+        assert [(r.key, r.attempt) for r in again] == [(rec.key, 2)]
+        assert await a.extend([rec.key]) == [rec.key]  # a learns it lost the job
+        assert not await a.finish(rec.key, done(rec, b"from a"))
+        assert await b.finish(rec.key, done(rec, b"from b"))
+        assert not await b.finish(rec.key, done(rec, b"twice"))
+        stored = await a.get(rec.key)
+    assert stored is not None and (stored.state, stored.result, stored.node) == \
+        ("done", b"from b", "b")
+
+
+async def test_a_lapsed_holder_that_comes_back_completes_nothing(database: Database) -> None:
+    async with node(database, "a", lease_s=0.3) as a, node(database, "b") as b:
+        rec = await submit(a, record())
+        await a.claim("m", 1)
+        await asyncio.sleep(0.5)
+        await b.sweep()  # requeued, not yet claimed again by anyone
+        assert not await a.finish(rec.key, done(rec, b"late"))
+        stored = await b.get(rec.key)
+        assert stored is not None and stored.state == "queued" and stored.result is None
+
+
+async def test_renewed_leases_are_not_swept(database: Database) -> None:
+    async with node(database, "a", lease_s=0.4) as a, node(database, "b") as b:
+        rec = await submit(a, record())
+        await a.claim("m", 1)
+        for _ in range(4):
+            await asyncio.sleep(0.2)
+            assert await a.extend([rec.key]) == []
+            assert await b.sweep() == 0
+        assert await a.finish(rec.key, done(rec, b"ok"))
+
+
+async def test_claims_take_priority_then_age_and_skip_what_others_hold(
+        database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        old = await submit(a, record(priority="low", at=1.0))
+        normal = await submit(a, record(priority="normal", at=2.0))
+        urgent = await submit(a, record(priority="critical", at=3.0))
+        other = await submit(a, record(model="n"))
+        first = await a.claim("m", 2)
+        second = await b.claim("m", 2)
+        assert [r.key for r in first] == [urgent.key, normal.key]
+        assert [r.key for r in second] == [old.key]
+        assert await a.waiting() == {"n": 1} and other.state == "queued"
+
+
+async def test_identical_work_joins_the_running_job_and_gets_its_result(
+        database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        leader = await submit(a, record(dedup=b"same"))
+        joiner = await submit(b, record(dedup=b"same"))
+        assert [r.key for r in await a.claim("m", 5)] == [leader.key]
+        assert await b.claim("m", 5) == []  # the joiner waits on the leader, unclaimed
+        waiting = asyncio.create_task(b.wait(joiner.key, 10))
+        await asyncio.sleep(0.1)
+        assert await a.finish(leader.key, done(leader, b"shared"))
+        ended = await asyncio.wait_for(waiting, 5)
+    assert ended is not None and (ended.state, ended.result) == ("done", b"shared")
+
+
+async def test_a_cancelled_leaders_joiners_run_on_their_own(database: Database) -> None:
+    async with node(database, "a") as a:
+        leader = await submit(a, record(dedup=b"same"))
+        joiner = await submit(a, record(dedup=b"same"))
+        await a.claim("m", 5)
+        cancelled = JobRecord(key=leader.key, uid=1000, op="embed", model="m",
+                              priority="normal", request=b"", submitted_at=0.0,
+                              state="cancelled", finished_at=time.time(),
+                              error_code="CANCELLED", error_message="cancelled")
+        assert await a.finish(leader.key, cancelled)
+        assert [r.key for r in await a.claim("m", 5)] == [joiner.key]
+
+
+async def test_a_cancel_ends_a_waiting_job_and_wakes_its_retrieve_on_another_node(
+        database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        rec = await submit(a, record())
+        waiting = asyncio.create_task(b.wait(rec.key, 10))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        assert await a.cancel(rec.key)
+        ended = await asyncio.wait_for(waiting, 5)
+        woke_s = time.monotonic() - started
+    assert ended is not None and (ended.state, ended.error_code) == ("cancelled", "CANCELLED")
+    assert woke_s < 2.0  # by notification, not at the 10 s timeout
+
+
+async def test_a_cancel_of_a_running_job_reaches_the_node_running_it(
+        database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        heard: list[str] = []
+        b.on_cancel = heard.append
+        rec = await submit(a, record())
+        await b.claim("m", 1)
+        assert not await a.cancel(rec.key)  # running: its holder must stop it
+        for _ in range(100):
+            if heard:
+                break
+            await asyncio.sleep(0.02)
+    assert heard == [rec.key]
+
+
+async def test_new_jobs_wake_other_nodes(database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        b.ready.clear()
+        await submit(a, record())
+        await asyncio.wait_for(b.ready.wait(), 5)
+
+
+async def test_the_shared_queue_has_a_bound(database: Database) -> None:
+    async with node(database, "a", max_queued=3) as a:
+        for _ in range(3):
+            await submit(a, record())
+        with pytest.raises(QueueFull):
+            await a.add(record())
+        assert await a.length() == 3
+
+
+async def test_an_unreachable_server_is_a_clear_error() -> None:
+    jobs = PgJobs("a", 10, 60, 1 << 30, 100)
+    store = jobs.connect("postgresql://nobody@127.0.0.1:1/none")
+    await store.pool.open(wait=False)
+    try:
+        with pytest.raises(PoolError) as raised:
+            await store.migrate()
+    finally:
+        await store.close()
+    assert raised.value.code is ErrorCode.UNAVAILABLE
+    assert "unreachable" in raised.value.message
+
+
+async def test_nodes_claiming_at_once_never_claim_the_same_job(database: Database) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        nodes = [await stack.enter_async_context(node(database, name)) for name in "abcd"]
+        keys = {(await submit(nodes[0], record())).key for _ in range(300)}
+
+        async def claim_all(jobs: PgJobs) -> list[str]:
+            claimed: list[str] = []
+            while batch := await jobs.claim("m", 3):
+                claimed += [r.key for r in batch]
+            return claimed
+
+        claims = await asyncio.gather(*(claim_all(jobs) for jobs in nodes))
+    every = [key for claimed in claims for key in claimed]
+    assert sorted(every) == sorted(keys)  # each exactly once
+    assert sum(bool(claimed) for claimed in claims) >= 2  # they did claim side by side
