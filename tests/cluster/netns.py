@@ -46,7 +46,7 @@ def unavailable_reason() -> str | None:
         made = _ip("netns", "add", probe, check=False)
         if made.returncode != 0:
             return f"cannot create a network namespace: {made.stderr.strip()}"
-        veth = _ip("-n", probe, "link", "add", "a", "type", "veth", "peer", "name", "b",
+        veth = _ip("-n", probe, "link", "add", "mptpa", "type", "veth", "peer", "name", "mptpb",
                    check=False)
         if veth.returncode != 0:
             return f"cannot create a veth pair: {veth.stderr.strip()}"

@@ -1,0 +1,240 @@
+"""Several daemons, each in its own network namespace as if on its own host, sharing one
+PostgreSQL over their veth links: every job gets exactly one result, a killed or cut-off
+node's jobs finish elsewhere, and a model loaded on one node serves jobs while another
+node loads something else."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import netns
+import numpy as np
+import pg
+import pytest
+from cluster_helpers import Daemon, model_entry, node_config, start_node, wait_until
+from conftest import Database
+
+DIM = 8
+LEASE_S = 3.0
+PRIORITIES = ("low", "normal", "high", "critical")
+_databases = itertools.count()
+
+
+class Hosts:
+    def __init__(self, spaces: netns.NetNamespaces, server: pg.PgServer) -> None:
+        self.spaces = spaces
+        self.server = server
+        self.daemons: list[Daemon] = []
+
+    def start(self, workdir: Path, database: Database, index: int, models: str,
+              extra: str = "") -> Daemon:
+        dsn = database.dsn_at(self.spaces.host_address(index))
+        config = node_config(dsn, f"n{index}", models, lease_s=LEASE_S, extra=extra)
+        daemon = start_node(workdir / f"n{index}", config, self.spaces.command(index, []))
+        self.daemons.append(daemon)
+        return daemon
+
+    def stop_all(self) -> None:
+        for daemon in self.daemons:
+            for child in daemon.descendants():
+                child.kill()
+            if daemon.process.poll() is None:
+                daemon.process.kill()
+            daemon.process.wait(10)
+        self.daemons = []
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    for reason in (pg.unavailable_reason(), netns.unavailable_reason()):
+        if reason is not None:
+            pytest.skip(reason)
+    with netns.NetNamespaces(3) as spaces:
+        server = pg.PgServer(listen=spaces.host_addresses())
+        try:
+            server.init()
+            yield Hosts(spaces, server)
+        finally:
+            server.destroy()
+
+
+@pytest.fixture
+def cluster(hosts: Hosts) -> Iterator[tuple[Hosts, Database]]:
+    database = Database(hosts.server, hosts.server.create_database(f"n{next(_databases)}"))
+    try:
+        yield hosts, database
+    finally:
+        hosts.stop_all()
+        hosts.spaces.links_up()
+
+
+def embedders(mark: float, run_s: float, max_workers: int = 1) -> str:
+    return "".join(model_entry(key, run_s=run_s, mark=mark, max_workers=max_workers)
+                   for key in ("m1", "m2"))
+
+
+def connected(daemon: Daemon, peers: int) -> None:
+    with daemon.client() as c:
+        wait_until(lambda: (s := c.status()["cluster"])["reachable"]
+                   and len(s["nodes"]) == peers + 1, 30, f"{daemon.socket_path} sees its peers")
+
+
+def held_by(database: Database, node: str) -> list[str]:
+    return [str(row[0]) for row in database.query(
+        "SELECT key FROM modelpool.jobs WHERE node = %s AND state = 'running'", (node,))]
+
+
+def ended_elsewhere(database: Database, keys: list[str], node: str) -> bool:
+    rows = database.query("SELECT state, node FROM modelpool.jobs WHERE key = ANY(%s)", (keys,))
+    return len(rows) == len(keys) and all(row == ("done", row[1]) and row[1] != node
+                                          for row in rows)
+
+
+def test_three_nodes_give_every_one_of_2000_jobs_exactly_one_result(
+        cluster: tuple[Hosts, Database], tmp_path: Path) -> None:
+    hosts, database = cluster
+    daemons = [hosts.start(tmp_path, database, i, embedders(mark=i + 1, run_s=0.002) +
+                           model_entry("gen", "counting_generator", "text_to_text",
+                                       step_s=0.001))
+               for i in range(3)]
+    for daemon in daemons:
+        connected(daemon, 2)
+    clients = [daemon.client() for daemon in daemons]
+    try:
+        jobs: list[tuple[str, str, str]] = []  # (key, kind, text)
+        for i in range(2000):
+            c, text, priority = clients[i % 3], f"job {i} " + "x" * (i % 11), PRIORITIES[i % 4]
+            if i % 10 == 9:
+                key = c.submit("generate", text, model="gen", max_tokens=2, priority=priority)
+                jobs.append((key, "gen", text))
+            else:
+                model = ("m1", "m2")[i % 2]
+                jobs.append((c.submit("embed", text, model=model, priority=priority),
+                             model, text))
+        results = [clients[(i + 1) % 3].retrieve(key, 60) for i, (key, _, _) in
+                   enumerate(jobs)]
+        stats = clients[0].stats()
+    finally:
+        for c in clients:
+            c.close()
+    marks: set[float] = set()
+    for (_, kind, text), result in zip(jobs, results, strict=True):
+        if kind == "gen":
+            assert result.text == "tok0 tok1 "
+        else:
+            vector = np.asarray(result).tolist()
+            assert vector[:DIM - 1] == [float(len(text)), *map(float, range(1, DIM - 1))]
+            marks.add(vector[-1])
+    assert database.query("SELECT count(*), count(DISTINCT key) FROM modelpool.jobs "
+                          "WHERE state = 'done'") == [(2000, 2000)]
+    assert len(marks) >= 2  # the work was shared
+    assert stats["nodes"] == 3 and stats["completed"] >= 2000
+
+
+def _start_three(hosts: Hosts, database: Database, tmp_path: Path) -> list[Daemon]:
+    daemons = [hosts.start(tmp_path, database, i, embedders(mark=i + 1, run_s=0.3,
+                                                            max_workers=2))
+               for i in range(3)]
+    for daemon in daemons:
+        connected(daemon, 2)
+    return daemons
+
+
+def _submit_until_held(daemons: list[Daemon], database: Database) -> list[tuple[str, str]]:
+    """Jobs submitted to the first node until the third runs some; (key, text) each."""
+    jobs: list[tuple[str, str]] = []
+    with daemons[0].client() as c:
+        for i in range(12):
+            text = f"lost {i}"
+            jobs.append((c.submit("embed", text, model="m1"), text))
+        wait_until(lambda: held_by(database, "n2"), 20, "the third node runs jobs")
+    return jobs
+
+
+def test_a_killed_nodes_jobs_finish_elsewhere_within_its_lease(
+        cluster: tuple[Hosts, Database], tmp_path: Path) -> None:
+    hosts, database = cluster
+    daemons = _start_three(hosts, database, tmp_path)
+    jobs = _submit_until_held(daemons, database)
+    lost = held_by(database, "n2")
+    for child in daemons[2].descendants():  # the host goes: every process on it
+        child.send_signal(signal.SIGKILL)
+    daemons[2].process.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: ended_elsewhere(database, lost, "n2"), LEASE_S + 10, "lost jobs done")
+    took_s = time.monotonic() - killed
+    assert took_s <= LEASE_S + 2, f"{len(lost)} lost jobs done {took_s:.2f}s after the kill"
+    with daemons[0].client() as c:
+        results = [np.asarray(c.retrieve(key, 30)).tolist() for key, _ in jobs]
+    assert all(r[0] == len(text) for r, (_, text) in zip(results, jobs, strict=True))
+
+
+def test_a_cut_off_node_completes_nothing_it_lost_when_it_comes_back(
+        cluster: tuple[Hosts, Database], tmp_path: Path) -> None:
+    hosts, database = cluster
+    daemons = _start_three(hosts, database, tmp_path)
+    jobs = _submit_until_held(daemons, database)
+    lost = held_by(database, "n2")
+    hosts.spaces.link_down(2)
+    cut = time.monotonic()
+    wait_until(lambda: ended_elsewhere(database, lost, "n2"), LEASE_S + 10, "lost jobs done")
+    took_s = time.monotonic() - cut
+    time.sleep(1.0)  # the cut-off node finishes what it was running, unable to store it
+    hosts.spaces.link_up(2)
+    with daemons[2].client() as c:
+        wait_until(lambda: c.status()["cluster"]["reachable"], 30, "the node reconnects")
+        wait_until(lambda: c.stats()["duplicate_results"] >= 1, 10,
+                   "its late results are dropped")
+        after = c.submit("embed", "back", model="m1")
+        assert np.asarray(c.retrieve(after, 30)).tolist()[0] == len("back")
+    assert ended_elsewhere(database, lost, "n2")  # still: nothing overwritten
+    with daemons[0].client() as c:
+        marks = {np.asarray(c.retrieve(key, 30)).tolist()[-1] for key in lost}
+        assert all(c.retrieve(key, 30) is not None for key, _ in jobs)
+    assert 3.0 not in marks  # no result of the cut-off node's stands
+    assert took_s <= LEASE_S + 2, f"{len(lost)} lost jobs done {took_s:.2f}s after the cut"
+
+
+def test_a_model_loaded_on_one_node_serves_while_another_node_loads(
+        cluster: tuple[Hosts, Database], tmp_path: Path) -> None:
+    hosts, database = cluster
+
+    def models(mark: float) -> str:
+        return (model_entry("warm", run_s=0.05, mark=mark)
+                + model_entry("cold", load_s=8, mark=mark))
+    a = hosts.start(tmp_path, database, 0, models(1))
+    b = hosts.start(tmp_path, database, 1, models(2))
+    with b.client() as cb:
+        assert np.asarray(cb.embed("warm up", model="warm")).tolist()[-1] == 2
+    with a.client() as ca:
+        wait_until(lambda: _peer_serves(ca.status(), "n1", "warm"), 20, "a sees b serve it")
+        first = ca.submit("embed", "first", model="warm")
+        assert np.asarray(ca.retrieve(first, 30)).tolist()[-1] == 2  # b has room: b runs it
+        assert _model(ca.status(), "warm")["workers"] == []  # and a loads nothing for it
+        ca.load("cold")
+        started = time.monotonic()
+        keys = [ca.submit("embed", f"w{i}", model="warm") for i in range(10)]
+        marks = [np.asarray(ca.retrieve(key, 30)).tolist()[-1] for key in keys]
+        direct = np.asarray(ca.embed("routed", model="warm")).tolist()
+        took_s = time.monotonic() - started
+        cold = _model(ca.status(), "cold")
+    assert took_s < 6, f"jobs for b's model took {took_s:.1f}s beside a's load"
+    assert cold["state"] == "loading"  # they did not wait for it
+    assert marks.count(2) >= 9  # b ran them (a may start one as b is busy)
+    assert direct[-1] == 2  # a direct request went through the shared queue to b
+
+
+def _model(status: dict[str, Any], key: str) -> dict[str, Any]:
+    return next(m for m in status["models"] if m["key"] == key)
+
+
+def _peer_serves(status: dict[str, Any], node: str, key: str) -> bool:
+    for peer in status["cluster"]["nodes"]:
+        if peer["name"] == node and peer["models"].get(key, {}).get("ready"):
+            return True
+    return False
