@@ -89,7 +89,7 @@ def baseline(texts: list[str], singles: int, threads: int) -> dict[str, Any]:
 
 
 class Daemon:
-    def __init__(self, config: str) -> None:
+    def __init__(self, config: str, prefix: list[str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="mpbench-"))
         self.socket = str(self.dir / "mp.sock")
         (self.dir / "config.toml").write_text(config)
@@ -99,8 +99,8 @@ class Daemon:
         self.started = time.perf_counter()
         with open(self.dir / "log", "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "modelpool.supervisor.cli", "serve", "--config",
-                 str(self.dir / "config.toml")],
+                [*(prefix or []), sys.executable, "-m", "modelpool.supervisor.cli", "serve",
+                 "--config", str(self.dir / "config.toml")],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
     def wait_listening(self) -> None:
@@ -268,7 +268,7 @@ def jobs_figures(quick: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("embedding", "pool", "jobs"))
+    parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster"))
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
@@ -279,6 +279,10 @@ def main() -> None:
         report["pool"] = pool_figures(args.quick)
     if args.only in (None, "jobs"):
         report["jobs"] = jobs_figures(args.quick)
+    if args.only in (None, "cluster"):
+        import bench_cluster
+
+        report["cluster"] = bench_cluster.figures(args.quick)
     print(json.dumps(report, indent=2))
 
 

@@ -120,6 +120,7 @@ class JobService:
         # Results not yet stored (the shared mailbox was unreachable): retried each tick.
         self._unstored: dict[str, tuple[JobRecord, Any]] = {}
         self.duplicates = 0  # results dropped because the job had ended already
+        self._pumping = self._pump_again = False
         self._endings: set[asyncio.Task[None]] = set()
 
     # ---- what clients ask --------------------------------------------------------------
@@ -152,12 +153,14 @@ class JobService:
         except QueueFull as exc:
             await self.mailbox.remove(record.key)
             raise PoolError(ErrorCode.QUEUE_FULL, str(exc), 1.0) from None
-        await self.pump()
+        if not self.shared:  # a shared queue notifies every node's run(), this one's too
+            await self.pump()
         return record.key
 
     async def retrieve(self, uid: int, key: str, timeout_s: float, rid: int) -> JobResult:
-        await self._own(uid, key)
-        record = await self.mailbox.wait(key, timeout_s)
+        record: JobRecord | None = await self._own(uid, key)
+        if record is not None and record.state not in ENDED:
+            record = await self.mailbox.wait(key, timeout_s)
         if record is None:
             raise _not_found(key)
         if record.state not in ENDED:
@@ -259,7 +262,21 @@ class JobService:
 
     async def pump(self) -> None:
         """Claim the best waiting jobs of each model that the pool has room for, and
-        start them there."""
+        start them there. One pump at a time: a call while one runs makes it go round
+        once more instead (every submit and every ending asks for one)."""
+        if self._pumping:
+            self._pump_again = True
+            return
+        self._pumping = True
+        try:
+            self._pump_again = True
+            while self._pump_again:
+                self._pump_again = False
+                await self._pump_once()
+        finally:
+            self._pumping = False
+
+    async def _pump_once(self) -> None:
         if self.pool.shutting_down:
             return
         for model, waiting in (await self.queue.waiting()).items():

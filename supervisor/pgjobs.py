@@ -89,14 +89,17 @@ class PgJobs:
             WITH leader AS (
                 SELECT key FROM {T} WHERE %(dedup)s::bytea IS NOT NULL AND dedup = %(dedup)s
                     AND state IN ('queued', 'running') AND leader IS NULL LIMIT 1),
-            waiting AS (SELECT count(*) AS n FROM {T} WHERE state = 'queued')
-            INSERT INTO {T} (key, uid, op, model, priority, request, single, dedup, leader,
-                             submitted_at, state)
-            SELECT %(key)s, %(uid)s, %(op)s, %(model)s, %(priority)s, %(request)s,
-                   %(single)s, %(dedup)s, (SELECT key FROM leader), %(submitted_at)s,
-                   CASE WHEN EXISTS (SELECT 1 FROM leader) THEN 'joined' ELSE 'queued' END
-            WHERE (SELECT n FROM waiting) < %(max_queued)s
-            RETURNING state""", {**_params(record), "max_queued": self.max_queued})
+            waiting AS (SELECT count(*) AS n FROM {T} WHERE state = 'queued'),
+            added AS (
+                INSERT INTO {T} (key, uid, op, model, priority, request, single, dedup,
+                                 leader, submitted_at, state)
+                SELECT %(key)s, %(uid)s, %(op)s, %(model)s, %(priority)s, %(request)s,
+                       %(single)s, %(dedup)s, (SELECT key FROM leader), %(submitted_at)s,
+                       CASE WHEN EXISTS (SELECT 1 FROM leader) THEN 'joined' ELSE 'queued' END
+                WHERE (SELECT n FROM waiting) < %(max_queued)s
+                RETURNING state, model)
+            SELECT state, pg_notify('modelpool_jobs', model)::text FROM added""",
+            {**_params(record), "max_queued": self.max_queued})
         if not rows:
             raise QueueFull(f"{self.max_queued} jobs wait in the cluster ([jobs] max_queued)")
         record.state = rows[0]["state"]
@@ -186,8 +189,7 @@ class PgJobs:
     # ---- the queue --------------------------------------------------------------------
 
     async def put(self, record: JobRecord) -> None:
-        if record.state == "queued":
-            await self._fetch("SELECT pg_notify('modelpool_jobs', %s)", (record.model,))
+        return None  # add() queued it and woke the claimers
 
     async def waiting(self) -> dict[str, int]:
         rows = await self._fetch(f"SELECT model, count(*) AS n FROM {T} WHERE state = 'queued' "

@@ -32,7 +32,7 @@ CONNECT_TIMEOUT_S = 3
 CONNECTION_OPTIONS: dict[str, Any] = {
     "autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1,
     "keepalives_idle": 1, "keepalives_interval": 1, "keepalives_count": 2,
-    "tcp_user_timeout": 3000,
+    "tcp_user_timeout": 3000, "row_factory": dict_row,
 }
 CHANNELS = ("modelpool_jobs", "modelpool_done", "modelpool_cancel")
 
@@ -90,12 +90,10 @@ class PgStore:
         self.dsn = dsn
         self.on_notify = on_notify  # (channel, payload), on the event loop
         self.on_reconnect = on_reconnect  # notifications may have been missed meanwhile
-        # Connections are checked as they are handed out (one empty query), so the ones a
-        # server restart broke are replaced, not failed on; a server that is down fails
-        # each operation within CONNECT_TIMEOUT_S rather than retrying in the background.
-        self.pool = AsyncConnectionPool(
-            dsn, min_size=1, max_size=8, open=False, check=AsyncConnectionPool.check_connection,
-            kwargs=CONNECTION_OPTIONS, reconnect_timeout=0)
+        # A server that is down fails each operation within CONNECT_TIMEOUT_S rather than
+        # being retried in the background.
+        self.pool = AsyncConnectionPool(dsn, min_size=1, max_size=8, open=False,
+                                        kwargs=CONNECTION_OPTIONS, reconnect_timeout=0)
         self._listener: asyncio.Task[None] | None = None
         self.listening = asyncio.Event()
         self.migrated = False
@@ -132,18 +130,29 @@ class PgStore:
     async def transaction(self) -> AsyncIterator[psycopg.AsyncCursor[Any]]:
         try:
             async with self.pool.connection(timeout=CONNECT_TIMEOUT_S) as conn, \
-                    conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                    conn.transaction(), conn.cursor() as cur:
                 yield cur
         except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, OSError) as exc:
             raise unavailable(exc) from exc
 
     async def fetch(self, sql: str, params: Any = ()) -> list[dict[str, Any]]:
+        """Run one statement (atomic by itself: the connections autocommit) and return
+        its rows. A connection that a server restart broke while it sat in the pool
+        fails at once; the statement is then tried once more, on a new connection."""
         if not self.migrated:
             raise PoolError(ErrorCode.UNAVAILABLE, "the cluster's PostgreSQL has not been "
                             "reached yet (see the daemon's log)")
-        async with self.transaction() as cur:
-            await cur.execute(sql, params)
-            return await cur.fetchall() if cur.description else []
+        for attempt in (1, 2):
+            try:
+                async with self.pool.connection(timeout=CONNECT_TIMEOUT_S) as conn:
+                    cur = await conn.execute(sql, params)
+                    return await cur.fetchall() if cur.description else []
+            except psycopg.OperationalError as exc:
+                if attempt == 2:
+                    raise unavailable(exc) from exc
+            except (psycopg.InterfaceError, PoolTimeout, OSError) as exc:
+                raise unavailable(exc) from exc
+        raise AssertionError("unreachable")
 
     async def _listen(self) -> None:
         """One connection LISTENing on the cluster's channels, reconnected with back-off;

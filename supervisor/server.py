@@ -54,6 +54,15 @@ class AlreadyRunning(Exception):
     pass
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, a cgroup's cpuset), not the machine's:
+    workers and their threads are sized from it."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def bind_unix_socket(path: str, group: str | None) -> socket.socket:
     """Bind with the right mode from the start (umask before bind, not chmod after), in
     a directory no one else can swap it in (socket_dir.py)."""
@@ -102,7 +111,7 @@ class Server:
                                            for g in gpu_list))
         scheduler = LoopScheduler()
         self.pool = Pool(config, registry, self.launcher, scheduler, gpus=gpu_list,
-                         cpus=os.cpu_count() or 1)
+                         cpus=usable_cpus())
         self.launcher.events = self.pool
         self.jobs, self.cluster = cluster.job_service(
             config, self.pool, scheduler, config.cluster.node_name or socket.gethostname())

@@ -1,5 +1,6 @@
-"""Helpers of the cluster suite: a daemon as a cluster node (its config, started in a
-network namespace or not), and reading the shared job table directly.
+"""Helpers of the cluster suite: a real PostgreSQL server (one per session, run as the
+postgres user; a fresh database per test), a daemon as a cluster node (its config,
+started in a network namespace or not).
 
 pytest imports every folder's conftest.py as the module `conftest`, so the integration
 suite's (real daemons) is loaded here by path under its own name and the tests import
@@ -9,13 +10,18 @@ this module by its unique name.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import pg
+import pytest
 
 _NAME = "_modelpool_integration_conftest"
 
@@ -71,3 +77,44 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str,
         time.sleep(interval_s)
 
 
+_databases = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pg.PgServer]:
+    reason = pg.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = pg.PgServer()
+    try:
+        server.init()
+        yield server
+    finally:
+        server.destroy()
+
+
+@dataclass(frozen=True)
+class Database:
+    server: pg.PgServer
+    name: str
+
+    @property
+    def dsn(self) -> str:
+        return self.server.dsn(dbname=self.name)
+
+    def dsn_at(self, host: str) -> str:
+        return self.server.dsn(host, dbname=self.name)
+
+    def query(self, sql: str, params: object = ()) -> list[tuple[object, ...]]:
+        with self.server.connect(dbname=self.name) as conn:
+            return conn.execute(sql, params).fetchall()  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def database(pg_server: pg.PgServer) -> Database:
+    """A fresh, empty database of the session's server, for one test."""
+    return fresh_database(pg_server)
+
+
+def fresh_database(server: pg.PgServer) -> Database:
+    return Database(server, server.create_database(f"t{next(_databases)}"))

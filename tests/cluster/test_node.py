@@ -8,8 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_helpers import model_entry, node_config, start_node, wait_until
-from conftest import Database
+from cluster_helpers import Database, model_entry, node_config, start_node, wait_until
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import Database
+from cluster_helpers import Database
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.supervisor.mailbox import JobRecord
