@@ -21,7 +21,8 @@ from modelpool.supervisor.cli_ops import (
 
 SubParsers = Any  # argparse's _SubParsersAction, which has no public name
 KEPT = ("with the default in-memory backend, jobs and results are kept in the daemon's "
-        "memory only: they are lost when it stops")
+        "memory only: they are lost when it stops ([cluster] postgres keeps them in "
+        "PostgreSQL, shared by every daemon of the cluster)")
 
 
 def add_job_commands(sub: SubParsers) -> None:
