@@ -279,14 +279,13 @@ class JobService:
     async def _pump_once(self) -> None:
         if self.pool.shutting_down:
             return
-        for model, waiting in (await self.queue.waiting()).items():
-            room = min(waiting, self._room(model))
-            claimed = await self.queue.claim(model, room) if room else []
-            for i, record in enumerate(claimed):
-                if not await self._start(record):
-                    for rest in claimed[i + 1:]:  # the pool is full for now: they wait
-                        await self.queue.release(rest)
-                    break
+        rooms = {key: room for key in self.pool.models if (room := self._room(key)) > 0}
+        full: set[str] = set()  # models the pool had no room for after all
+        for record in await self.queue.claim(rooms):
+            if record.model in full:
+                await self.queue.release(record)  # it waits again
+            elif not await self._start(record):
+                full.add(record.model)
 
     async def _start(self, record: JobRecord) -> bool:
         sink = MailboxSink(self, record)

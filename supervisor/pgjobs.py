@@ -19,7 +19,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from modelpool.protocol.jobs import ENDED
@@ -196,17 +196,23 @@ class PgJobs:
                                  "GROUP BY model")
         return {row["model"]: row["n"] for row in rows}
 
-    async def claim(self, model: str, limit: int) -> list[JobRecord]:
+    async def claim(self, rooms: Mapping[str, int]) -> list[JobRecord]:
+        if not rooms:
+            return []
         rows = await self._fetch(f"""
             UPDATE {T} SET state = 'running', node = %(node)s, attempt = attempt + 1,
                 lease_until = now() + make_interval(secs => %(lease)s),
                 started_at = coalesce(started_at, %(now)s)
-            WHERE key IN (SELECT key FROM {T} WHERE state = 'queued' AND model = %(model)s
-                          ORDER BY priority, submitted_at
-                          LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+            WHERE key IN (
+                SELECT picked.key
+                FROM unnest(%(models)s::text[], %(limits)s::int[]) AS room(model, n)
+                CROSS JOIN LATERAL (
+                    SELECT key FROM {T} WHERE state = 'queued' AND model = room.model
+                    ORDER BY priority, submitted_at LIMIT room.n
+                    FOR UPDATE SKIP LOCKED) AS picked)
             RETURNING {COLUMNS}""",
-            {"node": self.node, "lease": self.lease_s, "model": model, "limit": limit,
-             "now": time.time()})
+            {"node": self.node, "lease": self.lease_s, "models": list(rooms),
+             "limits": list(rooms.values()), "now": time.time()})
         records = sorted((_record(row) for row in rows),
                          key=lambda r: (PRIORITY_RANK[r.priority], r.submitted_at))
         for record in records:

@@ -14,7 +14,7 @@ import asyncio
 import collections
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from modelpool.supervisor.mailbox import JobRecord
@@ -35,8 +35,9 @@ class TaskQueue(Protocol):
     async def waiting(self) -> dict[str, int]:
         """Jobs waiting to be claimed, by model."""
 
-    async def claim(self, model: str, limit: int) -> list[JobRecord]:
-        """Up to limit of the model's best waiting jobs, now this daemon's to run."""
+    async def claim(self, rooms: Mapping[str, int]) -> list[JobRecord]:
+        """For each model, up to its room of its best waiting jobs, now this daemon's to
+        run (in one go: a shared queue claims for every model in one statement)."""
 
     async def complete(self, key: str) -> bool:
         """The job ended here; False when this daemon no longer held it."""
@@ -78,15 +79,18 @@ class MemoryTaskQueue:
     async def waiting(self) -> dict[str, int]:
         return {model: n for model, n in self._count.items() if n}
 
-    async def claim(self, model: str, limit: int) -> list[JobRecord]:
-        heap, claimed = self._heaps.get(model, []), []
-        while heap and len(claimed) < limit:
-            record = heapq.heappop(heap)[2]
-            if record.key in self._cancelled:
-                self._cancelled.discard(record.key)
-                continue
-            self._count[model] -= 1
-            claimed.append(record)
+    async def claim(self, rooms: Mapping[str, int]) -> list[JobRecord]:
+        claimed = []
+        for model, limit in rooms.items():
+            heap, taken = self._heaps.get(model, []), 0
+            while heap and taken < limit:
+                record = heapq.heappop(heap)[2]
+                if record.key in self._cancelled:
+                    self._cancelled.discard(record.key)
+                    continue
+                self._count[model] -= 1
+                claimed.append(record)
+                taken += 1
         return claimed
 
     async def complete(self, key: str) -> bool:

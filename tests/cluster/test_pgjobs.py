@@ -72,11 +72,11 @@ async def test_a_claim_is_a_lease_and_only_its_holder_completes_the_job(
         database: Database) -> None:
     async with node(database, "a", lease_s=0.5) as a, node(database, "b", lease_s=0.5) as b:
         rec = await submit(a, record())
-        assert [r.key for r in await a.claim("m", 5)] == [rec.key]
-        assert await b.claim("m", 5) == []  # held by a
+        assert [r.key for r in await a.claim({"m": 5})] == [rec.key]
+        assert await b.claim({"m": 5}) == []  # held by a
         await asyncio.sleep(0.8)  # a neither renews nor finishes: its lease lapses
         assert await b.sweep() == 1
-        again = await b.claim("m", 5)
+        again = await b.claim({"m": 5})
         assert [(r.key, r.attempt) for r in again] == [(rec.key, 2)]
         assert await a.extend([rec.key]) == [rec.key]  # a learns it lost the job
         assert not await a.finish(rec.key, done(rec, b"from a"))
@@ -90,7 +90,7 @@ async def test_a_claim_is_a_lease_and_only_its_holder_completes_the_job(
 async def test_a_lapsed_holder_that_comes_back_completes_nothing(database: Database) -> None:
     async with node(database, "a", lease_s=0.3) as a, node(database, "b") as b:
         rec = await submit(a, record())
-        await a.claim("m", 1)
+        await a.claim({"m": 1})
         await asyncio.sleep(0.5)
         await b.sweep()  # requeued, not yet claimed again by anyone
         assert not await a.finish(rec.key, done(rec, b"late"))
@@ -101,7 +101,7 @@ async def test_a_lapsed_holder_that_comes_back_completes_nothing(database: Datab
 async def test_renewed_leases_are_not_swept(database: Database) -> None:
     async with node(database, "a", lease_s=0.4) as a, node(database, "b") as b:
         rec = await submit(a, record())
-        await a.claim("m", 1)
+        await a.claim({"m": 1})
         for _ in range(4):
             await asyncio.sleep(0.2)
             assert await a.extend([rec.key]) == []
@@ -116,11 +116,14 @@ async def test_claims_take_priority_then_age_and_skip_what_others_hold(
         normal = await submit(a, record(priority="normal", at=2.0))
         urgent = await submit(a, record(priority="critical", at=3.0))
         other = await submit(a, record(model="n"))
-        first = await a.claim("m", 2)
-        second = await b.claim("m", 2)
+        first = await a.claim({"m": 2})
+        second = await b.claim({"m": 2})
         assert [r.key for r in first] == [urgent.key, normal.key]
         assert [r.key for r in second] == [old.key]
         assert await a.waiting() == {"n": 1} and other.state == "queued"
+        third = await submit(a, record(model="n"))
+        both = await a.claim({"m": 5, "n": 5})  # every model in one statement
+        assert {r.key for r in both} == {other.key, third.key}
 
 
 async def test_identical_work_joins_the_running_job_and_gets_its_result(
@@ -128,8 +131,8 @@ async def test_identical_work_joins_the_running_job_and_gets_its_result(
     async with node(database, "a") as a, node(database, "b") as b:
         leader = await submit(a, record(dedup=b"same"))
         joiner = await submit(b, record(dedup=b"same"))
-        assert [r.key for r in await a.claim("m", 5)] == [leader.key]
-        assert await b.claim("m", 5) == []  # the joiner waits on the leader, unclaimed
+        assert [r.key for r in await a.claim({"m": 5})] == [leader.key]
+        assert await b.claim({"m": 5}) == []  # the joiner waits on the leader, unclaimed
         waiting = asyncio.create_task(b.wait(joiner.key, 10))
         await asyncio.sleep(0.1)
         assert await a.finish(leader.key, done(leader, b"shared"))
@@ -141,13 +144,13 @@ async def test_a_cancelled_leaders_joiners_run_on_their_own(database: Database) 
     async with node(database, "a") as a:
         leader = await submit(a, record(dedup=b"same"))
         joiner = await submit(a, record(dedup=b"same"))
-        await a.claim("m", 5)
+        await a.claim({"m": 5})
         cancelled = JobRecord(key=leader.key, uid=1000, op="embed", model="m",
                               priority="normal", request=b"", submitted_at=0.0,
                               state="cancelled", finished_at=time.time(),
                               error_code="CANCELLED", error_message="cancelled")
         assert await a.finish(leader.key, cancelled)
-        assert [r.key for r in await a.claim("m", 5)] == [joiner.key]
+        assert [r.key for r in await a.claim({"m": 5})] == [joiner.key]
 
 
 async def test_a_cancel_ends_a_waiting_job_and_wakes_its_retrieve_on_another_node(
@@ -170,7 +173,7 @@ async def test_a_cancel_of_a_running_job_reaches_the_node_running_it(
         heard: list[str] = []
         b.on_cancel = heard.append
         rec = await submit(a, record())
-        await b.claim("m", 1)
+        await b.claim({"m": 1})
         assert not await a.cancel(rec.key)  # running: its holder must stop it
         for _ in range(100):
             if heard:
@@ -215,7 +218,7 @@ async def test_nodes_claiming_at_once_never_claim_the_same_job(database: Databas
 
         async def claim_all(jobs: PgJobs) -> list[str]:
             claimed: list[str] = []
-            while batch := await jobs.claim("m", 3):
+            while batch := await jobs.claim({"m": 3}):
                 claimed += [r.key for r in batch]
             return claimed
 
