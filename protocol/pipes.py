@@ -28,6 +28,9 @@ class ImagePolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     max_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 40_000_000
+    # All images of one request, decoded; a batch is also cut into forward passes of at
+    # most max_pixels, so a worker never holds more than about that many decoded.
+    max_request_pixels: int = 160_000_000
     allow_urls: bool = False  # fetch http(s) image URLs (public addresses only)
     url_timeout_s: float = 10.0
     url_max_redirects: int = 3

@@ -7,12 +7,13 @@ only place jobs go from a queue to a worker.
 
 from __future__ import annotations
 
+from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.pipes import Work
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.queueing import Job, JobState
-from modelpool.supervisor.shm import SharedImages
+from modelpool.supervisor.shm import NoSharedMemory, SharedImages
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
 
@@ -35,15 +36,23 @@ class Dispatcher:
                 self._send(model, worker, batch)
 
     def _send(self, model: ModelState, worker: WorkerHandle, batch: list[Job]) -> None:
-        now = self.scheduler.now()
+        items, sent = [], []
         for job in batch:
+            try:
+                items.append(self.shared.work_item(job.job_id, job.kind, job.request))
+                sent.append(job)
+            except NoSharedMemory as exc:  # that request fails; the others run
+                self.book.fail(job, ErrorCode.OVERLOADED, str(exc))
+        if not sent:
+            return
+        now = self.scheduler.now()
+        for job in sent:
             job.state, job.worker_id, job.started_at = JobState.RUNNING, worker.worker_id, now
             worker.jobs[job.job_id] = job
         worker.move_to(WorkerState.BUSY)
         worker.wants_work, worker.last_used, worker.last_dispatch_at = False, now, now
-        model.metrics.batch(sum(job.size for job in batch))
-        worker.send(Work(items=[self.shared.work_item(job.job_id, job.kind, job.request)
-                                for job in batch]))
+        model.metrics.batch(sum(job.size for job in sent))
+        worker.send(Work(items=items))
 
     def _runnable(self, jobs: list[Job]) -> list[Job]:
         """Drop what expired while waiting: expired work never reaches a worker."""

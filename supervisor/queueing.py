@@ -152,11 +152,15 @@ class JobQueue:
 
     def promote(self, job: Job, rank: int) -> None:
         """Move a queued job up to rank (ageing, or a more urgent requester attached)."""
-        if job.state is JobState.QUEUED and job.rank is not None and rank < job.rank:
+        if job.entry is not None and job.rank is not None and rank < job.rank:
             self._enqueue(job, rank, self._start_tag(rank, job), next(self._order))
 
     def discard(self, job: Job) -> None:
-        """Call after moving a queued job out of QUEUED (cancelled, timed out)."""
+        """Call after moving a queued job out of QUEUED (cancelled, timed out); a job
+        already popped (and then failed or expired before it ran) is not counted twice."""
+        if job.entry is None:
+            return
+        job.entry = None
         self._count(job, -1)
         self._drop_dead_top()
 
@@ -220,6 +224,7 @@ class JobQueue:
         if tag > self._virtual[rank]:
             self._virtual[rank] = tag
         self._count(job, -1)
+        job.entry = None  # out of the queue
         return job
 
     def _drop_dead_top(self) -> None:

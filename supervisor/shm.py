@@ -1,14 +1,16 @@
 """Image bytes travel to workers in POSIX shared memory, beside the message, not in it.
 
-One segment per image, named after this daemon's pid; unlinked as soon as the job
-leaves its worker (reply or death), and stale ones of dead daemons are removed at start.
+One segment per image, named after this daemon's pid. Its space is reserved before a
+byte is written (a full /dev/shm is then an error for that request, never a SIGBUS in
+the supervisor). The worker unlinks it as soon as it has opened it, so that it outlives
+no one; the supervisor unlinks what a worker never opened when the job leaves it, and
+stale ones of dead daemons are removed at start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import mmap
 import os
 
 from modelpool.protocol.kinds import Kind
@@ -18,6 +20,10 @@ from modelpool.protocol.pipes import SHM_DIR, SharedBytes, WorkItem
 PREFIX = "modelpool-"
 
 
+class NoSharedMemory(Exception):
+    """No room in /dev/shm for a request's images (it is for that request only)."""
+
+
 class SharedImages:
     def __init__(self) -> None:
         self.by_job: dict[int, list[str]] = {}
@@ -25,20 +31,24 @@ class SharedImages:
         self._prefix = f"{PREFIX}{os.getpid()}-"
 
     def work_item(self, job_id: int, kind: Kind, request: WorkRequest) -> WorkItem:
-        """The work item for a job, its image bytes moved into shared memory."""
+        """The work item for a job, its image bytes moved into shared memory;
+        NoSharedMemory (nothing left behind) when they do not fit."""
         inputs = kind.images(request) if kind.with_images is not None else []
         if not any(i.data for i in inputs):
             return WorkItem(job_id=job_id, request=request)
         assert kind.with_images is not None
         refs: list[SharedBytes | None] = []
         names = self.by_job.setdefault(job_id, [])
-        for image in inputs:
-            if image.data:
-                name = self._write(image.data)
-                names.append(name)
-                refs.append(SharedBytes(name, len(image.data)))
-            else:
-                refs.append(None)
+        try:
+            for image in inputs:
+                if image.data:
+                    names.append(self._write(image.data))
+                    refs.append(SharedBytes(names[-1], len(image.data)))
+                else:
+                    refs.append(None)
+        except NoSharedMemory:
+            self.release(job_id)
+            raise
         stripped = [ImageInput(url=i.url) for i in inputs]
         return WorkItem(job_id=job_id, request=kind.with_images(request, stripped), shared=refs)
 
@@ -59,9 +69,14 @@ class SharedImages:
         name = f"{self._prefix}{next(self._ids)}"
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, len(data))
-            with mmap.mmap(fd, len(data)) as view:
-                view[:] = data
+            os.posix_fallocate(fd, 0, len(data))  # the pages exist now: no SIGBUS later
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as exc:
+            _posixshmem.shm_unlink("/" + name)
+            raise NoSharedMemory(f"no room in {SHM_DIR} for {len(data)} bytes of image data "
+                                 f"({exc.strerror}); it frees as other images are done") from None
         finally:
             os.close(fd)
         return name

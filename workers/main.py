@@ -51,6 +51,7 @@ class Worker:
         self.sock = sock
         self.images = images or ImagePolicy()
         self.progress = 0
+        self.image_bytes: dict[tuple[int, int], bytes] = {}  # (job id, index) -> bytes
         self.loaded = False  # until then the heartbeat reports load progress
         self.aborts: set[int] = set()
         self.stopping = False
@@ -70,21 +71,39 @@ class Worker:
             self._handle_control(self.receive())
         return job_id in self.aborts or self.stopping
 
-    def image(self, item: WorkItem, index: int) -> Any:
+    def take_images(self, items: list[WorkItem]) -> None:
+        """Copy in the images the supervisor put in shared memory for this work, and
+        unlink their segments, before any of it runs."""
         from modelpool.workers.capabilities import images
 
-        inputs = kind_of(item.request).images(item.request)
-        shared = item.shared[index] if index < len(item.shared) else None
-        source = inputs[index]
-        if shared is not None:
-            data = images.read_shared(shared.name, shared.size)
-        elif source.url:
-            data = images.fetch(source.url, self.images)
-        elif source.data:
-            data = source.data
-        else:
-            raise PoolError(ErrorCode.BAD_REQUEST, "an image needs data or a url")
-        return images.decode(data, self.images)
+        self.image_bytes = {}
+        for item in items:
+            for index, shared in enumerate(item.shared):
+                if shared is not None:
+                    with contextlib.suppress(OSError):  # gone: image_data says so
+                        self.image_bytes[(item.job_id, index)] = images.take_shared(
+                            shared.name, shared.size)
+
+    def image_data(self, item: WorkItem, index: int) -> bytes:
+        from modelpool.workers.capabilities import images
+
+        source = kind_of(item.request).images(item.request)[index]
+        if index < len(item.shared) and item.shared[index] is not None:
+            data = self.image_bytes.get((item.job_id, index))
+            if data is None:
+                raise PoolError(ErrorCode.INTERNAL, "the image's shared memory was gone")
+            return data
+        if source.url:
+            return images.fetch(source.url, self.images)
+        if source.data:
+            return source.data
+        raise PoolError(ErrorCode.BAD_REQUEST, "an image needs data or a url")
+
+    def opened_images(self, item: WorkItem) -> list[Any]:
+        from modelpool.workers.capabilities import images
+
+        count = len(kind_of(item.request).images(item.request))
+        return images.opened([self.image_data(item, i) for i in range(count)], self.images)
 
     def receive(self) -> Work | Abort | Shutdown:
         try:
@@ -204,7 +223,9 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
         want_work = False
         match msg:
             case Work(items=items):
+                worker.take_images(items)
                 adapter(model, items, worker, settings.max_batch)
+                worker.image_bytes = {}
                 worker.aborts.clear()  # job ids never repeat: old aborts mean nothing
                 worker.tick()
                 want_work, trim_when_idle = True, True

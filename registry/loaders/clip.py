@@ -35,7 +35,8 @@ class ClipEmbedder:
         self.text_context = int(getattr(text, "max_position_embeddings", 0) or 77)
 
     def info(self) -> dict[str, Any]:
-        return {"dim": self.dim, "image_size": self.image_size, "text_tower": self.text_tower}
+        return {"dim": self.dim, "image_size": self.image_size, "text_tower": self.text_tower,
+                "max_seq_length": self.text_context}
 
     @torch.inference_mode()
     def embed_images(self, images: Sequence[Image.Image]) -> np.ndarray:

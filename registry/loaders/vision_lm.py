@@ -35,7 +35,8 @@ class VisionLM:
         self.eos_ids = eos_ids_of(model, self.tokenizer) | _config_eos(text_config)
 
     def info(self) -> dict[str, Any]:
-        return {"context": self.context,
+        vision = getattr(self.model.config, "vision_config", None)
+        return {"context": self.context, "image_size": getattr(vision, "image_size", None),
                 "chat_template": bool(getattr(self.processor, "chat_template", None))}
 
     def prompt_inputs(self, image: Image.Image, prompt: str) -> dict[str, torch.Tensor]:

@@ -78,3 +78,22 @@ def counting_generator(spec: ModelSpec, model_dir: Path | None) -> CountingGener
 
 def failing(spec: ModelSpec, model_dir: Path | None) -> None:
     raise RuntimeError("boom: this loader always fails")
+
+
+class SlowImageEmbedder:
+    """Embeds images as their sizes after run_s seconds (no text tower)."""
+
+    def __init__(self, run_s: float) -> None:
+        self.run_s = run_s
+
+    def info(self) -> dict[str, Any]:
+        return {"dim": DIM}
+
+    def embed_images(self, images: Sequence[Any]) -> np.ndarray:
+        time.sleep(self.run_s)
+        return np.asarray([[float(i.width), float(i.height)] + [0.0] * (DIM - 2)
+                           for i in images], dtype=np.float32)
+
+
+def slow_image_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowImageEmbedder:
+    return SlowImageEmbedder(float(spec.options.get("run_s", 0)))

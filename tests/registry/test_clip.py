@@ -59,7 +59,8 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def test_info(clip: ClipEmbedder) -> None:
-    assert clip.info() == {"dim": 32, "image_size": 32, "text_tower": True}
+    assert clip.info() == {"dim": 32, "image_size": 32, "text_tower": True,
+                           "max_seq_length": clip.text_context}
 
 
 def test_image_embeddings_match_transformers(clip: ClipEmbedder, clip_dir: Path) -> None:

@@ -140,6 +140,18 @@ def test_discarded_top_job_is_skipped() -> None:
     assert queue.pop_batch(1) == []
 
 
+def test_a_popped_job_that_ends_before_it_runs_is_not_counted_twice() -> None:
+    queue = JobQueue()
+    a, b = make_job(owner="x"), make_job(owner="x")
+    queue.push(a)
+    queue.push(b)
+    assert queue.pop_batch(1) == [a]
+    cancel(queue, a)  # its deadline passed, or its images found no room, after the pop
+    assert len(queue) == 1 and queue.nbytes == b.nbytes and queue.held == {"x": 1}
+    assert queue.pop_batch(1) == [b]
+    assert len(queue) == 0
+
+
 def test_discarded_job_never_returned_unbatched() -> None:
     queue = JobQueue()
     a, b, c = make_job(), make_job(), make_job()

@@ -11,7 +11,7 @@ import numpy as np
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embed, Embeddings, Error
 from modelpool.protocol.pipes import WorkItem
-from modelpool.workers.capabilities import text_embedding
+from modelpool.workers.capabilities import text_embedding, text_limits
 
 DIM = 3
 
@@ -138,3 +138,35 @@ def test_wrong_rows_in_a_batch_fail_every_request_once() -> None:
     text_embedding.run(FakeEmbedder(drop_rows=1), _items(["a"], ["b", "c"]), out, 32)
     assert sorted(m.id for m in out.sent) == [100, 101]  # type: ignore[attr-defined]
     assert all(isinstance(m, Error) and m.code == ErrorCode.MODEL_ERROR for m in out.sent)
+
+
+class LimitedEmbedder(FakeEmbedder):
+    def info(self) -> dict[str, int]:
+        return {"dim": DIM, "max_seq_length": 4}
+
+
+def test_texts_are_cut_to_what_the_model_can_see_before_tokenizing() -> None:
+    limit = 4 * text_limits.MAX_CHARS_PER_TOKEN
+    model, out = LimitedEmbedder(), FakeOutbox()
+    text_embedding.run(model, _items(["x" * 8_000_000, "short"]), out, 32)
+    assert [len(t) for t in model.calls[0]] == [limit, 5]
+    assert isinstance(out.sent[0], Embeddings)
+
+
+def test_a_model_that_states_no_limit_gets_texts_whole() -> None:
+    model, out = FakeEmbedder(), FakeOutbox()
+    text_embedding.run(model, _items(["x" * 100_000]), out, 32)
+    assert len(model.calls[0][0]) == 100_000
+
+
+def test_slices_also_follow_a_cost_budget() -> None:
+    out = FakeOutbox()
+    calls: list[list[int]] = []
+
+    def embed(chunk: Sequence[int]) -> np.ndarray:
+        calls.append(list(chunk))
+        return np.zeros((len(chunk), 1))
+
+    text_embedding.in_slices(embed, [5, 5, 5, 20, 1, 1], out, 4, "images",
+                             cost=lambda n: n, budget=10)
+    assert calls == [[5, 5], [5], [20], [1, 1]]  # an input over budget goes alone

@@ -185,3 +185,17 @@ def test_each_item_gets_exactly_one_final_reply(abort_on: int | None) -> None:
     text_to_text.run(FakeModel(["x", "y", "z"]), items, out, 1)
     finals = [m for m in out.sent if isinstance(m, End | Error)]
     assert [m.id for m in finals] == [1, 2]
+
+
+class ContextModel(FakeModel):
+    def info(self) -> dict[str, int]:
+        return {"context": 16}
+
+
+def test_a_prompt_that_cannot_fit_the_context_is_refused_before_tokenizing() -> None:
+    model, out = ContextModel(["never"]), FakeOutbox()
+    request = Generate(id=1, prompt="x" * 8_000_000)
+    text_to_text.run(model, [WorkItem(job_id=5, request=request)], out, 1)
+    assert model.pulled == 0
+    assert len(out.sent) == 1 and isinstance(out.sent[0], Error)
+    assert out.sent[0].code is ErrorCode.BAD_REQUEST and "context" in out.sent[0].message

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import msgspec
-from PIL import Image
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Error
 from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities.images import OpenedImage
 
 
 class Outbox(Protocol):
@@ -22,9 +22,10 @@ class Outbox(Protocol):
     def aborted(self, job_id: int) -> bool:
         """True once the supervisor asked to stop this job (cancel, timeout, shutdown)."""
 
-    def image(self, item: WorkItem, index: int) -> Image.Image:
-        """The item's index-th image, fetched and decoded under the image policy; raises
-        PoolError (BAD_REQUEST, IMAGE_TOO_LARGE, URL_NOT_ALLOWED) for bad input."""
+    def opened_images(self, item: WorkItem) -> list[OpenedImage]:
+        """The item's images, fetched, with their headers read and checked under the
+        image policy (each, and in all), to be decoded when used; raises PoolError
+        (BAD_REQUEST, IMAGE_TOO_LARGE, URL_NOT_ALLOWED) for bad input."""
 
 
 def error_reply(job_id: int, exc: BaseException) -> Error:

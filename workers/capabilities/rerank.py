@@ -10,6 +10,7 @@ import numpy as np
 
 from modelpool.protocol.messages import Rerank, Scores
 from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities import text_limits
 from modelpool.workers.capabilities.base import Outbox, error_reply
 
 
@@ -25,7 +26,11 @@ def run(model: RerankModel, items: list[WorkItem], out: Outbox, max_batch: int) 
     """Score every item's pairs in forward passes of at most max_batch pairs."""
     requests = [item.request for item in items]
     assert all(isinstance(r, Rerank) for r in requests)
-    pairs = [(r.query, doc) for r in requests for doc in r.documents]  # type: ignore[union-attr]
+    limit = text_limits.char_limit(model)
+    pairs: list[tuple[str, str]] = []
+    for r in requests:
+        query = text_limits.clip([r.query], limit)[0]  # type: ignore[union-attr]
+        pairs += [(query, doc) for doc in text_limits.clip(r.documents, limit)]  # type: ignore[union-attr]
     try:
         scores = _score_in_slices(model, pairs, out, max_batch)
     except Exception as exc:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from modelpool.protocol.messages import Embeddings
 from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities import text_limits
 from modelpool.workers.capabilities.base import Outbox, error_reply
 
 
@@ -23,6 +24,7 @@ class TextEmbeddingModel(Protocol):
 def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
     """Embed every item's texts in forward passes of at most max_batch texts."""
     texts = [text for item in items for text in item.request.texts]  # type: ignore[union-attr]
+    texts = text_limits.clip(texts, text_limits.char_limit(model))
     try:
         vectors = _embed_in_slices(model, texts, out, max_batch)
     except Exception as exc:
@@ -48,11 +50,12 @@ def _embed_in_slices(
 
 
 def in_slices(embed: Callable[[Sequence[Any]], np.ndarray], inputs: Sequence[Any],
-              out: Outbox, max_batch: int, unit: str) -> np.ndarray:
-    """Forward passes of at most max_batch inputs, one progress tick each; float32 rows."""
+              out: Outbox, max_batch: int, unit: str,
+              cost: Callable[[Any], int] | None = None, budget: int = 0) -> np.ndarray:
+    """Forward passes of at most max_batch inputs (and, with a cost, at most budget of
+    it, an input alone excepted), one progress tick each; float32 rows."""
     parts = []
-    for start in range(0, len(inputs), max_batch):
-        chunk = inputs[start : start + max_batch]
+    for chunk in _slices(inputs, max_batch, cost, budget):
         vectors = np.ascontiguousarray(embed(chunk), dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape[0] != len(chunk):
             raise ValueError(f"model returned shape {vectors.shape} for {len(chunk)} {unit}")
@@ -61,3 +64,18 @@ def in_slices(embed: Callable[[Sequence[Any]], np.ndarray], inputs: Sequence[Any
     if not parts:
         return np.zeros((0, 0), dtype=np.float32)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _slices(inputs: Sequence[Any], max_batch: int, cost: Callable[[Any], int] | None,
+            budget: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    spent = 0
+    for item in inputs:
+        price = cost(item) if cost is not None else 0
+        if chunk and (len(chunk) == max_batch or (cost is not None and spent + price > budget)):
+            yield chunk
+            chunk, spent = [], 0
+        chunk.append(item)
+        spent += price
+    if chunk:
+        yield chunk

@@ -6,8 +6,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from modelpool.protocol.errors import PoolError
 from modelpool.protocol.messages import Chunk, End, Generate
 from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities import text_limits
 from modelpool.workers.capabilities.base import Outbox, error_reply
 
 
@@ -63,6 +65,12 @@ def run(model: TextGenerationModel, items: list[WorkItem], out: Outbox, max_batc
 def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
     request = item.request
     assert isinstance(request, Generate)
+    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    try:
+        text_limits.check_prompt(chars, text_limits.char_limit(model))
+    except PoolError as exc:
+        out.send(error_reply(item.job_id, exc))
+        return
     stats = GenerationStats()
     stream_text(item.job_id, lambda: model.generate(request, stats), stats,
                 request.sampling.stop, out)

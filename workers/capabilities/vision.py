@@ -9,7 +9,9 @@ from PIL import Image
 
 from modelpool.protocol.messages import Describe
 from modelpool.protocol.pipes import WorkItem
+from modelpool.workers.capabilities import text_limits
 from modelpool.workers.capabilities.base import Outbox, error_reply
+from modelpool.workers.capabilities.images import working_side
 from modelpool.workers.capabilities.text_to_text import GenerationStats, stream_text
 
 
@@ -27,7 +29,9 @@ def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) 
         request = item.request
         assert isinstance(request, Describe)
         try:
-            image = out.image(item, 0)
+            text_limits.check_prompt(len(request.prompt), text_limits.char_limit(model))
+            opened = out.opened_images(item)[0]
+            image = opened.decoded(working_side(model.info()))
         except Exception as exc:
             out.send(error_reply(item.job_id, exc))
             continue

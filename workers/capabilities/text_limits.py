@@ -1,0 +1,48 @@
+"""Bounding text by characters before a tokenizer sees it.
+
+A tokenizer's time and memory grow with the characters it is given, not with the tokens
+the model keeps: an 8 MB text took 1.7 GB and 9 s to embed 256 tokens. No token in the
+vocabularies we serve stands for more than MAX_CHARS_PER_TOKEN characters of ordinary
+text, so the first `tokens * MAX_CHARS_PER_TOKEN` characters hold every token a model
+can see: embedding and scoring inputs are cut there (the model would truncate them
+anyway), and a prompt longer than that cannot fit the context at all and is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+
+MAX_CHARS_PER_TOKEN = 64  # whitespace runs and [UNK] words aside, tokens are far shorter
+
+
+def token_limit(info: dict[str, Any]) -> int | None:
+    """The most tokens the model looks at, as its loader reports it (None: unknown)."""
+    for key in ("max_seq_length", "max_length", "context"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def char_limit(model: Any) -> int | None:
+    info = model.info() if hasattr(model, "info") else {}
+    tokens = token_limit(info if isinstance(info, dict) else {})
+    return None if tokens is None else tokens * MAX_CHARS_PER_TOKEN
+
+
+def clip(texts: list[str], limit: int | None) -> list[str]:
+    """Each text cut to limit characters (what the model can see of it, and more)."""
+    if limit is None:
+        return texts
+    return [text[:limit] if len(text) > limit else text for text in texts]
+
+
+def check_prompt(chars: int, limit: int | None) -> None:
+    """Refuse a prompt that cannot fit the model's context, before tokenizing it."""
+    if limit is not None and chars > limit:
+        raise PoolError(ErrorCode.BAD_REQUEST,
+                        f"prompt of {chars} characters cannot fit the model's context "
+                        f"({limit // MAX_CHARS_PER_TOKEN} tokens; at most {limit} characters "
+                        "are read)")
