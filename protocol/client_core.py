@@ -176,8 +176,12 @@ def check_reply(msg: Any) -> Any:
 
 
 def encode_checked(msg: msgspec.Struct, welcome: Welcome | None) -> bytes:
-    """Encode, refusing locally what the daemon would refuse as too large."""
-    payload = encoder.encode(msg)
+    """Encode, refusing locally what the daemon would refuse as too large, or what
+    msgpack cannot carry (an integer beyond 64 bits)."""
+    try:
+        payload = encoder.encode(msg)
+    except OverflowError as exc:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"{type(msg).__name__}: {exc}") from None
     limit = welcome.max_frame_bytes if welcome else MAX_FRAME_BYTES
     if len(payload) > limit:
         raise PoolError(ErrorCode.BAD_REQUEST,

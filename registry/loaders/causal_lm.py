@@ -117,12 +117,18 @@ class IncrementalDecoder:
         return text[len(prefix) :]
 
 
+GREEDY_BELOW = 1e-5
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float,
            generator: torch.Generator) -> int:
-    """Greedy at temperature 0, else temperature + nucleus (top_p) sampling."""
-    if temperature == 0:
+    """Greedy at temperature 0 (or so close to it that float32 cannot divide by it),
+    else temperature + nucleus (top_p) sampling."""
+    if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # From the largest logit down: a tiny temperature sends the others to -inf, not the
+    # largest to +inf (inf - inf would be NaN probabilities).
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from modelpool.protocol.client import AsyncClient, Client
-from modelpool.protocol.client_core import TextChunk, make_call
+from modelpool.protocol.client_core import TextChunk, encode_checked, make_call
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.kinds import KINDS, Kind
 from modelpool.protocol.messages import Chunk, Embeddings, End, Error, Generate
@@ -79,3 +79,12 @@ def test_cli_flags_come_from_the_builder_signature() -> None:
     assert args.temperature is None  # unset: the daemon's default applies
     assert _parser().parse_args(["embed", "a", "b"]).texts == ["a", "b"]
     assert _parser().parse_args(["describe", "x.png"]).query == ""
+
+
+def test_an_integer_msgpack_cannot_carry_is_a_bad_request() -> None:
+    """A seed beyond 64 bits (from an HTTP body, say) is the caller's mistake, not a
+    crash in the encoder."""
+    call = make_call("generate", 1, ("hi",), {"seed": 2**70})
+    with pytest.raises(PoolError) as refused:
+        encode_checked(call.request, None)
+    assert refused.value.code is ErrorCode.BAD_REQUEST

@@ -185,6 +185,14 @@ def test_sample_at_temperature_zero_is_argmax() -> None:
     assert sample(logits, 0.0, 0.5, generator) == 1
 
 
+def test_sample_at_a_vanishing_temperature_is_argmax_not_nan() -> None:
+    """5e-324 is a valid temperature over HTTP: it must not make NaN probabilities."""
+    logits = torch.tensor([1.0, 30.0, -5.0, 29.0])
+    generator = torch.Generator().manual_seed(0)
+    assert {sample(logits, 5e-324, 1.0, generator) for _ in range(10)} == {1}
+    assert sample(logits, 2.3e-181, 0.5, generator) == 1
+
+
 def _draws(probs: list[float], top_p: float, n: int = 2000) -> set[int]:
     logits = torch.log(torch.tensor(probs))
     generator = torch.Generator().manual_seed(1234)
