@@ -51,7 +51,8 @@ class Dispatcher:
             worker.jobs[job.job_id] = job
         worker.move_to(WorkerState.BUSY)
         worker.wants_work, worker.last_used, worker.last_dispatch_at = False, now, now
-        model.metrics.batch(sum(job.size for job in sent))
+        model.metrics.batch(sum(job.size for job in sent),
+                            [now - job.accepted_at for job in sent])
         worker.send(Work(items=items))
 
     def _runnable(self, jobs: list[Job]) -> list[Job]:

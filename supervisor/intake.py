@@ -115,5 +115,5 @@ class Intake:
         retry = admission.retry_after(model) if code in (ErrorCode.QUEUE_FULL,
                                                          ErrorCode.OVERLOADED) else None
         if model is not None:
-            model.metrics.by_priority[request.priority].rejected[code.value] += 1
+            model.metrics.rejected(KIND_OF[type(request)].op, request.priority, code)
         return Error(id=request.id, code=code, message=message, retry_after_s=retry)

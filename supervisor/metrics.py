@@ -1,15 +1,49 @@
-"""Per-model, per-priority counters and recent latencies, for `modelpool status`."""
+"""Per-model counters: per priority with recent latencies, for `modelpool status`; and
+cumulative totals and histograms, for monitoring (GET /metrics)."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import PRIORITIES, Error, PriorityStats
+from modelpool.protocol.messages import (
+    PRIORITIES,
+    Error,
+    HistogramTotals,
+    ModelTotals,
+    OutcomeCount,
+    PriorityStats,
+)
 
 LATENCY_WINDOW = 1000  # recent completions kept per priority for percentiles
+# Prometheus' default buckets, widened at both ends: a cached embedding answers in
+# under a millisecond, a long generation takes minutes.
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Histogram:
+    """Fixed buckets, cumulative counts: cheap enough to observe on every request."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i in range(bisect.bisect_left(self.bounds, value), len(self.bounds)):
+            self.counts[i] += 1
+
+    def totals(self) -> HistogramTotals:
+        return HistogramTotals(bounds=list(self.bounds), counts=list(self.counts),
+                               count=self.count, sum=self.sum)
 
 
 @dataclass
@@ -30,16 +64,35 @@ class ModelMetrics:
     batches: int = 0
     batched_items: int = 0
     service_s: float = 0.0  # moving average of a dispatch's run time, for retry hints
+    outcomes: collections.Counter[tuple[str, str, str]] = field(
+        default_factory=collections.Counter)  # (op, priority, "OK" or error code)
+    latency_s: dict[str, Histogram] = field(default_factory=dict)  # by op
+    queue_wait_s: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
+    batch_size: Histogram = field(default_factory=lambda: Histogram(BATCH_BUCKETS))
+    loads: int = 0
+    load_failures: int = 0
+    worker_deaths: int = 0
 
-    def batch(self, size: int) -> None:
+    def batch(self, size: int, waits_s: list[float]) -> None:
         self.batches += 1
         self.batched_items += size
+        self.batch_size.observe(size)
+        for wait in waits_s:
+            self.queue_wait_s.observe(wait)
 
-    def ended(self, priority: str, reply: Any, latency_s: float) -> None:
+    def rejected(self, op: str, priority: str, code: ErrorCode) -> None:
+        self.by_priority[priority].rejected[code.value] += 1
+        self.outcomes[op, priority, code.value] += 1
+
+    def ended(self, op: str, priority: str, reply: Any, latency_s: float) -> None:
         """One request's final reply; None when its client left without one."""
         counters = self.by_priority[priority]
         if reply is None:
             return  # nobody to count it for
+        self.outcomes[op, priority, reply.code.value if isinstance(reply, Error) else "OK"] += 1
+        if op not in self.latency_s:
+            self.latency_s[op] = Histogram(SECONDS_BUCKETS)
+        self.latency_s[op].observe(latency_s)
         if not isinstance(reply, Error):
             counters.completed += 1
             counters.latencies_s.append(latency_s)
@@ -67,6 +120,16 @@ class ModelMetrics:
                 deduplicated=c.deduplicated, rejected=dict(c.rejected),
                 p50_ms=_percentile_ms(lat, 0.50), p99_ms=_percentile_ms(lat, 0.99)))
         return out
+
+
+    def totals(self) -> ModelTotals:
+        return ModelTotals(
+            outcomes=[OutcomeCount(op=op, priority=p, code=code, count=n)
+                      for (op, p, code), n in self.outcomes.items()],
+            latency_s={op: h.totals() for op, h in self.latency_s.items()},
+            queue_wait_s=self.queue_wait_s.totals(), batch_size=self.batch_size.totals(),
+            loads=self.loads, load_failures=self.load_failures,
+            worker_deaths=self.worker_deaths)
 
 
 def _percentile_ms(sorted_s: list[float], q: float) -> float | None:

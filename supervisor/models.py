@@ -203,6 +203,7 @@ class ModelState:
         worker.info, worker.load_s = msg.info, round(msg.load_s, 3)
         worker.last_used = worker.ready_at = now
         self.failures, self.deaths = LoadFailures(), LoadFailures()
+        self.metrics.loads += 1
         if worker is self.holder:
             worker.uss_mb = msg.uss_mb
             self.shared_weights = msg.weights
@@ -250,6 +251,7 @@ class ModelState:
 
     def note_load_failure(self, started_at: float, cause: str, now: float) -> None:
         """The loader failed: counts towards `failed`, and backs off."""
+        self.metrics.load_failures += 1
         self._note(self.failures, started_at, cause, now)
 
     def note_death(self, started_at: float, cause: str, now: float) -> None:

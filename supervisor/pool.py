@@ -110,7 +110,8 @@ class Pool:
     def request_ended(self, req: Requester, reply: Any) -> None:
         if req.job is not None:
             model = self.models[req.job.model_key]
-            model.metrics.ended(req.priority, reply, self.scheduler.now() - req.accepted_at)
+            model.metrics.ended(req.job.kind.op, req.priority, reply,
+                                self.scheduler.now() - req.accepted_at)
         self.changed.set()
 
     # ---- what workers report (WorkerEvents) ----------------------------------------------
@@ -183,6 +184,8 @@ class Pool:
                     "worker %d (pid %s) of %s exited: %s", worker.worker_id, worker.pid,
                     model.key, exitcodes.describe(exitcode))
             self._note_failed_start(model, worker, exitcode)
+            if worker.ready_at is not None and not worker.stop_requested:
+                model.metrics.worker_deaths += 1
             for job in worker.jobs.values():
                 self.shared.release(job.job_id)
                 self._requeue_or_fail(model, job, worker, exitcode)

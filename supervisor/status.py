@@ -114,7 +114,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         memory_mb=round(model.charge().charged_mb, 1),
         health=model.health(now, pool.pool_config.heartbeat_timeout_s),
         priorities=priorities, mean_batch=round(model.metrics.mean_batch, 2),
-        device=model.device,
+        device=model.device, totals=model.metrics.totals(),
     )
 
 
