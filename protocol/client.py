@@ -258,6 +258,11 @@ class AsyncClient:
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
         return self
 
+    @property
+    def connected(self) -> bool:
+        """Connected, and the daemon has not closed the connection."""
+        return self._reader_task is not None and not self._reader_task.done()
+
     async def __aenter__(self) -> AsyncClient:
         return await self.connect()
 
@@ -309,7 +314,16 @@ class AsyncClient:
 
     async def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = make_call(op, next(self._ids), args, kwargs)
-        return call.parse(await self._final(call.request))
+        try:
+            reply = await self._final(call.request)
+        except asyncio.CancelledError:
+            self._cancel(call.id)  # the daemon stops work nobody awaits any more
+            raise
+        return call.parse(reply)
+
+    def _cancel(self, rid: int) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(make_frame(encoder.encode(Cancel(id=rid))))
 
     async def _stream(self, op: str, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> AsyncIterator[Any]:
@@ -326,8 +340,8 @@ class AsyncClient:
             raise
         finally:
             self._routes.pop(call.id, None)
-            if not finished and self._writer is not None and not self._writer.is_closing():
-                self._writer.write(make_frame(encoder.encode(Cancel(id=call.id))))
+            if not finished:
+                self._cancel(call.id)
 
     async def status(self) -> dict[str, Any]:
         return to_builtins(check_reply(await self._final(GetStatus(id=next(self._ids)))).status)

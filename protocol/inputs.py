@@ -20,6 +20,8 @@ ImageLike = Any  # a path, bytes, a PIL image, a base64 string, or an http(s) UR
 
 
 def image_input(image: ImageLike) -> ImageInput:
+    if isinstance(image, ImageInput):  # already what travels
+        return image
     if isinstance(image, bytes | bytearray | memoryview):
         return ImageInput(data=bytes(image))
     if isinstance(image, os.PathLike):

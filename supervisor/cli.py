@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon in the foreground")
     serve.add_argument("--config", help="TOML config (default: $MODELPOOL_CONFIG, else built-in)")
+    serve.add_argument("--http", metavar="HOST:PORT",
+                       help="serve the OpenAI-compatible HTTP API there ([http] listen)")
     serve.set_defaults(func=_serve)
     add_request_commands(sub)
     add_job_commands(sub)
@@ -98,10 +100,16 @@ def _serve(args: argparse.Namespace) -> int:
     if args.socket:
         config = msgspec.structs.replace(
             config, daemon=msgspec.structs.replace(config.daemon, socket=args.socket))
+    if args.http:
+        config = msgspec.structs.replace(
+            config, http=msgspec.structs.replace(config.http, listen=args.http))
     logging.basicConfig(level=config.daemon.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(config))
+    except ConfigError as exc:
+        print(f"modelpool: {exc}", file=sys.stderr)
+        return 2
     except (AlreadyRunning, UnsafeSocketDir) as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 1

@@ -128,6 +128,21 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         return self.postgres or os.environ.get("MODELPOOL_POSTGRES", "")
 
 
+class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The OpenAI-compatible HTTP API (supervisor/httpapi); off unless `listen` is set."""
+
+    listen: str = ""  # "127.0.0.1:8000", "[::1]:8000", "0.0.0.0:8000" (needs keys)
+    api_keys: list[str] = []  # bearer keys; none: open, and only on loopback
+    api_key_file: str = ""  # one key per line, read at start (kept out of the config)
+    metrics_need_key: bool = True  # false: Prometheus may scrape /metrics without one
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: daemon.max_frame_bytes
+    body_timeout_s: Positive = 30.0  # a request body must arrive within this
+    connections: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8  # to the daemon's socket
+    max_clients: Annotated[int, msgspec.Meta(ge=1)] = 1024  # more are answered 503
+    max_priority: Priority = "critical"  # the highest priority an HTTP request may ask
+    in_loop: bool = False  # serve from the supervisor's own loop, not a process of its own
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     daemon: DaemonConfig = msgspec.field(default_factory=DaemonConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
@@ -136,6 +151,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     jobs: JobsConfig = msgspec.field(default_factory=JobsConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     access: AccessConfig = msgspec.field(default_factory=AccessConfig)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     models: list[ModelSpec] = []
 
     def registry(self) -> Registry:

@@ -38,6 +38,7 @@ from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config, gid_of
 from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
+from modelpool.supervisor.http_front import HttpFront
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.shutdown import drain_and_stop
 from modelpool.supervisor.socket_dir import secure_socket_dir
@@ -98,6 +99,8 @@ class Server:
         fd_limit = raise_fd_limit()  # before any child is started: they inherit it
         self.config = config
         self.socket_path = os.path.abspath(config.daemon.socket)
+        # First: a bad [http] section or a taken port stops the start before anything.
+        self.http = HttpFront(config, self.socket_path) if config.http.listen else None
         self.stop_requested = asyncio.Event()
         self.started_at = time.monotonic()
         registry = config.registry()
@@ -154,6 +157,9 @@ class Server:
         touch = (loop.create_task(cluster.keep_in_touch(self.cluster, self.jobs))
                  if self.cluster else None)
         sweep = loop.create_task(self._connection_ticker())
+        front = loop.create_task(self.http.run()) if self.http else None
+        if self.http:
+            log.info("HTTP API on http://%s", self.http.address)
         log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients)",
                  self.socket_path, os.getpid(), len(self.pool.models),
                  self.connections.max_connections)
@@ -167,6 +173,8 @@ class Server:
             self.pool.shared.release_all()
             await self.launcher.close(kill_at - self.pool.scheduler.now())
         finally:
+            if front is not None:
+                await self._stop_http(front)
             cgroups.leave(loading_cgroup)
             ticker.cancel()
             health.cancel()
@@ -180,6 +188,14 @@ class Server:
             self._remove_socket()
             acceptor.close()
             sock.close()
+
+    async def _stop_http(self, front: asyncio.Task[None]) -> None:
+        """Last: HTTP clients got their answers while the pool drained."""
+        assert self.http is not None
+        await self.http.stop()
+        front.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await front
 
     def _remove_socket(self) -> None:
         with contextlib.suppress(OSError):

@@ -1,0 +1,248 @@
+"""The HTTP front door: OpenAI's endpoints, our extensions, jobs, health and metrics, as a
+Starlette application whose every answer comes from the pool over the daemon's socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from modelpool.protocol.client import AsyncClient
+from modelpool.protocol.client_core import ImageChunk, TextResult
+from modelpool.protocol.errors import PoolError
+from modelpool.protocol.kinds import BY_OP
+from modelpool.supervisor.httpapi import bodies, replies
+from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
+from modelpool.supervisor.httpapi.jobs_api import JobsApi
+from modelpool.supervisor.httpapi.link import DaemonLink
+from modelpool.supervisor.httpapi.openapi import openapi_document
+from modelpool.supervisor.httpapi.plumbing import (
+    ClientGone,
+    check_key,
+    client_identity,
+    decode,
+    read_body,
+    unless_disconnected,
+    with_header_options,
+)
+from modelpool.supervisor.httpapi.replies import HttpError, json_response
+from modelpool.supervisor.httpapi.settings import HttpSettings
+
+log = logging.getLogger("modelpool.http")
+Handler = Callable[[Request], Awaitable[Response]]
+CLIENT_CLOSED = 499  # nginx's status for a client that left: logged and counted only
+
+
+class Api:
+    def __init__(self, settings: HttpSettings) -> None:
+        self.settings = settings
+        self.link = DaemonLink(settings.socket_path, settings.connections)
+        self.counters = HttpCounters()
+        self.jobs = JobsApi(self)
+
+    # ---- the frame around every endpoint ----------------------------------------------
+
+    def endpoint(self, handler: Handler, path: str, open_: bool = False) -> Handler:
+        async def answer(request: Request) -> Response:
+            try:
+                if not open_:
+                    check_key(request, self.settings.api_keys)
+                response = await handler(request)
+            except HttpError as exc:
+                response = Response(replies.error_body(exc.status, exc.message, exc.code,
+                                                       exc.param), exc.status,
+                                    media_type="application/json")
+            except PoolError as exc:
+                status, body, headers = replies.pool_error(exc)
+                response = Response(body, status, headers, "application/json")
+            except ClientGone:
+                response = Response(b"", CLIENT_CLOSED)
+            except Exception as exc:  # a bug here: the client still gets JSON, and a log
+                log.exception("HTTP %s failed", path)
+                response = Response(replies.error_body(500, f"{type(exc).__name__}: {exc}",
+                                                       "internal"), 500,
+                                    media_type="application/json")
+            self.counters.requests.labels(path, str(response.status_code)).inc()
+            return response
+
+        return answer
+
+    async def client(self, request: Request) -> AsyncClient:
+        return await self.link.client(client_identity(request))
+
+    async def call(self, request: Request, call: bodies.PoolCall) -> Any:
+        """A call whose answer comes whole; cancelled if the HTTP client leaves."""
+        kwargs = with_header_options(request, call.kwargs, self.settings)
+        client = await self.client(request)
+        method = getattr(client, call.op)
+        return await unless_disconnected(request, method(*call.args, **kwargs))
+
+    async def body(self, request: Request, kind: type[Any]) -> Any:
+        return decode(await read_body(request, self.settings), kind)
+
+    # ---- OpenAI's endpoints --------------------------------------------------------------
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await self.body(request, bodies.EmbeddingsBody)
+        rows = await self.call(request, bodies.embeddings_call(body))
+        model = model_name(body.model, await self.client(request), "embed")
+        return json_response(replies.embeddings(rows, model, body.encoding_format))
+
+    async def image_embeddings(self, request: Request) -> Response:
+        body = await self.body(request, bodies.ImageEmbeddingsBody)
+        rows = await self.call(request, bodies.image_embeddings_call(body))
+        model = model_name(body.model, await self.client(request), "embed_image")
+        return json_response(replies.embeddings(rows, model, body.encoding_format))
+
+    async def rerank(self, request: Request) -> Response:
+        body = await self.body(request, bodies.RerankBody)
+        scores = await self.call(request, bodies.rerank_call(body))
+        model = model_name(body.model, await self.client(request), "rerank")
+        return json_response(replies.rerank(scores, body.documents, model, body.top_n,
+                                            body.return_documents))
+
+    async def chat(self, request: Request) -> Response:
+        body = await self.body(request, bodies.ChatBody)
+        return await self._text(request, body, bodies.chat_call(body), chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self.body(request, bodies.CompletionBody)
+        return await self._text(request, body, bodies.completion_call(body), chat=False)
+
+    async def _text(self, request: Request, body: bodies.Sampling, call: bodies.PoolCall,
+                    chat: bool) -> Response:
+        kwargs = with_header_options(request, call.kwargs, self.settings)
+        client = await self.client(request)
+        stream = getattr(client, call.op)(*call.args, **kwargs)
+        # The first chunk before the answer's status: an unknown model is a 404, not an
+        # error event inside a 200 stream.
+        try:
+            first = await unless_disconnected(request, anext(stream))
+        except BaseException:
+            await stream.aclose()
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        shape = replies.StreamShape(chat, model_name(body.model, client, call.op),
+                                    include_usage)
+        if body.stream:
+            return StreamingResponse(_events(shape, first, stream), media_type=
+                                     "text/event-stream", headers={"Cache-Control": "no-cache"})
+        text = await unless_disconnected(request, _gather(first, stream, shape.model))
+        return json_response(replies.completion(text, chat, shape.model))
+
+    async def images(self, request: Request) -> Response:
+        body = await self.body(request, bodies.ImagesBody)
+        call = bodies.images_call(body)
+        kwargs = with_header_options(request, call.kwargs, self.settings)
+        client = await self.client(request)
+        last = await unless_disconnected(request, _last_image(
+            client.generate_image(*call.args, **kwargs)))
+        return json_response(replies.image(last))
+
+    async def models(self, request: Request) -> Response:
+        client = await self.client(request)
+        models = await client.models()
+        return json_response({"object": "list", "data": [
+            {"id": m["key"], "object": "model", "created": 0, "owned_by": "modelpool",
+             "capability": m["capability"], "state": m["state"]} for m in models]})
+
+    # ---- for operators -----------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        """Alive: this process answers (its loop runs) and so does the daemon's."""
+        try:
+            await (await self.client(request)).status()
+        except PoolError as exc:
+            raise HttpError(503, exc.message, "unavailable") from None
+        return json_response({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        if not await self.link.ready():
+            raise HttpError(503, "the daemon does not accept work", "not_ready")
+        return json_response({"status": "ready"})
+
+    async def metrics(self, request: Request) -> Response:
+        if self.settings.metrics_need_key:
+            check_key(request, self.settings.api_keys)
+        status = await (await self.client(request)).status()
+        return Response(exposition(status, self.counters),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        return Response(openapi_document(), media_type="application/json")
+
+
+def model_name(asked: str, client: AsyncClient, op: str) -> str:
+    """The model that answers: the one asked for, else the daemon's default for it."""
+    if asked:
+        return asked
+    defaults = client.welcome.default_models if client.welcome else {}
+    return defaults.get(BY_OP[op].served_by[0], "")
+
+
+async def _events(shape: replies.StreamShape, first: Any,
+                  stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        yield shape.event(first)
+        try:
+            async for chunk in stream:
+                yield shape.event(chunk)
+        except PoolError as exc:  # mid-stream: the status is sent; say it in the stream
+            status, body, _ = replies.pool_error(exc)
+            yield b"data: " + body + b"\n\n"
+            log.info("stream ended by %s (%d)", exc.code.value, status)
+        yield replies.SSE_DONE
+
+
+async def _gather(first: Any, stream: AsyncIterator[Any], model: str) -> TextResult:
+    parts, last = [first.text], first
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        async for chunk in stream:
+            parts.append(chunk.text)
+            last = chunk
+    return TextResult("".join(parts), last.finish_reason or "stop", last.prompt_tokens or 0,
+                      last.completion_tokens or 0, model)
+
+
+async def _last_image(stream: AsyncIterator[ImageChunk]) -> ImageChunk:
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        async for chunk in stream:
+            if chunk.png is not None:
+                return chunk
+    raise PoolError(replies.ErrorCode.INTERNAL, "the image stream ended without an image")
+
+
+def build_app(settings: HttpSettings) -> Starlette:
+    api = Api(settings)
+    table: list[tuple[str, Handler, str, bool]] = [
+        ("/v1/embeddings", api.embeddings, "POST", False),
+        ("/v1/chat/completions", api.chat, "POST", False),
+        ("/v1/completions", api.completions, "POST", False),
+        ("/v1/images/generations", api.images, "POST", False),
+        ("/v1/models", api.models, "GET", False),
+        ("/v1/image_embeddings", api.image_embeddings, "POST", False),
+        ("/v1/rerank", api.rerank, "POST", False),
+        ("/v1/jobs", api.jobs.submit, "POST", False),
+        ("/v1/jobs/{key}", api.jobs.show, "GET", False),
+        ("/v1/jobs/{key}", api.jobs.cancel, "DELETE", False),
+        ("/health", api.health, "GET", True),
+        ("/ready", api.ready, "GET", True),
+        ("/metrics", api.metrics, "GET", True),  # its own key check, when asked for
+        ("/openapi.json", api.openapi, "GET", True),
+    ]
+    routes = [Route(path, api.endpoint(handler, path, open_), methods=[method])
+              for path, handler, method, open_ in table]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await api.link.close()
+
+    return Starlette(routes=routes, lifespan=lifespan)

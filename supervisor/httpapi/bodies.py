@@ -1,0 +1,247 @@
+"""The HTTP API's request bodies (OpenAI's shapes, and our extensions) and what each
+asks of the pool: an operation of the one table of request kinds and its arguments.
+
+Unknown fields are ignored, as OpenAI-compatible servers do, except those that would
+change the answer if silently dropped (`n`, `dimensions`, `logprobs`, ...): those are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import MAX_TOKENS, ImageInput, Priority
+
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+Texts = Annotated[list[str], msgspec.Meta(min_length=1)]
+ImageUrlText = Annotated[str, msgspec.Meta(pattern="^(data:|https?://)")]
+Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # an int64
+
+
+class Options(msgspec.Struct, kw_only=True):
+    """Extensions every endpoint takes (also as X-Modelpool-* headers)."""
+
+    priority: Priority | None = None
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    deadline_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+
+class EmbeddingsBody(Options, kw_only=True):
+    # Token arrays are accepted by the type only to be refused by name.
+    input: str | Annotated[list[str | int | list[int]], msgspec.Meta(min_length=1)]
+    model: str = ""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class ImageEmbeddingsBody(Options, kw_only=True):
+    """Extension: images as `data:` URLs (or http(s) URLs where the daemon allows)."""
+
+    input: ImageUrlText | Annotated[list[ImageUrlText], msgspec.Meta(min_length=1)]
+    model: str = ""
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: ImageUrlText
+    detail: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class Sampling(Options, kw_only=True):
+    model: str = ""
+    max_tokens: Tokens | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+    user: str | None = None
+
+
+class ChatBody(Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: Tokens | None = None
+
+
+class CompletionBody(Sampling, kw_only=True):
+    prompt: NonEmpty | Annotated[list[NonEmpty], msgspec.Meta(min_length=1, max_length=1)]
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ImagesBody(Options, kw_only=True):
+    prompt: NonEmpty
+    model: str = ""
+    n: int = 1
+    size: str | None = None  # "WIDTHxHEIGHT"
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    seed: Seed | None = None  # extension
+    steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None  # extension
+    negative_prompt: str = ""  # extension
+    user: str | None = None
+
+
+class RerankBody(Options, kw_only=True):
+    """Extension, in the shape Cohere, Jina and vLLM use."""
+
+    query: NonEmpty
+    documents: Texts
+    model: str = ""
+    top_n: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    return_documents: bool = False
+
+
+JOB_OPERATIONS = ("embeddings", "image_embeddings", "chat.completions", "completions",
+                  "images.generations", "rerank")
+
+
+class JobBody(Options, kw_only=True):
+    """POST /v1/jobs: one of the endpoints' bodies, run as a job that outlives this
+    connection; its result is fetched with GET /v1/jobs/{id}."""
+
+    operation: Literal["embeddings", "image_embeddings", "chat.completions", "completions",
+                       "images.generations", "rerank"]
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PoolCall:
+    """What a body asks of the pool: `client.<op>(*args, **kwargs)`."""
+
+    op: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def bad(field: str, message: str) -> PoolError:
+    return PoolError(ErrorCode.BAD_REQUEST, f"{field}: {message}")
+
+
+def options(body: Options) -> dict[str, Any]:
+    return {name: getattr(body, name) for name in ("priority", "timeout_s", "deadline_s")
+            if getattr(body, name) is not None}
+
+
+def embeddings_call(body: EmbeddingsBody) -> PoolCall:
+    if body.dimensions is not None:
+        raise bad("dimensions", "not supported: vectors have the model's own size")
+    if isinstance(body.input, list) and any(not isinstance(x, str) for x in body.input):
+        raise bad("input", "token arrays are not supported; send text")
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    return PoolCall("embed", (texts,), {"model": body.model or None, **options(body)})
+
+
+def image_embeddings_call(body: ImageEmbeddingsBody) -> PoolCall:
+    urls = [body.input] if isinstance(body.input, str) else body.input
+    images = [image_from_url(url, f"input[{i}]") for i, url in enumerate(urls)]
+    return PoolCall("embed_image", (images,), {"model": body.model or None, **options(body)})
+
+
+def image_from_url(url: str, field: str) -> ImageInput:
+    """A `data:` URL's bytes, or an http(s) URL for the daemon to fetch (or refuse, by
+    its [images] policy). Never a path: an HTTP client may not name local files."""
+    if url.startswith(("http://", "https://")):
+        return ImageInput(url=url)
+    if not url.startswith("data:") or "," not in url:
+        raise bad(field, "an image must be a data: URL or an http(s) URL")
+    header, payload = url[5:].split(",", 1)
+    if not header.endswith(";base64"):
+        raise bad(field, "a data: URL must be base64 (data:image/png;base64,...)")
+    try:
+        return ImageInput(data=base64.b64decode(payload, validate=True))
+    except (binascii.Error, ValueError):
+        raise bad(field, "not valid base64") from None
+
+
+def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
+    if body.n != 1:
+        raise bad("n", "only n = 1 is supported; send several requests")
+    if body.logprobs:
+        raise bad("logprobs", "not supported")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    return {"model": body.model or None, "max_tokens": max_tokens or body.max_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
+            "stop": stop, **options(body)}
+
+
+def chat_call(body: ChatBody) -> PoolCall:
+    sampling = _sampling(body, body.max_completion_tokens)
+    images = [(i, part) for i, m in enumerate(body.messages) if isinstance(m.content, list)
+              for part in m.content if part.type == "image_url"]
+    if not images:
+        messages = [{"role": m.role, "content": _text_of(m)}
+                    for m in body.messages]
+        return PoolCall("generate", (messages,), sampling)
+    if len(images) > 1:
+        raise bad("messages", "one image per request is supported")
+    index, part = images[0]
+    if part.image_url is None:
+        raise bad(f"messages[{index}].content", "an image_url part needs image_url.url")
+    image = image_from_url(part.image_url.url, f"messages[{index}].content.image_url")
+    # A vision model answers one question about one image: the text beside the image.
+    return PoolCall("describe", (image, _text_of(body.messages[index])), sampling)
+
+
+def _text_of(message: ChatMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(p.text or "" for p in message.content if p.type == "text")
+
+
+def completion_call(body: CompletionBody) -> PoolCall:
+    if body.echo or body.suffix:
+        raise bad("echo" if body.echo else "suffix", "not supported")
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    return PoolCall("generate", (prompt,), {**_sampling(body, None), "raw": True})
+
+
+def images_call(body: ImagesBody) -> PoolCall:
+    if body.n != 1:
+        raise bad("n", "only n = 1 is supported; send several requests")
+    if body.response_format != "b64_json":
+        raise bad("response_format", "only b64_json: the daemon keeps no image files")
+    width = height = None
+    if body.size is not None and body.size != "auto":
+        width, height = _size(body.size)
+    return PoolCall("generate_image", (body.prompt,), {
+        "model": body.model or None, "width": width, "height": height, "seed": body.seed,
+        "steps": body.steps, "negative_prompt": body.negative_prompt, **options(body)})
+
+
+def _size(size: str) -> tuple[int, int]:
+    width, _, height = size.partition("x")
+    if not (width.isdigit() and height.isdigit()) or not (0 < int(width) <= 4096
+                                                          and 0 < int(height) <= 4096):
+        raise bad("size", "WIDTHxHEIGHT in pixels, each 1 to 4096 (e.g. 512x512)")
+    return int(width), int(height)
+
+
+def rerank_call(body: RerankBody) -> PoolCall:
+    return PoolCall("rerank", (body.query, body.documents),
+                    {"model": body.model or None, **options(body)})

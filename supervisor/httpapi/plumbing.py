@@ -1,0 +1,127 @@
+"""What every HTTP request goes through before and around the pool: its key, its body
+(bounded in size and time), its options from headers, and its client going away."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import PRIORITIES
+from modelpool.supervisor.httpapi.replies import HttpError
+from modelpool.supervisor.httpapi.settings import HttpSettings
+
+T = TypeVar("T")
+HEADER_OPTIONS = {"x-modelpool-priority": "priority", "x-modelpool-timeout": "timeout_s",
+                  "x-modelpool-deadline": "deadline_s"}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer."""
+
+
+def check_key(request: Request, keys: list[str]) -> None:
+    """Bearer keys compared in constant time; no keys configured: open (loopback only)."""
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise HttpError(401, "missing API key: send Authorization: Bearer <key>",
+                        "missing_api_key")
+    if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
+        raise HttpError(401, "invalid API key", "invalid_api_key")
+
+
+def client_identity(request: Request) -> str:
+    """Whose work this is, for fair shares: the key if there is one, else the address."""
+    auth = request.headers.get("authorization")
+    if auth:
+        return auth
+    return request.client.host if request.client else ""
+
+
+async def read_body(request: Request, settings: HttpSettings) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > settings.max_body_bytes:
+        raise _too_large(settings.max_body_bytes)
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > settings.max_body_bytes:
+                    raise _too_large(settings.max_body_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise HttpError(408, f"the request body did not arrive within "
+                        f"{settings.body_timeout_s:g}s", "request_timeout") from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> HttpError:
+    return HttpError(413, f"request body over {limit} bytes", "request_too_large")
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise HttpError(400, text, "invalid_request", param) from None
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, f"the body is not valid JSON: {exc}", "invalid_json") from None
+
+
+def with_header_options(request: Request, kwargs: dict[str, Any],
+                        settings: HttpSettings) -> dict[str, Any]:
+    """Options from X-Modelpool-* headers where the body set none; the priority cap."""
+    out = dict(kwargs)
+    for header, name in HEADER_OPTIONS.items():
+        value = request.headers.get(header)
+        if value is None or name in out:
+            continue
+        if name == "priority":
+            if value not in PRIORITIES:
+                raise HttpError(400, f"{header}: one of {', '.join(PRIORITIES)}",
+                                "invalid_request", header)
+            out[name] = value
+            continue
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise HttpError(400, f"{header}: seconds, a number", "invalid_request",
+                            header) from None
+        if not out[name] > 0:
+            raise HttpError(400, f"{header}: must be > 0", "invalid_request", header)
+    priority = out.get("priority", "normal")
+    if PRIORITIES.index(priority) < PRIORITIES.index(settings.max_priority):
+        raise PoolError(ErrorCode.PERMISSION_DENIED, f"priority {priority!r} is above this "
+                        f"API's cap ({settings.max_priority!r}, [http] max_priority)")
+    return out
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """The work's result; if the client goes first, the work is cancelled (which cancels
+    it in the daemon too) and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,179 @@
+"""What the HTTP API answers: OpenAI's response shapes (and our extensions') built from
+what the pool returned, and errors in OpenAI's JSON error shape with their status."""
+
+from __future__ import annotations
+
+import base64
+import math
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import numpy as np
+from starlette.responses import Response
+
+from modelpool.protocol.client_core import ImageChunk, TextChunk, TextResult
+from modelpool.protocol.errors import ErrorCode, PoolError
+
+# The status of each error code. 429s and 503s carry Retry-After.
+STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400, ErrorCode.WRONG_CAPABILITY: 400,
+    ErrorCode.IMAGE_TOO_LARGE: 400, ErrorCode.URL_NOT_ALLOWED: 400,
+    ErrorCode.PROTOCOL_VERSION: 400,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.UNKNOWN_MODEL: 404, ErrorCode.RESULT_NOT_FOUND: 404,
+    ErrorCode.CANCELLED: 409,
+    ErrorCode.QUEUE_FULL: 429, ErrorCode.OVERLOADED: 429,
+    ErrorCode.MODEL_ERROR: 500, ErrorCode.WORKER_DIED: 500, ErrorCode.INTERNAL: 500,
+    ErrorCode.INSUFFICIENT_MEMORY: 503, ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.SHUTTING_DOWN: 503, ErrorCode.MODEL_LOAD_FAILED: 503,
+    ErrorCode.TIMEOUT: 504, ErrorCode.DEADLINE_EXPIRED: 504,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
+              403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+              413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class HttpError(Exception):
+    """An error answered before the pool is asked (auth, body size, JSON)."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def json_response(data: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(data), status, headers, "application/json")
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
+    kind = ERROR_TYPE.get(status, "server_error" if status < 503 else "service_unavailable")
+    return msgspec.json.encode({"error": {"message": message, "type": kind, "param": param,
+                                          "code": code}})
+
+
+def pool_error(exc: PoolError) -> tuple[int, bytes, dict[str, str]]:
+    """Status, body and headers for an error of the pool."""
+    status = STATUS.get(exc.code, 500)
+    headers = {}
+    if status in (429, 503):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s or 1)))
+    param = exc.message.split(":", 1)[0] if exc.code is ErrorCode.BAD_REQUEST else None
+    if param is not None and (" " in param or len(param) > 64):
+        param = None  # a sentence, not a field name
+    return status, error_body(status, exc.message, exc.code.value.lower(), param), headers
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def vector(row: np.ndarray, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(row.astype("<f4").tobytes()).decode()
+    return row.tolist()
+
+
+def embeddings(rows: np.ndarray, model: str, encoding: str) -> dict[str, Any]:
+    """The usage counts are 0: the daemon does not count embedding tokens."""
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": vector(row, encoding)}
+                     for i, row in enumerate(rows)],
+            "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+
+
+def rerank(scores: np.ndarray, documents: list[str], model: str, top_n: int | None,
+           with_documents: bool) -> dict[str, Any]:
+    order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))[:top_n]
+    results = []
+    for i in order:
+        result: dict[str, Any] = {"index": i, "relevance_score": float(scores[i])}
+        if with_documents:
+            result["document"] = {"text": documents[i]}
+        results.append(result)
+    return {"id": new_id("rerank"), "model": model, "results": results}
+
+
+def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int]:
+    p, c = prompt_tokens or 0, completion_tokens or 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def completion(text: TextResult, chat: bool, model: str) -> dict[str, Any]:
+    """A whole generation as chat.completion or text_completion."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(text.finish_reason)}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text.text}
+    else:
+        choice.update(text=text.text, logprobs=None)
+    return {"id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": text.model or model, "choices": [choice],
+            "usage": usage(text.prompt_tokens, text.completion_tokens)}
+
+
+def _finish(reason: str | None) -> str | None:
+    # OpenAI's reasons are stop and length; a cancelled generation has ended by a stop.
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+class StreamShape:
+    """The chunks of one streamed completion, as server-sent events."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.first = True
+
+    def event(self, chunk: TextChunk) -> bytes:
+        delta: dict[str, Any] = {}
+        if self.chat:
+            delta = {"role": "assistant", "content": chunk.text} if self.first else {
+                "content": chunk.text}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(chunk.finish_reason)}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice.update(text=chunk.text, logprobs=None)
+        self.first = False
+        out = sse(self._wrap([choice], None))
+        if chunk.finish_reason is not None and self.include_usage:
+            out += sse(self._wrap([], usage(chunk.prompt_tokens, chunk.completion_tokens)))
+        return out
+
+    def _wrap(self, choices: list[dict[str, Any]], use: dict[str, int] | None) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat
+                else "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": use}
+
+
+def sse(data: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def image(chunk: ImageChunk) -> dict[str, Any]:
+    assert chunk.png is not None
+    return {"created": int(time.time()),
+            "data": [{"b64_json": base64.b64encode(chunk.png).decode()}]}
+
+
+def job_result(op: str, result: Any) -> dict[str, Any]:
+    """A finished job's result, by what its operation returns."""
+    if isinstance(result, TextResult):
+        return {"text": result.text, "finish_reason": _finish(result.finish_reason),
+                "model": result.model,
+                "usage": usage(result.prompt_tokens, result.completion_tokens)}
+    if isinstance(result, ImageChunk):
+        assert result.png is not None
+        return {"b64_json": base64.b64encode(result.png).decode(), "width": result.width,
+                "height": result.height, "seed": result.seed}
+    if op == "rerank":
+        return {"scores": [float(s) for s in result]}
+    rows = np.atleast_2d(result)
+    return {"data": [{"index": i, "embedding": row.tolist()} for i, row in enumerate(rows)]}

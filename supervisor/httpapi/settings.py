@@ -1,0 +1,19 @@
+"""The front door's settings: light to import, for the supervisor that sends them."""
+
+from __future__ import annotations
+
+import msgspec
+
+from modelpool.protocol.messages import Priority
+
+
+class HttpSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the front door needs of the daemon's config (sent to its process whole)."""
+
+    socket_path: str
+    api_keys: list[str] = []
+    metrics_need_key: bool = True
+    max_body_bytes: int = 64 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    connections: int = 8
+    max_priority: Priority = "critical"

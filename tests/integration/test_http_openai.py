@@ -1,0 +1,198 @@
+"""The OpenAI-compatible HTTP API through real clients: the official `openai` package
+(sync and async, streaming and not), curl for the SSE framing, httpx for the extensions;
+answers equal to the socket client's."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import numpy as np
+import openai
+import pytest
+from conftest import Daemon
+from http_helpers import KEY, MINILM, data_url, http_daemon, png
+from PIL import Image
+
+TEXTS = ["the cat sat on the mat", "a worker keeps one model loaded"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory,
+           tiny_models_dir: Path) -> Iterator[tuple[Daemon, str]]:
+    daemon, base = http_daemon(tmp_path_factory.mktemp("http"), tiny_models_dir,
+                               http="max_body_bytes = 1048576")
+    yield daemon, base
+    assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.fixture(scope="module")
+def sdk(served: tuple[Daemon, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_embeddings_equal_the_socket_clients(served: tuple[Daemon, str],
+                                             sdk: openai.OpenAI) -> None:
+    with served[0].client() as c:
+        expected = c.embed(TEXTS, model=MINILM)
+    got = sdk.embeddings.create(model=MINILM, input=TEXTS)  # base64 on the wire
+    floats = sdk.embeddings.create(model=MINILM, input=TEXTS[0], encoding_format="float")
+    assert got.model == MINILM and [d.index for d in got.data] == [0, 1]
+    np.testing.assert_allclose(np.array([d.embedding for d in got.data]), expected, atol=1e-6)
+    np.testing.assert_allclose(floats.data[0].embedding, expected[0], atol=1e-6)
+    default = sdk.embeddings.create(model="", input=TEXTS[0])
+    assert default.model == MINILM  # the daemon's default embedding model
+
+
+def test_chat_whole_and_streamed_equal_the_socket_clients(served: tuple[Daemon, str],
+                                                          sdk: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "tell me about workers"}]
+    with served[0].client() as c:
+        chunks = list(c.generate(messages, model="tiny-llm", max_tokens=12, temperature=0))
+    expected = "".join(ch.text for ch in chunks)
+    whole = sdk.chat.completions.create(model="tiny-llm", messages=messages, max_tokens=12,
+                                        temperature=0)
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens == chunks[-1].completion_tokens > 0
+    assert whole.usage.prompt_tokens == chunks[-1].prompt_tokens > 0
+    stream = sdk.chat.completions.create(model="tiny-llm", messages=messages, max_tokens=12,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    parts = list(stream)
+    deltas = [p.choices[0].delta.content for p in parts if p.choices]
+    assert len(deltas) >= 2 and "".join(d or "" for d in deltas) == expected
+    assert parts[-1].usage is not None and parts[-1].usage.completion_tokens > 0
+
+
+def test_async_sdk_streams_chunk_by_chunk(served: tuple[Daemon, str]) -> None:
+    async def run() -> tuple[list[str], list[float]]:
+        sdk = openai.AsyncOpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0)
+        stream = await sdk.completions.create(model="counter", prompt="count",
+                                              max_tokens=6, stream=True)
+        texts, times = [], []
+        loop = asyncio.get_running_loop()
+        async for part in stream:
+            texts.append(part.choices[0].text)
+            times.append(loop.time())
+        await sdk.close()
+        return texts, times
+
+    texts, times = asyncio.run(run())
+    assert len(texts) >= 6
+    # The counter writes a token every 50 ms: chunks arrive as made, not all at the end.
+    assert times[-1] - times[0] > 0.15
+
+
+def test_curl_sees_server_sent_events_ending_in_done(served: tuple[Daemon, str]) -> None:
+    body = json.dumps({"model": "counter", "prompt": "x", "max_tokens": 3, "stream": True})
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "--max-time", "30", "-H", f"Authorization: Bearer {KEY}",
+         "-H", "Content-Type: application/json", "-d", body,
+         served[1] + "/v1/completions"], capture_output=True, check=True, text=True).stdout
+    events = out.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(p["object"] == "text_completion" for p in payloads)
+
+
+def test_images_decode_as_pngs(sdk: openai.OpenAI) -> None:
+    result = sdk.images.generate(model="tiny-sd", prompt="a red square", size="64x64",
+                                 n=1, extra_body={"steps": 2, "seed": 1})
+    image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))
+    assert image.format == "PNG" and image.size == (64, 64)
+
+
+def test_vision_through_chat(served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    image = png((255, 0, 0))
+    with served[0].client() as c:
+        expected = "".join(ch.text for ch in c.describe(image, "what is it?",
+                                                        model="tiny-vision", max_tokens=6,
+                                                        temperature=0))
+    reply = sdk.chat.completions.create(model="tiny-vision", max_tokens=6, temperature=0,
+                                        messages=[{"role": "user", "content": [
+                                            {"type": "text", "text": "what is it?"},
+                                            {"type": "image_url",
+                                             "image_url": {"url": data_url(image)}}]}])
+    assert reply.choices[0].message.content == expected
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        sdk.chat.completions.create(model="tiny-vision", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}])
+
+
+def test_rerank_and_image_embeddings_extensions(served: tuple[Daemon, str]) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    docs = ["a worker runs a model", "bananas", "the queue"]
+    with served[0].client() as c:
+        scores = c.rerank("what runs a model", docs, model="tiny-rerank")
+        vectors = c.embed_image([png((0, 0, 255))], model="tiny-clip")
+    ranked = httpx.post(served[1] + "/v1/rerank", headers=headers, timeout=60, json={
+        "model": "tiny-rerank", "query": "what runs a model", "documents": docs,
+        "top_n": 2, "return_documents": True}).json()
+    order = list(np.argsort(-scores)[:2])
+    assert [r["index"] for r in ranked["results"]] == order
+    assert ranked["results"][0]["document"]["text"] == docs[order[0]]
+    assert ranked["results"][0]["relevance_score"] == pytest.approx(scores[order[0]], abs=1e-6)
+    embedded = httpx.post(served[1] + "/v1/image_embeddings", headers=headers, timeout=60,
+                          json={"model": "tiny-clip",
+                                "input": [data_url(png((0, 0, 255)))]}).json()
+    np.testing.assert_allclose(embedded["data"][0]["embedding"], vectors[0], atol=1e-6)
+
+
+def test_errors_map_to_the_sdks_exceptions(served: tuple[Daemon, str],
+                                           sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        sdk.embeddings.create(model="nope", input="x")
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.chat.completions.create(model="tiny-llm", n=2,
+                                    messages=[{"role": "user", "content": "hi"}])
+    assert bad.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as wrong:
+        sdk.embeddings.create(model="tiny-llm", input="x")
+    assert wrong.value.body["code"] == "wrong_capability"
+    nobody = openai.OpenAI(base_url=served[1] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        nobody.models.list()
+    no_key = httpx.get(served[1] + "/v1/models")
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "missing_api_key"
+
+
+def test_body_over_the_cap_is_413(served: tuple[Daemon, str]) -> None:
+    big = httpx.post(served[1] + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"input": "x" * 2_000_000})
+    assert big.status_code == 413
+    with served[0].client() as c:
+        assert c.embed("still serving").shape == (384,)
+
+
+def test_queue_full_is_429_with_retry_after(served: tuple[Daemon, str]) -> None:
+    """counter: one worker, a queue of one: of three long requests, the third is refused."""
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=served[1], timeout=60,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+            async def one(i: int) -> httpx.Response:
+                await asyncio.sleep(0.3 * i)  # in order: running, queued, refused
+                return await http.post("/v1/completions", json={
+                    "model": "counter", "prompt": "x", "max_tokens": 20})
+            return await asyncio.gather(*(one(i) for i in range(3)))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200, 200, 429]
+    assert responses[2].headers["retry-after"].isdigit()
+    assert responses[2].json()["error"]["type"] == "rate_limit_error"
+
+
+def test_health_ready_and_openapi_need_no_key(served: tuple[Daemon, str]) -> None:
+    assert httpx.get(served[1] + "/health").json() == {"status": "ok"}
+    assert httpx.get(served[1] + "/ready").json() == {"status": "ready"}
+    document = httpx.get(served[1] + "/openapi.json").json()
+    assert {"/v1/embeddings", "/v1/chat/completions", "/v1/jobs/{key}"} <= set(document["paths"])
+    assert httpx.get(served[1] + "/metrics").status_code == 401  # metrics_need_key

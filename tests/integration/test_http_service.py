@@ -1,0 +1,186 @@
+"""The HTTP API as a service: jobs, /metrics read by Prometheus' own parser, a client
+that leaves cancels its work, the start refused where it would be unsafe, the front
+door's process restarted, and the same API served from the supervisor's loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import numpy as np
+import psutil
+import pytest
+from conftest import ROOT, Daemon, daemon_env, fresh_socket_path
+from http_helpers import KEY, MINILM, free_port, http_daemon, running, wait_for_http
+from prometheus_client.parser import text_string_to_metric_families
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory,
+           tiny_models_dir: Path) -> Iterator[tuple[Daemon, str]]:
+    daemon, base = http_daemon(tmp_path_factory.mktemp("http-service"), tiny_models_dir)
+    yield daemon, base
+    assert daemon.stop() == 0, daemon.log()
+
+
+def test_a_job_outlives_its_connection(served: tuple[Daemon, str]) -> None:
+    created = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
+        "operation": "embeddings", "body": {"model": MINILM, "input": ["a", "b"]}})
+    assert created.status_code == 202, created.text
+    key = created.json()["id"]
+    shown = httpx.get(f"{served[1]}/v1/jobs/{key}?wait=30", headers=AUTH, timeout=60).json()
+    assert shown["status"] == "done" and shown["operation"] == "embed"
+    with served[0].client() as c:
+        expected = c.embed(["a", "b"], model=MINILM)
+        assert c.job(key)["state"] == "done"  # the same job, seen from the socket
+    np.testing.assert_allclose([d["embedding"] for d in shown["result"]["data"]], expected,
+                               atol=1e-6)
+    missing = httpx.get(f"{served[1]}/v1/jobs/nope", headers=AUTH)
+    assert missing.status_code == 404
+
+
+def test_a_job_cancelled_over_http(served: tuple[Daemon, str]) -> None:
+    key = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
+        "operation": "completions", "body": {"model": "counter", "prompt": "x",
+                                             "max_tokens": 2000}}).json()["id"]
+    cancelled = httpx.delete(f"{served[1]}/v1/jobs/{key}", headers=AUTH).json()
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["error"]["code"] == "cancelled"
+
+
+def _samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(base + "/metrics", headers=AUTH).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_parse_and_move(served: tuple[Daemon, str]) -> None:
+    ok = ("modelpool_requests_total", (("code", "OK"), ("model", MINILM),
+                                       ("operation", "embed"), ("priority", "high")))
+    latency = ("modelpool_request_duration_seconds_count",
+               (("model", MINILM), ("operation", "embed")))
+    before = _samples(served[1])
+    for _ in range(3):
+        assert httpx.post(served[1] + "/v1/embeddings", json={"input": "x", "model": MINILM},
+                          headers={**AUTH, "X-Modelpool-Priority": "high"}).status_code == 200
+    after = _samples(served[1])
+    assert after[ok] - before.get(ok, 0) == 3
+    assert after[latency] - before.get(latency, 0) >= 3
+    workers = ("modelpool_workers", (("model", MINILM), ("state", "idle")))
+    assert after[workers] >= 1
+    assert after[("modelpool_memory_budget_bytes", ())] > 0
+    http = ("modelpool_http_requests_total", (("path", "/v1/embeddings"), ("status", "200")))
+    assert after[http] - before.get(http, 0) == 3
+
+
+def _wait_idle(daemon: Daemon, model: str, timeout_s: float = 10) -> float:
+    start = time.monotonic()
+    with daemon.client() as c:
+        while running(c, model) and time.monotonic() - start < timeout_s:
+            time.sleep(0.05)
+        assert running(c, model) == 0, "the request went on after its client left"
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_cancels_its_generation(served: tuple[Daemon, str],
+                                                     stream: bool) -> None:
+    """2000 tokens of the counter take 100 s: done within seconds means cancelled."""
+    body = {"model": "counter", "prompt": "x", "max_tokens": 2000, "stream": stream}
+    warm = httpx.post(served[1] + "/v1/completions", headers=AUTH, timeout=60,
+                      json={**body, "max_tokens": 1, "stream": False})
+    assert warm.status_code == 200
+    with httpx.Client(base_url=served[1], headers=AUTH, timeout=1.0) as http:
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                next(response.iter_lines())
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body)
+    assert _wait_idle(served[0], "counter") < 10
+
+
+def test_a_client_that_leaves_takes_its_request_out_of_the_queue(
+        served: tuple[Daemon, str]) -> None:
+    """slow-embed runs one batch at a time for 3 s: a request queued behind one that
+    runs, whose client then leaves, is gone from the queue long before that one ends."""
+    with served[0].client() as c:
+        c.embed("warm", model="slow-embed")
+        first = subprocess.Popen([sys.executable, "-c", (
+            "import sys; from modelpool.protocol.client import Client; "
+            f"Client({served[0].socket_path!r}).embed('a', model='slow-embed')")])
+        try:
+            while running(c, "slow-embed") == 0:
+                time.sleep(0.02)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(served[1] + "/v1/embeddings", headers=AUTH, timeout=0.5,
+                           json={"model": "slow-embed", "input": "b"})
+            time.sleep(0.5)
+            queued = next(m["queued"] for m in c.status()["models"] if m["key"] == "slow-embed")
+            assert first.poll() is None and queued == 0
+        finally:
+            first.wait(30)
+
+
+def test_deadline_header_is_504(served: tuple[Daemon, str]) -> None:
+    response = httpx.post(served[1] + "/v1/completions", timeout=30,
+                          headers={**AUTH, "X-Modelpool-Timeout": "0.3"},
+                          json={"model": "counter", "prompt": "x", "max_tokens": 200})
+    assert response.status_code == 504, response.text
+    _wait_idle(served[0], "counter")
+
+
+def test_the_front_doors_process_is_started_again(served: tuple[Daemon, str]) -> None:
+    front = [p for p in psutil.Process(served[0].process.pid).children()
+             if "modelpool.supervisor.httpapi.serve" in " ".join(p.cmdline())]
+    assert len(front) == 1
+    os.kill(front[0].pid, signal.SIGKILL)
+    wait_for_http(served[1], served[0], timeout_s=20)
+    assert httpx.get(served[1] + "/v1/models", headers=AUTH).status_code == 200
+
+
+def _serve(tmp_path: Path, config: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "c.toml").write_text(config)
+    return subprocess.run(
+        [sys.executable, "-m", "modelpool.supervisor.cli", "serve", "--config",
+         str(tmp_path / "c.toml")], cwd=ROOT, env=daemon_env(fresh_socket_path()),
+        capture_output=True, text=True, timeout=60)
+
+
+def test_beyond_loopback_without_keys_refuses_to_start(tmp_path: Path) -> None:
+    done = _serve(tmp_path, f'[http]\nlisten = "0.0.0.0:{free_port()}"\n')
+    assert done.returncode == 2
+    assert "api_keys" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_taken_port_refuses_to_start(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = _serve(tmp_path, f'[http]\nlisten = "127.0.0.1:{taken.getsockname()[1]}"\n')
+    assert done.returncode == 2 and "in use" in done.stderr
+
+
+def test_in_loop_serves_the_same_api(make_daemon: object, tmp_path: Path) -> None:
+    port = free_port()
+    daemon = make_daemon(f"""
+        [http]
+        listen = "127.0.0.1:{port}"
+        in_loop = true
+    """)  # type: ignore[operator]
+    base = f"http://127.0.0.1:{port}"
+    wait_for_http(base, daemon)
+    got = httpx.post(base + "/v1/embeddings", json={"input": "x"}, timeout=60).json()
+    with daemon.client() as c:
+        np.testing.assert_allclose(got["data"][0]["embedding"], c.embed("x"), atol=1e-6)
+    assert len([p for p in daemon.descendants()
+                if "httpapi.serve" in " ".join(p.cmdline())]) == 0

@@ -1,0 +1,146 @@
+"""The HTTP API without a server: bodies into pool calls, errors into statuses, streamed
+chunks into events, the status into Prometheus text, and the start-up checks."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from modelpool.protocol.client_core import TextChunk
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import ImageInput
+from modelpool.supervisor.config import Config, ConfigError, HttpConfig
+from modelpool.supervisor.http_front import listen_address, settings_of
+from modelpool.supervisor.httpapi import bodies, replies
+from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
+from modelpool.supervisor.metrics import Histogram, ModelMetrics
+
+
+def body(kind: type, **fields: object) -> object:
+    return msgspec.convert(fields, type=kind)
+
+
+def test_embeddings_take_one_text_or_many_and_refuse_tokens() -> None:
+    one = bodies.embeddings_call(body(bodies.EmbeddingsBody, input="a", model="m",
+                                      priority="high"))
+    assert one == bodies.PoolCall("embed", (["a"],), {"model": "m", "priority": "high"})
+    with pytest.raises(PoolError, match="token arrays"):
+        bodies.embeddings_call(body(bodies.EmbeddingsBody, input=[1, 2]))
+    with pytest.raises(PoolError, match="dimensions"):
+        bodies.embeddings_call(body(bodies.EmbeddingsBody, input="a", dimensions=8))
+
+
+def test_chat_with_an_image_asks_a_vision_model_about_it() -> None:
+    image = base64.b64encode(b"\x89PNG...").decode()
+    call = bodies.chat_call(body(bodies.ChatBody, model="v", max_completion_tokens=5,
+                                 stop="END", messages=[{"role": "user", "content": [
+                                     {"type": "text", "text": "what is it?"},
+                                     {"type": "image_url",
+                                      "image_url": {"url": f"data:image/png;base64,{image}"}}]}]))
+    assert call.op == "describe" and call.args == (ImageInput(data=b"\x89PNG..."), "what is it?")
+    assert call.kwargs["max_tokens"] == 5 and call.kwargs["stop"] == ["END"]
+    text = bodies.chat_call(body(bodies.ChatBody, messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))
+    assert text.op == "generate" and text.args[0][1] == {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("url", ["/etc/passwd", "file:///etc/passwd", "data:image/png,raw"])
+def test_an_image_is_never_a_local_file(url: str) -> None:
+    with pytest.raises((PoolError, msgspec.ValidationError)):
+        bodies.chat_call(body(bodies.ChatBody, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}]}]))
+
+
+def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: n:"):
+        bodies.chat_call(body(bodies.ChatBody, n=2, messages=[{"role": "user", "content": "x"}]))
+    with pytest.raises(PoolError, match="response_format"):
+        bodies.images_call(body(bodies.ImagesBody, prompt="x", response_format="url"))
+    with pytest.raises(PoolError, match="size"):
+        bodies.images_call(body(bodies.ImagesBody, prompt="x", size="huge"))
+    sized = bodies.images_call(body(bodies.ImagesBody, prompt="x", size="64x32"))
+    assert (sized.kwargs["width"], sized.kwargs["height"]) == (64, 32)
+    assert bodies.completion_call(body(bodies.CompletionBody, prompt=["p"])).kwargs["raw"]
+
+
+@pytest.mark.parametrize(("code", "status"), [
+    (ErrorCode.UNKNOWN_MODEL, 404), (ErrorCode.BAD_REQUEST, 400), (ErrorCode.QUEUE_FULL, 429),
+    (ErrorCode.OVERLOADED, 429), (ErrorCode.INSUFFICIENT_MEMORY, 503),
+    (ErrorCode.SHUTTING_DOWN, 503), (ErrorCode.TIMEOUT, 504),
+    (ErrorCode.DEADLINE_EXPIRED, 504), (ErrorCode.MODEL_ERROR, 500)])
+def test_error_codes_have_their_statuses(code: ErrorCode, status: int) -> None:
+    got, payload, headers = replies.pool_error(PoolError(code, "input: bad", 2.5))
+    error = json.loads(payload)["error"]
+    assert got == status and error["code"] == code.value.lower()
+    assert (headers.get("Retry-After") == "3") == (status in (429, 503))
+    assert error["param"] == ("input" if code is ErrorCode.BAD_REQUEST else None)
+
+
+def test_every_error_code_has_a_status() -> None:
+    assert set(replies.STATUS) == set(ErrorCode)
+
+
+def test_a_stream_is_chunks_then_usage() -> None:
+    shape = replies.StreamShape(chat=True, model="m", include_usage=True)
+    first = shape.event(TextChunk("Hel"))
+    last = shape.event(TextChunk("lo", "length", 3, 2))
+    events = [json.loads(e.removeprefix(b"data: ")) for e in (first + last).split(b"\n\n")
+              if e]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert events[1]["choices"][0] == {"index": 0, "finish_reason": "length",
+                                       "delta": {"content": "lo"}}
+    assert events[2]["choices"] == [] and events[2]["usage"]["total_tokens"] == 5
+    assert len({e["id"] for e in events}) == 1
+
+
+def test_histograms_are_cumulative() -> None:
+    histogram = Histogram((0.1, 1.0))
+    for value in (0.05, 0.5, 5.0):
+        histogram.observe(value)
+    assert histogram.totals().counts == [1, 2] and histogram.count == 3
+
+
+def test_metrics_text_parses_with_prometheus_own_parser() -> None:
+    metrics = ModelMetrics()
+    metrics.ended("embed", "normal", object(), 0.02)
+    metrics.rejected("embed", "low", ErrorCode.QUEUE_FULL)
+    metrics.batch(4, [0.001, 0.002])
+    status = {"uptime_s": 1.0, "shutting_down": False, "clients": None,
+              "memory": {"budget_mb": 100.0, "used_mb": 10.0, "available_mb": 50.0},
+              "models": [{"key": "m", "state": "ready", "queued": 1, "running": 2,
+                          "memory_mb": 10.0, "workers": [{"state": "busy"}],
+                          "totals": msgspec.to_builtins(metrics.totals())}]}
+    families = {f.name: f for f in text_string_to_metric_families(
+        exposition(status, HttpCounters()).decode())}
+    outcomes = {(s.labels["code"], s.labels["priority"]): s.value
+                for s in families["modelpool_requests"].samples}
+    assert outcomes == {("OK", "normal"): 1, ("QUEUE_FULL", "low"): 1}
+    latency = families["modelpool_request_duration_seconds"]
+    assert latency.type == "histogram"
+    assert {s.name: s.value for s in latency.samples if "le" not in s.labels or
+            s.labels["le"] == "+Inf"}["modelpool_request_duration_seconds_count"] == 1
+    assert families["modelpool_memory_budget_bytes"].samples[0].value == 100 * 1024 * 1024
+    busy = [s for s in families["modelpool_workers"].samples if s.labels["state"] == "busy"]
+    assert busy[0].value == 1
+
+
+def test_an_open_port_beyond_loopback_needs_keys(tmp_path: Path) -> None:
+    def config(**http: object) -> Config:
+        return Config(http=HttpConfig(**http))  # type: ignore[arg-type]
+
+    with pytest.raises(ConfigError, match="api_keys"):
+        settings_of(config(listen="0.0.0.0:8000"), "/s")
+    assert settings_of(config(listen="127.0.0.1:8000"), "/s").api_keys == []
+    assert settings_of(config(listen="[::1]:8000"), "/s").api_keys == []
+    keys = tmp_path / "keys"
+    keys.write_text("# ours\nk1\n\nk2\n")
+    opened = settings_of(config(listen="0.0.0.0:8000", api_key_file=str(keys)), "/s")
+    assert opened.api_keys == ["k1", "k2"]
+    assert listen_address("[::1]:80") == ("::1", 80)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        listen_address("8000")
