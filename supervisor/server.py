@@ -26,10 +26,12 @@ from modelpool.protocol.messages import (
 from modelpool.protocol.peers import peer_of
 from modelpool.supervisor import (
     access,
+    activation,
     cgroups,
     cluster,
     gpus,
     realtime,
+    sdnotify,
     shm,
     status,
 )
@@ -39,7 +41,7 @@ from modelpool.supervisor.config import Config, gid_of
 from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.pool import Pool
-from modelpool.supervisor.shutdown import drain_and_stop
+from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
 from modelpool.supervisor.socket_dir import secure_socket_dir
 from modelpool.supervisor.workers import Launcher, forkserver_context
 
@@ -95,6 +97,10 @@ def bind_unix_socket(path: str, group: str | None) -> socket.socket:
 
 class Server:
     def __init__(self, config: Config) -> None:
+        # systemd's variables, taken out of the environment before any child is started.
+        self.inherited = activation.take_listening_socket()
+        self.service = sdnotify.ServiceNotifier.from_environ(LoopScheduler(),
+                                                             self._service_status)
         fd_limit = raise_fd_limit()  # before any child is started: they inherit it
         self.config = config
         self.socket_path = os.path.abspath(config.daemon.socket)
@@ -136,12 +142,11 @@ class Server:
         if self.config.daemon.realtime:
             realtime.enter_realtime()
         # The socket first: a daemon that may not serve there leaves nothing behind.
-        sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
+        sock = self._listening_socket()
         loading_cgroup = cgroups.enter(self.config.daemon.idle_cgroup)  # before the forkserver
         loop = asyncio.get_running_loop()
         if removed := shm.remove_stale_segments():
             log.info("removed %d shared-memory segment(s) left by a dead daemon", removed)
-        self._socket_inode = os.stat(self.socket_path).st_ino
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
         acceptor = Acceptor(sock, self.pool.scheduler, self._accepted, self._refusal)
@@ -157,9 +162,11 @@ class Server:
         log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients)",
                  self.socket_path, os.getpid(), len(self.pool.models),
                  self.connections.max_connections)
+        self.service.ready()
         try:
             await self.stop_requested.wait()
             log.info("stopping: refusing new work, draining")
+            self.service.stopping(self.config.pool.shutdown_timeout_s + KILL_GRACE_S)
             acceptor.close()
             sock.close()
             _, _, kill_at = await drain_and_stop(self.pool)
@@ -167,6 +174,7 @@ class Server:
             self.pool.shared.release_all()
             await self.launcher.close(kill_at - self.pool.scheduler.now())
         finally:
+            self.service.close()
             cgroups.leave(loading_cgroup)
             ticker.cancel()
             health.cancel()
@@ -181,7 +189,25 @@ class Server:
             acceptor.close()
             sock.close()
 
+    def _listening_socket(self) -> socket.socket:
+        """The socket systemd passed (socket activation), else one bound here."""
+        if self.inherited is None:
+            sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
+            self._socket_inode = os.stat(self.socket_path).st_ino
+            return sock
+        self.socket_path = activation.socket_name(self.inherited)
+        log.info("serving the socket passed by systemd: %s", self.socket_path)
+        if self.config.daemon.socket_group:
+            log.warning("socket_group is not applied to a passed socket: set SocketGroup= "
+                        "and SocketMode= in the .socket unit")
+        return self.inherited
+
+    def _service_status(self) -> str:
+        return status.summary_line(self.pool, len(self.connections.live))
+
     def _remove_socket(self) -> None:
+        if self._socket_inode is None:  # not bound here: a passed socket's path is not ours
+            return
         with contextlib.suppress(OSError):
             if os.stat(self.socket_path).st_ino == self._socket_inode:
                 os.unlink(self.socket_path)
