@@ -110,7 +110,8 @@ def install_service(args: argparse.Namespace) -> int:
 def next_steps(scope: str) -> str:
     ctl = "systemctl --user" if scope == "user" else "systemctl"
     socket = ("$XDG_RUNTIME_DIR/modelpool.sock" if scope == "user"
-              else "/run/modelpool/modelpool.sock (clients: MODELPOOL_SOCKET=...)")
+              else "/run/modelpool/modelpool.sock, or /run/modelpool.sock with the .socket "
+                   "unit (clients: MODELPOOL_SOCKET=...)")
     lines = [
         "Then:",
         f"  {ctl} daemon-reload",
