@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from modelpool.protocol.errors import PoolError
 from modelpool.supervisor.cli_jobs import add_job_commands
 from modelpool.supervisor.cli_ops import add_request_commands
+from modelpool.supervisor.cli_service import add_service_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     add_request_commands(sub)
     add_job_commands(sub)
     _admin_commands(sub)
+    add_service_command(sub)
     return parser
 
 
@@ -88,6 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     import msgspec
 
+    from modelpool.protocol import logs
+    from modelpool.supervisor.activation import ActivationError
     from modelpool.supervisor.config import ConfigError, load_config
     from modelpool.supervisor.server import AlreadyRunning, serve
     from modelpool.supervisor.socket_dir import UnsafeSocketDir
@@ -103,14 +106,14 @@ def _serve(args: argparse.Namespace) -> int:
     if args.http:
         config = msgspec.structs.replace(
             config, http=msgspec.structs.replace(config.http, listen=args.http))
-    logging.basicConfig(level=config.daemon.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(config.daemon.log_level.upper(), config.daemon.log_format)
+    logs.hand_down(config.daemon.log_level.upper(), config.daemon.log_format)  # to workers
     try:
         asyncio.run(serve(config))
     except ConfigError as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 2
-    except (AlreadyRunning, UnsafeSocketDir) as exc:
+    except (AlreadyRunning, UnsafeSocketDir, ActivationError) as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 1
     return 0

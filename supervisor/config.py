@@ -14,6 +14,7 @@ from typing import Annotated
 
 import msgspec
 
+from modelpool.protocol.logs import LogFormat
 from modelpool.protocol.messages import Priority, RequestDefaults
 from modelpool.protocol.paths import default_socket_path
 from modelpool.protocol.peers import uid_of
@@ -44,6 +45,7 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     socket: str = msgspec.field(default_factory=default_socket_path)
     socket_group: str | None = None  # set: socket is 0660 and owned by this group
     log_level: str = "INFO"
+    log_format: LogFormat = "text"  # or "json": one object per line (protocol/logs.py)
     max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024
     # One client's replies it has not read: over this, the client is dropped.
     max_client_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024 * 1024

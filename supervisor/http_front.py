@@ -86,7 +86,6 @@ def bind(listen: str) -> socket.socket:
 class HttpFront:
     def __init__(self, config: Config, socket_path: str) -> None:
         self.config = config.http
-        self.log_level = config.daemon.log_level
         self.settings = settings_of(config, socket_path)
         self.sock = bind(self.config.listen)
         self.process: asyncio.subprocess.Process | None = None
@@ -97,8 +96,10 @@ class HttpFront:
         host, port = self.sock.getsockname()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def run(self) -> None:
-        """Serve until cancelled."""
+    async def run(self, socket_path: str) -> None:
+        """Serve until cancelled; socket_path: the daemon's, as it serves it (systemd
+        may have passed another than the config's)."""
+        self.settings = msgspec.structs.replace(self.settings, socket_path=socket_path)
         if self.config.in_loop:
             from modelpool.supervisor.httpapi.serve import serve_in_loop
 
@@ -124,8 +125,7 @@ class HttpFront:
             stdin=asyncio.subprocess.PIPE, pass_fds=(fd,))
         assert self.process.stdin is not None
         self.process.stdin.write(msgspec.json.encode(Launch(
-            settings=self.settings, max_clients=self.config.max_clients,
-            log_level=self.log_level)) + b"\n")
+            settings=self.settings, max_clients=self.config.max_clients)) + b"\n")
         return await self.process.wait()
 
     async def stop(self, timeout_s: float = 5.0) -> None:

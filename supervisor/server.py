@@ -26,10 +26,12 @@ from modelpool.protocol.messages import (
 from modelpool.protocol.peers import peer_of
 from modelpool.supervisor import (
     access,
+    activation,
     cgroups,
     cluster,
     gpus,
     realtime,
+    sdnotify,
     shm,
     status,
 )
@@ -40,7 +42,7 @@ from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.http_front import HttpFront
 from modelpool.supervisor.pool import Pool
-from modelpool.supervisor.shutdown import drain_and_stop
+from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
 from modelpool.supervisor.socket_dir import secure_socket_dir
 from modelpool.supervisor.workers import Launcher, forkserver_context
 
@@ -96,6 +98,10 @@ def bind_unix_socket(path: str, group: str | None) -> socket.socket:
 
 class Server:
     def __init__(self, config: Config) -> None:
+        # systemd's variables, taken out of the environment before any child is started.
+        self.inherited = activation.take_listening_socket()
+        self.service = sdnotify.ServiceNotifier.from_environ(LoopScheduler(),
+                                                             self._service_status)
         fd_limit = raise_fd_limit()  # before any child is started: they inherit it
         self.config = config
         self.socket_path = os.path.abspath(config.daemon.socket)
@@ -139,33 +145,27 @@ class Server:
         if self.config.daemon.realtime:
             realtime.enter_realtime()
         # The socket first: a daemon that may not serve there leaves nothing behind.
-        sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
+        sock = self._listening_socket()
         loading_cgroup = cgroups.enter(self.config.daemon.idle_cgroup)  # before the forkserver
         loop = asyncio.get_running_loop()
         if removed := shm.remove_stale_segments():
             log.info("removed %d shared-memory segment(s) left by a dead daemon", removed)
-        self._socket_inode = os.stat(self.socket_path).st_ino
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
         acceptor = Acceptor(sock, self.pool.scheduler, self._accepted, self._refusal)
         acceptor.start()
-        warm = loop.create_task(self.launcher.warm_up())
-        ticker = loop.create_task(self._scale_ticker())
-        health = loop.create_task(self._health_ticker())
-        measure = loop.create_task(self._memory_ticker())
-        claims = loop.create_task(self.jobs.run())
-        touch = (loop.create_task(cluster.keep_in_touch(self.cluster, self.jobs))
-                 if self.cluster else None)
-        sweep = loop.create_task(self._connection_ticker())
-        front = loop.create_task(self.http.run()) if self.http else None
+        tasks = self._background(loop)
+        front = loop.create_task(self.http.run(self.socket_path)) if self.http else None
         if self.http:
             log.info("HTTP API on http://%s", self.http.address)
         log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients)",
                  self.socket_path, os.getpid(), len(self.pool.models),
                  self.connections.max_connections)
+        self.service.ready()
         try:
             await self.stop_requested.wait()
             log.info("stopping: refusing new work, draining")
+            self.service.stopping(self.config.pool.shutdown_timeout_s + KILL_GRACE_S)
             acceptor.close()
             sock.close()
             _, _, kill_at = await drain_and_stop(self.pool)
@@ -175,19 +175,22 @@ class Server:
         finally:
             if front is not None:
                 await self._stop_http(front)
+            self.service.close()
             cgroups.leave(loading_cgroup)
-            ticker.cancel()
-            health.cancel()
-            measure.cancel()
-            claims.cancel()
-            sweep.cancel()
-            if touch is not None:
-                touch.cancel()
-                await self.cluster.store.close()  # type: ignore[union-attr]
-            warm.cancel()
+            for task in tasks:
+                task.cancel()
+            if self.cluster is not None:
+                await self.cluster.store.close()
             self._remove_socket()
             acceptor.close()
             sock.close()
+
+    def _background(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[None]]:
+        work = [self.launcher.warm_up(), self._scale_ticker(), self._health_ticker(),
+                self._memory_ticker(), self.jobs.run(), self._connection_ticker()]
+        if self.cluster is not None:
+            work.append(cluster.keep_in_touch(self.cluster, self.jobs))
+        return [loop.create_task(w) for w in work]
 
     async def _stop_http(self, front: asyncio.Task[None]) -> None:
         """Last: HTTP clients got their answers while the pool drained."""
@@ -197,7 +200,25 @@ class Server:
         with contextlib.suppress(asyncio.CancelledError):
             await front
 
+    def _listening_socket(self) -> socket.socket:
+        """The socket systemd passed (socket activation), else one bound here."""
+        if self.inherited is None:
+            sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
+            self._socket_inode = os.stat(self.socket_path).st_ino
+            return sock
+        self.socket_path = activation.socket_name(self.inherited)
+        log.info("serving the socket passed by systemd: %s", self.socket_path)
+        if self.config.daemon.socket_group:
+            log.warning("socket_group is not applied to a passed socket: set SocketGroup= "
+                        "and SocketMode= in the .socket unit")
+        return self.inherited
+
+    def _service_status(self) -> str:
+        return status.summary_line(self.pool, len(self.connections.live))
+
     def _remove_socket(self) -> None:
+        if self._socket_inode is None:  # not bound here: a passed socket's path is not ours
+            return
         with contextlib.suppress(OSError):
             if os.stat(self.socket_path).st_ino == self._socket_inode:
                 os.unlink(self.socket_path)

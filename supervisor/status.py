@@ -86,6 +86,17 @@ def build_status(pool: Pool, socket_path: str, started_at: float,
     )
 
 
+def summary_line(pool: Pool, clients: int) -> str:
+    """One line for systemd's STATUS= (`systemctl status`): what is loaded and waiting."""
+    loaded = [m for m in pool.models.values() if m.has_ready_worker()]
+    workers = sum(len(m.live_workers()) for m in pool.models.values())
+    queued = sum(len(m.queue) for m in pool.models.values())
+    running = sum(m.running() for m in pool.models.values())
+    state = "stopping: " if pool.shutting_down else ""
+    return (f"{state}{len(loaded)} model(s) loaded, {workers} worker(s), {queued} queued, "
+            f"{running} running, {clients} client(s)")
+
+
 def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
     workers = [
         WorkerStatus(

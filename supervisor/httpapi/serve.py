@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import msgspec
 import uvicorn
 
+from modelpool.protocol import logs
 from modelpool.supervisor.httpapi.app import build_app
 from modelpool.supervisor.httpapi.settings import HttpSettings
 
@@ -55,7 +56,6 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
 
     settings: HttpSettings
     max_clients: int
-    log_level: str = "INFO"
 
 
 async def _serve_process(sock: socket.socket, launch: Launch) -> None:
@@ -78,8 +78,7 @@ async def _serve_process(sock: socket.socket, launch: Launch) -> None:
 
 def main(argv: list[str]) -> int:
     launch = msgspec.json.decode(sys.stdin.buffer.readline(), type=Launch)
-    logging.basicConfig(level=launch.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure_from_env()  # the daemon's log format, as its workers use it
     sock = socket.socket(fileno=int(argv[0]))
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve_process(sock, launch))
