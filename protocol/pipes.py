@@ -50,7 +50,9 @@ class WorkItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class Work(_Msg, frozen=True, kw_only=True, tag="work"):
-    items: list[WorkItem]  # several only for batchable capabilities
+    # Several for batchable capabilities (one batch), and for a worker that batches its
+    # streams continuously (one item per slot it granted).
+    items: list[WorkItem]
 
 
 class Abort(_Msg, frozen=True, kw_only=True, tag="abort"):
@@ -145,7 +147,11 @@ class LoadFailed(_Msg, frozen=True, kw_only=True, tag="load_failed"):
 
 
 class WantWork(_Msg, frozen=True, kw_only=True, tag="want_work"):
-    pass
+    """A grant of `slots` more units of work: a one-at-a-time worker grants 1 each time
+    it is free (one Work, whatever its batch); a worker that batches streams grants one
+    per free sequence, at the start and as streams end, and each stream takes one."""
+
+    slots: int = 1
 
 
 FromWorker = Ready | LoadFailed | WantWork | WorkReply
@@ -154,6 +160,7 @@ FromWorker = Ready | LoadFailed | WantWork | WorkReply
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     seq: int
     progress: int  # advanced per batch, token or diffusion step
+    tokens: int = 0  # generated since the worker started, for tokens/s
 
 
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

@@ -45,6 +45,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     stall_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Streams one text_to_text or vision worker decodes together (continuous batching);
+    # None: sized from the model and memory (at most 16); 1: one at a time.
+    max_active_sequences: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def __post_init__(self) -> None:
         if self.capability not in CAPABILITIES:

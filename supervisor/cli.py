@@ -127,9 +127,12 @@ def _status(args: argparse.Namespace) -> None:
         return
     print(f"{'MODEL':<42} {'CAPABILITY':<15} {'STATE':<9} {'QUEUED':>6} {'RUNNING':>7}  WORKERS")
     for model in status["models"]:
-        workers = ", ".join(f"{w['pid']}:{w['state']}" for w in model["workers"]) or "-"
+        workers = ", ".join(f"{w['pid']}:{w['state']}" + _sequences(w)
+                            for w in model["workers"]) or "-"
         print(f"{model['key']:<42} {model['capability']:<15} {model['state']:<9} "
               f"{model['queued']:>6} {model['running']:>7}  {workers}")
+        if model.get("tokens_per_s") is not None:
+            print(f"    generating: {model['tokens_per_s']:.1f} tokens/s")
         if model["health"] != "ok":
             print(f"    health: {model['health']}")
         elif model.get("last_error"):
@@ -140,6 +143,13 @@ def _status(args: argparse.Namespace) -> None:
           f"up {status['uptime_s']:.0f}s")
     if status.get("cluster"):
         _print_cluster(status["cluster"])
+
+
+def _sequences(worker: dict[str, Any]) -> str:
+    """" 3/16 seq" for a worker that batches streams: active sequences of its maximum."""
+    if worker.get("max_sequences") is None:
+        return ""
+    return f" {worker['sequences']}/{worker['max_sequences']} seq"
 
 
 def _print_cluster(cluster: dict[str, Any]) -> None:

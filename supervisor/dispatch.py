@@ -29,11 +29,21 @@ class Dispatcher:
         if not len(model.queue):
             return
         for worker in model.free_workers():
-            if not len(model.queue) or self._wait_for_batch(model):
-                return
-            batch = self._runnable(model.queue.pop_batch(model.settings.max_batch))
-            if batch:
-                self._send(model, worker, batch)
+            while worker.slots > 0 and len(model.queue):
+                if self._wait_for_batch(model):
+                    return
+                batch = self._runnable(self._pop(model, worker.slots))
+                if batch:
+                    self._send(model, worker, batch)
+
+    @staticmethod
+    def _pop(model: ModelState, slots: int) -> list[Job]:
+        """One batch (one slot), or one stream per slot: a worker that batches streams
+        continuously takes as many as it has free sequences, in one Work."""
+        jobs = model.queue.pop_batch(model.settings.max_batch)
+        while jobs and not jobs[0].kind.batched and len(jobs) < slots and len(model.queue):
+            jobs += model.queue.pop_batch(1)
+        return jobs
 
     def _send(self, model: ModelState, worker: WorkerHandle, batch: list[Job]) -> None:
         items, sent = [], []
@@ -49,8 +59,10 @@ class Dispatcher:
         for job in sent:
             job.state, job.worker_id, job.started_at = JobState.RUNNING, worker.worker_id, now
             worker.jobs[job.job_id] = job
-        worker.move_to(WorkerState.BUSY)
-        worker.wants_work, worker.last_used, worker.last_dispatch_at = False, now, now
+        if worker.state is WorkerState.IDLE:
+            worker.move_to(WorkerState.BUSY)
+        worker.slots -= 1 if sent[0].kind.batched else len(sent)
+        worker.last_used, worker.last_dispatch_at = now, now
         model.metrics.batch(sum(job.size for job in sent),
                             [now - job.accepted_at for job in sent])
         worker.send(Work(items=items))

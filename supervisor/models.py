@@ -102,11 +102,12 @@ class ModelState:
                 if w.state not in (WorkerState.STOPPING, WorkerState.DEAD)]
 
     def free_workers(self) -> list[WorkerHandle]:
-        """Workers that asked for work and may get it, most recently used first, so the
-        least recently used stay idle long enough to be retired."""
-        free = [w for w in self.workers.values()
-                if w.wants_work and w.state is WorkerState.IDLE and not w.hung]
-        free.sort(key=lambda w: w.last_used, reverse=True)
+        """Workers that asked for work and may get it: the least loaded first (a worker
+        that batches streams asks for more while it runs some), then the most recently
+        used, so the least recently used stay idle long enough to be retired."""
+        free = [w for w in self.workers.values() if w.slots > 0 and not w.hung
+                and w.state in (WorkerState.IDLE, WorkerState.BUSY)]
+        free.sort(key=lambda w: (len(w.jobs), -w.last_used))
         return free
 
     def running(self) -> int:

@@ -118,8 +118,8 @@ class Pool:
 
     def handle(self, worker: WorkerHandle, msg: FromWorker) -> None:
         match msg:
-            case WantWork():
-                self.handle_want_work(worker)
+            case WantWork(slots=slots):
+                self.handle_want_work(worker, slots)
             case Ready():
                 self.handle_ready(worker, msg)
             case LoadFailed(cause=cause):
@@ -129,10 +129,11 @@ class Pool:
             case _:
                 self.handle_reply(worker, msg)
 
-    def handle_want_work(self, worker: WorkerHandle) -> None:
-        worker.wants_work = True
+    def handle_want_work(self, worker: WorkerHandle, slots: int = 1) -> None:
+        worker.slots += slots
         was_loading = worker.state is WorkerState.LOADING
-        if worker.state in (WorkerState.BUSY, WorkerState.LOADING):
+        # A worker that batches streams asks for more while it still runs some: busy.
+        if was_loading or (worker.state is WorkerState.BUSY and not worker.jobs):
             worker.move_to(WorkerState.IDLE)
         self.reconcile(self.models[worker.model_key])
         if was_loading or any(m.waiting_for_memory for m in self.models.values()):

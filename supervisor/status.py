@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import time
+from typing import Any
 
 import psutil
 
@@ -27,7 +28,7 @@ from modelpool.protocol.messages import (
 from modelpool.supervisor import gpus, memory
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.pool import Pool
-from modelpool.supervisor.workers import WorkerState
+from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
 
 async def refresh_memory(pool: Pool) -> None:
@@ -111,9 +112,11 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
                               if w.last_heartbeat is not None else None),
             load_s=w.load_s,
             holds_weights=w is model.holder,
+            **_generation(w, now),
         )
         for w in model.processes()
     ]
+    generating = [w for w in model.workers.values() if w.tokens.total]
     queued, running = _by_priority(model)
     priorities = model.metrics.snapshot(queued, running)
     return ModelStatus(
@@ -126,7 +129,21 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         health=model.health(now, pool.pool_config.heartbeat_timeout_s),
         priorities=priorities, mean_batch=round(model.metrics.mean_batch, 2),
         device=model.device, totals=model.metrics.totals(),
+        tokens_per_s=(round(sum(w.tokens.per_s(now) for w in generating), 1)
+                      if generating else None),
+        tokens=sum(w.tokens.total for w in generating),
     )
+
+
+def _generation(worker: WorkerHandle, now: float) -> dict[str, Any]:
+    """A generation worker's sequences (when it batches streams) and tokens/s."""
+    fields: dict[str, Any] = {}
+    max_sequences = worker.info.get("max_active_sequences")
+    if isinstance(max_sequences, int):
+        fields["sequences"], fields["max_sequences"] = len(worker.jobs), max_sequences
+    if worker.tokens.total:
+        fields["tokens_per_s"] = round(worker.tokens.per_s(now), 1)
+    return fields
 
 
 def _by_priority(model: ModelState) -> tuple[dict[str, int], dict[str, int]]:

@@ -35,6 +35,7 @@ from modelpool.protocol.pipes import (
     heartbeat_decoder,
 )
 from modelpool.supervisor.queueing import Job
+from modelpool.supervisor.throughput import TokenRate
 
 log = logging.getLogger("modelpool.workers")
 
@@ -74,7 +75,7 @@ class WorkerHandle:
     state: WorkerState = WorkerState.STARTING
     process: multiprocessing.process.BaseProcess | None = None
     pid: int | None = None
-    wants_work: bool = False
+    slots: int = 0  # units of work it asked for and has not been given (WantWork)
     jobs: dict[int, Job] = field(default_factory=dict)
     last_used: float = 0.0
     ready_at: float | None = None
@@ -82,6 +83,7 @@ class WorkerHandle:
     last_heartbeat: float | None = None
     progress: int = 0
     progress_changed_at: float = 0.0
+    tokens: TokenRate = field(default_factory=TokenRate)  # generated, from heartbeats
     last_dispatch_at: float = 0.0  # a new job resets the stall clock
     hung: str | None = None  # why it was judged hung and killed
     stop_requested: bool = False  # we stopped it: exiting before Ready is no load failure
@@ -104,6 +106,7 @@ class WorkerHandle:
 
     def note_heartbeat(self, beat: Heartbeat, now: float) -> None:
         self.last_heartbeat = now
+        self.tokens.note(now, beat.tokens)
         if beat.progress != self.progress:
             self.progress, self.progress_changed_at = beat.progress, now
 

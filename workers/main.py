@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 
@@ -41,6 +41,9 @@ from modelpool.protocol.pipes import (
 from modelpool.workers import exitcodes, priority
 from modelpool.workers.progress import load_progress
 
+if TYPE_CHECKING:
+    from modelpool.workers.streams import Plan
+
 IDLE_TRIM_S = 1.0  # idle this long after work: return freed memory to the OS
 
 
@@ -51,6 +54,7 @@ class Worker:
         self.sock = sock
         self.images = images or ImagePolicy()
         self.progress = 0
+        self.tokens = 0  # generated so far, for the supervisor's tokens/s
         self.image_bytes: dict[tuple[int, int], bytes] = {}  # (job id, index) -> bytes
         self.loaded = False  # until then the heartbeat reports load progress
         self.aborts: set[int] = set()
@@ -62,8 +66,9 @@ class Worker:
         except OSError:
             os._exit(exitcodes.SUPERVISOR_GONE)
 
-    def tick(self) -> None:
+    def tick(self, tokens: int = 0) -> None:
         self.progress += 1
+        self.tokens += tokens
 
     def aborted(self, job_id: int) -> bool:
         # Drain whatever the supervisor sent while we were busy: only Abort/Shutdown can come.
@@ -137,7 +142,8 @@ def heartbeat_loop(sock: socket.socket, worker: Worker, interval: float,
             raised = True
         beat = worker.progress if worker.loaded else load_progress()
         try:
-            send_frame(sock, encoder.encode(Heartbeat(seq=seq, progress=beat)))
+            send_frame(sock, encoder.encode(Heartbeat(seq=seq, progress=beat,
+                                                      tokens=worker.tokens)))
         except OSError:
             return  # the supervisor is gone; the work pipe will tell the main thread
         seq += 1
@@ -153,15 +159,17 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
     threading.Thread(target=heartbeat_loop, name="heartbeat", daemon=True,
                      args=(beat_sock, worker, settings.heartbeat_interval_s,
                            settings.idle_load_s)).start()
-    model = _load(settings, worker)  # at idle priority, from the forkserver
+    model, batching = _load(settings, worker)  # at idle priority, from the forkserver
     worker.loaded = True
     if settings.hold_segment is not None:
         hold(worker)  # stays idle: it only keeps the weights alive
     priority.restore_all_threads()
+    if batching is not None:
+        serve_streams(model, settings, worker, batching)
     serve(model, settings, worker)
 
 
-def _load(settings: WorkerSettings, worker: Worker) -> object:
+def _load(settings: WorkerSettings, worker: Worker) -> tuple[object, Plan | None]:
     started = time.perf_counter()
     try:
         import torch
@@ -173,10 +181,18 @@ def _load(settings: WorkerSettings, worker: Worker) -> object:
         worker.send(LoadFailed(cause=f"{type(exc).__name__}: {exc}"))
         _exit(exitcodes.LOAD_FAILED)
     info = model.info() if hasattr(model, "info") else {}
+    batching = None
+    if settings.hold_segment is None:
+        from modelpool.workers import streams
+        from modelpool.workers.capabilities import PREPARERS
+
+        batching = streams.plan(model, settings, settings.spec.capability in PREPARERS)
+    if batching is not None:
+        info = {**info, "max_active_sequences": batching.slots}
     worker.send(Ready(pid=os.getpid(), load_s=time.perf_counter() - started,
                       uss_mb=_uss_mb(), weights_mb=weights_mb, info=info,
                       vram_mb=_vram_mb(settings.spec.device), weights=shared))
-    return model
+    return model, batching
 
 
 def _load_weights(settings: WorkerSettings) -> tuple[object, float | None, SharedWeights | None]:
@@ -234,6 +250,20 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
             case Shutdown():
                 worker.stopping = True
     priority.idle_all_threads()  # tearing down must not slow the serving workers
+    _exit(exitcodes.OK)
+
+
+def serve_streams(model: object, settings: WorkerSettings, worker: Worker,
+                  batching: Plan) -> NoReturn:
+    """Continuous batching: several streams at once (workers/streams.py)."""
+    from modelpool.workers import streams
+    from modelpool.workers.capabilities import PREPARERS
+
+    prepare = PREPARERS[settings.spec.capability]
+    loop = streams.StreamLoop(batching.decoder, lambda item: prepare(model, item, worker),
+                              worker)
+    loop.run(batching.slots, release_memory)
+    priority.idle_all_threads()
     _exit(exitcodes.OK)
 
 

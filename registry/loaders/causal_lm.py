@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Generate, Sampling
+from modelpool.registry.loaders import batched_decode
+from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -43,16 +45,32 @@ class CausalLM:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(self.tokenizer(request.prompt)["input_ids"])
 
-    @torch.inference_mode()
-    def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
+    def _checked_ids(self, request: Generate) -> tuple[list[int], int]:
+        """The prompt's token ids and how many tokens may follow them."""
         ids = self.prompt_ids(request)
-        stats.prompt_tokens = len(ids)
         if len(ids) >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {len(ids)} tokens; model "
                             f"{self.key!r} has a context of {self.context}")
+        assert request.sampling.max_tokens is not None, "the daemon fills in defaults"
+        return ids, min(request.sampling.max_tokens, self.context - len(ids))
+
+    def decoder(self) -> ContinuousDecoder | None:
+        """Continuous batching of many sequences, if this model allows it."""
+        if batched_decode.unsupported(self.model) is not None:
+            return None
+        return ContinuousDecoder(self.model, self.tokenizer, self.eos_ids)
+
+    def prepare(self, request: Generate) -> Prepared:
+        """A sequence for the decoder; raises PoolError for a prompt too long."""
+        ids, budget = self._checked_ids(request)
+        return Prepared(inputs={"input_ids": torch.tensor([ids], device=self.model.device)},
+                        prompt_tokens=len(ids), budget=budget, sampling=request.sampling)
+
+    @torch.inference_mode()
+    def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
+        ids, budget = self._checked_ids(request)
+        stats.prompt_tokens = len(ids)
         sampling = request.sampling
-        assert sampling.max_tokens is not None, "the daemon fills in defaults"
-        budget = min(sampling.max_tokens, self.context - len(ids))
         device = self.model.device
         yield from decode(self.model, {"input_ids": torch.tensor([ids], device=device)},
                           lambda token: {"input_ids": torch.tensor([[token]], device=device)},

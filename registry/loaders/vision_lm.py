@@ -16,6 +16,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Describe
+from modelpool.registry.loaders import batched_decode
+from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
 from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
 from modelpool.registry.spec import ModelSpec
@@ -58,17 +60,34 @@ class VisionLM:
                        else value.to(device)) if isinstance(value, torch.Tensor) else value
                 for name, value in inputs.items()}
 
-    @torch.inference_mode()
-    def describe(self, image: Image.Image, request: Describe,
-                 stats: GenerationStats) -> Iterator[str]:
+    def _checked_inputs(self, image: Image.Image, request: Describe
+                        ) -> tuple[dict[str, torch.Tensor], int, int]:
+        """The model's inputs, the prompt's length and how many tokens may follow it."""
         inputs = self.prompt_inputs(image, request.prompt)
         n_prompt = int(inputs["input_ids"].shape[1])  # image tokens included: they use context
-        stats.prompt_tokens = n_prompt
         if n_prompt >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "
                             f"included); model {self.key!r} has a context of {self.context}")
         assert request.sampling.max_tokens is not None, "the daemon fills in defaults"
-        budget = min(request.sampling.max_tokens, self.context - n_prompt)
+        return inputs, n_prompt, min(request.sampling.max_tokens, self.context - n_prompt)
+
+    def decoder(self) -> ContinuousDecoder | None:
+        """Continuous batching of the language model's sequences, if it allows it: each
+        prompt (image included) is prefilled alone, then decoded with the others."""
+        if batched_decode.unsupported(self.model) is not None:
+            return None
+        return ContinuousDecoder(self.model, self.tokenizer, self.eos_ids)
+
+    def prepare(self, image: Image.Image, request: Describe) -> Prepared:
+        inputs, n_prompt, budget = self._checked_inputs(image, request)
+        return Prepared(inputs=inputs, prompt_tokens=n_prompt, budget=budget,
+                        sampling=request.sampling)
+
+    @torch.inference_mode()
+    def describe(self, image: Image.Image, request: Describe,
+                 stats: GenerationStats) -> Iterator[str]:
+        inputs, n_prompt, budget = self._checked_inputs(image, request)
+        stats.prompt_tokens = n_prompt
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
 
         def next_inputs(token: int) -> dict[str, torch.Tensor]:

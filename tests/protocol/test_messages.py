@@ -281,6 +281,10 @@ def test_from_worker_round_trip(msg: msgspec.Struct) -> None:
 
 
 def test_heartbeat_is_a_compact_array() -> None:
-    payload = encoder.encode(pipes.Heartbeat(seq=5, progress=17))
-    assert msgspec.msgpack.decode(payload) == [5, 17]  # array_like: no field names
-    assert pipes.heartbeat_decoder.decode(payload) == pipes.Heartbeat(seq=5, progress=17)
+    payload = encoder.encode(pipes.Heartbeat(seq=5, progress=17, tokens=40))
+    assert msgspec.msgpack.decode(payload) == [5, 17, 40]  # array_like: no field names
+    assert pipes.heartbeat_decoder.decode(payload) == pipes.Heartbeat(seq=5, progress=17,
+                                                                      tokens=40)
+    # A beat without the token count (an older worker's) still decodes.
+    old = msgspec.msgpack.encode([5, 17])
+    assert pipes.heartbeat_decoder.decode(old) == pipes.Heartbeat(seq=5, progress=17)

@@ -22,14 +22,16 @@ class FakeOutbox:
     def __init__(self, abort_on: int | None = None) -> None:
         self.sent: list[msgspec.Struct] = []
         self.ticks = 0
+        self.tokens = 0
         self.abort_calls = 0
         self.abort_on = abort_on
 
     def send(self, msg: msgspec.Struct) -> None:
         self.sent.append(msg)
 
-    def tick(self) -> None:
+    def tick(self, tokens: int = 0) -> None:
         self.ticks += 1
+        self.tokens += tokens
 
     def aborted(self, job_id: int) -> bool:
         self.abort_calls += 1

@@ -17,6 +17,7 @@ from modelpool.workers.capabilities import (
 from modelpool.workers.capabilities.base import Outbox
 
 Adapter = Callable[[Any, list[WorkItem], Outbox, int], None]
+Preparer = Callable[[Any, WorkItem, Outbox], Any]
 
 ADAPTERS: dict[str, Adapter] = {
     "text_embedding": text_embedding.run,
@@ -25,4 +26,11 @@ ADAPTERS: dict[str, Adapter] = {
     "vision": vision.run,
     "text_to_image": text_to_image.run,
     "rerank": rerank.run,
+}
+
+# Capabilities whose models may batch their streams continuously (workers/streams.py):
+# how one work item becomes a sequence for the model's decoder.
+PREPARERS: dict[str, Preparer] = {
+    "text_to_text": text_to_text.prepare,
+    "vision": vision.prepare,
 }

@@ -16,8 +16,9 @@ class Outbox(Protocol):
     def send(self, msg: msgspec.Struct) -> None:
         """Send one reply up the work pipe."""
 
-    def tick(self) -> None:
-        """Advance the progress counter the heartbeat reports (per batch, token, step)."""
+    def tick(self, tokens: int = 0) -> None:
+        """Advance the progress counter the heartbeat reports (per batch, token, step),
+        counting the tokens generated since the last tick."""
 
     def aborted(self, job_id: int) -> bool:
         """True once the supervisor asked to stop this job (cancel, timeout, shutdown)."""

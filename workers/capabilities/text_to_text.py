@@ -62,12 +62,23 @@ def run(model: TextGenerationModel, items: list[WorkItem], out: Outbox, max_batc
         _run_one(model, item, out)
 
 
-def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
+def _check(model: TextGenerationModel, item: WorkItem) -> Generate:
     request = item.request
     assert isinstance(request, Generate)
     chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    text_limits.check_prompt(chars, text_limits.char_limit(model))
+    return request
+
+
+def prepare(model: Any, item: WorkItem, out: Outbox) -> Any:
+    """The item as a sequence for the model's continuous decoder (workers/streams.py);
+    raises PoolError for a prompt too long."""
+    return model.prepare(_check(model, item))
+
+
+def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
     try:
-        text_limits.check_prompt(chars, text_limits.char_limit(model))
+        request = _check(model, item)
     except PoolError as exc:
         out.send(error_reply(item.job_id, exc))
         return
@@ -84,7 +95,7 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
     seq = 0
     try:
         for piece in start():
-            out.tick()
+            out.tick(1)
             if out.aborted(job_id):
                 stats.finish_reason = "cancelled"
                 break

@@ -24,14 +24,24 @@ class VisionModel(Protocol):
         """Facts for status, e.g. {"context": 2048}."""
 
 
+def _image(model: Any, item: WorkItem, out: Outbox) -> tuple[Describe, Image.Image]:
+    request = item.request
+    assert isinstance(request, Describe)
+    text_limits.check_prompt(len(request.prompt), text_limits.char_limit(model))
+    opened = out.opened_images(item)[0]
+    return request, opened.decoded(working_side(model.info()))
+
+
+def prepare(model: Any, item: WorkItem, out: Outbox) -> Any:
+    """The item as a sequence for the model's continuous decoder (workers/streams.py)."""
+    request, image = _image(model, item, out)
+    return model.prepare(image, request)
+
+
 def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
     for item in items:  # streaming: the supervisor sends one item at a time
-        request = item.request
-        assert isinstance(request, Describe)
         try:
-            text_limits.check_prompt(len(request.prompt), text_limits.char_limit(model))
-            opened = out.opened_images(item)[0]
-            image = opened.decoded(working_side(model.info()))
+            request, image = _image(model, item, out)
         except Exception as exc:
             out.send(error_reply(item.job_id, exc))
             continue

@@ -1,0 +1,347 @@
+"""Continuous batching for decoder-only transformers: every running sequence of a model
+goes through one forward pass per step, and sequences join and leave between steps.
+
+A new sequence is prefilled (short text prompts several in one padded pass, a long one in
+chunks of PREFILL_CHUNK tokens so that it stalls the others one chunk at a time), then
+its KV cache joins the running batch, left-padded to the batch's length; a sequence that
+ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
+(temperature, top_p, seed, ignore_eos), with the same `sample` and the same detokenizer
+as the one-at-a-time loop in causal_lm.py.
+
+It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
+sliding window or recurrent state) and whose positions are one index per token, taken
+from `position_ids`: Llama, Mistral without a sliding window, Qwen2/3, Phi-3, GPT-2,
+LLaVA on any of those. `unsupported` says why another model is not, and it then runs one
+sequence at a time as before.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from modelpool.protocol.messages import Sampling
+from modelpool.workers.capabilities.text_to_text import GenerationStats
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass of one long prompt
+PREFILL_TOKENS = 512  # padded prompt tokens per pass when short prompts share one
+DEFAULT_MAX_SEQUENCES = 16  # the default cap; fewer when their KV caches would not fit
+KV_MEMORY_FRACTION = 0.25  # of the memory available at load, for full-context KV caches
+
+
+@dataclass
+class Prepared:
+    """One sequence ready to start: its prompt as the model's batch-1 inputs."""
+
+    inputs: dict[str, torch.Tensor]  # input_ids (1, n), and pixel_values etc. for vision
+    prompt_tokens: int
+    budget: int  # tokens it may generate: max_tokens, cut to the context left
+    sampling: Sampling
+
+
+@dataclass
+class Emitted:
+    """What one step did for one sequence: a text piece (maybe ""), and its end if it ended
+    (stats set) or failed (error set). An ended sequence has left the batch."""
+
+    seq_id: int
+    text: str = ""
+    stats: GenerationStats | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Seq:
+    seq_id: int
+    prepared: Prepared
+    generator: torch.Generator
+    detok: Any  # causal_lm.IncrementalDecoder
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    fed: int = 0  # prompt tokens prefilled so far (chunked prefill)
+    cache: DynamicCache | None = None  # its own cache while its prompt is fed in chunks
+    token: int = -1  # the last sampled token: the input of its next decode step
+
+    @property
+    def plain(self) -> bool:
+        """Text only: may share a padded prefill pass, or be fed in chunks."""
+        return set(self.prepared.inputs) <= {"input_ids", "attention_mask"}
+
+    @property
+    def left(self) -> int:
+        return self.prepared.prompt_tokens - self.fed
+
+
+class _Rows:
+    """The running sequences and their shared KV cache, left-padded: row i is seqs[i]."""
+
+    def __init__(self) -> None:
+        self.seqs: list[_Seq] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long)  # 1: a real token
+        self.positions = torch.zeros(0, dtype=torch.long)  # each row's next position
+
+    def join(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Add sequences whose prompts are in `cache` (rows in order, left-padded)."""
+        _zero_padding(cache, mask)
+        positions = mask.sum(dim=1)
+        if self.cache is None:
+            self.seqs, self.cache, self.mask, self.positions = list(seqs), cache, mask, positions
+            return
+        length = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_pad_kv(mine.keys, length), _pad_kv(theirs.keys, length)])
+            mine.values = torch.cat([_pad_kv(mine.values, length),
+                                     _pad_kv(theirs.values, length)])
+        self.mask = torch.cat([_pad_mask(self.mask, length), _pad_mask(mask, length)])
+        self.positions = torch.cat([self.positions, positions])
+        self.seqs.extend(seqs)
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows stay; columns that are padding in every row left go too."""
+        if not rows:
+            self.seqs, self.cache = [], None
+            self.mask, self.positions = self.mask[:0, :0], self.positions[:0]
+            return
+        if len(rows) == len(self.seqs):
+            return
+        assert self.cache is not None
+        index = torch.tensor(rows)
+        mask = self.mask[index]
+        start = int(mask.any(dim=0).int().argmax())  # first column some row still uses
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+        self.mask, self.positions = mask[:, start:], self.positions[index]
+        self.seqs = [self.seqs[i] for i in rows]
+
+
+def _pad_kv(t: torch.Tensor, length: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, length - t.shape[-2], 0))
+
+
+def _pad_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    return F.pad(mask, (length - mask.shape[1], 0))
+
+
+def _zero_padding(cache: DynamicCache, mask: torch.Tensor) -> None:
+    """Padding's keys and values become zeros: masked out, they must not be NaN either
+    (a query that sees only padding makes NaN, and 0 x NaN is NaN)."""
+    if bool(mask.all()):
+        return
+    keep = mask.bool()[:, None, :, None].to(cache.layers[0].keys.device)
+    for layer in cache.layers:
+        layer.keys = torch.where(keep, layer.keys, 0.0)
+        layer.values = torch.where(keep, layer.values, 0.0)
+
+
+class ContinuousDecoder:
+    """Sequences of one model, stepped together. Single-threaded: add, drop and step are
+    called between steps by the worker's loop."""
+
+    def __init__(self, model: Any, tokenizer: Any, eos_ids: set[int]) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                          else next(iter(eos_ids), 0))
+        self.default_max_sequences = default_max_sequences(model)
+        self.waiting: list[_Seq] = []  # not yet (fully) prefilled, in arrival order
+        self.rows = _Rows()
+        self.prefilled_last = False
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.rows.seqs)
+
+    def add(self, seq_id: int, prepared: Prepared) -> None:
+        from modelpool.registry.loaders.causal_lm import IncrementalDecoder
+
+        sampling = prepared.sampling
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
+        self.waiting.append(_Seq(seq_id, prepared, torch.Generator().manual_seed(seed),
+                                 IncrementalDecoder(self.tokenizer)))
+
+    def drop(self, seq_id: int) -> GenerationStats | None:
+        """It leaves now (aborted, or a stop string ended it): its stats so far, or None
+        for an id it does not have."""
+        found = [s for s in (*self.waiting, *self.rows.seqs) if s.seq_id == seq_id]
+        self.waiting = [s for s in self.waiting if s.seq_id != seq_id]
+        self.rows.keep([i for i, s in enumerate(self.rows.seqs) if s.seq_id != seq_id])
+        if not found:
+            return None
+        found[0].stats.prompt_tokens = found[0].prepared.prompt_tokens
+        return found[0].stats
+
+    @torch.inference_mode()
+    def step(self) -> list[Emitted]:
+        """One forward pass: a prefill when sequences wait (alternating with decode steps
+        while others run, so neither starves), else one token for every running one."""
+        if self.waiting and not (self.prefilled_last and self.rows.seqs):
+            self.prefilled_last = True
+            return self._prefill()
+        self.prefilled_last = False
+        return self._decode() if self.rows.seqs else []
+
+    # ---- prefill ---------------------------------------------------------------------
+
+    def _prefill(self) -> list[Emitted]:
+        group = self._next_group()
+        try:
+            if len(group) == 1 and (group[0].left > PREFILL_CHUNK or group[0].fed):
+                return self._prefill_chunk(group[0])
+            logits, cache, mask = self._prefill_whole(group)
+        except Exception as exc:
+            self.waiting = [s for s in self.waiting if s not in group]
+            return [Emitted(s.seq_id, error=exc) for s in group]
+        self.waiting = [s for s in self.waiting if s not in group]
+        self.rows.join(group, cache, mask)
+        return self._advance(group, logits)
+
+    def _next_group(self) -> list[_Seq]:
+        """The first waiting sequence, with the short text prompts that follow it when it
+        is one: as many as PREFILL_TOKENS padded tokens hold."""
+        first = self.waiting[0]
+        if not first.plain or first.left > PREFILL_CHUNK or first.fed:
+            return [first]
+        group, longest = [first], first.left
+        for seq in self.waiting[1:]:
+            if not seq.plain or seq.left > PREFILL_CHUNK or seq.fed:
+                continue
+            if (len(group) + 1) * max(longest, seq.left) > PREFILL_TOKENS:
+                break
+            group.append(seq)
+            longest = max(longest, seq.left)
+        return group
+
+    def _prefill_whole(self, group: list[_Seq]
+                       ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        if len(group) == 1:
+            inputs = dict(group[0].prepared.inputs)
+            ids = inputs["input_ids"]
+            mask = inputs.pop("attention_mask", torch.ones_like(ids))
+            out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1], out.past_key_values, mask.to("cpu", torch.long)
+        length = max(s.left for s in group)
+        ids = torch.full((len(group), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(group), length), dtype=torch.long)
+        for row, seq in enumerate(group):
+            prompt = seq.prepared.inputs["input_ids"][0]
+            ids[row, length - len(prompt):] = prompt.cpu()
+            mask[row, length - len(prompt):] = 1
+        device = self.model.device
+        out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(device),
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], out.past_key_values, mask
+
+    def _prefill_chunk(self, seq: _Seq) -> list[Emitted]:
+        """One chunk of a long prompt into the sequence's own cache; the last chunk joins
+        it to the batch and samples its first token."""
+        ids = seq.prepared.inputs["input_ids"][:, seq.fed:seq.fed + PREFILL_CHUNK]
+        out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True,
+                         logits_to_keep=1)
+        seq.cache, seq.fed = out.past_key_values, seq.fed + ids.shape[1]
+        if seq.left > 0:
+            return []
+        self.waiting.remove(seq)
+        cache, seq.cache = seq.cache, None
+        self.rows.join([seq], cache, torch.ones((1, seq.fed), dtype=torch.long))
+        return self._advance([seq], out.logits[:, -1])
+
+    # ---- decode ----------------------------------------------------------------------
+
+    def _decode(self) -> list[Emitted]:
+        rows = self.rows
+        device = self.model.device
+        ids = torch.tensor([[s.token] for s in rows.seqs], device=device)
+        mask = F.pad(rows.mask, (0, 1), value=1)
+        try:
+            out = self.model(
+                input_ids=ids, attention_mask=None if bool(mask.all()) else mask.to(device),
+                position_ids=rows.positions[:, None].to(device), past_key_values=rows.cache,
+                use_cache=True, logits_to_keep=1)
+        except Exception as exc:
+            failed, self.rows = rows.seqs, _Rows()
+            return [Emitted(s.seq_id, error=exc) for s in failed]
+        rows.mask, rows.positions = mask, rows.positions + 1
+        return self._advance(list(rows.seqs), out.logits[:, -1])
+
+    def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> list[Emitted]:
+        """Sample each sequence's next token from its row of logits (rows in the order of
+        seqs); the sequences that end leave the batch."""
+        from modelpool.registry.loaders.causal_lm import GREEDY_BELOW, sample
+
+        logits = logits.float().cpu()
+        greedy = logits.argmax(dim=-1).tolist()
+        events = []
+        for row, seq in enumerate(seqs):
+            sampling = seq.prepared.sampling
+            assert sampling.temperature is not None and sampling.top_p is not None
+            token = greedy[row] if sampling.temperature < GREEDY_BELOW else sample(
+                logits[row], sampling.temperature, sampling.top_p, seq.generator)
+            events.append(self._take(seq, token))
+        ended = {e.seq_id for e in events if e.stats is not None}
+        if ended:
+            self.rows.keep([i for i, s in enumerate(self.rows.seqs) if s.seq_id not in ended])
+        return events
+
+    def _take(self, seq: _Seq, token: int) -> Emitted:
+        stats = seq.stats
+        stats.prompt_tokens = seq.prepared.prompt_tokens
+        if token in self.eos_ids and not seq.prepared.sampling.ignore_eos:
+            stats.finish_reason = "stop"
+            return Emitted(seq.seq_id, seq.detok.flush(), stats)
+        stats.completion_tokens += 1
+        seq.token = token
+        text = seq.detok.add(token)
+        if stats.completion_tokens >= seq.prepared.budget:
+            stats.finish_reason = "length"
+            return Emitted(seq.seq_id, text + seq.detok.flush(), stats)
+        return Emitted(seq.seq_id, text)
+
+
+def unsupported(model: Any) -> str | None:
+    """Why this model cannot be batched this way, or None if it can."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception as exc:  # a config the cache cannot read: do not guess
+        return f"its cache layout is unknown ({type(exc).__name__})"
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        return "its cache is not plain full attention (sliding window, hybrid, recurrent)"
+    inner = getattr(model, "model", None)
+    if hasattr(model, "get_rope_index") or hasattr(inner, "get_rope_index"):
+        return "its positions are multimodal (mrope)"
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return "its forward takes no position_ids"
+    return None
+
+
+def default_max_sequences(model: Any) -> int:
+    """DEFAULT_MAX_SEQUENCES, or fewer if that many full-context KV caches would take
+    more than KV_MEMORY_FRACTION of the memory available now."""
+    config = model.config.get_text_config(decoder=True)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    layers = int(config.num_hidden_layers)
+    context = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    per_sequence = 2 * layers * kv_heads * head_dim * context * model.dtype.itemsize
+    return max(1, min(DEFAULT_MAX_SEQUENCES,
+                      int(KV_MEMORY_FRACTION * _available_bytes(model.device) // per_sequence)))
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
