@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,67 @@ class SlowImageEmbedder:
 
 def slow_image_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowImageEmbedder:
     return SlowImageEmbedder(float(spec.options.get("run_s", 0)))
+
+
+@dataclass
+class Emitted:
+    """One step's outcome for one stream, as workers/streams.py reads it."""
+
+    seq_id: int
+    text: str = ""
+    stats: GenerationStats | None = None
+    error: BaseException | None = None
+
+
+class CountingDecoder:
+    """Continuous batching without a model: every stream gets "tok<i> " each step, all of
+    them in one step of step_s seconds; a stream ends after its max_tokens."""
+
+    def __init__(self, step_s: float, max_sequences: int) -> None:
+        self.step_s = step_s
+        self.default_max_sequences = max_sequences
+        self.streams: dict[int, tuple[Generate, GenerationStats]] = {}
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def add(self, seq_id: int, request: Generate) -> None:
+        self.streams[seq_id] = (request, GenerationStats(
+            prompt_tokens=len(request.prompt.split())))
+
+    def drop(self, seq_id: int) -> GenerationStats | None:
+        entry = self.streams.pop(seq_id, None)
+        return entry[1] if entry else None
+
+    def step(self) -> list[Emitted]:
+        time.sleep(self.step_s)
+        events = []
+        for seq_id, (request, stats) in list(self.streams.items()):
+            event = Emitted(seq_id, f"tok{stats.completion_tokens} ")
+            stats.completion_tokens += 1
+            if stats.completion_tokens >= (request.sampling.max_tokens or 0):
+                stats.finish_reason, event.stats = "length", stats
+                del self.streams[seq_id]
+            events.append(event)
+        return events
+
+
+class BatchedCounter(CountingGenerator):
+    """CountingGenerator whose streams a worker batches continuously (the decoder above)."""
+
+    def __init__(self, step_s: float, max_sequences: int) -> None:
+        super().__init__(step_s)
+        self.max_sequences = max_sequences
+
+    def prepare(self, request: Generate) -> Generate:
+        if request.prompt == "CRASH":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return request
+
+    def decoder(self) -> CountingDecoder:
+        return CountingDecoder(self.step_s, self.max_sequences)
+
+
+def batched_counter(spec: ModelSpec, model_dir: Path | None) -> BatchedCounter:
+    return BatchedCounter(float(spec.options.get("step_s", 0.01)),
+                          int(spec.options.get("max_sequences", 8)))

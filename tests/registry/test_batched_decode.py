@@ -1,0 +1,167 @@
+"""Continuous batching of decoder sequences on the tiny random-weight models: the same
+tokens as one sequence at a time, however sequences join, leave and share steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from modelpool.protocol import kinds
+from modelpool.protocol.messages import Generate
+from modelpool.registry.loaders import batched_decode, load_model
+from modelpool.registry.loaders.batched_decode import ContinuousDecoder
+from modelpool.registry.loaders.causal_lm import CausalLM
+from modelpool.registry.loaders.vision_lm import VisionLM
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities.text_to_text import GenerationStats
+
+Outcome = tuple[str, str, int, int]  # text, finish reason, prompt and completion tokens
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models_dir: Path) -> CausalLM:
+    model = load_model(ModelSpec(key="tiny-llm", capability="text_to_text",
+                                 path=str(tiny_models_dir / "tiny-llm")))
+    assert isinstance(model, CausalLM)
+    return model
+
+
+def _request(i: int, **fields: Any) -> Generate:
+    prompt = f"Once upon a time {'there was a tiny model ' * (i % 4)}number {i}"
+    defaults: dict[str, Any] = {"max_tokens": 24 + 7 * i, "temperature": 0, "raw": True,
+                                "ignore_eos": i % 2 == 0}
+    request = kinds.build("generate", prompt, **{**defaults, **fields})
+    assert isinstance(request, Generate)
+    return request
+
+
+def _alone(llm: CausalLM, request: Generate) -> Outcome:
+    stats = GenerationStats()
+    text = "".join(llm.generate(request, stats))
+    return text, stats.finish_reason, stats.prompt_tokens, stats.completion_tokens
+
+
+def _run(decoder: ContinuousDecoder, arrivals: dict[int, list[tuple[int, Any]]],
+         drop: dict[int, list[int]] | None = None) -> tuple[dict[int, Outcome], int]:
+    """Step until every sequence ended: arrivals[step] join before that step, drop[step]
+    leave before it. Returns each one's outcome and the steps taken."""
+    texts: dict[int, str] = {}
+    outcomes: dict[int, Outcome] = {}
+    step = 0
+    while len(decoder) or any(s >= step for s in arrivals):
+        for seq_id, prepared in arrivals.get(step, []):
+            decoder.add(seq_id, prepared)
+            texts[seq_id] = ""
+        for seq_id in (drop or {}).get(step, []):
+            assert decoder.drop(seq_id) is not None
+        for event in decoder.step():
+            assert event.error is None
+            texts[event.seq_id] += event.text
+            if event.stats is not None:
+                s = event.stats
+                outcomes[event.seq_id] = (texts[event.seq_id], s.finish_reason,
+                                          s.prompt_tokens, s.completion_tokens)
+        step += 1
+        assert step < 10_000
+    return outcomes, step
+
+
+def _greedy_token(llm: CausalLM, request: Generate, at: int) -> int:
+    """The token greedy decoding picks at position `at` of its output."""
+    ids = llm.prompt_ids(request)
+    with torch.inference_mode():
+        for _ in range(at + 1):
+            token = int(llm.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(token)
+    return token
+
+
+def test_eight_greedy_sequences_joining_at_different_steps_equal_one_at_a_time(
+        llm: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    requests = [_request(i) for i in range(8)]
+    # A token the random model does emit stands in for end-of-sequence, so that some
+    # sequences end on it (the odd ones: the even ones ignore it).
+    monkeypatch.setattr(llm, "eos_ids", {*llm.eos_ids, _greedy_token(llm, requests[1], 5)})
+    decoder = llm.decoder()
+    assert decoder is not None
+    arrivals = {0: [(i, llm.prepare(requests[i])) for i in range(3)],
+                5: [(3, llm.prepare(requests[3]))],
+                6: [(i, llm.prepare(requests[i])) for i in range(4, 8)]}
+    together, _ = _run(decoder, arrivals)
+    assert together == {i: _alone(llm, r) for i, r in enumerate(requests)}
+    assert {o[1] for o in together.values()} == {"length", "stop"}  # eos ends some
+    assert len(decoder.rows.seqs) == 0 and decoder.rows.cache is None  # all freed
+
+
+def test_sampled_sequences_with_seeds_equal_one_at_a_time(llm: CausalLM) -> None:
+    requests = [_request(i, temperature=0.9, top_p=0.8, seed=100 + i) for i in range(6)]
+    decoder = llm.decoder()
+    assert decoder is not None
+    together, _ = _run(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(requests)]})
+    assert together == {i: _alone(llm, r) for i, r in enumerate(requests)}
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(
+        llm: CausalLM) -> None:
+    long = kinds.build("generate", "tiny model " * 400, max_tokens=12, temperature=0,
+                       raw=True, ignore_eos=True)
+    assert isinstance(long, Generate)
+    short = [_request(i, max_tokens=60, ignore_eos=True) for i in range(3)]
+    decoder = llm.decoder()
+    assert decoder is not None
+    prepared = llm.prepare(long)
+    assert prepared.prompt_tokens > 2 * batched_decode.PREFILL_CHUNK
+    arrivals = {0: [(i, llm.prepare(r)) for i, r in enumerate(short)], 3: [(9, prepared)]}
+    outcomes, steps = _run(decoder, arrivals)
+    assert outcomes[9] == _alone(llm, long)
+    assert all(outcomes[i] == _alone(llm, r) for i, r in enumerate(short))
+    assert steps == 60 + 1 + 3  # the short ones never waited for the whole long prompt
+
+
+def test_a_dropped_sequence_leaves_the_others_untouched(llm: CausalLM) -> None:
+    requests = [_request(i, max_tokens=40, ignore_eos=True) for i in range(4)]
+    decoder = llm.decoder()
+    assert decoder is not None
+    outcomes, _ = _run(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(requests)]},
+                       drop={10: [1], 12: [3]})
+    assert set(outcomes) == {0, 2}
+    assert outcomes[0] == _alone(llm, requests[0])
+    assert outcomes[2] == _alone(llm, requests[2])
+    assert decoder.drop(1) is None  # gone already
+
+
+def test_vision_sequences_batch_like_text(tiny_models_dir: Path) -> None:
+    model = load_model(ModelSpec(key="tiny-vision", capability="vision",
+                                 path=str(tiny_models_dir / "tiny-vision")))
+    assert isinstance(model, VisionLM)
+    images = [Image.new("RGB", (32, 32), (40 * i, 90, 200 - 30 * i)) for i in range(4)]
+    requests = [kinds.build("describe", b"unused", f"what is {i}?", max_tokens=20 + 5 * i,
+                            temperature=0, ignore_eos=True) for i in range(4)]
+    alone = []
+    for image, request in zip(images, requests, strict=True):
+        stats = GenerationStats()
+        text = "".join(model.describe(image, request, stats))  # type: ignore[arg-type]
+        alone.append((text, stats.finish_reason, stats.prompt_tokens, stats.completion_tokens))
+    decoder = model.decoder()
+    assert decoder is not None
+    prepared = [model.prepare(im, r) for im, r in zip(images, requests, strict=True)]  # type: ignore[arg-type]
+    together, _ = _run(decoder, {0: [(0, prepared[0]), (1, prepared[1])],
+                                 4: [(2, prepared[2]), (3, prepared[3])]})
+    assert together == dict(enumerate(alone))
+
+
+def test_models_that_cannot_batch_say_why() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    small: dict[str, Any] = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+                             "num_hidden_layers": 2, "num_attention_heads": 2}
+    with torch.random.fork_rng(devices=[]):
+        llama = LlamaForCausalLM(LlamaConfig(**small))
+        windowed = MistralForCausalLM(MistralConfig(sliding_window=8, **small))
+    assert batched_decode.unsupported(llama) is None
+    assert "sliding window" in (batched_decode.unsupported(windowed) or "")
+    assert 1 <= batched_decode.default_max_sequences(llama) <= batched_decode.DEFAULT_MAX_SEQUENCES

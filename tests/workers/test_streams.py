@@ -1,0 +1,160 @@
+"""A generation worker that batches its streams, in a real child process on the tiny
+Llama: the slots it grants, one ending per stream, stop strings, aborts and shutdown
+of one stream among others. The test plays the supervisor's side of the pipe."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from modelpool.protocol import kinds
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.framing import recv_frame, send_frame
+from modelpool.protocol.messages import Chunk, End, Error, encoder
+from modelpool.protocol.pipes import (
+    Abort,
+    Ready,
+    Shutdown,
+    WantWork,
+    Work,
+    WorkerSettings,
+    WorkItem,
+    from_worker_decoder,
+)
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers import exitcodes
+from modelpool.workers.main import run_worker
+
+TIMEOUT_S = 60.0
+
+
+@dataclass
+class Replies:
+    """What the worker said, by job id."""
+
+    text: dict[int, str] = field(default_factory=lambda: defaultdict(str))
+    seqs: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    endings: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    slots: int = 0  # granted by WantWork
+
+
+class StreamChild:
+    def __init__(self, process: Any, work: socket.socket) -> None:
+        self.process, self.work = process, work
+        self.replies = Replies()
+
+    def send(self, msg: msgspec.Struct) -> None:
+        send_frame(self.work, encoder.encode(msg))
+
+    def read_one(self) -> Any:
+        msg = from_worker_decoder.decode(recv_frame(self.work))
+        match msg:
+            case WantWork(slots=slots):
+                self.replies.slots += slots
+            case Chunk(id=job, seq=seq, text=text):
+                self.replies.text[job] += text
+                self.replies.seqs[job].append(seq)
+            case End(id=job) | Error(id=job):
+                self.replies.endings[job].append(msg)
+        return msg
+
+    def until(self, done: Any) -> None:
+        while not done(self.replies):
+            self.read_one()
+
+    def exitcode(self) -> int | None:
+        self.process.join(TIMEOUT_S)
+        return self.process.exitcode
+
+
+@pytest.fixture
+def child(tiny_models_dir: Path) -> Iterator[StreamChild]:
+    spec = ModelSpec(key="tiny-llm", capability="text_to_text", max_active_sequences=4,
+                     path=str(tiny_models_dir / "tiny-llm"))
+    settings = WorkerSettings(worker_id=1, spec=spec, threads=1, heartbeat_interval_s=0.05)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["modelpool.workers.preload"])
+    work_parent, work_child = socket.socketpair()
+    beat_parent, beat_child = socket.socketpair()
+    process = ctx.Process(target=run_worker, daemon=True, name="test-stream-worker",
+                          args=(msgspec.msgpack.encode(settings), work_child, beat_child))
+    try:
+        process.start()
+    finally:
+        work_child.close()
+        beat_child.close()
+    work_parent.settimeout(TIMEOUT_S)
+    handle = StreamChild(process, work_parent)
+    ready = handle.read_one()
+    assert isinstance(ready, Ready), ready
+    assert ready.info["max_active_sequences"] == 4
+    assert handle.read_one() == WantWork(slots=4)  # one grant for every sequence
+    yield handle
+    if process.is_alive():
+        process.kill()
+    process.join(10)
+    work_parent.close()
+    beat_parent.close()
+
+
+def _item(job_id: int, prompt: str, **fields: Any) -> WorkItem:
+    request = kinds.build("generate", prompt, raw=True, temperature=0, top_p=1.0, **fields)
+    return WorkItem(job_id=job_id, request=request)
+
+
+def _ended(*jobs: int) -> Any:
+    return lambda r: all(r.endings[j] for j in jobs)
+
+
+def test_streams_share_steps_each_with_its_own_ending(child: StreamChild) -> None:
+    child.send(Work(items=[_item(1, "Once upon a time", max_tokens=40, ignore_eos=True)]))
+    child.until(_ended(1))
+    alone = child.replies.text[1]
+    stop = alone[len(alone) // 2:len(alone) // 2 + 3]
+    cut = alone[:alone.index(stop)]
+    child.until(lambda r: r.slots == 5)  # the slot came back, after the End
+
+    child.send(Work(items=[
+        _item(2, "Once upon a time", max_tokens=40, ignore_eos=True),
+        _item(3, "Once upon a time", max_tokens=40, ignore_eos=True, stop=[stop]),
+        _item(4, "Once upon a time", max_tokens=7, ignore_eos=True),
+        _item(5, "x " * 3000, max_tokens=5),  # longer than the context: refused alone
+    ]))
+    child.until(_ended(2, 3, 4, 5))
+    r = child.replies
+    assert r.text[2] == alone and r.endings[2][0].finish_reason == "length"
+    assert r.text[3] == cut and r.endings[3][0].finish_reason == "stop"
+    assert r.endings[4][0].completion_tokens == 7 and alone.startswith(r.text[4])
+    assert isinstance(r.endings[5][0], Error)
+    assert r.endings[5][0].code is ErrorCode.BAD_REQUEST
+    assert all(len(r.endings[j]) == 1 for j in range(1, 6))  # one ending each
+    assert all(r.seqs[j] == list(range(len(r.seqs[j]))) for j in range(1, 5))
+    child.until(lambda r: r.slots == 9)  # every slot granted back, none twice
+    child.send(Shutdown())
+    assert child.exitcode() == exitcodes.OK
+
+
+def test_abort_ends_one_stream_and_shutdown_cancels_the_rest(child: StreamChild) -> None:
+    long = {"max_tokens": 1900, "ignore_eos": True}
+    child.send(Work(items=[_item(j, f"stream {j}", **long) for j in (1, 2, 3)]))
+    child.until(lambda r: all(len(r.seqs[j]) >= 3 for j in (1, 2, 3)))
+    child.send(Abort(job_id=2))
+    child.send(Abort(job_id=99))  # an id it does not have: ignored
+    child.until(_ended(2))
+    (end,) = child.replies.endings[2]
+    assert end.finish_reason == "cancelled" and end.completion_tokens >= 3
+    chunks_then = {j: len(child.replies.seqs[j]) for j in (1, 3)}
+    child.until(lambda r: all(len(r.seqs[j]) > chunks_then[j] + 3 for j in (1, 3)))
+    child.send(Shutdown())
+    child.until(_ended(1, 3))
+    assert [e.finish_reason for j in (1, 3) for e in child.replies.endings[j]] == [
+        "cancelled", "cancelled"]
+    assert child.exitcode() == exitcodes.OK
