@@ -268,7 +268,8 @@ def jobs_figures(quick: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster"))
+    parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster",
+                                           "generation"))
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
@@ -283,6 +284,10 @@ def main() -> None:
         import bench_cluster
 
         report["cluster"] = bench_cluster.figures(args.quick)
+    if args.only in (None, "generation"):
+        import bench_generation
+
+        report["generation"] = bench_generation.figures(args.quick)
     print(json.dumps(report, indent=2))
 
 
