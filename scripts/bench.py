@@ -268,7 +268,7 @@ def jobs_figures(quick: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster"))
+    parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster", "http"))
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
@@ -279,6 +279,10 @@ def main() -> None:
         report["pool"] = pool_figures(args.quick)
     if args.only in (None, "jobs"):
         report["jobs"] = jobs_figures(args.quick)
+    if args.only in (None, "http"):
+        import bench_http
+
+        report["http"] = bench_http.figures(args.quick)
     if args.only in (None, "cluster"):
         import bench_cluster
 
