@@ -33,8 +33,23 @@ def load_model(pool: Pool, name: str, workers: int) -> str:
                            f"budget")
     model.pin(workers, pool.scheduler.now())
     pool.reconcile(model)
-    return (f"{model.key}: keeping {model.warm_target} worker(s) up; "
+    capped = "" if workers <= model.warm_target else f" ({cap_reason(pool, model, workers)})"
+    return (f"{model.key}: keeping {model.warm_target} worker(s) up{capped}; "
             f"{len(model.live_workers())} live or starting")
+
+
+def cap_reason(pool: Pool, model: ModelState, asked: int) -> str:
+    """Why `load --workers N` keeps fewer than N: which setting caps it."""
+    cap = model.settings.max_workers
+    if model.spec.max_workers:
+        why = f"the model's max_workers = {cap}"
+    elif pool.pool_config.max_workers_per_model:
+        why = f"[pool] max_workers_per_model = {cap}"
+    else:
+        why = (f"{cap} worker(s) of {model.settings.threads} thread(s) keep the CPUs this "
+               f"daemon may use busy; more would only contend (set max_workers_per_model "
+               f"or the model's max_workers to allow more)")
+    return f"asked for {asked}, capped at {cap}: {why}"
 
 
 def unload_model(pool: Pool, name: str) -> str:

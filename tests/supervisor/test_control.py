@@ -112,6 +112,7 @@ async def test_load_model_warms_workers_up_to_the_cap_by_alias(
     await h.settle()
     assert len(h.workers("emb")) == 2  # two load slots
     assert "keeping 3 worker" in message
+    assert "asked for 10, capped at 3: [pool] max_workers_per_model = 3" in message
     h.ready(h.workers("emb")[0])  # a slot frees: the third starts without any request
     await h.settle()
     assert len(h.workers("emb")) == 3
