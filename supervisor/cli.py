@@ -105,6 +105,7 @@ def _client(args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     _ignore_working_directory()
     import asyncio
+    import logging
 
     import msgspec
 
@@ -113,9 +114,11 @@ def _serve(args: argparse.Namespace) -> int:
     from modelpool.supervisor.config import ConfigError, load_config
     from modelpool.supervisor.server import AlreadyRunning, serve
     from modelpool.supervisor.socket_dir import UnsafeSocketDir
+    from modelpool.supervisor.startcheck import check_models
 
     try:
         config = load_config(args.config)
+        warnings = check_models(config)
     except ConfigError as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 2
@@ -127,6 +130,8 @@ def _serve(args: argparse.Namespace) -> int:
             config, http=msgspec.structs.replace(config.http, listen=args.http))
     logs.configure(config.daemon.log_level.upper(), config.daemon.log_format)
     logs.hand_down(config.daemon.log_level.upper(), config.daemon.log_format)  # to workers
+    for warning in warnings:
+        logging.getLogger("modelpool.config").warning("%s", warning)
     try:
         asyncio.run(serve(config))
     except ConfigError as exc:

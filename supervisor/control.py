@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from modelpool.protocol.errors import ErrorCode
+from modelpool.registry.sources import hub_offline
 from modelpool.supervisor import memory
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.pool import Pool
@@ -31,11 +32,16 @@ def load_model(pool: Pool, name: str, workers: int) -> str:
         raise ControlError(ErrorCode.INSUFFICIENT_MEMORY,
                            f"model {model.key!r} has no device or can never fit its memory "
                            f"budget")
+    missing = None if model.live_workers() else pool.intake.missing_files(model.spec)
+    if missing is not None and not (missing.downloadable and not hub_offline()):
+        raise ControlError(ErrorCode.MODEL_LOAD_FAILED, missing.message)
     model.pin(workers, pool.scheduler.now())
     pool.reconcile(model)
     capped = "" if workers <= model.warm_target else f" ({cap_reason(pool, model, workers)})"
+    fetching = ("; downloading it into the Hugging Face cache first (`modelpool status` "
+                "shows the bytes)" if missing else "")
     return (f"{model.key}: keeping {model.warm_target} worker(s) up{capped}; "
-            f"{len(model.live_workers())} live or starting")
+            f"{len(model.live_workers())} live or starting{fetching}")
 
 
 def cap_reason(pool: Pool, model: ModelState, asked: int) -> str:

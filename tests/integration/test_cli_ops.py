@@ -9,6 +9,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,12 +30,22 @@ load_backoff_s = 0.1
 key = "see"
 capability = "vision"
 loader = "ops_test_loaders:size_describer"
+
+[[models]]
+key = "gone"
+capability = "text_embedding"
+path = "{gone}"
 """
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    daemon = start_daemon(tmp_path_factory.mktemp("cli-ops"), CONFIG)
+    workdir = tmp_path_factory.mktemp("cli-ops")
+    (workdir / "gone-model").mkdir()  # there at start; a test removes it
+    (workdir / "hub").mkdir()  # an empty Hugging Face cache
+    daemon = start_daemon(workdir, CONFIG.replace("{gone}", str(workdir / "gone-model")),
+                          env={"HF_HUB_CACHE": str(workdir / "hub")})
+    daemon.workdir = workdir  # type: ignore[attr-defined]
     yield daemon
     daemon.stop()
 
@@ -134,3 +145,21 @@ def test_more_than_4096_texts_are_split_by_the_client(daemon: Daemon) -> None:
         rows = c.embed([str(i) for i in range(9000)], model="emb")
     assert rows.shape == (9000, 8)
     assert rows[5, 0] == 1 and rows[8999, 0] == 4
+
+
+def test_load_of_a_model_whose_path_is_gone_says_so_at_once(daemon: Daemon) -> None:
+    (daemon.workdir / "gone-model").rmdir()  # type: ignore[attr-defined]
+    started = time.monotonic()
+    run = cli(daemon, "load", "gone")
+    assert run.returncode == 6 and "gone-model does not exist" in run.stderr
+    request = cli(daemon, "embed", "--model", "gone", "x")
+    assert request.returncode == 6 and "gone-model does not exist" in request.stderr
+    assert time.monotonic() - started < 20  # two CLI starts, no load, no timeout
+
+
+def test_the_default_text_model_not_downloaded_names_the_pull_at_once(daemon: Daemon) -> None:
+    started = time.monotonic()
+    run = cli(daemon, "generate", "Once upon a time")
+    assert run.returncode == 6
+    assert "run `modelpool pull Qwen/Qwen2.5-0.5B-Instruct`" in run.stderr
+    assert time.monotonic() - started < 15  # not the 30 s timeout

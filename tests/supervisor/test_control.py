@@ -159,3 +159,20 @@ async def test_unload_while_loading_is_not_a_load_failure(make_harness: MakeHarn
     h.embed(sink, ["again"])
     await h.settle()
     assert [w.state for w in model.workers.values()] == [WorkerState.LOADING] * 2
+
+
+async def test_load_of_a_model_whose_files_are_missing_fails_at_once(
+        make_harness: MakeHarness) -> None:
+    from modelpool.registry.sources import Missing
+
+    h = make_harness()
+    h.pool.intake.missing_files = lambda spec: Missing(f"path of {spec.key} does not exist")
+    with pytest.raises(control.ControlError) as err:
+        control.load_model(h.pool, "emb", 1)
+    assert err.value.code is ErrorCode.MODEL_LOAD_FAILED
+    assert "path of emb does not exist" in err.value.message
+    await h.settle()
+    assert h.workers("emb") == []
+    sink = h.sink()
+    h.embed(sink, ["a"])  # a request is refused at once, the same way
+    assert sink.errors()[-1].code is ErrorCode.MODEL_LOAD_FAILED
