@@ -90,3 +90,12 @@ def download_progress_mb(repo: str, cache: Path | None = None) -> float:
         return sum(entry.stat().st_size for entry in os.scandir(blobs)) / 2**20
     except OSError:
         return 0.0
+
+
+def partial_downloads(repo: str, cache: Path | None = None) -> bool:
+    """Is a download of this repo under way (or interrupted): an `.incomplete` blob."""
+    try:
+        return any(e.name.endswith(".incomplete")
+                   for e in os.scandir(repo_cache_dir(repo, cache) / "blobs"))
+    except OSError:
+        return False

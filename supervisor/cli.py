@@ -12,6 +12,7 @@ from modelpool.protocol.errors import PoolError
 from modelpool.supervisor import cli_common
 from modelpool.supervisor.cli_health import add_health_command, model_entry
 from modelpool.supervisor.cli_jobs import add_job_commands
+from modelpool.supervisor.cli_models import add_model_commands
 from modelpool.supervisor.cli_ops import add_request_commands
 from modelpool.supervisor.cli_service import add_service_command
 
@@ -48,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     add_job_commands(sub)
     _admin_commands(sub)
     add_service_command(sub)
+    add_model_commands(sub)
     cli_common.add_after_subcommands(parser, "--socket", help=socket_help)
     return parser
 
@@ -154,6 +156,8 @@ def _status(args: argparse.Namespace) -> None:
         workers = ", ".join(f"{w['pid']}:{w['state']}" for w in model["workers"]) or "-"
         print(f"{model['key']:<42} {model['capability']:<15} {model['state']:<9} "
               f"{model['queued']:>6} {model['running']:>7}  {workers}")
+        if model.get("loading"):
+            print(f"    {model['loading']}")
         if model["health"] != "ok":
             print(f"    health: {model['health']}")
         elif model.get("last_error"):

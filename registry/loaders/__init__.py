@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelpool.registry.download import resolve_model_dir
+from modelpool.registry.download import check_intact, resolve_model_dir
 from modelpool.registry.spec import ModelSpec
 
 Loader = Callable[[ModelSpec, Path | None], Any]
@@ -77,6 +77,8 @@ def load_model(spec: ModelSpec) -> Any:
 def load_model_with_dir(spec: ModelSpec) -> tuple[Any, Path | None]:
     loader = resolve_loader(spec)
     model_dir = resolve_model_dir(spec)
+    if model_dir is not None:
+        check_intact(spec, model_dir)  # a corrupt file named, not a bare SafetensorError
     return loader(spec, model_dir), model_dir
 
 

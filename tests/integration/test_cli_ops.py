@@ -5,6 +5,7 @@ that closes the pipe early."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import subprocess
@@ -35,14 +36,35 @@ loader = "ops_test_loaders:size_describer"
 key = "gone"
 capability = "text_embedding"
 path = "{gone}"
+
+[[models]]
+key = "hubbed"
+capability = "text_embedding"
+repo = "org/hubbed"
+loader = "mp_test_loaders:slow_embedder"
 """
+
+
+def corrupt_hub_repo(cache: Path) -> Path:
+    """org/hubbed in a Hugging Face cache layout, its weights blob not matching its name."""
+    base = cache / "models--org--hubbed"
+    snapshot = base / "snapshots" / ("c" * 40)
+    snapshot.mkdir(parents=True)
+    (base / "blobs").mkdir()
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text("c" * 40)
+    name = hashlib.sha256(b"the real weights").hexdigest()
+    (base / "blobs" / name).write_bytes(b"bit rot")
+    (snapshot / "model.safetensors").symlink_to(f"../../blobs/{name}")
+    return snapshot / "model.safetensors"
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     workdir = tmp_path_factory.mktemp("cli-ops")
     (workdir / "gone-model").mkdir()  # there at start; a test removes it
-    (workdir / "hub").mkdir()  # an empty Hugging Face cache
+    (workdir / "hub").mkdir()  # a Hugging Face cache holding one corrupt repo
+    corrupt_hub_repo(workdir / "hub")
     daemon = start_daemon(workdir, CONFIG.replace("{gone}", str(workdir / "gone-model")),
                           env={"HF_HUB_CACHE": str(workdir / "hub")})
     daemon.workdir = workdir  # type: ignore[attr-defined]
@@ -163,3 +185,11 @@ def test_the_default_text_model_not_downloaded_names_the_pull_at_once(daemon: Da
     assert run.returncode == 6
     assert "run `modelpool pull Qwen/Qwen2.5-0.5B-Instruct`" in run.stderr
     assert time.monotonic() - started < 15  # not the 30 s timeout
+
+
+def test_a_corrupt_hub_file_fails_the_load_naming_it_and_the_repair(daemon: Daemon) -> None:
+    weights = daemon.workdir / "hub" / "models--org--hubbed" / "snapshots" / ("c" * 40)
+    run = cli(daemon, "embed", "--model", "hubbed", "x")
+    assert run.returncode == 6
+    assert f"{weights / 'model.safetensors'} is corrupt" in run.stderr
+    assert "run `modelpool pull hubbed --repair`" in run.stderr

@@ -71,3 +71,12 @@ def test_download_progress_counts_partial_blobs(tmp_path: Path) -> None:
     (blobs / "next.incomplete").write_bytes(b"y" * 2**19)
     assert sources.download_progress_mb("org/m", tmp_path) == pytest.approx(1.5)
     assert sources.download_progress_mb("org/none", tmp_path) == 0.0
+
+
+def test_a_partial_blob_means_a_download_under_way(tmp_path: Path) -> None:
+    fake_repo(tmp_path, "org/m", {"config.json": b"{}"})
+    assert not sources.partial_downloads("org/m", tmp_path)
+    blobs = sources.repo_cache_dir("org/m", tmp_path) / "blobs"
+    (blobs / "abc.incomplete").write_bytes(b"x")
+    assert sources.partial_downloads("org/m", tmp_path)
+    assert not sources.partial_downloads("org/none", tmp_path)
