@@ -32,6 +32,8 @@ from modelpool.supervisor import (
     cgroups,
     cluster,
     gpus,
+    memory,
+    pressure,
     realtime,
     sdnotify,
     shm,
@@ -125,6 +127,9 @@ class Server:
                          cpus=usable_cpus())
         self.launcher.events = self.pool
         self.pool.intake.missing_files = sources.missing_files
+        self.memory_cgroup = pressure.own_cgroup()
+        self.pool.oom = pressure.OomCounter(self.memory_cgroup)
+        self._follow_machine()
         self.jobs, self.cluster = cluster.job_service(
             config, self.pool, scheduler, config.cluster.node_name or socket.gethostname())
         self.access = access.AccessPolicy.from_config(config.access, os.geteuid())
@@ -245,6 +250,20 @@ class Server:
         while True:
             await asyncio.sleep(MEMORY_REFRESH_S)
             await status.refresh_memory(self.pool)
+            self._follow_machine()
+
+    def _follow_machine(self) -> None:
+        """Budget from the cgroup's limit and the memory available now; under outside
+        pressure, idle workers go first."""
+        capacity = self.pool.capacity
+        used = capacity.used_mb(self.pool.models.values())
+        before = capacity.budget_mb
+        capacity.follow_machine(memory.read_memory(), pressure.read_cgroup(self.memory_cgroup),
+                                used)
+        if abs(capacity.budget_mb - before) >= 64:
+            log.info("memory budget now %.0f MiB (was %.0f): the pool holds %.0f MiB",
+                     capacity.budget_mb, before, used)
+        self.pool.apply(pressure.plan_relief(capacity.view(self.pool.models.values())))
 
     async def _connection_ticker(self) -> None:
         while True:
