@@ -37,7 +37,9 @@ from modelpool.protocol.client_core import (
     is_last,
     job_result,
     make_call,
+    merged,
     op_signature,
+    split_call,
     submit_message,
     unavailable,
     undecodable,
@@ -147,7 +149,27 @@ class Client:
         if call.kind.streaming:
             self._send(call.request)
             return self._stream(call)
-        return call.parse(self._final(call.request))
+        parts = split_call(call, self._ids)
+        if len(parts) == 1:
+            return call.parse(self._final(call.request))
+        return merged(call, self._all(parts))
+
+    def _all(self, parts: list[Any]) -> list[Any]:
+        """Send every part, then take their final replies in order. Once one fails, the
+        replies of the parts after it are dropped as they come."""
+        for part in parts:
+            self._send(part)
+        replies: list[Any] = []
+        try:
+            for part in parts:
+                replies.append(self._next(part.id))
+                if isinstance(replies[-1], Error):
+                    break
+        finally:
+            for part in parts[len(replies):]:
+                if not self._inbox.pop(part.id, None):
+                    self._dropped.add(part.id)
+        return replies
 
     def _stream(self, call: Call) -> Iterator[Any]:
         finished = False
@@ -314,12 +336,14 @@ class AsyncClient:
 
     async def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = make_call(op, next(self._ids), args, kwargs)
+        parts = split_call(call, self._ids)
         try:
-            reply = await self._final(call.request)
+            replies = await asyncio.gather(*(self._final(part) for part in parts))
         except asyncio.CancelledError:
-            self._cancel(call.id)  # the daemon stops work nobody awaits any more
+            for part in parts:
+                self._cancel(part.id)  # the daemon stops work nobody awaits any more
             raise
-        return call.parse(reply)
+        return call.parse(replies[0]) if len(parts) == 1 else merged(call, replies)
 
     def _cancel(self, rid: int) -> None:
         if self._writer is not None and not self._writer.is_closing():

@@ -298,6 +298,7 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     mean_batch: float = 0.0
     device: str | None = None  # "cpu" or "cuda:N"; None: the asked device is missing
     totals: ModelTotals | None = None
+    loading: str | None = None  # while a worker loads: "downloading: N MiB so far" or weights
 
 
 class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):

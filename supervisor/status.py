@@ -24,8 +24,9 @@ from modelpool.protocol.messages import (
     PoolStatus,
     WorkerStatus,
 )
+from modelpool.registry import sources
 from modelpool.supervisor import gpus, memory
-from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.models import LOADING, ModelState
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.workers import WorkerState
 
@@ -125,8 +126,20 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         memory_mb=round(model.charge().charged_mb, 1),
         health=model.health(now, pool.pool_config.heartbeat_timeout_s),
         priorities=priorities, mean_batch=round(model.metrics.mean_batch, 2),
-        device=model.device, totals=model.metrics.totals(),
+        device=model.device, totals=model.metrics.totals(), loading=_loading(model),
     )
+
+
+def _loading(model: ModelState) -> str | None:
+    """What a loading model is doing: fetching its hub files (how much is in the cache
+    so far), or reading its weights."""
+    if not any(w.state in LOADING for w in model.processes()):
+        return None
+    repo = model.spec.repo
+    if repo and (sources.cached_snapshot(repo, model.spec.revision) is None
+                 or sources.partial_downloads(repo)):
+        return f"downloading: {sources.download_progress_mb(repo):.1f} MiB in the cache so far"
+    return "loading weights"
 
 
 def _by_priority(model: ModelState) -> tuple[dict[str, int], dict[str, int]]:

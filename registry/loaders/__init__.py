@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelpool.registry.download import resolve_model_dir
+from modelpool.registry.download import check_intact, resolve_model_dir
 from modelpool.registry.spec import ModelSpec
 
 Loader = Callable[[ModelSpec, Path | None], Any]
@@ -23,19 +23,36 @@ Loader = Callable[[ModelSpec, Path | None], Any]
 class CapabilityLoader:
     loader: str  # "package.module:function", the capability's default loader
     preload: tuple[str, ...] = ()  # what else its models import, for the forkserver
+    options: tuple[str, ...] = ()  # the `options` keys it reads besides COMMON_OPTIONS
 
+
+COMMON_OPTIONS = ("dtype",)  # read by every built-in loader (common.pretrained_kwargs)
 
 # The registry's column of the request-kind table (protocol/kinds.py): how each
 # capability's models are loaded by default.
 LOADERS: dict[str, CapabilityLoader] = {
-    "text_embedding": CapabilityLoader("modelpool.registry.loaders.sentence_embedding:load"),
+    "text_embedding": CapabilityLoader("modelpool.registry.loaders.sentence_embedding:load",
+                                       options=("pooling", "max_seq_length", "normalize")),
     "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load"),
-    "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load"),
+    "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load",
+                                        options=("text_padding",)),
     "vision": CapabilityLoader("modelpool.registry.loaders.vision_lm:load"),
     "text_to_image": CapabilityLoader("modelpool.registry.loaders.diffusion:load",
-                                      preload=("diffusers",)),
-    "rerank": CapabilityLoader("modelpool.registry.loaders.cross_encoder:load"),
+                                      preload=("diffusers",),
+                                      options=("max_size", "preview_size")),
+    "rerank": CapabilityLoader("modelpool.registry.loaders.cross_encoder:load",
+                               options=("activation", "max_length")),
 }
+
+
+def unknown_options(spec: ModelSpec) -> tuple[list[str], list[str]]:
+    """(options the built-in loader would ignore, the ones it takes); nothing for a
+    custom loader, whose options only it knows."""
+    default = LOADERS.get(spec.capability)
+    if spec.loader or default is None:
+        return [], []
+    known = sorted({*COMMON_OPTIONS, *default.options})
+    return sorted(set(spec.options) - set(known)), known
 
 
 def resolve_loader(spec: ModelSpec) -> Loader:
@@ -60,6 +77,8 @@ def load_model(spec: ModelSpec) -> Any:
 def load_model_with_dir(spec: ModelSpec) -> tuple[Any, Path | None]:
     loader = resolve_loader(spec)
     model_dir = resolve_model_dir(spec)
+    if model_dir is not None:
+        check_intact(spec, model_dir)  # a corrupt file named, not a bare SafetensorError
     return loader(spec, model_dir), model_dir
 
 
