@@ -164,11 +164,11 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
 def _load(settings: WorkerSettings, worker: Worker) -> object:
     started = time.perf_counter()
     try:
-        import torch
-
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        if settings.threads and "torch" in sys.modules:  # not imported for ONNX models
+            sys.modules["torch"].set_num_threads(settings.threads)
         model, weights_mb, shared = _load_weights(settings)
+        if settings.threads:
+            set_threads(model, settings.threads)
     except BaseException as exc:
         worker.send(LoadFailed(cause=f"{type(exc).__name__}: {exc}"))
         _exit(exitcodes.LOAD_FAILED)
@@ -222,7 +222,9 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
         msg = worker.receive()
         want_work = False
         match msg:
-            case Work(items=items):
+            case Work(items=items, threads=threads):
+                if threads:
+                    set_threads(model, threads)
                 worker.take_images(items)
                 adapter(model, items, worker, settings.max_batch)
                 worker.image_bytes = {}
@@ -235,6 +237,16 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
                 worker.stopping = True
     priority.idle_all_threads()  # tearing down must not slow the serving workers
     _exit(exitcodes.OK)
+
+
+def set_threads(model: object, threads: int) -> None:
+    """The model's own way (an ONNX Runtime session per count), else torch's pool, which
+    is the process's: ~1 ms to change (OpenMP resizes its team), so only on a change."""
+    own = getattr(model, "set_threads", None)
+    if callable(own):
+        own(threads)
+    elif "torch" in sys.modules and sys.modules["torch"].get_num_threads() != threads:
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def release_memory() -> None:
