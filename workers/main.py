@@ -182,18 +182,21 @@ def _load(settings: WorkerSettings, worker: Worker) -> object:
 def _load_weights(settings: WorkerSettings) -> tuple[object, float | None, SharedWeights | None]:
     """(model, size of the weights it maps, what a holder shares)."""
     from modelpool.registry.loaders import load_model_with_dir, weights_size_mb
-    from modelpool.registry.loaders.common import device_of
-    from modelpool.workers import shared_weights
 
     spec = settings.spec
     if settings.weights is None:
         model, model_dir = load_model_with_dir(spec)
         if settings.hold_segment is None:
             return model, weights_size_mb(model_dir), None
+        from modelpool.workers import shared_weights  # torch: not for ONNX models
+
         shared = shared_weights.export(model, settings.hold_segment)
         return model, shared.segment_bytes / 2**20, shared
     # Built on the CPU, where file-backed weights cost nothing, then moved onto the
     # holder's tensors: a GPU worker never allocates a copy of its own.
+    from modelpool.registry.loaders.common import device_of
+    from modelpool.workers import shared_weights
+
     model, _ = load_model_with_dir(msgspec.structs.replace(spec, device="cpu"))
     shared_weights.attach(model, settings.weights, device_of(spec))
     release_memory()

@@ -65,6 +65,8 @@ def _onnx_unsupported(spec: ModelSpec) -> str | None:
         return "execution = \"eager\""
     if spec.device not in ("auto", "cpu"):
         return f"device {spec.device}: ONNX runs on the CPU here"
+    if spec.weights_holder == "on":
+        return "weights_holder = \"on\" shares torch tensors"
     if spec.options.get("dtype", "float32") != "float32":
         return f"dtype {spec.options['dtype']}: the export is float32"
     return None

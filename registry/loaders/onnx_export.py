@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,9 @@ def _export(eager: SentenceEmbedder, work: Path) -> Manifest:
     inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids")
               if name in sample]
     raw = work / "raw.onnx"
-    with torch.inference_mode():
+    # The tracer warns about Python branches on shapes; the check below is what counts.
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         torch.onnx.export(
             _Pooled(eager, inputs).eval(), tuple(sample[name] for name in inputs), str(raw),
             dynamo=False, opset_version=OPSET, input_names=inputs, output_names=["vectors"],
