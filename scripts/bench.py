@@ -63,8 +63,12 @@ def baseline(texts: list[str], singles: int, threads: int) -> dict[str, Any]:
     from modelpool.registry.loaders import load_model
     from modelpool.registry.spec import Registry, load_catalog
 
+    import msgspec
+
     torch.set_num_threads(threads)
-    model = load_model(Registry(load_catalog()).resolve(MINILM))  # type: ignore[arg-type]
+    spec = Registry(load_catalog()).resolve(MINILM)
+    # Eager PyTorch: the baseline (the daemon runs the ONNX export, see bench_targets).
+    model = load_model(msgspec.structs.replace(spec, execution="eager"))  # type: ignore[arg-type]
     for _ in range(5):
         model.embed(texts[:1])
     lat = []
