@@ -58,12 +58,11 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
 
 def baseline(texts: list[str], singles: int, threads: int) -> dict[str, Any]:
     """The same model in this process, on `threads` torch threads."""
+    import msgspec
     import torch
 
     from modelpool.registry.loaders import load_model
     from modelpool.registry.spec import Registry, load_catalog
-
-    import msgspec
 
     torch.set_num_threads(threads)
     spec = Registry(load_catalog()).resolve(MINILM)
