@@ -51,6 +51,7 @@ class WorkItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class Work(_Msg, frozen=True, kw_only=True, tag="work"):
     items: list[WorkItem]  # several only for batchable capabilities
+    threads: int = 0  # intra-op threads for this work (cores idle siblings leave); 0: keep
 
 
 class Abort(_Msg, frozen=True, kw_only=True, tag="abort"):

@@ -41,6 +41,7 @@ from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelSettings, ModelState
 from modelpool.supervisor.queueing import PRIORITY_RANK, Job, JobState, Requester, aged_rank
 from modelpool.supervisor.shm import SharedImages, unlink_segment, weights_segment
+from modelpool.supervisor.threads import ThreadBudget
 from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
 from modelpool.workers import exitcodes
 
@@ -69,7 +70,8 @@ class Pool:
         self.book = JobBook(scheduler, self)
         self.shared = SharedImages()
         self.dispatcher = Dispatcher(scheduler, self.book, self.shared,
-                                     config.pool.max_batch_wait_ms / 1000)
+                                     config.pool.max_batch_wait_ms / 1000,
+                                     ThreadBudget(cpus, self.models))
         self.intake = Intake(config, registry, self.models, self.capacity, self.book,
                              scheduler, len(self.gpus), lambda: self.shutting_down,
                              self.reconcile)

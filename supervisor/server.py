@@ -307,7 +307,8 @@ class Server:
     async def _serve_client(self, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
         conn = Connection(reader, writer, self.connections, self.access,
-                          peer_of(writer.get_extra_info("socket")))
+                          peer_of(writer.get_extra_info("socket")),
+                          defer=asyncio.get_running_loop().call_soon)
         self.connections.admit(conn)
         limit = self.config.daemon.max_frame_bytes
         try:
