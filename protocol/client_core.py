@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,3 +224,11 @@ def unavailable(path: str, exc: BaseException) -> PoolError:
     return PoolError(ErrorCode.UNAVAILABLE, f"cannot reach the modelpool daemon at {path}: "
                      f"{exc} (is `modelpool serve` running?)")
 
+
+def named_method(method: Callable[..., Any], kind: Kind, owner: type) -> Callable[..., Any]:
+    """The method `op` of owner, described as its row's builder is."""
+    method.__name__ = kind.op
+    method.__qualname__ = f"{owner.__name__}.{kind.op}"
+    method.__doc__ = kind.build.__doc__
+    method.__signature__ = op_signature(kind)  # type: ignore[attr-defined]
+    return method
