@@ -16,16 +16,16 @@ kind of request needs no code here.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import itertools
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 
+from modelpool.protocol.async_client import AsyncClient
 from modelpool.protocol.client_core import (
     Call,
     ImageChunk,
@@ -37,14 +37,15 @@ from modelpool.protocol.client_core import (
     is_last,
     job_result,
     make_call,
-    op_signature,
+    merged,
+    named_method,
+    split_call,
     submit_message,
     unavailable,
     undecodable,
 )
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.framing import MAX_FRAME_BYTES, read_frame, recv_frame, send_frame
-from modelpool.protocol.framing import frame as make_frame
+from modelpool.protocol.framing import MAX_FRAME_BYTES, recv_frame, send_frame
 from modelpool.protocol.jobs import CancelJob, ForgetJob, GetStats, JobQuery, ListJobs, Retrieve
 from modelpool.protocol.kinds import KINDS, Kind
 from modelpool.protocol.messages import (
@@ -58,7 +59,6 @@ from modelpool.protocol.messages import (
     StopDaemon,
     UnloadModel,
     Welcome,
-    encoder,
     to_builtins,
 )
 from modelpool.protocol.paths import default_socket_path
@@ -147,7 +147,27 @@ class Client:
         if call.kind.streaming:
             self._send(call.request)
             return self._stream(call)
-        return call.parse(self._final(call.request))
+        parts = split_call(call, self._ids)
+        if len(parts) == 1:
+            return call.parse(self._final(call.request))
+        return merged(call, self._all(parts))
+
+    def _all(self, parts: list[Any]) -> list[Any]:
+        """Send every part, then take their final replies in order. Once one fails, the
+        replies of the parts after it are dropped as they come."""
+        for part in parts:
+            self._send(part)
+        replies: list[Any] = []
+        try:
+            for part in parts:
+                replies.append(self._next(part.id))
+                if isinstance(replies[-1], Error):
+                    break
+        finally:
+            for part in parts[len(replies):]:
+                if not self._inbox.pop(part.id, None):
+                    self._dropped.add(part.id)
+        return replies
 
     def _stream(self, call: Call) -> Iterator[Any]:
         finished = False
@@ -224,199 +244,12 @@ class Client:
         return to_builtins(check_reply(self._final(GetStats(id=next(self._ids)))).stats)
 
 
-class AsyncClient:
-    """asyncio client; any number of tasks may share one connection."""
-
-    def __init__(self, socket_path: str | None = None, name: str = "python-async",
-                 daemon_uid: int | str | None = None) -> None:
-        """daemon_uid: as for Client."""
-        self.socket_path = socket_path or default_socket_path()
-        self.name = name
-        self._trusted = trusted_daemon_uids(daemon_uid)
-        self.daemon: Peer | None = None
-        self._ids = itertools.count(1)
-        self._routes: dict[int, asyncio.Queue[Any]] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
-        self.welcome: Welcome | None = None
-
-    async def connect(self) -> AsyncClient:
-        try:
-            reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
-        except OSError as exc:
-            raise unavailable(self.socket_path, exc) from exc
-        try:
-            self.daemon = check_daemon(self._writer.get_extra_info("socket"), self.socket_path,
-                                       self._trusted)
-            self._writer.write(make_frame(encoder.encode(
-                Hello(protocol_version=PROTOCOL_VERSION, client=self.name))))
-            self.welcome = check_reply(server_decoder.decode(await read_frame(reader)))
-        except BaseException:
-            self._writer.close()
-            self._writer = None
-            raise
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
-        return self
-
-    @property
-    def connected(self) -> bool:
-        """Connected, and the daemon has not closed the connection."""
-        return self._reader_task is not None and not self._reader_task.done()
-
-    async def __aenter__(self) -> AsyncClient:
-        return await self.connect()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(ConnectionError, OSError):
-                await self._writer.wait_closed()
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        lost: BaseException = ConnectionError("connection closed by the daemon")
-        try:
-            while True:
-                msg = server_decoder.decode(await read_frame(reader))
-                route = self._routes.get(getattr(msg, "id", None))  # type: ignore[arg-type]
-                if route is not None:
-                    route.put_nowait(msg)
-                elif isinstance(msg, Error) and msg.id is None:
-                    lost = PoolError(msg.code, msg.message)  # the daemon closes after these
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            lost = exc
-        except msgspec.DecodeError as exc:
-            lost = undecodable(exc)
-        finally:
-            err = unavailable(self.socket_path, lost)
-            for route in self._routes.values():
-                route.put_nowait(Error(id=None, code=err.code, message=err.message))
-
-    def _open(self, msg: msgspec.Struct) -> asyncio.Queue[Any]:
-        if self._writer is None:
-            raise PoolError(ErrorCode.UNAVAILABLE, "AsyncClient is not connected")
-        payload = encode_checked(msg, self.welcome)
-        route: asyncio.Queue[Any] = asyncio.Queue()
-        self._routes[msg.id] = route  # type: ignore[attr-defined]
-        self._writer.write(make_frame(payload))
-        return route
-
-    async def _final(self, msg: Any) -> Any:
-        route = self._open(msg)
-        try:
-            return await route.get()
-        finally:
-            self._routes.pop(msg.id, None)
-
-    async def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        call = make_call(op, next(self._ids), args, kwargs)
-        try:
-            reply = await self._final(call.request)
-        except asyncio.CancelledError:
-            self._cancel(call.id)  # the daemon stops work nobody awaits any more
-            raise
-        return call.parse(reply)
-
-    def _cancel(self, rid: int) -> None:
-        if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(make_frame(encoder.encode(Cancel(id=rid))))
-
-    async def _stream(self, op: str, args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> AsyncIterator[Any]:
-        call = make_call(op, next(self._ids), args, kwargs)
-        route = self._open(call.request)
-        finished = False
-        try:
-            while not finished:
-                chunk = call.parse(await route.get())
-                finished = is_last(chunk)
-                yield chunk
-        except PoolError:
-            finished = True
-            raise
-        finally:
-            self._routes.pop(call.id, None)
-            if not finished:
-                self._cancel(call.id)
-
-    async def status(self) -> dict[str, Any]:
-        return to_builtins(check_reply(await self._final(GetStatus(id=next(self._ids)))).status)
-
-    async def models(self) -> list[dict[str, Any]]:
-        msg = ListModels(id=next(self._ids))
-        return to_builtins(check_reply(await self._final(msg)).models)
-
-    async def load(self, model: str, workers: int = 1) -> str:
-        msg = LoadModel(id=next(self._ids), model=model, workers=workers)
-        return check_reply(await self._final(msg)).message
-
-    async def unload(self, model: str) -> str:
-        msg = UnloadModel(id=next(self._ids), model=model)
-        return check_reply(await self._final(msg)).message
-
-    async def stop(self) -> str:
-        return check_reply(await self._final(StopDaemon(id=next(self._ids)))).message
-
-    # ---- jobs: as Client's ------------------------------------------------------------
-
-    async def submit(self, op: str, *args: Any, **kwargs: Any) -> str:
-        msg = submit_message(next(self._ids), op, args, kwargs)
-        return str(check_reply(await self._final(msg)).key)
-
-    async def retrieve(self, key: str, timeout_s: float = 30.0) -> Any:
-        msg = Retrieve(id=next(self._ids), key=key, timeout_s=timeout_s)
-        return job_result(check_reply(await self._final(msg)))
-
-    async def job(self, key: str) -> dict[str, Any]:
-        msg = JobQuery(id=next(self._ids), key=key)
-        return to_builtins(check_reply(await self._final(msg)).job)
-
-    async def cancel(self, key: str) -> None:
-        check_reply(await self._final(CancelJob(id=next(self._ids), key=key)))
-
-    async def forget(self, key: str) -> None:
-        check_reply(await self._final(ForgetJob(id=next(self._ids), key=key)))
-
-    async def jobs(self, limit: int = 100) -> list[dict[str, Any]]:
-        msg = ListJobs(id=next(self._ids), limit=limit)
-        return to_builtins(check_reply(await self._final(msg)).jobs)
-
-    async def stats(self) -> dict[str, Any]:
-        return to_builtins(check_reply(await self._final(GetStats(id=next(self._ids)))).stats)
-
-
-def _named(method: Callable[..., Any], kind: Kind, owner: type) -> Callable[..., Any]:
-    method.__name__ = kind.op
-    method.__qualname__ = f"{owner.__name__}.{kind.op}"
-    method.__doc__ = kind.build.__doc__
-    method.__signature__ = op_signature(kind)  # type: ignore[attr-defined]
-    return method
-
-
 def _sync_method(kind: Kind) -> Callable[..., Any]:
     def method(self: Client, *args: Any, **kwargs: Any) -> Any:
         return self._request(kind.op, args, kwargs)
 
-    return _named(method, kind, Client)
-
-
-def _async_method(kind: Kind) -> Callable[..., Any]:
-    if kind.streaming:
-        def stream(self: AsyncClient, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            return self._stream(kind.op, args, kwargs)
-
-        return _named(stream, kind, AsyncClient)
-
-    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
-        return await self._request(kind.op, args, kwargs)
-
-    return _named(method, kind, AsyncClient)
+    return named_method(method, kind, Client)
 
 
 for _kind in KINDS:
     setattr(Client, _kind.op, _sync_method(_kind))
-    setattr(AsyncClient, _kind.op, _async_method(_kind))

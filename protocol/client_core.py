@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import MAX_FRAME_BYTES
 from modelpool.protocol.jobs import Completion, JobResult, Submit
-from modelpool.protocol.kinds import BY_OP, STREAMED, Kind
+from modelpool.protocol.kinds import BY_OP, STREAMED, Kind, merge_rows
 from modelpool.protocol.messages import (
     Chunk,
     End,
@@ -105,6 +106,30 @@ class Call:
         if self.kind.reply == "text":
             return text_chunk(msg)
         return image_chunk(msg)
+
+
+def max_inputs(kind: Kind) -> int | None:
+    """How many inputs one request of a batched kind may carry (the wire's max_length)."""
+    if kind.inputs is None:
+        return None
+    info = msgspec.inspect.type_info(kind.request)
+    field = next(f for f in info.fields if f.name == kind.inputs)
+    return getattr(field.type, "max_length", None)
+
+
+def split_call(call: Call, ids: Iterator[int]) -> list[Any]:
+    """The request itself, or, when it carries more inputs than one request may (4,096
+    texts), parts of at most that many with ids of their own, in order."""
+    limit = max_inputs(call.kind)
+    if limit is None or call.kind.size(call.request) <= limit:
+        return [call.request]
+    return [msgspec.structs.replace(part, id=next(ids))
+            for part in call.kind.split(call.request, limit)]
+
+
+def merged(call: Call, replies: list[Any]) -> Any:
+    """The parts' replies as the one reply of the whole request; PoolError for an Error."""
+    return call.parse(merge_rows([check_reply(r) for r in replies]))
 
 
 def make_call(op: str, rid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -199,3 +224,11 @@ def unavailable(path: str, exc: BaseException) -> PoolError:
     return PoolError(ErrorCode.UNAVAILABLE, f"cannot reach the modelpool daemon at {path}: "
                      f"{exc} (is `modelpool serve` running?)")
 
+
+def named_method(method: Callable[..., Any], kind: Kind, owner: type) -> Callable[..., Any]:
+    """The method `op` of owner, described as its row's builder is."""
+    method.__name__ = kind.op
+    method.__qualname__ = f"{owner.__name__}.{kind.op}"
+    method.__doc__ = kind.build.__doc__
+    method.__signature__ = op_signature(kind)  # type: ignore[attr-defined]
+    return method

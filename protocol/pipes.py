@@ -53,6 +53,7 @@ class Work(_Msg, frozen=True, kw_only=True, tag="work"):
     # Several for batchable capabilities (one batch), and for a worker that batches its
     # streams continuously (one item per slot it granted).
     items: list[WorkItem]
+    threads: int = 0  # intra-op threads for this work (cores idle siblings leave); 0: keep
 
 
 class Abort(_Msg, frozen=True, kw_only=True, tag="abort"):

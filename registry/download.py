@@ -48,13 +48,33 @@ def _package_dir(package: str) -> Path:
     return Path(found.origin).parent
 
 
+def hub_patterns(spec: ModelSpec) -> list[str]:
+    """The files of a hub repo a model needs (no pickle weights unless allowed)."""
+    patterns = _HUB_PATTERNS + (_PICKLE_PATTERNS if spec.allow_pickle else [])
+    if spec.subdir:
+        patterns = [f"{spec.subdir}/{p}" for p in patterns] + _HUB_PATTERNS
+    return patterns
+
+
+def check_intact(spec: ModelSpec, model_dir: Path) -> None:
+    """Refuse to load from files that are not what they should be, naming the file."""
+    from modelpool.registry.integrity import verify_dir
+
+    report = verify_dir(model_dir)
+    if report.corrupt:
+        bad = report.corrupt[0]
+        fix = (f"run `modelpool pull {spec.key} --repair`" if spec.repo
+               else "replace the file")
+        more = f" (and {len(report.corrupt) - 1} more)" if len(report.corrupt) > 1 else ""
+        raise ModelSourceError(f"model {spec.key!r}: file {bad.path} is corrupt: "
+                               f"{bad.why}{more}; {fix}")
+
+
 def _hub_snapshot(spec: ModelSpec) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    patterns = _HUB_PATTERNS + (_PICKLE_PATTERNS if spec.allow_pickle else [])
-    if spec.subdir:
-        patterns = [f"{spec.subdir}/{p}" for p in patterns] + _HUB_PATTERNS
+    patterns = hub_patterns(spec)
     offline = hub_offline()
     try:
         path = snapshot_download(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -57,13 +58,16 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
 
 def baseline(texts: list[str], singles: int, threads: int) -> dict[str, Any]:
     """The same model in this process, on `threads` torch threads."""
+    import msgspec
     import torch
 
     from modelpool.registry.loaders import load_model
     from modelpool.registry.spec import Registry, load_catalog
 
     torch.set_num_threads(threads)
-    model = load_model(Registry(load_catalog()).resolve(MINILM))  # type: ignore[arg-type]
+    spec = Registry(load_catalog()).resolve(MINILM)
+    # Eager PyTorch: the baseline (the daemon runs the ONNX export, see bench_targets).
+    model = load_model(msgspec.structs.replace(spec, execution="eager"))  # type: ignore[arg-type]
     for _ in range(5):
         model.embed(texts[:1])
     lat = []
@@ -114,9 +118,12 @@ class Daemon:
 
     def pss_mb(self) -> dict[str, float]:
         root = psutil.Process(self.process.pid)
-        procs = [root, *root.children(recursive=True)]
-        return {f"{p.pid}:{' '.join(p.cmdline()[1:3])[:40]}":
-                round(p.memory_full_info().pss / 2**20, 1) for p in procs}
+        figures = {}
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):  # a worker may just have gone
+                figures[f"{p.pid}:{' '.join(p.cmdline()[1:3])[:40]}"] = round(
+                    p.memory_full_info().pss / 2**20, 1)
+        return figures
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -268,18 +275,26 @@ def jobs_figures(quick: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster",
-                                           "generation"))
+    parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster", "http",
+                                           "targets", "generation"))
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
     }
+    if args.only in (None, "targets"):
+        import bench_targets  # issue 19: each target beside its in-process figure
+
+        report["targets"] = bench_targets.figures(args.quick)
     if args.only in (None, "embedding"):
         report["embedding"] = embedding_figures(args.quick)
     if args.only in (None, "pool"):
         report["pool"] = pool_figures(args.quick)
     if args.only in (None, "jobs"):
         report["jobs"] = jobs_figures(args.quick)
+    if args.only in (None, "http"):
+        import bench_http
+
+        report["http"] = bench_http.figures(args.quick)
     if args.only in (None, "cluster"):
         import bench_cluster
 

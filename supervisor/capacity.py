@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from modelpool.supervisor import memory, scaling
+from modelpool.supervisor import memory, pressure, scaling
 from modelpool.supervisor.config import PoolConfig
 from modelpool.supervisor.gpus import Gpu
 from modelpool.supervisor.models import LOADING, ModelState
@@ -21,6 +21,14 @@ class Capacity:
         self.budget_mb = (config.memory_budget_mb
                           or config.memory_fraction * memory.read_memory().total_mb)
         self.gpu_budgets_mb = {g.device: config.memory_fraction * g.total_mb for g in gpus}
+
+    def follow_machine(self, facts: memory.MemoryFacts, cgroup: pressure.CgroupMemory,
+                       used_mb: float) -> None:
+        """The CPU budget from the machine as it is now: its cgroup limit and what other
+        processes leave available (supervisor/pressure.py)."""
+        self.budget_mb = pressure.effective_budget(
+            facts.total_mb, facts.available_mb, cgroup, self.config.memory_fraction,
+            self.config.memory_budget_mb, used_mb)
 
     def budget_for(self, device: str) -> float:
         """memory_fraction x RAM for the CPU, x VRAM for each GPU."""

@@ -9,7 +9,10 @@ import sys
 from typing import Any
 
 from modelpool.protocol.errors import PoolError
+from modelpool.supervisor import cli_common
+from modelpool.supervisor.cli_health import add_health_command, model_entry
 from modelpool.supervisor.cli_jobs import add_job_commands
+from modelpool.supervisor.cli_models import add_model_commands
 from modelpool.supervisor.cli_ops import add_request_commands
 from modelpool.supervisor.cli_service import add_service_command
 
@@ -17,18 +20,25 @@ from modelpool.supervisor.cli_service import add_service_command
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return code
     except PoolError as exc:
-        print(f"modelpool: {exc}", file=sys.stderr)
-        return 1
+        return cli_common.report(exc, getattr(args, "json", False))
+    except BrokenPipeError:
+        return cli_common.quiet_broken_pipe()
     except KeyboardInterrupt:
         return 130
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="modelpool", description=__doc__)
-    parser.add_argument("--socket", help="daemon socket (default: $MODELPOOL_SOCKET, "
-                        "$XDG_RUNTIME_DIR/modelpool.sock, or /tmp/modelpool-$USER/)")
+    parser = argparse.ArgumentParser(prog="modelpool", description=__doc__,
+                                     epilog=cli_common.EXIT_CODES_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"modelpool {_version()}")
+    socket_help = ("daemon socket (default: $MODELPOOL_SOCKET, $XDG_RUNTIME_DIR/modelpool.sock, "
+                   "or /tmp/modelpool-$USER/); also accepted after the command")
+    parser.add_argument("--socket", help=socket_help)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon in the foreground")
     serve.add_argument("--config", help="TOML config (default: $MODELPOOL_CONFIG, else built-in)")
@@ -39,7 +49,18 @@ def _parser() -> argparse.ArgumentParser:
     add_job_commands(sub)
     _admin_commands(sub)
     add_service_command(sub)
+    add_model_commands(sub)
+    cli_common.add_after_subcommands(parser, "--socket", help=socket_help)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("modelpool")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 SubParsers = Any  # argparse's _SubParsersAction, which has no public name
@@ -52,16 +73,16 @@ def _admin_commands(sub: SubParsers) -> None:
         cmd.add_argument("--json", action="store_true")
         cmd.set_defaults(func=func)
 
-    health = sub.add_parser("health", help="exit 0 if the daemon and every model in use are "
-                            "healthy, 1 if not, 2 if the daemon is unreachable")
-    health.set_defaults(func=_health)
+    add_health_command(sub)
 
     load = sub.add_parser("load", help="start a model's workers now")
     load.add_argument("model")
     load.add_argument("--workers", type=int, default=1)
+    load.add_argument("--json", action="store_true")
     load.set_defaults(func=lambda a: _ack(a, lambda c: c.load(a.model, a.workers)))
     unload = sub.add_parser("unload", help="stop a model's workers")
     unload.add_argument("model")
+    unload.add_argument("--json", action="store_true")
     unload.set_defaults(func=lambda a: _ack(a, lambda c: c.unload(a.model)))
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.set_defaults(func=lambda a: _ack(a, lambda c: c.stop()))
@@ -86,6 +107,7 @@ def _client(args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     _ignore_working_directory()
     import asyncio
+    import logging
 
     import msgspec
 
@@ -94,9 +116,11 @@ def _serve(args: argparse.Namespace) -> int:
     from modelpool.supervisor.config import ConfigError, load_config
     from modelpool.supervisor.server import AlreadyRunning, serve
     from modelpool.supervisor.socket_dir import UnsafeSocketDir
+    from modelpool.supervisor.startcheck import check_models
 
     try:
         config = load_config(args.config)
+        warnings = check_models(config)
     except ConfigError as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 2
@@ -108,6 +132,8 @@ def _serve(args: argparse.Namespace) -> int:
             config, http=msgspec.structs.replace(config.http, listen=args.http))
     logs.configure(config.daemon.log_level.upper(), config.daemon.log_format)
     logs.hand_down(config.daemon.log_level.upper(), config.daemon.log_format)  # to workers
+    for warning in warnings:
+        logging.getLogger("modelpool.config").warning("%s", warning)
     try:
         asyncio.run(serve(config))
     except ConfigError as exc:
@@ -131,6 +157,8 @@ def _status(args: argparse.Namespace) -> None:
                             for w in model["workers"]) or "-"
         print(f"{model['key']:<42} {model['capability']:<15} {model['state']:<9} "
               f"{model['queued']:>6} {model['running']:>7}  {workers}")
+        if model.get("loading"):
+            print(f"    {model['loading']}")
         if model.get("tokens_per_s") is not None:
             print(f"    generating: {model['tokens_per_s']:.1f} tokens/s")
         if model["health"] != "ok":
@@ -164,24 +192,6 @@ def _print_cluster(cluster: dict[str, Any]) -> None:
     print(f"  jobs waiting in the shared queue: {waiting}")
 
 
-def _health(args: argparse.Namespace) -> int:
-    try:
-        with _client(args) as client:
-            status = client.status()
-    except PoolError as exc:
-        print(f"unhealthy: {exc.message}")
-        return 2
-    bad = [(m["key"], m["health"]) for m in status["models"] if m["health"] != "ok"]
-    if status["shutting_down"]:
-        bad.append(("daemon", "shutting down"))
-    for key, why in bad:
-        print(f"unhealthy: {key}: {why}")
-    if not bad:
-        active = sum(1 for m in status["models"] if m["workers"])
-        print(f"ok: daemon pid {status['pid']}, {active} model(s) with workers")
-    return 1 if bad else 0
-
-
 def _models(args: argparse.Namespace) -> None:
     with _client(args) as client:
         models = client.models()
@@ -195,7 +205,12 @@ def _models(args: argparse.Namespace) -> None:
 
 def _ack(args: argparse.Namespace, call: Any) -> None:
     with _client(args) as client:
-        print(call(client))
+        message = call(client)
+        if not getattr(args, "json", False):
+            print(message)
+            return
+        entry = model_entry(client.status(), client.models(), args.model)
+        print(json.dumps({"message": message, **entry}))
 
 
 if __name__ == "__main__":

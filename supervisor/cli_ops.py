@@ -19,6 +19,7 @@ from typing import Any
 
 from modelpool.protocol.kinds import KINDS, Kind
 from modelpool.protocol.messages import PRIORITIES
+from modelpool.supervisor.cli_common import Stdin, from_stdin, on_terminal
 
 SubParsers = Any  # argparse's _SubParsersAction, which has no public name
 
@@ -52,8 +53,8 @@ def _add_command(sub: SubParsers, kind: Kind, job: bool) -> None:
             _add_flag(cmd, param, hint)
     if kind.reply == "image" and not job:
         cmd.add_argument("-o", "--output", required=True, help="PNG file to write")
-    if job:
-        cmd.add_argument("--json", action="store_true", help='print {"key": ...}')
+    cmd.add_argument("--json", action="store_true", help='print {"key": ...}' if job else
+                     "JSON lines: one per row, chunk or step, then one for the end")
     cmd.add_argument("--priority", choices=PRIORITIES, default="normal")
     cmd.add_argument("--timeout", type=float, dest="timeout_s", help="seconds (default: "
                      "the daemon's timeout_s)")
@@ -98,9 +99,9 @@ def run(args: argparse.Namespace, kind: Kind) -> None:
         if kind.reply == "array":
             print_rows(result)
         elif kind.reply == "text":
-            _print_text(result)
+            _print_text(result, args.json)
         else:
-            write_image(result, args.output)
+            write_image(result, args.output, args.json)
 
 
 def submit(args: argparse.Namespace, kind: Kind) -> None:
@@ -112,7 +113,9 @@ def submit(args: argparse.Namespace, kind: Kind) -> None:
 
 
 def _arguments(args: argparse.Namespace, kind: Kind) -> dict[str, Any]:
-    kwargs = {name: getattr(args, name) for name in inspect.signature(kind.build).parameters}
+    stdin = Stdin()
+    kwargs = {name: from_stdin(name, getattr(args, name), stdin)
+              for name in inspect.signature(kind.build).parameters}
     kwargs.update(priority=args.priority, timeout_s=args.timeout_s, deadline_s=args.deadline_s)
     return kwargs
 
@@ -123,12 +126,22 @@ def print_rows(array: Any) -> None:
         print(json.dumps(value))
 
 
-def _print_text(chunks: Any) -> None:
+def _print_text(chunks: Any, as_json: bool = False) -> None:
     for chunk in chunks:
+        if as_json:
+            print(json.dumps(_text_line(chunk)), flush=True)
+            continue
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         if chunk.finish_reason:
             print_text_end(chunk)
+
+
+def _text_line(chunk: Any) -> dict[str, Any]:
+    if chunk.finish_reason is None:
+        return {"text": chunk.text}
+    return {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
+            "completion_tokens": chunk.completion_tokens}
 
 
 def print_text_end(result: Any) -> None:
@@ -137,14 +150,26 @@ def print_text_end(result: Any) -> None:
           f"{result.completion_tokens} generated tokens]", file=sys.stderr)
 
 
-def write_image(chunks: Any, output: str) -> None:
+def write_image(chunks: Any, output: str, as_json: bool = False) -> None:
+    """Progress as a bar on a terminal (JSON lines with --json, else nothing), then the
+    PNG to `output`."""
+    bar = on_terminal() and not as_json
     for chunk in chunks:
         if chunk.png is None:
-            done = int(30 * chunk.step / max(1, chunk.total_steps))
-            print(f"\r[{'#' * done}{'.' * (30 - done)}] step {chunk.step}/"
-                  f"{chunk.total_steps}", end="", file=sys.stderr, flush=True)
+            if as_json:
+                print(json.dumps({"step": chunk.step, "total_steps": chunk.total_steps}),
+                      flush=True)
+            elif bar:
+                done = int(30 * chunk.step / max(1, chunk.total_steps))
+                print(f"\r[{'#' * done}{'.' * (30 - done)}] step {chunk.step}/"
+                      f"{chunk.total_steps}", end="", file=sys.stderr, flush=True)
             continue
         with open(output, "wb") as out:
             out.write(chunk.png)
-        print(f"\nwrote {output} ({chunk.width}x{chunk.height}, seed {chunk.seed})",
-              file=sys.stderr)
+        if as_json:
+            print(json.dumps({"output": output, "width": chunk.width, "height": chunk.height,
+                              "seed": chunk.seed}))
+        else:
+            after_bar = "\n" if bar else ""
+            print(f"{after_bar}wrote {output} ({chunk.width}x{chunk.height}, "
+                  f"seed {chunk.seed})", file=sys.stderr)

@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -26,11 +26,13 @@ from modelpool.supervisor.config import Config
 from modelpool.supervisor.jobservice import JobService
 from modelpool.supervisor.mailbox import MemoryMailbox
 from modelpool.supervisor.models import LOADING, ModelState
-from modelpool.supervisor.pgjobs import PgJobs
-from modelpool.supervisor.pgstore import PgStore
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.tasks import MemoryTaskQueue
 from modelpool.supervisor.workers import WorkerState
+
+if TYPE_CHECKING:  # psycopg is ~0.2 s of the daemon's start: only with [cluster]
+    from modelpool.supervisor.pgjobs import PgJobs
+    from modelpool.supervisor.pgstore import PgStore
 
 log = logging.getLogger("modelpool.cluster")
 
@@ -157,6 +159,8 @@ def job_service(config: Config, pool: Pool, scheduler: Scheduler,
     if not config.cluster.dsn:
         mailbox = MemoryMailbox(scheduler, jobs.result_retention_s, jobs.max_mailbox_bytes)
         return JobService(pool, MemoryTaskQueue(jobs.max_queued), mailbox, jobs, node), None
+    from modelpool.supervisor.pgjobs import PgJobs
+
     backend = PgJobs(node, config.cluster.lease_s, jobs.result_retention_s,
                      jobs.max_mailbox_bytes, jobs.max_queued)
     store = backend.connect(config.cluster.dsn)

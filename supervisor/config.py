@@ -23,6 +23,7 @@ from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 UserRef = int | str  # a uid, or a user name
 GroupRef = int | str  # a gid, or a group name
 
@@ -62,6 +63,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def __post_init__(self) -> None:
         if self.socket_group is not None:
             _known(gid_of, self.socket_group, "group")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
 
 
 class AccessConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

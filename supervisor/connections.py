@@ -42,7 +42,8 @@ class Connection:
     `access` applies the [access] policy to it."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 table: ConnectionTable, policy: AccessPolicy, peer: Peer) -> None:
+                 table: ConnectionTable, policy: AccessPolicy, peer: Peer,
+                 defer: Callable[[Callable[[], None]], object] | None = None) -> None:
         self.reader = reader
         self.writer = writer
         self.table = table
@@ -57,19 +58,43 @@ class Connection:
         # When the frame being read began; the hello is awaited from the first moment.
         self.frame_started: float | None = self.last_active
         writer.transport.set_write_buffer_limits(PAUSE_READING_BYTES, RESUME_READING_BYTES)
+        # Replies made in one turn of the event loop leave in one write (one system call)
+        # at its end: a worker's batch of 32 replies was 32 sends, a quarter of the
+        # supervisor's time with no-op requests. `defer` is the loop's call_soon.
+        self.defer = defer
+        self.pending: list[bytes] = []
+        self.pending_bytes = 0
 
     def unsent(self) -> int:
         """Reply bytes written but not yet taken by the client's socket."""
-        return self.writer.transport.get_write_buffer_size()
+        return self.writer.transport.get_write_buffer_size() + self.pending_bytes
 
     def send(self, msg: msgspec.Struct) -> None:
         if self.closed or self.writer.transport.is_closing():
             return
-        self.writer.write(frame(encoder.encode(msg)))
+        data = frame(encoder.encode(msg))
+        if self.defer is None:
+            self.writer.write(data)
+        else:
+            if not self.pending:
+                self.defer(self.flush)
+            self.pending.append(data)
+            self.pending_bytes += len(data)
         self.last_active = self.table.now()
         self.table.note_unsent(self)
 
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        data = self.pending[0] if len(self.pending) == 1 else b"".join(self.pending)
+        self.pending.clear()
+        self.pending_bytes = 0
+        if not self.closed and not self.writer.transport.is_closing():
+            self.writer.write(data)
+
     def close(self, abort: bool = False) -> None:
+        if not abort:
+            self.flush()  # what was said before closing still goes
         if not self.closed:
             self.closed = True
             if abort:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from modelpool.protocol.errors import ErrorCode
+from modelpool.registry.sources import hub_offline
 from modelpool.supervisor import memory
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.pool import Pool
@@ -31,10 +32,30 @@ def load_model(pool: Pool, name: str, workers: int) -> str:
         raise ControlError(ErrorCode.INSUFFICIENT_MEMORY,
                            f"model {model.key!r} has no device or can never fit its memory "
                            f"budget")
+    missing = None if model.live_workers() else pool.intake.missing_files(model.spec)
+    if missing is not None and not (missing.downloadable and not hub_offline()):
+        raise ControlError(ErrorCode.MODEL_LOAD_FAILED, missing.message)
     model.pin(workers, pool.scheduler.now())
     pool.reconcile(model)
-    return (f"{model.key}: keeping {model.warm_target} worker(s) up; "
-            f"{len(model.live_workers())} live or starting")
+    capped = "" if workers <= model.warm_target else f" ({cap_reason(pool, model, workers)})"
+    fetching = ("; downloading it into the Hugging Face cache first (`modelpool status` "
+                "shows the bytes)" if missing else "")
+    return (f"{model.key}: keeping {model.warm_target} worker(s) up{capped}; "
+            f"{len(model.live_workers())} live or starting{fetching}")
+
+
+def cap_reason(pool: Pool, model: ModelState, asked: int) -> str:
+    """Why `load --workers N` keeps fewer than N: which setting caps it."""
+    cap = model.settings.max_workers
+    if model.spec.max_workers:
+        why = f"the model's max_workers = {cap}"
+    elif pool.pool_config.max_workers_per_model:
+        why = f"[pool] max_workers_per_model = {cap}"
+    else:
+        why = (f"{cap} worker(s) of {model.settings.threads} thread(s) keep the CPUs this "
+               f"daemon may use busy; more would only contend (set max_workers_per_model "
+               f"or the model's max_workers to allow more)")
+    return f"asked for {asked}, capped at {cap}: {why}"
 
 
 def unload_model(pool: Pool, name: str) -> str:

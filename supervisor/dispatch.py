@@ -14,16 +14,18 @@ from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.queueing import Job, JobState
 from modelpool.supervisor.shm import NoSharedMemory, SharedImages
+from modelpool.supervisor.threads import ThreadBudget
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
 
 class Dispatcher:
     def __init__(self, scheduler: Scheduler, book: JobBook, shared: SharedImages,
-                 batch_wait_s: float) -> None:
+                 batch_wait_s: float, threads: ThreadBudget | None = None) -> None:
         self.scheduler = scheduler
         self.book = book
         self.shared = shared
         self.batch_wait_s = batch_wait_s
+        self.threads = threads
 
     def dispatch(self, model: ModelState) -> None:
         if not len(model.queue):
@@ -59,13 +61,14 @@ class Dispatcher:
         for job in sent:
             job.state, job.worker_id, job.started_at = JobState.RUNNING, worker.worker_id, now
             worker.jobs[job.job_id] = job
+        threads = self.threads.grant(model, worker) if self.threads is not None else 0
         if worker.state is WorkerState.IDLE:
             worker.move_to(WorkerState.BUSY)
         worker.slots -= 1 if sent[0].kind.batched else len(sent)
         worker.last_used, worker.last_dispatch_at = now, now
         model.metrics.batch(sum(job.size for job in sent),
                             [now - job.accepted_at for job in sent])
-        worker.send(Work(items=items))
+        worker.send(Work(items=items, threads=threads))
 
     def _runnable(self, jobs: list[Job]) -> list[Job]:
         """Drop what expired while waiting: expired work never reaches a worker."""

@@ -79,6 +79,9 @@ def bind(listen: str) -> socket.socket:
         sock = socket.create_server((host, port), family=family, backlog=1024)
     except OSError as exc:
         raise ConfigError(f"[http] listen = {listen!r}: {exc.strerror}") from None
+    # Accepted connections inherit it: a response's headers and body, written apart, must
+    # not wait for the client's delayed ACK (40 ms on a kept-alive connection).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.set_inheritable(True)
     return sock
 

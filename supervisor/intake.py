@@ -14,6 +14,7 @@ from typing import Any
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import KIND_OF, Kind, with_defaults
 from modelpool.protocol.messages import Error, WorkRequest
+from modelpool.registry.sources import Missing
 from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import admission
 from modelpool.supervisor.admission import Rejection
@@ -39,6 +40,9 @@ class Intake:
         self.gpu_count = gpu_count
         self.closed = closed  # the daemon is shutting down
         self.queued = queued
+        # Are a cold model's files there? The server plugs in registry.sources'
+        # missing_files; without it (tests of the pool with fake paths) nothing is missing.
+        self.missing_files: Callable[[ModelSpec], Missing | None] = lambda spec: None
 
     def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> bool:
         """Queue the request for the sink (a connection, or a submitted job's mailbox
@@ -95,10 +99,20 @@ class Intake:
             return reject
         model = self.models[spec.key]
         reject = (admission.load_error(model, self.scheduler.now(), self.gpu_count)
-                  or admission.memory_error(model, self.capacity.budget_for))
+                  or admission.memory_error(model, self.capacity.budget_for)
+                  or self._files_error(model))
         if reject is None and deadline_in is not None and deadline_in <= 0:
             reject = ErrorCode.DEADLINE_EXPIRED, "the deadline passed before the daemon got it"
         return reject
+
+    def _files_error(self, model: ModelState) -> Rejection | None:
+        """A model with no worker whose files are not there fails at once, saying what
+        to do (a path to fix, `modelpool pull` to run), instead of after a load or a
+        download the request would time out waiting for."""
+        if model.live_workers():
+            return None
+        missing = self.missing_files(model.spec)
+        return (ErrorCode.MODEL_LOAD_FAILED, missing.message) if missing else None
 
     def _queue(self, model: ModelState, job: Job, nbytes: int) -> None:
         job.nbytes = nbytes

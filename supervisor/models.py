@@ -36,6 +36,7 @@ class ModelSettings:
     max_load_failures: int
     load_backoff_s: float
     load_backoff_max_s: float
+    threads_auto: bool = True  # threads from the CPU count, not set in the config
 
     @classmethod
     def of(cls, spec: ModelSpec, pool: PoolConfig, cpus: int) -> ModelSettings:
@@ -48,7 +49,8 @@ class ModelSettings:
                    stall_timeout_s=spec.stall_timeout_s or pool.stall_timeout_s,
                    threads=threads, max_workers=max_workers,
                    max_load_failures=pool.max_load_failures,
-                   load_backoff_s=pool.load_backoff_s, load_backoff_max_s=pool.load_backoff_max_s)
+                   load_backoff_s=pool.load_backoff_s, load_backoff_max_s=pool.load_backoff_max_s,
+                   threads_auto=not (spec.threads or pool.threads_per_worker))
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import signal
 from typing import Any
 
 import msgspec
@@ -29,7 +30,7 @@ from modelpool.protocol.pipes import (
     WorkerSettings,
 )
 from modelpool.registry.spec import Registry
-from modelpool.supervisor import capacity, health, recovery, scaling
+from modelpool.supervisor import capacity, health, pressure, recovery, scaling
 from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
@@ -40,6 +41,7 @@ from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelSettings, ModelState
 from modelpool.supervisor.queueing import PRIORITY_RANK, Job, JobState, Requester, aged_rank
 from modelpool.supervisor.shm import SharedImages, unlink_segment, weights_segment
+from modelpool.supervisor.threads import ThreadBudget
 from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
 from modelpool.workers import exitcodes
 
@@ -68,13 +70,15 @@ class Pool:
         self.book = JobBook(scheduler, self)
         self.shared = SharedImages()
         self.dispatcher = Dispatcher(scheduler, self.book, self.shared,
-                                     config.pool.max_batch_wait_ms / 1000)
+                                     config.pool.max_batch_wait_ms / 1000,
+                                     ThreadBudget(cpus, self.models))
         self.intake = Intake(config, registry, self.models, self.capacity, self.book,
                              scheduler, len(self.gpus), lambda: self.shutting_down,
                              self.reconcile)
         self.shutting_down = False
         self._worker_ids = itertools.count(1)
         self.changed = asyncio.Event()  # set whenever a request ends or a worker exits
+        self.oom = pressure.OomCounter()  # the server gives it the daemon's cgroup
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -181,15 +185,16 @@ class Pool:
         else:
             model.workers.pop(worker.worker_id, None)
             expected = exitcode == exitcodes.OK and not worker.jobs
+            cause = self.exit_cause(worker, exitcode)
             log.log(logging.INFO if expected else logging.WARNING,
                     "worker %d (pid %s) of %s exited: %s", worker.worker_id, worker.pid,
-                    model.key, exitcodes.describe(exitcode))
-            self._note_failed_start(model, worker, exitcode)
+                    model.key, cause)
+            self._note_failed_start(model, worker, exitcode, cause=cause)
             if worker.ready_at is not None and not worker.stop_requested:
                 model.metrics.worker_deaths += 1
             for job in worker.jobs.values():
                 self.shared.release(job.job_id)
-                self._requeue_or_fail(model, job, worker, exitcode)
+                self._requeue_or_fail(model, job, worker, exitcode, cause)
             worker.jobs.clear()
             self.retire_unneeded_holder(model)
         self.changed.set()
@@ -221,29 +226,38 @@ class Pool:
             else:
                 self.stop_worker(worker)
 
+    def exit_cause(self, worker: WorkerHandle, exitcode: int | None) -> str:
+        """The exit in words; a SIGKILL this pool did not send is checked against the
+        cgroup's OOM kill count (supervisor/pressure.py)."""
+        ours = worker.stop_requested or worker.hung is not None
+        kills = self.oom.new_kills() if exitcode == -signal.SIGKILL and not ours else 0
+        return pressure.exit_cause(exitcode, ours, kills)
+
     def _note_failed_start(self, model: ModelState, worker: WorkerHandle,
-                           exitcode: int | None, holder: bool = False) -> None:
+                           exitcode: int | None, holder: bool = False,
+                           cause: str | None = None) -> None:
         """A loader that failed backs off and fails what waits (unless a sibling serves);
         a process that died for any other reason backs off and is started again."""
         now = self.scheduler.now()
-        if (cause := recovery.load_failure(worker)) is not None:
-            model.note_load_failure(worker.started_at, cause, now)
+        if (failure := recovery.load_failure(worker)) is not None:
+            model.note_load_failure(worker.started_at, failure, now)
             log.error("model %s failed to load (%d in a row): %s", model.key,
-                      model.failures.count, cause)
+                      model.failures.count, failure)
             if not model.has_ready_worker():
                 for job in model.queue.jobs():
                     self.book.fail(job, ErrorCode.MODEL_LOAD_FAILED,
-                                   f"model {model.key!r}: {cause}")
-        elif (cause := recovery.death_before_ready(worker, exitcode, holder)) is not None:
-            model.note_death(worker.started_at, cause, now)
+                                   f"model {model.key!r}: {failure}")
+        elif (death := recovery.death_before_ready(worker, exitcode, holder,
+                                                    cause)) is not None:
+            model.note_death(worker.started_at, death, now)
             log.warning("model %s: %s (%d in a row); starting again in %.1fs", model.key,
-                        cause, model.deaths.count, model.deaths.blocked_until - now)
+                        death, model.deaths.count, model.deaths.blocked_until - now)
 
     def _requeue_or_fail(self, model: ModelState, job: Job, worker: WorkerHandle,
-                         exitcode: int | None) -> None:
+                         exitcode: int | None, cause: str | None = None) -> None:
         if job.state is JobState.DONE:
             return
-        why = recovery.death_verdict(job, worker.pid, exitcode)
+        why = recovery.death_verdict(job, worker.pid, exitcode, cause)
         if why is not None:
             self.book.fail(job, ErrorCode.WORKER_DIED, why)
             return

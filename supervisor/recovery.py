@@ -19,7 +19,7 @@ def load_failure(worker: WorkerHandle) -> str | None:
 
 
 def death_before_ready(worker: WorkerHandle, exitcode: int | None,
-                       holder: bool = False) -> str | None:
+                       holder: bool = False, cause: str | None = None) -> str | None:
     """Why a worker died before Ready, its loader blameless (killed by a signal or the
     OOM killer, or never started); None if it was ready, stopped by us, or its load
     failed."""
@@ -30,12 +30,14 @@ def death_before_ready(worker: WorkerHandle, exitcode: int | None,
         return f"{what} could not start: {worker.start_error}"
     if exitcode == exitcodes.OK:
         return None
-    return f"{what} died while loading: {exitcodes.describe(exitcode)}"
+    return f"{what} died while loading: {cause or exitcodes.describe(exitcode)}"
 
 
-def death_verdict(job: Job, pid: int | None, exitcode: int | None) -> str | None:
-    """None: queue the job again. Else why it fails with WORKER_DIED."""
-    why = f"worker pid {pid} of {job.model_key!r} died ({exitcodes.describe(exitcode)})"
+def death_verdict(job: Job, pid: int | None, exitcode: int | None,
+                  cause: str | None = None) -> str | None:
+    """None: queue the job again. Else why it fails with WORKER_DIED (`cause`: the exit
+    in words, when more is known than its code, such as an OOM kill)."""
+    why = f"worker pid {pid} of {job.model_key!r} died ({cause or exitcodes.describe(exitcode)})"
     if job.chunks_sent > 0:
         return f"{why} after {job.chunks_sent} chunks"
     if job.retries >= 1:

@@ -13,6 +13,7 @@ import signal
 import socket
 import stat
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -24,12 +25,15 @@ from modelpool.protocol.messages import (
     encoder,
 )
 from modelpool.protocol.peers import peer_of
+from modelpool.registry import sources
 from modelpool.supervisor import (
     access,
     activation,
     cgroups,
     cluster,
     gpus,
+    memory,
+    pressure,
     realtime,
     sdnotify,
     shm,
@@ -122,6 +126,10 @@ class Server:
         self.pool = Pool(config, registry, self.launcher, scheduler, gpus=gpu_list,
                          cpus=usable_cpus())
         self.launcher.events = self.pool
+        self.pool.intake.missing_files = sources.missing_files
+        self.memory_cgroup = pressure.own_cgroup()
+        self.pool.oom = pressure.OomCounter(self.memory_cgroup)
+        self._follow_machine()
         self.jobs, self.cluster = cluster.job_service(
             config, self.pool, scheduler, config.cluster.node_name or socket.gethostname())
         self.access = access.AccessPolicy.from_config(config.access, os.geteuid())
@@ -144,25 +152,30 @@ class Server:
     async def run(self) -> None:
         if self.config.daemon.realtime:
             realtime.enter_realtime()
-        # The socket first: a daemon that may not serve there leaves nothing behind.
+        # The socket first: a daemon that may not serve there leaves nothing behind. From
+        # here on, a start that fails removes what it made (the finally below).
         sock = self._listening_socket()
-        loading_cgroup = cgroups.enter(self.config.daemon.idle_cgroup)  # before the forkserver
-        loop = asyncio.get_running_loop()
-        if removed := shm.remove_stale_segments():
-            log.info("removed %d shared-memory segment(s) left by a dead daemon", removed)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop_requested.set)
-        acceptor = Acceptor(sock, self.pool.scheduler, self._accepted, self._refusal)
-        acceptor.start()
-        tasks = self._background(loop)
-        front = loop.create_task(self.http.run(self.socket_path)) if self.http else None
-        if self.http:
-            log.info("HTTP API on http://%s", self.http.address)
-        log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients)",
-                 self.socket_path, os.getpid(), len(self.pool.models),
-                 self.connections.max_connections)
-        self.service.ready()
+        loading_cgroup: Path | None = None
+        acceptor: Acceptor | None = None
+        tasks: list[asyncio.Task[None]] = []
+        front: asyncio.Task[None] | None = None
         try:
+            loading_cgroup = cgroups.enter(self.config.daemon.idle_cgroup)  # before forkserver
+            loop = asyncio.get_running_loop()
+            if removed := shm.remove_stale_segments():
+                log.info("removed %d shared-memory segment(s) left by a dead daemon", removed)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop_requested.set)
+            acceptor = Acceptor(sock, self.pool.scheduler, self._accepted, self._refusal)
+            acceptor.start()
+            tasks = self._background(loop)
+            front = loop.create_task(self.http.run(self.socket_path)) if self.http else None
+            if self.http:
+                log.info("HTTP API on http://%s", self.http.address)
+            log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients)",
+                     self.socket_path, os.getpid(), len(self.pool.models),
+                     self.connections.max_connections)
+            self.service.ready()
             await self.stop_requested.wait()
             log.info("stopping: refusing new work, draining")
             self.service.stopping(self.config.pool.shutdown_timeout_s + KILL_GRACE_S)
@@ -182,7 +195,8 @@ class Server:
             if self.cluster is not None:
                 await self.cluster.store.close()
             self._remove_socket()
-            acceptor.close()
+            if acceptor is not None:
+                acceptor.close()
             sock.close()
 
     def _background(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[None]]:
@@ -236,6 +250,20 @@ class Server:
         while True:
             await asyncio.sleep(MEMORY_REFRESH_S)
             await status.refresh_memory(self.pool)
+            self._follow_machine()
+
+    def _follow_machine(self) -> None:
+        """Budget from the cgroup's limit and the memory available now; under outside
+        pressure, idle workers go first."""
+        capacity = self.pool.capacity
+        used = capacity.used_mb(self.pool.models.values())
+        before = capacity.budget_mb
+        capacity.follow_machine(memory.read_memory(), pressure.read_cgroup(self.memory_cgroup),
+                                used)
+        if abs(capacity.budget_mb - before) >= 64:
+            log.info("memory budget now %.0f MiB (was %.0f): the pool holds %.0f MiB",
+                     capacity.budget_mb, before, used)
+        self.pool.apply(pressure.plan_relief(capacity.view(self.pool.models.values())))
 
     async def _connection_ticker(self) -> None:
         while True:
@@ -279,7 +307,8 @@ class Server:
     async def _serve_client(self, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
         conn = Connection(reader, writer, self.connections, self.access,
-                          peer_of(writer.get_extra_info("socket")))
+                          peer_of(writer.get_extra_info("socket")),
+                          defer=asyncio.get_running_loop().call_soon)
         self.connections.admit(conn)
         limit = self.config.daemon.max_frame_bytes
         try:

@@ -25,8 +25,9 @@ from modelpool.protocol.messages import (
     PoolStatus,
     WorkerStatus,
 )
+from modelpool.registry import sources
 from modelpool.supervisor import gpus, memory
-from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.models import LOADING, ModelState
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
@@ -128,7 +129,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         memory_mb=round(model.charge().charged_mb, 1),
         health=model.health(now, pool.pool_config.heartbeat_timeout_s),
         priorities=priorities, mean_batch=round(model.metrics.mean_batch, 2),
-        device=model.device, totals=model.metrics.totals(),
+        device=model.device, totals=model.metrics.totals(), loading=_loading(model),
         tokens_per_s=(round(sum(w.tokens.per_s(now) for w in generating), 1)
                       if generating else None),
         tokens=sum(w.tokens.total for w in generating),
@@ -144,6 +145,18 @@ def _generation(worker: WorkerHandle, now: float) -> dict[str, Any]:
     if worker.tokens.total:
         fields["tokens_per_s"] = round(worker.tokens.per_s(now), 1)
     return fields
+
+
+def _loading(model: ModelState) -> str | None:
+    """What a loading model is doing: fetching its hub files (how much is in the cache
+    so far), or reading its weights."""
+    if not any(w.state in LOADING for w in model.processes()):
+        return None
+    repo = model.spec.repo
+    if repo and (sources.cached_snapshot(repo, model.spec.revision) is None
+                 or sources.partial_downloads(repo)):
+        return f"downloading: {sources.download_progress_mb(repo):.1f} MiB in the cache so far"
+    return "loading weights"
 
 
 def _by_priority(model: ModelState) -> tuple[dict[str, int], dict[str, int]]:

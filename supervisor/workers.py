@@ -85,6 +85,7 @@ class WorkerHandle:
     progress_changed_at: float = 0.0
     tokens: TokenRate = field(default_factory=TokenRate)  # generated, from heartbeats
     last_dispatch_at: float = 0.0  # a new job resets the stall clock
+    threads: int = 0  # intra-op threads its current work may use (supervisor/threads.py)
     hung: str | None = None  # why it was judged hung and killed
     stop_requested: bool = False  # we stopped it: exiting before Ready is no load failure
     uss_mb: float | None = None

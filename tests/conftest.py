@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ import pytest
 # There is no network in CI: any hub access must fail at once instead of hanging. Set
 # before anything imports huggingface_hub, and inherited by worker processes.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# ONNX exports (registry/loaders/onnx_cache.py) go to a directory of this run, not the
+# user's cache: the first MiniLM load of a run exports, the others find it.
+_ONNX_CACHE = tempfile.TemporaryDirectory(prefix="modelpool-test-cache-")
+os.environ["MODELPOOL_CACHE_DIR"] = _ONNX_CACHE.name
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_models.py"
 

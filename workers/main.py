@@ -172,11 +172,11 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
 def _load(settings: WorkerSettings, worker: Worker) -> tuple[object, Plan | None]:
     started = time.perf_counter()
     try:
-        import torch
-
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        if settings.threads and "torch" in sys.modules:  # not imported for ONNX models
+            sys.modules["torch"].set_num_threads(settings.threads)
         model, weights_mb, shared = _load_weights(settings)
+        if settings.threads:
+            set_threads(model, settings.threads)
     except BaseException as exc:
         worker.send(LoadFailed(cause=f"{type(exc).__name__}: {exc}"))
         _exit(exitcodes.LOAD_FAILED)
@@ -198,18 +198,21 @@ def _load(settings: WorkerSettings, worker: Worker) -> tuple[object, Plan | None
 def _load_weights(settings: WorkerSettings) -> tuple[object, float | None, SharedWeights | None]:
     """(model, size of the weights it maps, what a holder shares)."""
     from modelpool.registry.loaders import load_model_with_dir, weights_size_mb
-    from modelpool.registry.loaders.common import device_of
-    from modelpool.workers import shared_weights
 
     spec = settings.spec
     if settings.weights is None:
         model, model_dir = load_model_with_dir(spec)
         if settings.hold_segment is None:
             return model, weights_size_mb(model_dir), None
+        from modelpool.workers import shared_weights  # torch: not for ONNX models
+
         shared = shared_weights.export(model, settings.hold_segment)
         return model, shared.segment_bytes / 2**20, shared
     # Built on the CPU, where file-backed weights cost nothing, then moved onto the
     # holder's tensors: a GPU worker never allocates a copy of its own.
+    from modelpool.registry.loaders.common import device_of
+    from modelpool.workers import shared_weights
+
     model, _ = load_model_with_dir(msgspec.structs.replace(spec, device="cpu"))
     shared_weights.attach(model, settings.weights, device_of(spec))
     release_memory()
@@ -238,7 +241,9 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
         msg = worker.receive()
         want_work = False
         match msg:
-            case Work(items=items):
+            case Work(items=items, threads=threads):
+                if threads:
+                    set_threads(model, threads)
                 worker.take_images(items)
                 adapter(model, items, worker, settings.max_batch)
                 worker.image_bytes = {}
@@ -265,6 +270,16 @@ def serve_streams(model: object, settings: WorkerSettings, worker: Worker,
     loop.run(batching.slots, release_memory)
     priority.idle_all_threads()
     _exit(exitcodes.OK)
+
+
+def set_threads(model: object, threads: int) -> None:
+    """The model's own way (an ONNX Runtime session per count), else torch's pool, which
+    is the process's: ~1 ms to change (OpenMP resizes its team), so only on a change."""
+    own = getattr(model, "set_threads", None)
+    if callable(own):
+        own(threads)
+    elif "torch" in sys.modules and sys.modules["torch"].get_num_threads() != threads:
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def release_memory() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelpool.registry.download import resolve_model_dir
+from modelpool.registry.download import check_intact, resolve_model_dir
 from modelpool.registry.spec import ModelSpec
 
 Loader = Callable[[ModelSpec, Path | None], Any]
@@ -23,19 +23,36 @@ Loader = Callable[[ModelSpec, Path | None], Any]
 class CapabilityLoader:
     loader: str  # "package.module:function", the capability's default loader
     preload: tuple[str, ...] = ()  # what else its models import, for the forkserver
+    options: tuple[str, ...] = ()  # the `options` keys it reads besides COMMON_OPTIONS
 
+
+COMMON_OPTIONS = ("dtype",)  # read by every built-in loader (common.pretrained_kwargs)
 
 # The registry's column of the request-kind table (protocol/kinds.py): how each
 # capability's models are loaded by default.
 LOADERS: dict[str, CapabilityLoader] = {
-    "text_embedding": CapabilityLoader("modelpool.registry.loaders.sentence_embedding:load"),
+    "text_embedding": CapabilityLoader("modelpool.registry.loaders.embedding_exec:load",
+                                       options=("pooling", "max_seq_length", "normalize")),
     "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load"),
-    "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load"),
+    "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load",
+                                        options=("text_padding",)),
     "vision": CapabilityLoader("modelpool.registry.loaders.vision_lm:load"),
     "text_to_image": CapabilityLoader("modelpool.registry.loaders.diffusion:load",
-                                      preload=("diffusers",)),
-    "rerank": CapabilityLoader("modelpool.registry.loaders.cross_encoder:load"),
+                                      preload=("diffusers",),
+                                      options=("max_size", "preview_size")),
+    "rerank": CapabilityLoader("modelpool.registry.loaders.cross_encoder:load",
+                               options=("activation", "max_length")),
 }
+
+
+def unknown_options(spec: ModelSpec) -> tuple[list[str], list[str]]:
+    """(options the built-in loader would ignore, the ones it takes); nothing for a
+    custom loader, whose options only it knows."""
+    default = LOADERS.get(spec.capability)
+    if spec.loader or default is None:
+        return [], []
+    known = sorted({*COMMON_OPTIONS, *default.options})
+    return sorted(set(spec.options) - set(known)), known
 
 
 def resolve_loader(spec: ModelSpec) -> Loader:
@@ -60,6 +77,8 @@ def load_model(spec: ModelSpec) -> Any:
 def load_model_with_dir(spec: ModelSpec) -> tuple[Any, Path | None]:
     loader = resolve_loader(spec)
     model_dir = resolve_model_dir(spec)
+    if model_dir is not None:
+        check_intact(spec, model_dir)  # a corrupt file named, not a bare SafetensorError
     return loader(spec, model_dir), model_dir
 
 
@@ -83,16 +102,39 @@ def preload_modules(specs: list[ModelSpec]) -> list[str]:
     modules: set[str] = set()
     for spec in specs:
         default = LOADERS.get(spec.capability)
+        local = _local_dir(spec)
+        if _runs_cached_onnx(spec, local):
+            modules.update((default.loader.partition(":")[0], *ONNX_MODULES) if default
+                           else ONNX_MODULES)  # and no torch for this one
+            continue
+        if local is None and not spec.loader and not _in_hub_cache(spec):
+            continue  # its files are still to be fetched: its worker imports what it needs
+        modules.add(TORCH_PRELOAD)
         if default is not None:
             modules.update((default.loader.partition(":")[0], *default.preload))
-        config = _local_config(spec)
+        config = _local_config(local)
         model_type = config.get("model_type") if config else None
         if isinstance(model_type, str) and model_type.isidentifier():
             modules.add(f"transformers.models.{model_type}.modeling_{model_type}")
     return sorted(modules)
 
 
-def _local_config(spec: ModelSpec) -> dict[str, Any] | None:
+# torch and transformers for the forkserver: ~2-3 s of a daemon's start, so only when a
+# model that is on this machine needs them (a hub model not downloaded yet takes longer
+# to fetch than its worker takes to import them).
+TORCH_PRELOAD = "modelpool.workers.preload_torch"
+ONNX_MODULES = ("modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers")
+
+
+def _runs_cached_onnx(spec: ModelSpec, local: Path | None) -> bool:
+    from modelpool.registry.loaders import onnx_cache
+
+    if spec.capability != "text_embedding" or spec.loader or local is None:
+        return False
+    return onnx_cache.cached_choice(spec, local) == "onnx"
+
+
+def _local_dir(spec: ModelSpec) -> Path | None:
     base: Path | None = None
     if spec.path:
         base = Path(spec.path).expanduser()
@@ -102,7 +144,23 @@ def _local_config(spec: ModelSpec) -> dict[str, Any] | None:
             base = Path(found.origin).parent
     if base is None:
         return None
+    return base / spec.subdir if spec.subdir else base
+
+
+def _local_config(model_dir: Path | None) -> dict[str, Any] | None:
+    if model_dir is None:
+        return None
     try:
-        return json.loads((base / spec.subdir / "config.json").read_text())
+        return json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+def _in_hub_cache(spec: ModelSpec) -> bool:
+    """Whether a hub model has files in the local hub cache (no hub call is made)."""
+    if not spec.repo:
+        return False
+    from huggingface_hub import constants
+
+    folder = "models--" + spec.repo.replace("/", "--")
+    return (Path(constants.HF_HUB_CACHE) / folder).is_dir()

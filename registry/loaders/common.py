@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+import tqdm
 
 from modelpool.registry.spec import ModelSpec
+
+# Every tqdm bar, even a disabled one (transformers and diffusers make them while
+# loading), would otherwise create a named multiprocessing semaphore registered with the
+# daemon's resource tracker. A worker leaves with os._exit, so it stays registered and
+# the tracker warned "leaked semaphore objects" at every stop. A worker's bars share no
+# terminal with another process: a thread lock is all they need. Set here, where every
+# torch-based loader passes, whether the forkserver imported torch or the worker did.
+tqdm.tqdm.set_lock(threading.RLock())
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -35,9 +35,16 @@ class SentenceEmbedder:
         self.max_seq_length = max_seq_length
         self.lowercase = lowercase
         self.dim = int(model.config.hidden_size)
+        self.execution_reason = ""  # why not ONNX (registry/loaders/embedding_exec.py)
 
     def info(self) -> dict[str, Any]:
-        return {"dim": self.dim, "max_seq_length": self.max_seq_length, "pooling": self.pooling}
+        return {"dim": self.dim, "max_seq_length": self.max_seq_length, "pooling": self.pooling,
+                "execution": "eager", "execution_reason": self.execution_reason}
+
+    def set_threads(self, threads: int) -> None:
+        """Intra-op threads of the next forward passes (the whole process's torch pool)."""
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> np.ndarray:

@@ -86,14 +86,14 @@ def _stopped_after(daemon: Daemon) -> Iterator[Daemon]:
                 child.kill()
 
 
-def raw_connection(socket_path: str, timeout_s: float = 10) -> socket.socket:
+def raw_connection(socket_path: str, timeout_s: float = 30) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     sock.connect(socket_path)
     return sock
 
 
-def greeted(socket_path: str, timeout_s: float = 10) -> socket.socket:
+def greeted(socket_path: str, timeout_s: float = 30) -> socket.socket:
     sock = raw_connection(socket_path, timeout_s)
     send_frame(sock, encoder.encode(Hello(protocol_version=1)))
     assert type(reply(sock)).__name__ == "Welcome"

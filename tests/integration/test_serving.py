@@ -200,4 +200,4 @@ def test_cli_commands(daemon: Daemon) -> None:
     assert "tiny-llm" in _cli(daemon, "status").stdout
     assert "tiny-llm" in _cli(daemon, "models").stdout
     bad = _cli(daemon, "embed", "--model", "nope", "x")
-    assert bad.returncode == 1 and "UNKNOWN_MODEL" in bad.stderr
+    assert bad.returncode == 4 and "UNKNOWN_MODEL" in bad.stderr  # exit code of its class

@@ -21,8 +21,8 @@ print(clashes, Client.__module__, AsyncClient.__module__, PoolError.__name__, Er
 def test_only_modelpool_is_installed_at_the_top_level(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", CHECK], cwd=tmp_path, capture_output=True,
                          text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["[]", "modelpool.protocol.client", "modelpool.protocol.client",
-                                  "PoolError", "TIMEOUT"]
+    assert out.stdout.split() == ["[]", "modelpool.protocol.client",
+                                  "modelpool.protocol.async_client", "PoolError", "TIMEOUT"]
 
 
 def test_importing_the_package_does_not_import_the_client() -> None:

@@ -102,19 +102,26 @@ def test_batched_and_streaming_flags() -> None:
 # ---- preload_modules -----------------------------------------------------------------
 
 
-EMBEDDING_LOADER = "modelpool.registry.loaders.sentence_embedding"
+EMBEDDING_LOADER = "modelpool.registry.loaders.embedding_exec"
+TORCH = "modelpool.workers.preload_torch"
+
+
+@pytest.fixture(autouse=True)
+def _no_onnx_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty ONNX cache: MiniLM needs torch (a cached export: test_onnx_embedding)."""
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def test_preload_modules_for_catalogue_minilm() -> None:
     assert preload_modules([catalogue_minilm()]) == [
-        EMBEDDING_LOADER, "transformers.models.bert.modeling_bert"]
+        EMBEDDING_LOADER, TORCH, "transformers.models.bert.modeling_bert"]
 
 
 def test_preload_modules_without_config_json(tmp_path: Path) -> None:
-    assert preload_modules([spec("empty", path=str(tmp_path))]) == [EMBEDDING_LOADER]
-    # A hub model not in the cache: only its capability's loader module.
-    assert preload_modules([ModelSpec(key="h", capability="vision", repo="org/h")]) == [
-        "modelpool.registry.loaders.vision_lm"]
+    assert preload_modules([spec("empty", path=str(tmp_path))]) == [EMBEDDING_LOADER, TORCH]
+    # A hub model not in the hub cache: nothing, its worker imports what it needs once
+    # the files have come (which takes longer than the imports).
+    assert preload_modules([ModelSpec(key="h", capability="vision", repo="org/h")]) == []
 
 
 def test_preload_modules_deduplicates_and_sorts(tmp_path: Path) -> None:
@@ -124,7 +131,7 @@ def test_preload_modules_deduplicates_and_sorts(tmp_path: Path) -> None:
     (tmp_path / "b" / "config.json").write_text(json.dumps({"model_type": "../evil"}))
     specs = [spec("a", path=str(tmp_path / "a")), spec("b", path=str(tmp_path / "b")),
              catalogue_minilm(), catalogue_minilm()]
-    assert preload_modules(specs) == [EMBEDDING_LOADER,
+    assert preload_modules(specs) == [EMBEDDING_LOADER, TORCH,
                                       "transformers.models.bert.modeling_bert",
                                       "transformers.models.llama.modeling_llama"]
 

@@ -112,6 +112,7 @@ async def test_load_model_warms_workers_up_to_the_cap_by_alias(
     await h.settle()
     assert len(h.workers("emb")) == 2  # two load slots
     assert "keeping 3 worker" in message
+    assert "asked for 10, capped at 3: [pool] max_workers_per_model = 3" in message
     h.ready(h.workers("emb")[0])  # a slot frees: the third starts without any request
     await h.settle()
     assert len(h.workers("emb")) == 3
@@ -158,3 +159,20 @@ async def test_unload_while_loading_is_not_a_load_failure(make_harness: MakeHarn
     h.embed(sink, ["again"])
     await h.settle()
     assert [w.state for w in model.workers.values()] == [WorkerState.LOADING] * 2
+
+
+async def test_load_of_a_model_whose_files_are_missing_fails_at_once(
+        make_harness: MakeHarness) -> None:
+    from modelpool.registry.sources import Missing
+
+    h = make_harness()
+    h.pool.intake.missing_files = lambda spec: Missing(f"path of {spec.key} does not exist")
+    with pytest.raises(control.ControlError) as err:
+        control.load_model(h.pool, "emb", 1)
+    assert err.value.code is ErrorCode.MODEL_LOAD_FAILED
+    assert "path of emb does not exist" in err.value.message
+    await h.settle()
+    assert h.workers("emb") == []
+    sink = h.sink()
+    h.embed(sink, ["a"])  # a request is refused at once, the same way
+    assert sink.errors()[-1].code is ErrorCode.MODEL_LOAD_FAILED

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import pytest
 
 from modelpool.protocol.messages import ModelStatus
 from modelpool.registry.spec import ModelSpec
@@ -106,3 +109,21 @@ async def test_refresh_memory_measures_live_workers_and_skips_gone_ones(
     await refresh_memory(h.pool)
     assert alive.uss_mb is not None and alive.uss_mb > 10
     assert gone.uss_mb is None
+
+
+async def test_a_loading_hub_model_shows_its_download_then_its_weights(
+        make_harness: MakeHarness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    h = make_harness(models=[ModelSpec(key="hub", capability="text_embedding", repo="org/x")])
+    assert _status(h, "hub").loading is None
+    h.embed(h.sink(), ["a"], model="hub")
+    await h.settle()
+    blobs = tmp_path / "models--org--x" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "abc.incomplete").write_bytes(b"x" * 3 * 2**20)
+    assert _status(h, "hub").loading == "downloading: 3.0 MiB in the cache so far"
+    (blobs / "abc.incomplete").rename(blobs / "abc")
+    (tmp_path / "models--org--x" / "refs").mkdir()
+    (tmp_path / "models--org--x" / "refs" / "main").write_text("d" * 40)
+    (tmp_path / "models--org--x" / "snapshots" / ("d" * 40)).mkdir(parents=True)
+    assert _status(h, "hub").loading == "loading weights"

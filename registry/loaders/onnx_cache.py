@@ -1,0 +1,124 @@
+"""Where exported ONNX models live on disk, and what decided them. Free of torch.
+
+An entry is a directory named by a hash of everything its export depends on: the model's
+files (path, size, modification time), the options that change its vectors, and the
+versions of torch, transformers, tokenizers, onnx and onnxruntime. A changed file or an
+upgrade makes a new key, so an entry is never stale; it is written whole into a
+temporary directory and renamed into place, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from modelpool.registry.spec import ModelSpec
+
+FORMAT = "1"  # bump when the export or the manifest changes
+VERSIONED = ("torch", "transformers", "tokenizers", "onnx", "onnxruntime")
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+REFERENCE_FILE = "reference.npy"  # eager PyTorch's vectors of REFERENCE_TEXTS
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """What an export found, so that the next load decides without exporting."""
+
+    choice: Literal["onnx", "eager"]  # what "auto" runs
+    reason: str  # why, in words (shown in status)
+    inputs: list[str] = []  # the graph's inputs, from the tokenizer's encodings
+    lowercase: bool = False  # lower-case texts before tokenizing, as eager does
+    max_seq_length: int = 0
+    dim: int = 0
+    min_cosine: float | None = None  # against eager on the reference texts
+    eager_ms: float | None = None  # the reference set, same threads, best of a few
+    onnx_ms: float | None = None
+
+
+def cache_root() -> Path:
+    """$MODELPOOL_CACHE_DIR, else $XDG_CACHE_HOME/modelpool, else ~/.cache/modelpool."""
+    explicit = os.environ.get("MODELPOOL_CACHE_DIR")
+    if explicit:
+        return Path(explicit) / "onnx"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "modelpool" / "onnx"
+
+
+def entry_key(spec: ModelSpec, model_dir: Path) -> str:
+    digest = hashlib.sha256(f"modelpool-onnx {FORMAT}\n".encode())
+    for name in VERSIONED:
+        digest.update(f"{name} {_version(name)}\n".encode())
+    options = {k: spec.options.get(k) for k in ("pooling", "normalize", "max_seq_length",
+                                                 "dtype")}
+    digest.update(msgspec.json.encode(options) + b"\n")
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(model_dir)} {stat.st_size} "
+                      f"{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def entry_dir(spec: ModelSpec, model_dir: Path) -> Path:
+    return cache_root() / entry_key(spec, model_dir)
+
+
+def read_manifest(entry: Path) -> Manifest | None:
+    try:
+        return msgspec.json.decode((entry / MANIFEST).read_bytes(), type=Manifest)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def cached_choice(spec: ModelSpec, model_dir: Path | None) -> str | None:
+    """What a load of this model will run ("onnx" or "eager"), when that is known without
+    loading anything; None when an export is still to be made (or could not be checked)."""
+    if spec.execution == "eager":
+        return "eager"
+    if model_dir is None:
+        return None
+    try:
+        manifest = read_manifest(entry_dir(spec, model_dir))
+    except OSError:
+        return None
+    if manifest is None:
+        return None
+    return "onnx" if spec.execution == "onnx" else manifest.choice
+
+
+@contextlib.contextmanager
+def exporting(entry: Path) -> Iterator[Path | None]:
+    """Hold the entry's lock; yield a fresh directory to fill, or None when another
+    process finished the entry while this one waited. What was filled becomes the entry
+    at exit, unless an exception leaves."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.parent / f"{entry.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # workers loading together export once
+        if read_manifest(entry) is not None:
+            yield None
+            return
+        work = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+        try:
+            yield work
+            if entry.exists():  # an entry without a manifest: a crash left it
+                shutil.rmtree(entry)
+            os.rename(work, entry)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"

@@ -1,0 +1,159 @@
+"""Export a sentence-embedding model to ONNX once, check it, time it, and cache it.
+
+Runs in a worker whose model has no cache entry yet (imports torch). The graph is the
+transformer followed by the model's pooling and normalisation, exported with torch's
+standard exporter, then optimised once by ONNX Runtime and saved with its weights in an
+external file (which every worker maps). Eager PyTorch's vectors for the reference
+texts are stored beside it: every later load checks the export against them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from modelpool.registry.loaders import onnx_cache, onnx_embedding
+from modelpool.registry.loaders.onnx_cache import Manifest
+from modelpool.registry.loaders.sentence_embedding import SentenceEmbedder, pool
+from modelpool.registry.spec import ModelSpec
+
+log = logging.getLogger("modelpool.onnx")
+OPSET = 17
+TIMING_ROUNDS = 5
+SLOWER = 1.2  # "auto" keeps eager PyTorch when the export takes longer than this x eager
+
+
+class _Pooled(torch.nn.Module):
+    """The transformer, pooled and normalised as SentenceEmbedder does it."""
+
+    def __init__(self, embedder: SentenceEmbedder, inputs: list[str]) -> None:
+        super().__init__()
+        self.model = embedder.model
+        self.pooling = embedder.pooling
+        self.normalize = embedder.normalize
+        self.inputs = inputs
+
+    def forward(self, *arrays: torch.Tensor) -> torch.Tensor:
+        named = dict(zip(self.inputs, arrays, strict=True))
+        hidden = self.model(**named).last_hidden_state
+        pooled = pool(hidden, named["attention_mask"], self.pooling)
+        if self.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled
+
+
+def export_entry(spec: ModelSpec, model_dir: Path, entry: Path) -> Manifest:
+    """Make the cache entry (or find that another process just made it); its manifest."""
+    from modelpool.registry.loaders import sentence_embedding
+
+    with onnx_cache.exporting(entry) as work:
+        if work is None:
+            manifest = onnx_cache.read_manifest(entry)
+            assert manifest is not None
+            return manifest
+        eager = sentence_embedding.load(spec, model_dir)
+        try:
+            manifest = _export(eager, work)
+        except Exception as exc:  # an architecture the exporter cannot trace, ...
+            log.warning("model %r: ONNX export failed, running eager PyTorch: %s: %s",
+                        spec.key, type(exc).__name__, exc)
+            manifest = Manifest(choice="eager", reason=f"export failed: {exc}"[:300])
+        (work / onnx_cache.MANIFEST).write_bytes(msgspec.json.encode(manifest))
+        return manifest
+
+
+def _export(eager: SentenceEmbedder, work: Path) -> Manifest:
+    texts = list(onnx_embedding.REFERENCE_TEXTS)
+    reference = eager.embed(texts)
+    np.save(work / onnx_cache.REFERENCE_FILE, reference)
+    sample = eager.tokenizer(texts[:2], padding=True, truncation=True,
+                             max_length=eager.max_seq_length, return_tensors="pt")
+    inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids")
+              if name in sample]
+    raw = work / "raw.onnx"
+    # The tracer warns about Python branches on shapes; the check below is what counts.
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            _Pooled(eager, inputs).eval(), tuple(sample[name] for name in inputs), str(raw),
+            dynamo=False, opset_version=OPSET, input_names=inputs, output_names=["vectors"],
+            dynamic_axes={**{name: {0: "batch", 1: "tokens"} for name in inputs},
+                          "vectors": {0: "batch"}})
+    _optimise(raw, work / onnx_cache.MODEL_FILE)
+    raw.unlink()
+    _save_tokenizer(eager, work / onnx_cache.TOKENIZER_FILE)
+    manifest = Manifest(choice="onnx", reason="", inputs=inputs, lowercase=eager.lowercase,
+                        max_seq_length=eager.max_seq_length, dim=eager.dim)
+    return _decide(eager, work, manifest)
+
+
+def _optimise(raw: Path, out: Path) -> None:
+    """ONNX Runtime's graph optimisations, done once and saved (portable level), with the
+    weights in an external file so that sessions map them instead of copying them."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(out)
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_file_name", f"{out.name}.data")
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    options.log_severity_level = 3
+    ort.InferenceSession(str(raw), options, providers=["CPUExecutionProvider"])
+
+
+def _save_tokenizer(eager: SentenceEmbedder, path: Path) -> None:
+    """The fast tokenizer eager uses, with its padding and truncation set: the worker
+    then needs only the `tokenizers` library, not transformers."""
+    tokenizer = eager.tokenizer.backend_tokenizer
+    tokenizer.enable_truncation(eager.max_seq_length)
+    tokenizer.enable_padding(pad_id=eager.tokenizer.pad_token_id,
+                             pad_token=eager.tokenizer.pad_token,
+                             pad_type_id=eager.tokenizer.pad_token_type_id)
+    tokenizer.save(str(path))
+
+
+def _decide(eager: SentenceEmbedder, work: Path, manifest: Manifest) -> Manifest:
+    """Check the export against eager, then time both on the same threads: "auto" runs
+    the export only when its vectors match and it is faster."""
+    threads = torch.get_num_threads()
+    candidate = onnx_embedding.OnnxEmbedder(work, manifest, threads)
+    try:
+        cosine = candidate.verify()
+    except onnx_embedding.VectorsDiffer as exc:
+        return _with(manifest, choice="eager", reason=str(exc))
+    eager_ms = _best_ms(eager.embed)
+    onnx_ms = _best_ms(candidate.embed)
+    # One timing on a shared machine varies by tens of percent: only a clearly slower
+    # export loses (the runtimes' usual order for encoders is the other way round).
+    slower = onnx_ms > SLOWER * eager_ms
+    reason = (f"timing set in {onnx_ms:.1f} ms against eager PyTorch's {eager_ms:.1f} "
+              f"({threads} threads), min cosine {cosine:.6f}")
+    return _with(manifest, choice="eager" if slower else "onnx", reason=reason,
+                 min_cosine=cosine, eager_ms=round(eager_ms, 2), onnx_ms=round(onnx_ms, 2))
+
+
+def _best_ms(embed: Any) -> float:
+    """Best of a few rounds of a batch and single texts of everyday lengths."""
+    texts = [t for t in onnx_embedding.REFERENCE_TEXTS if len(t) < onnx_embedding.LONG_CHARS]
+    embed(texts)  # warm
+    best = float("inf")
+    for _ in range(TIMING_ROUNDS):
+        started = time.perf_counter()
+        embed(texts)
+        for text in texts[:4]:
+            embed([text])
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
+
+
+def _with(manifest: Manifest, **changes: Any) -> Manifest:
+    return msgspec.structs.replace(manifest, **changes)

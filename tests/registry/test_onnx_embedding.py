@@ -1,0 +1,153 @@
+"""MiniLM through ONNX Runtime: exported once into the cache, checked against eager
+PyTorch's vectors at every load, eager again when they differ."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from modelpool.registry.loaders import (
+    load_model,
+    load_model_with_dir,
+    onnx_cache,
+    onnx_embedding,
+    onnx_export,
+    preload_modules,
+)
+from modelpool.registry.loaders.onnx_embedding import OnnxEmbedder
+from modelpool.registry.loaders.sentence_embedding import SentenceEmbedder
+from modelpool.registry.spec import ModelSpec, Registry, load_catalog
+
+TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
+
+
+def _minilm(**changes: object) -> ModelSpec:
+    spec = Registry(load_catalog()).resolve("minilm")
+    assert spec is not None
+    return msgspec.structs.replace(spec, **changes)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache of this module's own, holding MiniLM's export (made once, here)."""
+    root = tmp_path_factory.mktemp("onnx-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MODELPOOL_CACHE_DIR", str(root))
+        model, _ = load_model_with_dir(_minilm(execution="onnx"))
+    assert isinstance(model, OnnxEmbedder)
+    return root
+
+
+@pytest.fixture
+def in_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def eager() -> SentenceEmbedder:
+    model = load_model(_minilm(execution="eager"))
+    assert isinstance(model, SentenceEmbedder)
+    return model
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_export_gives_eager_vectors_and_a_later_load_exports_nothing(
+        in_cache: Path, eager: SentenceEmbedder, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_export(*_: object) -> None:
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(onnx_export, "export_entry", no_export)
+    model = load_model(_minilm(execution="onnx"))
+    assert isinstance(model, OnnxEmbedder)
+    vectors = model.embed(TEXTS)
+    assert vectors.shape == (3, 384) and vectors.dtype == np.float32
+    assert _cosines(vectors, eager.embed(TEXTS)).min() >= 0.9999
+    info = model.info()
+    assert info["execution"] == "onnx" and info["max_seq_length"] == 256
+
+
+def test_the_entry_is_keyed_by_files_and_versions(in_cache: Path) -> None:
+    spec = _minilm()
+    model_dir = load_model_with_dir(_minilm(execution="eager"))[1]
+    assert model_dir is not None
+    entry = onnx_cache.entry_dir(spec, model_dir)
+    manifest = onnx_cache.read_manifest(entry)
+    assert manifest is not None and manifest.min_cosine is not None
+    assert manifest.min_cosine >= onnx_embedding.MIN_COSINE
+    assert {p.name for p in entry.iterdir()} >= {"model.onnx", "model.onnx.data",
+                                                 "tokenizer.json", "reference.npy"}
+    other = msgspec.structs.replace(spec, options={"max_seq_length": 128})
+    assert onnx_cache.entry_key(other, model_dir) != entry.name
+
+
+def test_vectors_that_differ_are_never_served(in_cache: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of the entry whose reference vectors are not the model's: "onnx" fails the
+    load, "auto" runs eager PyTorch and says why."""
+    spec = _minilm()
+    model_dir = load_model_with_dir(_minilm(execution="eager"))[1]
+    assert model_dir is not None
+    entry = onnx_cache.entry_dir(spec, model_dir)
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path))
+    copy = onnx_cache.entry_dir(spec, model_dir)
+    copy.mkdir(parents=True)
+    for path in entry.iterdir():
+        (copy / path.name).symlink_to(path)
+    (copy / "reference.npy").unlink()
+    wrong = np.load(entry / "reference.npy")[:, ::-1].copy()  # the same norms, other vectors
+    np.save(copy / "reference.npy", wrong)
+    with pytest.raises(onnx_embedding.VectorsDiffer):
+        load_model(_minilm(execution="onnx"))
+    model = load_model(_minilm(execution="auto"))
+    assert isinstance(model, SentenceEmbedder)
+    assert model.info()["execution"] == "eager"
+    assert "differ" in model.info()["execution_reason"]
+
+
+def test_threads_make_one_session_per_count_and_only_all_cores_prepacks(
+        in_cache: Path) -> None:
+    model = load_model(_minilm(execution="onnx"))
+    assert isinstance(model, OnnxEmbedder)
+    before = model.embed(TEXTS[:1])
+    model.set_threads(1)
+    assert model.threads == 1 and set(model.sessions) == {1, model.cpus}
+    assert np.allclose(model.embed(TEXTS[:1]), before, atol=1e-5)
+    model.set_threads(model.cpus + 1)
+    assert len(model.sessions) == len({1, model.cpus, model.cpus + 1})
+
+    def prepacks(threads: int) -> bool:
+        options = model.sessions[threads].get_session_options()
+        try:
+            return options.get_session_config_entry("session.disable_prepacking") != "1"
+        except RuntimeError:  # not set: ONNX Runtime's default, prepacking
+            return True
+
+    assert prepacks(model.cpus) and prepacks(model.cpus + 1)
+    assert model.cpus == 1 or not prepacks(1)
+
+
+def test_a_cached_onnx_model_needs_no_torch_in_the_forkserver(in_cache: Path) -> None:
+    assert preload_modules([_minilm()]) == [
+        "modelpool.registry.loaders.embedding_exec",
+        "modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers"]
+    assert "modelpool.workers.preload_torch" in preload_modules([_minilm(execution="eager")])
+
+
+def test_a_worker_serving_the_export_never_imports_torch(in_cache: Path) -> None:
+    code = ("import sys; from modelpool.registry.loaders import load_model; "
+            "from modelpool.registry.spec import Registry, load_catalog; "
+            "m = load_model(Registry(load_catalog()).resolve('minilm')); "
+            "print(m.info()['execution'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ), check=True)
+    assert out.stdout.split() == ["onnx", "False"]
