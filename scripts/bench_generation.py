@@ -3,9 +3,10 @@
 For tiny-llm and a ~100M-parameter random-weight Llama that this script builds (into a
 temporary directory, removed afterwards): 16 concurrent streams of 128 tokens
 (ignore_eos, greedy, distinct prompts so none is deduplicated) on one worker that batches
-them, against one stream alone on the same worker; time to first token at 16 and at 1;
-and the same 16 streams the way they ran before continuous batching, through 16
-one-at-a-time workers, with the memory (PSS) of each daemon while it serves them.
+them, against one stream alone on the same worker; time to first token at 16 and at 1,
+for 16 streams started together and for 16 clients whose streams start while the
+others are mid-way; and the same streams the way they ran before continuous batching,
+through 16 one-at-a-time workers, with the memory (PSS) of each daemon meanwhile.
 """
 
 from __future__ import annotations
@@ -89,6 +90,24 @@ async def _round(sock: str, streams: int, offset: int, tokens: int = TOKENS
             "ttft_s": [t for t, _ in results]}
 
 
+async def _steady(sock: str, lanes: int, rounds: int) -> dict[str, Any]:
+    """`lanes` clients, each starting its next stream as soon as its last one ends, their
+    first streams of staggered lengths: streams arrive while the others are mid-way, as
+    on a server kept at that concurrency. Times to first token of the full streams."""
+    async with AsyncClient(sock) as c:
+        async def lane(i: int) -> list[tuple[float, int]]:
+            done = [await _stream(c, 5000 + i, 1 + i * TOKENS // lanes)]
+            for r in range(rounds):
+                done.append(await _stream(c, 6000 + 100 * i + r, TOKENS))
+            return done
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(lane(i) for i in range(lanes)))
+        wall = time.perf_counter() - t0
+    return {"tokens_per_s": sum(n for r in results for _, n in r) / wall,
+            "ttft_s": [t for r in results for t, _ in r[1:]]}
+
+
 class PeakPss:
     """The daemon's whole process tree's PSS, sampled while a round runs."""
 
@@ -109,8 +128,10 @@ class PeakPss:
         self._thread.join()
 
 
-def _serve(path: Path, workers: int, sequences: int, rounds: list[int]) -> dict[str, Any]:
-    """Start a daemon for the model, warm its workers, run a round of each size."""
+def _serve(path: Path, workers: int, sequences: int,
+           rounds: list[tuple[str, int]]) -> dict[str, list[dict[str, Any]]]:
+    """Start a daemon for the model, warm its workers, run each round: ("burst", n) n
+    streams started together, ("steady", n) n lanes of _steady."""
     daemon = Daemon(f"[pool]\ncold_start_workers = {workers}\ncooldown_idle_s = 3600\n"
                     + MODEL.format(path=path, workers=workers, sequences=sequences))
     try:
@@ -122,10 +143,12 @@ def _serve(path: Path, workers: int, sequences: int, rounds: list[int]) -> dict[
                 time.sleep(0.1)
         asyncio.run(_round(daemon.socket, min(workers * sequences, STREAMS), 1000, 4))  # warm
         out: dict[str, Any] = {}
-        for n, streams in enumerate(rounds):
+        for n, (kind, streams) in enumerate(rounds):
             with PeakPss(daemon) as pss:
-                result = asyncio.run(_round(daemon.socket, streams, 100 * n))
-            out.setdefault(streams, []).append({**result, "pss_mb": round(pss.peak, 1)})
+                result = asyncio.run(_round(daemon.socket, streams, 100 * n) if kind == "burst"
+                                     else _steady(daemon.socket, streams, 2))
+            out.setdefault(f"{kind}{streams}", []).append({**result,
+                                                           "pss_mb": round(pss.peak, 1)})
         return out
     finally:
         daemon.stop()
@@ -139,16 +162,24 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def model_figures(path: Path, quick: bool) -> dict[str, Any]:
-    alone_runs = 1 if quick else 3
-    batched = _serve(path, 1, STREAMS, [1] * alone_runs + [STREAMS] * (1 if quick else 2))
-    alone, together = _summary(batched[1]), _summary(batched[STREAMS])
-    today = _summary(_serve(path, STREAMS, 1, [STREAMS])[STREAMS])
+    runs = 1 if quick else 2
+    burst, steady = ("burst", STREAMS), ("steady", STREAMS)
+    batched = _serve(path, 1, STREAMS, [("burst", 1)] * (runs + 1) + [burst, steady] * runs)
+    alone = _summary(batched["burst1"])
+    together, staggered = _summary(batched["burst16"]), _summary(batched["steady16"])
+    workers = _serve(path, STREAMS, 1, [burst, steady])
+    today, today_steady = _summary(workers["burst16"]), _summary(workers["steady16"])
     return {
         "one_stream_alone": alone,
-        f"{STREAMS}_streams_one_batching_worker": together,
-        f"{STREAMS}_streams_{STREAMS}_one_at_a_time_workers": today,
+        f"{STREAMS}_streams_together_one_batching_worker": together,
+        f"{STREAMS}_lanes_staggered_one_batching_worker": staggered,
+        f"{STREAMS}_streams_together_{STREAMS}_one_at_a_time_workers": today,
+        f"{STREAMS}_lanes_staggered_{STREAMS}_one_at_a_time_workers": today_steady,
         "throughput_ratio_vs_alone": round(together["tokens_per_s"] / alone["tokens_per_s"], 2),
-        "ttft_p50_ratio_vs_alone": round(together["ttft_p50_ms"] / alone["ttft_p50_ms"], 2),
+        "ttft_p50_ratio_vs_alone_together": round(together["ttft_p50_ms"]
+                                                  / alone["ttft_p50_ms"], 2),
+        "ttft_p50_ratio_vs_alone_staggered": round(staggered["ttft_p50_ms"]
+                                                   / alone["ttft_p50_ms"], 2),
         "throughput_ratio_vs_workers": round(together["tokens_per_s"] / today["tokens_per_s"], 2),
         "pss_ratio_vs_workers": round(together["pss_mb"] / today["pss_mb"], 3),
         "sequential_16_streams_s": round(STREAMS * TOKENS / alone["tokens_per_s"], 1),

@@ -2,7 +2,7 @@
 goes through one forward pass per step, and sequences join and leave between steps.
 
 A new sequence is prefilled (short text prompts several in one padded pass, a long one in
-chunks of PREFILL_CHUNK tokens so that it stalls the others one chunk at a time), then
+chunks, so that a pass costs about a few decode steps and stalls the others no longer), then
 its KV cache joins the running batch, left-padded to the batch's length; a sequence that
 ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
 (temperature, top_p, seed, ignore_eos), with the same `sample` and the same detokenizer
@@ -30,8 +30,11 @@ from transformers.cache_utils import DynamicLayer
 from modelpool.protocol.messages import Sampling
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill pass of one long prompt
-PREFILL_TOKENS = 512  # padded prompt tokens per pass when short prompts share one
+# Padded prompt tokens per prefill pass (short prompts share one, a long one is cut into
+# chunks of this many). On the CPU a pass is compute-bound: 128 tokens of a 100M-parameter
+# Llama take about four decode steps of 16 sequences here. A GPU takes far more at once.
+PREFILL_TOKENS_CPU = 128
+PREFILL_TOKENS_GPU = 1024
 DEFAULT_MAX_SEQUENCES = 16  # the default cap; fewer when their KV caches would not fit
 KV_MEMORY_FRACTION = 0.25  # of the memory available at load, for full-context KV caches
 
@@ -152,6 +155,8 @@ class ContinuousDecoder:
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                           else next(iter(eos_ids), 0))
         self.default_max_sequences = default_max_sequences(model)
+        self.prefill_tokens = (PREFILL_TOKENS_CPU if model.device.type == "cpu"
+                               else PREFILL_TOKENS_GPU)
         self.waiting: list[_Seq] = []  # not yet (fully) prefilled, in arrival order
         self.rows = _Rows()
         self.prefilled_last = False
@@ -193,7 +198,7 @@ class ContinuousDecoder:
     def _prefill(self) -> list[Emitted]:
         group = self._next_group()
         try:
-            if len(group) == 1 and (group[0].left > PREFILL_CHUNK or group[0].fed):
+            if len(group) == 1 and (group[0].left > self.prefill_tokens or group[0].fed):
                 return self._prefill_chunk(group[0])
             logits, cache, mask = self._prefill_whole(group)
         except Exception as exc:
@@ -205,15 +210,15 @@ class ContinuousDecoder:
 
     def _next_group(self) -> list[_Seq]:
         """The first waiting sequence, with the short text prompts that follow it when it
-        is one: as many as PREFILL_TOKENS padded tokens hold."""
-        first = self.waiting[0]
-        if not first.plain or first.left > PREFILL_CHUNK or first.fed:
+        is one: as many as prefill_tokens padded tokens hold."""
+        first, budget = self.waiting[0], self.prefill_tokens
+        if not first.plain or first.left > budget or first.fed:
             return [first]
         group, longest = [first], first.left
         for seq in self.waiting[1:]:
-            if not seq.plain or seq.left > PREFILL_CHUNK or seq.fed:
+            if not seq.plain or seq.left > budget or seq.fed:
                 continue
-            if (len(group) + 1) * max(longest, seq.left) > PREFILL_TOKENS:
+            if (len(group) + 1) * max(longest, seq.left) > budget:
                 break
             group.append(seq)
             longest = max(longest, seq.left)
@@ -243,7 +248,7 @@ class ContinuousDecoder:
     def _prefill_chunk(self, seq: _Seq) -> list[Emitted]:
         """One chunk of a long prompt into the sequence's own cache; the last chunk joins
         it to the batch and samples its first token."""
-        ids = seq.prepared.inputs["input_ids"][:, seq.fed:seq.fed + PREFILL_CHUNK]
+        ids = seq.prepared.inputs["input_ids"][:, seq.fed:seq.fed + self.prefill_tokens]
         out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True,
                          logits_to_keep=1)
         seq.cache, seq.fed = out.past_key_values, seq.fed + ids.shape[1]
