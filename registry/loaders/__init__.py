@@ -93,6 +93,8 @@ def preload_modules(specs: list[ModelSpec]) -> list[str]:
         modules.add(TORCH_PRELOAD)
         if default is not None:
             modules.update((default.loader.partition(":")[0], *default.preload))
+        if _may_run_onnx(spec):  # its export is still to be made: then it runs ONNX
+            modules.update(ONNX_MODULES)
         config = _local_config(local)
         model_type = config.get("model_type") if config else None
         if isinstance(model_type, str) and model_type.isidentifier():
@@ -107,10 +109,14 @@ TORCH_PRELOAD = "modelpool.workers.preload_torch"
 ONNX_MODULES = ("modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers")
 
 
+def _may_run_onnx(spec: ModelSpec) -> bool:
+    return spec.capability == "text_embedding" and not spec.loader and spec.execution != "eager"
+
+
 def _runs_cached_onnx(spec: ModelSpec, local: Path | None) -> bool:
     from modelpool.registry.loaders import onnx_cache
 
-    if spec.capability != "text_embedding" or spec.loader or local is None:
+    if not _may_run_onnx(spec) or local is None:
         return False
     return onnx_cache.cached_choice(spec, local) == "onnx"
 
