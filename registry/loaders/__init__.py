@@ -28,7 +28,9 @@ class CapabilityLoader:
 # The registry's column of the request-kind table (protocol/kinds.py): how each
 # capability's models are loaded by default.
 LOADERS: dict[str, CapabilityLoader] = {
-    "text_embedding": CapabilityLoader("modelpool.registry.loaders.embedding_exec:load"),
+    # Its eager half (sentence_embedding) is preloaded with torch, when torch is.
+    "text_embedding": CapabilityLoader("modelpool.registry.loaders.embedding_exec:load",
+                                       preload=("modelpool.registry.loaders.sentence_embedding",)),
     "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load"),
     "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load"),
     "vision": CapabilityLoader("modelpool.registry.loaders.vision_lm:load"),
