@@ -106,6 +106,7 @@ class Connection:
     def goodbye(self, code: ErrorCode, message: str) -> None:
         """Say why, then close; at once if the client is not reading (nothing would drain)."""
         self.send(Error(id=None, code=code, message=message))
+        self.flush()  # into the transport now: what it cannot take at once is not read
         self.close(abort=not self.closed and self.unsent() > 0)
 
     def drop(self, reason: str) -> None:

@@ -31,8 +31,11 @@ COMMON_OPTIONS = ("dtype",)  # read by every built-in loader (common.pretrained_
 # The registry's column of the request-kind table (protocol/kinds.py): how each
 # capability's models are loaded by default.
 LOADERS: dict[str, CapabilityLoader] = {
-    "text_embedding": CapabilityLoader("modelpool.registry.loaders.embedding_exec:load",
-                                       options=("pooling", "max_seq_length", "normalize")),
+    # Its eager half (sentence_embedding) is preloaded with torch, when torch is.
+    "text_embedding": CapabilityLoader(
+        "modelpool.registry.loaders.embedding_exec:load",
+        preload=("modelpool.registry.loaders.sentence_embedding",),
+        options=("pooling", "max_seq_length", "normalize")),
     "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load"),
     "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load",
                                         options=("text_padding",)),
@@ -112,6 +115,8 @@ def preload_modules(specs: list[ModelSpec]) -> list[str]:
         modules.add(TORCH_PRELOAD)
         if default is not None:
             modules.update((default.loader.partition(":")[0], *default.preload))
+        if _may_run_onnx(spec):  # its export is still to be made: then it runs ONNX
+            modules.update(ONNX_MODULES)
         config = _local_config(local)
         model_type = config.get("model_type") if config else None
         if isinstance(model_type, str) and model_type.isidentifier():
@@ -126,10 +131,14 @@ TORCH_PRELOAD = "modelpool.workers.preload_torch"
 ONNX_MODULES = ("modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers")
 
 
+def _may_run_onnx(spec: ModelSpec) -> bool:
+    return spec.capability == "text_embedding" and not spec.loader and spec.execution != "eager"
+
+
 def _runs_cached_onnx(spec: ModelSpec, local: Path | None) -> bool:
     from modelpool.registry.loaders import onnx_cache
 
-    if spec.capability != "text_embedding" or spec.loader or local is None:
+    if not _may_run_onnx(spec) or local is None:
         return False
     return onnx_cache.cached_choice(spec, local) == "onnx"
 

@@ -11,13 +11,19 @@ against eager's reference vectors again before it serves.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from modelpool.registry.loaders import onnx_cache, onnx_embedding
+from modelpool.registry.loaders.onnx_cache import Manifest
 from modelpool.registry.spec import ModelSpec
 
 log = logging.getLogger("modelpool.onnx")
+EXPORT_TIMEOUT_S = 600  # the load's own bound (load_timeout_s) is the same by default
 
 
 def load(spec: ModelSpec, model_dir: Path | None) -> Any:
@@ -50,14 +56,25 @@ def _load_onnx(spec: ModelSpec, model_dir: Path) -> Any:
     entry = onnx_cache.entry_dir(spec, model_dir)
     manifest = onnx_cache.read_manifest(entry)
     if manifest is None:
-        from modelpool.registry.loaders import onnx_export
-
-        manifest = onnx_export.export_entry(spec, model_dir, entry)
+        manifest = export_in_child(spec, model_dir, entry)
     if manifest.choice == "eager" and spec.execution == "auto":
         return manifest.reason
     if not manifest.inputs:  # execution = "onnx", but there is no export
         raise RuntimeError(manifest.reason)
     return onnx_embedding.open_entry(entry, manifest, threads=0)
+
+
+def export_in_child(spec: ModelSpec, model_dir: Path, entry: Path) -> Manifest:
+    """The export, in a process of its own (registry/loaders/onnx_export.py)."""
+    payload = msgspec.msgpack.encode([spec, str(model_dir), str(entry)])
+    # -I: nothing from the working directory or the user's site; the package is found
+    # where this interpreter's site-packages says.
+    done = subprocess.run([sys.executable, "-I", "-m", "modelpool.registry.loaders.onnx_export"],
+                          input=payload, capture_output=True, timeout=EXPORT_TIMEOUT_S)
+    if done.returncode != 0:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+        raise RuntimeError(f"ONNX export exited with {done.returncode}: {tail[0]}")
+    return msgspec.json.decode(done.stdout, type=Manifest)
 
 
 def _onnx_unsupported(spec: ModelSpec) -> str | None:

@@ -1,10 +1,13 @@
 """Export a sentence-embedding model to ONNX once, check it, time it, and cache it.
 
-Runs in a worker whose model has no cache entry yet (imports torch). The graph is the
-transformer followed by the model's pooling and normalisation, exported with torch's
-standard exporter, then optimised once by ONNX Runtime and saved with its weights in an
-external file (which every worker maps). Eager PyTorch's vectors for the reference
-texts are stored beside it: every later load checks the export against them.
+Runs in a process of its own (`python -m modelpool.registry.loaders.onnx_export`, the
+spec on stdin), started by a worker whose model has no cache entry yet: the export
+imports torch and leaves ~100 MiB of heap behind, none of which the worker should keep.
+The graph is the transformer followed by the model's pooling and normalisation,
+exported with torch's standard exporter, then optimised once by ONNX Runtime and saved
+with its weights in an external file (which every worker maps). Eager PyTorch's vectors
+for the reference texts are stored beside it: every later load checks the export
+against them.
 """
 
 from __future__ import annotations
@@ -157,3 +160,17 @@ def _best_ms(embed: Any) -> float:
 
 def _with(manifest: Manifest, **changes: Any) -> Manifest:
     return msgspec.structs.replace(manifest, **changes)
+
+
+def main() -> None:
+    """[spec, model dir, entry dir] as msgpack on stdin; the manifest as JSON on stdout."""
+    import sys
+
+    raw = msgspec.msgpack.decode(sys.stdin.buffer.read())
+    spec = msgspec.convert(raw[0], ModelSpec)
+    manifest = export_entry(spec, Path(raw[1]), Path(raw[2]))
+    sys.stdout.buffer.write(msgspec.json.encode(manifest))
+
+
+if __name__ == "__main__":
+    main()

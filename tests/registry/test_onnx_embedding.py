@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from modelpool.registry.loaders import (
+    embedding_exec,
     load_model,
     load_model_with_dir,
     onnx_cache,
     onnx_embedding,
-    onnx_export,
     preload_modules,
 )
 from modelpool.registry.loaders.onnx_embedding import OnnxEmbedder
@@ -66,7 +66,7 @@ def test_export_gives_eager_vectors_and_a_later_load_exports_nothing(
     def no_export(*_: object) -> None:
         raise AssertionError("exported again")
 
-    monkeypatch.setattr(onnx_export, "export_entry", no_export)
+    monkeypatch.setattr(embedding_exec, "export_in_child", no_export)
     model = load_model(_minilm(execution="onnx"))
     assert isinstance(model, OnnxEmbedder)
     vectors = model.embed(TEXTS)

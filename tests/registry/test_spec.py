@@ -104,6 +104,8 @@ def test_batched_and_streaming_flags() -> None:
 
 EMBEDDING_LOADER = "modelpool.registry.loaders.embedding_exec"
 TORCH = "modelpool.workers.preload_torch"
+ONNX = ["modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers"]
+EAGER = "modelpool.registry.loaders.sentence_embedding"
 
 
 @pytest.fixture(autouse=True)
@@ -114,11 +116,13 @@ def _no_onnx_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_preload_modules_for_catalogue_minilm() -> None:
     assert preload_modules([catalogue_minilm()]) == [
-        EMBEDDING_LOADER, TORCH, "transformers.models.bert.modeling_bert"]
+        EMBEDDING_LOADER, ONNX[0], EAGER, TORCH, ONNX[1], ONNX[2],
+        "transformers.models.bert.modeling_bert"]
 
 
 def test_preload_modules_without_config_json(tmp_path: Path) -> None:
-    assert preload_modules([spec("empty", path=str(tmp_path))]) == [EMBEDDING_LOADER, TORCH]
+    assert preload_modules([spec("empty", path=str(tmp_path))]) == [
+        EMBEDDING_LOADER, ONNX[0], EAGER, TORCH, ONNX[1], ONNX[2]]
     # A hub model not in the hub cache: nothing, its worker imports what it needs once
     # the files have come (which takes longer than the imports).
     assert preload_modules([ModelSpec(key="h", capability="vision", repo="org/h")]) == []
@@ -131,7 +135,7 @@ def test_preload_modules_deduplicates_and_sorts(tmp_path: Path) -> None:
     (tmp_path / "b" / "config.json").write_text(json.dumps({"model_type": "../evil"}))
     specs = [spec("a", path=str(tmp_path / "a")), spec("b", path=str(tmp_path / "b")),
              catalogue_minilm(), catalogue_minilm()]
-    assert preload_modules(specs) == [EMBEDDING_LOADER, TORCH,
+    assert preload_modules(specs) == [EMBEDDING_LOADER, ONNX[0], EAGER, TORCH, ONNX[1], ONNX[2],
                                       "transformers.models.bert.modeling_bert",
                                       "transformers.models.llama.modeling_llama"]
 
