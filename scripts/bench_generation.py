@@ -116,8 +116,11 @@ class PeakPss:
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
-        while not self._stop.wait(0.5):
+        while True:  # at the start, then every 0.2 s, and once more at the end
             self.peak = max(self.peak, sum(self.daemon.pss_mb().values()))
+            if self._stop.wait(0.2):
+                self.peak = max(self.peak, sum(self.daemon.pss_mb().values()))
+                return
 
     def __enter__(self) -> PeakPss:
         self._thread.start()
