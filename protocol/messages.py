@@ -238,6 +238,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_heartbeat_s: float | None
     load_s: float | None = None
     holds_weights: bool = False  # the model's weights holder: it serves nothing
+    info: dict[str, Any] = {}  # what its loaded model says of itself (dim, execution, ...)
 
 
 class PriorityStats(msgspec.Struct, frozen=True, kw_only=True):

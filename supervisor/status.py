@@ -111,6 +111,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
                               if w.last_heartbeat is not None else None),
             load_s=w.load_s,
             holds_weights=w is model.holder,
+            info=w.info,
         )
         for w in model.processes()
     ]
