@@ -242,6 +242,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     sequences: int | None = None
     max_sequences: int | None = None
     tokens_per_s: float | None = None  # generated, over the last seconds
+    info: dict[str, Any] = {}  # what its loaded model says of itself (dim, execution, ...)
 
 
 class PriorityStats(msgspec.Struct, frozen=True, kw_only=True):

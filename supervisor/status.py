@@ -114,6 +114,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
             load_s=w.load_s,
             holds_weights=w is model.holder,
             **_generation(w, now),
+            info=w.info,
         )
         for w in model.processes()
     ]
