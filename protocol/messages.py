@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.totals import ModelTotals
 
 PROTOCOL_VERSION = 1
 
@@ -256,35 +257,6 @@ class PriorityStats(msgspec.Struct, frozen=True, kw_only=True):
     rejected: dict[str, int]  # by error code
     p50_ms: float | None
     p99_ms: float | None
-
-
-class HistogramTotals(msgspec.Struct, frozen=True, kw_only=True):
-    """Cumulative since start, as Prometheus keeps them: counts[i] observations were at
-    most bounds[i] (the last count, +Inf, is `count`)."""
-
-    bounds: list[float]
-    counts: list[int]
-    count: int = 0
-    sum: float = 0.0
-
-
-class OutcomeCount(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    op: str
-    priority: str
-    code: str  # "OK" or the ErrorCode
-    count: int
-
-
-class ModelTotals(msgspec.Struct, frozen=True, kw_only=True):
-    """A model's counters since the daemon started, for monitoring (GET /metrics)."""
-
-    outcomes: list[OutcomeCount] = []
-    latency_s: dict[str, HistogramTotals] = {}  # by op: accepted -> final reply
-    queue_wait_s: HistogramTotals | None = None  # accepted -> sent to a worker
-    batch_size: HistogramTotals | None = None
-    loads: int = 0  # workers that became ready
-    load_failures: int = 0
-    worker_deaths: int = 0  # serving workers that exited unasked
 
 
 class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -3,8 +3,8 @@
 pull downloads a hub model into the Hugging Face cache with huggingface_hub (its own
 progress bar, on a terminal only; an interrupted pull resumes where it stopped), then
 verifies what it has; `--repair` first deletes every cached file that fails its check,
-so that the download replaces it. verify checks the files a load would use: hub blobs
-against the sha256 (or git sha1) they are named by, safetensors files for truncation.
+so that the download replaces it. verify runs the checks a load runs on the files it
+would use (registry/integrity.py).
 MODEL is a key or alias of the catalogue and the config (`--config`, else
 $MODELPOOL_CONFIG), or any hub repo as org/name.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.registry.model_files import delete_corrupt, download, model_dir
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor.cli_common import EXIT_MODEL_FAILURE, EXIT_OK, on_terminal
+from modelpool.supervisor.cli_common import EXIT_MODEL_FAILURE, EXIT_OK
 
 SubParsers = Any  # argparse's _SubParsersAction, which has no public name
 
@@ -60,25 +60,6 @@ def find_spec(name: str, config_path: str | None, revision: str | None) -> Model
     return msgspec.structs.replace(spec, revision=revision) if revision else spec
 
 
-def model_dir(spec: ModelSpec) -> Path:
-    """Where the spec's files are now (a hub repo: its cached snapshot)."""
-    from modelpool.registry.sources import cached_snapshot, missing_files
-
-    if missing := missing_files(spec):
-        raise PoolError(ErrorCode.MODEL_LOAD_FAILED, missing.message)
-    if spec.repo:
-        found = cached_snapshot(spec.repo, spec.revision)
-        assert found is not None
-        return found / spec.subdir
-    from modelpool.registry.download import resolve_model_dir
-
-    resolved = resolve_model_dir(spec)
-    if resolved is None:
-        raise PoolError(ErrorCode.BAD_REQUEST, f"model {spec.key!r} has a custom loader "
-                        f"and no files to check")
-    return resolved
-
-
 def _verify(args: argparse.Namespace) -> int:
     from modelpool.registry.integrity import verify_dir
 
@@ -102,39 +83,8 @@ def _pull(args: argparse.Namespace) -> int:
         print(f"{spec.key}: not a hub model ({spec.source}); nothing to pull")
         return _verify(args)
     if args.repair:
-        _delete_corrupt(spec)
+        for path, why in delete_corrupt(spec):
+            print(f"removed corrupt {path} ({why})", file=sys.stderr)
     path = download(spec)
     print(f"{spec.key}: {spec.repo}@{spec.revision} in {path}", file=sys.stderr)
     return _verify(args)
-
-
-def _delete_corrupt(spec: ModelSpec) -> None:
-    from modelpool.registry.integrity import blobs_of, verify_dir
-    from modelpool.registry.sources import cached_snapshot
-
-    snapshot = cached_snapshot(spec.repo or "", spec.revision)
-    if snapshot is None:
-        return
-    corrupt = verify_dir(snapshot).corrupt
-    for blob in blobs_of(corrupt):
-        blob.unlink(missing_ok=True)
-    for bad in corrupt:
-        bad.path.unlink(missing_ok=True)  # the snapshot's link, or a plain file
-        print(f"removed corrupt {bad.path} ({bad.why})", file=sys.stderr)
-
-
-def download(spec: ModelSpec) -> Path:
-    """huggingface_hub's snapshot download: resumable, its progress bars on a terminal."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import disable_progress_bars
-
-    from modelpool.registry.download import hub_patterns
-
-    if not on_terminal():
-        disable_progress_bars()
-    try:
-        return Path(snapshot_download(repo_id=spec.repo or "", revision=spec.revision,
-                                      allow_patterns=hub_patterns(spec)))
-    except Exception as exc:  # the hub client raises many types; the cause is what matters
-        raise PoolError(ErrorCode.MODEL_LOAD_FAILED, f"pulling {spec.repo}@{spec.revision} "
-                        f"failed: {type(exc).__name__}: {exc}") from None

@@ -38,7 +38,7 @@ from modelpool.protocol.messages import (
     WorkRequest,
     encoder,
 )
-from modelpool.supervisor import admission
+from modelpool.supervisor import admission, pool_stats
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
 from modelpool.supervisor.pool import Pool
@@ -201,34 +201,13 @@ class JobService:
 
     def local_stats(self) -> PoolStats:
         """This daemon's own figures (a cluster's nodes beat them to each other)."""
-        models = list(self.pool.models.values())
-        workers = [w for m in models for w in m.live_workers()]
-        counters = [c for m in models for c in m.metrics.by_priority.values()]
-        return PoolStats(
-            workers=len(workers), busy_workers=sum(bool(w.jobs) for w in workers),
-            active_jobs=sum(m.running() for m in models),
-            queued_jobs=sum(len(m.queue) for m in models),
-            memory_used_mb=round(self.pool.capacity.used_mb(models), 1),
-            memory_budget_mb=round(self.pool.capacity.budget_mb, 1),
-            completed=sum(c.completed for c in counters),
-            failed=sum(c.failed + c.expired for c in counters),
-            stored_results=0, mailbox_bytes=0, duplicate_results=self.duplicates)
+        return pool_stats.of_pool(self.pool, self.duplicates)
 
     async def stats(self) -> PoolStats:
         """The pool's figures; in a cluster, every live node's added up."""
-        mine = self.local_stats()
-        every = [mine, *self.peer_stats()]
         stored, nbytes = await self.mailbox.usage()
-        return PoolStats(
-            workers=sum(s.workers for s in every),
-            busy_workers=sum(s.busy_workers for s in every),
-            active_jobs=sum(s.active_jobs for s in every),
-            queued_jobs=sum(s.queued_jobs for s in every) + await self.queue.length(),
-            memory_used_mb=round(sum(s.memory_used_mb for s in every), 1),
-            memory_budget_mb=round(sum(s.memory_budget_mb for s in every), 1),
-            completed=sum(s.completed for s in every), failed=sum(s.failed for s in every),
-            stored_results=stored, mailbox_bytes=nbytes, nodes=len(every),
-            duplicate_results=sum(s.duplicate_results for s in every))
+        return pool_stats.added_up([self.local_stats(), *self.peer_stats()], stored, nbytes,
+                                   await self.queue.length())
 
     async def relay(self, uid: int, request: WorkRequest) -> list[Any]:
         """A direct request run by another daemon through the shared queue; its replies

@@ -9,14 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import (
-    PRIORITIES,
-    Error,
-    HistogramTotals,
-    ModelTotals,
-    OutcomeCount,
-    PriorityStats,
-)
+from modelpool.protocol.messages import PRIORITIES, Error, PriorityStats
+from modelpool.protocol.totals import HistogramTotals, ModelTotals, OutcomeCount
 
 LATENCY_WINDOW = 1000  # recent completions kept per priority for percentiles
 # Prometheus' default buckets, widened at both ends: a cached embedding answers in

@@ -1,0 +1,63 @@
+"""A model's files on this machine: where they are, downloading a hub model into the
+Hugging Face cache, and removing cached files that fail their integrity check."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.registry.spec import ModelSpec
+
+
+def model_dir(spec: ModelSpec) -> Path:
+    """Where the spec's files are now (a hub repo: its cached snapshot)."""
+    from modelpool.registry.sources import cached_snapshot, missing_files
+
+    if missing := missing_files(spec):
+        raise PoolError(ErrorCode.MODEL_LOAD_FAILED, missing.message)
+    if spec.repo:
+        found = cached_snapshot(spec.repo, spec.revision)
+        assert found is not None
+        return found / spec.subdir
+    from modelpool.registry.download import resolve_model_dir
+
+    resolved = resolve_model_dir(spec)
+    if resolved is None:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"model {spec.key!r} has a custom loader "
+                        f"and no files to check")
+    return resolved
+
+
+def delete_corrupt(spec: ModelSpec) -> list[tuple[Path, str]]:
+    """Delete a hub model's cached files that fail their check (blob and link), so
+    that a download replaces them; what was removed, and why."""
+    from modelpool.registry.integrity import blobs_of, verify_dir
+    from modelpool.registry.sources import cached_snapshot
+
+    snapshot = cached_snapshot(spec.repo or "", spec.revision)
+    if snapshot is None:
+        return []
+    corrupt = verify_dir(snapshot).corrupt
+    for blob in blobs_of(corrupt):
+        blob.unlink(missing_ok=True)
+    for bad in corrupt:
+        bad.path.unlink(missing_ok=True)  # the snapshot's link, or a plain file
+    return [(bad.path, bad.why) for bad in corrupt]
+
+
+def download(spec: ModelSpec) -> Path:
+    """huggingface_hub's snapshot download: resumable, its progress bars on a terminal."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    from modelpool.registry.download import hub_patterns
+
+    if not sys.stderr.isatty():
+        disable_progress_bars()
+    try:
+        return Path(snapshot_download(repo_id=spec.repo or "", revision=spec.revision,
+                                      allow_patterns=hub_patterns(spec)))
+    except Exception as exc:  # the hub client raises many types; the cause is what matters
+        raise PoolError(ErrorCode.MODEL_LOAD_FAILED, f"pulling {spec.repo}@{spec.revision} "
+                        f"failed: {type(exc).__name__}: {exc}") from None
