@@ -62,12 +62,13 @@ class JobsApi:
         key = request.path_params["key"]
         wait = _wait(request)
         client = await self.api.client(request)
-        info = await client.job(key)
+        info, result = await client.job(key), None
         if info["state"] in ("queued", "running") and wait > 0:
-            info = await unless_disconnected(request, _after(client, key, wait))
+            info, result = await unless_disconnected(request, _after(client, key, wait))
         out = _job(info)
         if info["state"] == "done":
-            result = await client.retrieve(key, timeout_s=1.0)
+            if result is None:
+                result = await client.retrieve(key, timeout_s=1.0)
             out["result"] = replies.job_result(info["op"], result)
         return json_response(out)
 
@@ -78,14 +79,17 @@ class JobsApi:
         return json_response(_job(await client.job(key)))
 
 
-async def _after(client: AsyncClient, key: str, wait_s: float) -> dict[str, Any]:
-    """The job once it has ended, or as it is after wait_s."""
+async def _after(client: AsyncClient, key: str,
+                 wait_s: float) -> tuple[dict[str, Any], Any]:
+    """The job once it has ended (with its result if it succeeded), or as it is after
+    wait_s."""
+    result = None
     try:
-        await client.retrieve(key, timeout_s=wait_s)
+        result = await client.retrieve(key, timeout_s=wait_s)
     except PoolError as exc:
         if exc.code is ErrorCode.RESULT_NOT_FOUND:
             raise
-    return await client.job(key)
+    return await client.job(key), result
 
 
 def _wait(request: Request) -> float:
