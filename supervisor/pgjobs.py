@@ -142,21 +142,25 @@ class PgJobs:
         return any(row["key"] == key for row in rows)
 
     async def wait(self, key: str, timeout_s: float) -> JobRecord | None:
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters[key].append(waiter)  # before looking: no ending can slip between
-        try:
-            record = await self.get(key)
-            if record is None or record.state in ENDED or timeout_s <= 0:
-                return record
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter, timeout_s)
-            return await self.get(key)
-        finally:
-            waiting = self._waiters.get(key)
-            if waiting and waiter in waiting:
-                waiting.remove(waiter)
-                if not waiting:
-                    del self._waiters[key]
+        """Looks again at every wake-up until the job has ended or the time is up: a
+        wake-up is a hint, not an ending (a reconnection wakes every waiter)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[key].append(waiter)  # before looking: no ending can slip between
+            try:
+                record = await self.get(key)
+                left = deadline - time.monotonic()
+                if record is None or record.state in ENDED or left <= 0:
+                    return record
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter, left)
+            finally:
+                waiting = self._waiters.get(key)
+                if waiting and waiter in waiting:
+                    waiting.remove(waiter)
+                    if not waiting:
+                        del self._waiters[key]
 
     async def get(self, key: str) -> JobRecord | None:
         rows = await self._fetch(f"SELECT {COLUMNS} FROM {T} WHERE key = %s", (key,))

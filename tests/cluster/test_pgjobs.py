@@ -182,6 +182,21 @@ async def test_a_cancel_of_a_running_job_reaches_the_node_running_it(
     assert heard == [rec.key]
 
 
+async def test_a_wake_up_that_is_no_ending_does_not_end_a_retrieve(
+        database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        rec = await submit(a, record())
+        (claimed,) = await b.claim({"m": 5})
+        waiting = asyncio.create_task(a.wait(rec.key, 10))
+        await asyncio.sleep(0.2)
+        a.reconnected()  # as after a lost connection: every waiter looks again
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # the job still runs: the retrieve keeps waiting
+        assert await b.finish(claimed.key, done(claimed, b"ok"))
+        ended = await asyncio.wait_for(waiting, 5)
+        assert ended is not None and (ended.state, ended.result) == ("done", b"ok")
+
+
 async def test_new_jobs_wake_other_nodes(database: Database) -> None:
     async with node(database, "a") as a, node(database, "b") as b:
         b.ready.clear()
