@@ -138,18 +138,27 @@ def test_three_nodes_give_every_one_of_2000_jobs_exactly_one_result(
             vector = np.asarray(result).tolist()
             assert vector[:DIM - 1] == [float(len(text)), *map(float, range(1, DIM - 1))]
             marks.add(vector[-1])
-    assert database.query("SELECT count(*), count(DISTINCT key) FROM modelpool.jobs "
-                          "WHERE state = 'done'") == [(2000, 2000)]
+    assert database.query("SELECT state, count(*) FROM modelpool.jobs GROUP BY state") \
+        == [("done", 2000)]
     assert len(marks) >= 2  # the work was shared
-    assert stats["nodes"] == 3
+    assert stats["nodes"] == 3 and stats["duplicate_results"] == 0  # each ran to one end
 
 
 def _start_three(hosts: Hosts, database: Database, tmp_path: Path) -> list[Daemon]:
+    """Three nodes with m1 serving on each: what the reclaim tests time is the lease and
+    the sweep, not a survivor's first worker start (seconds while three forkservers
+    import at once on two cores)."""
     daemons = [hosts.start(tmp_path, database, i, embedders(mark=i + 1, run_s=0.3,
                                                             max_workers=2))
                for i in range(3)]
     for daemon in daemons:
         connected(daemon, 2)
+        with daemon.client() as c:
+            c.load("m1", workers=2)
+    for daemon in daemons:
+        with daemon.client() as c:
+            wait_until(lambda: [w["state"] for w in _model(c.status(), "m1")["workers"]]
+                       == ["idle", "idle"], 60, "m1 serving on every node")
     return daemons
 
 
@@ -169,11 +178,12 @@ def test_a_killed_nodes_jobs_finish_elsewhere_within_its_lease(
     hosts, database = cluster
     daemons = _start_three(hosts, database, tmp_path)
     jobs = _submit_until_held(daemons, database)
-    lost = held_by(database, "n2")
     for child in daemons[2].descendants():  # the host goes: every process on it
         child.send_signal(signal.SIGKILL)
     daemons[2].process.send_signal(signal.SIGKILL)
     killed = time.monotonic()
+    lost = held_by(database, "n2")  # what it held when it died (not what it finished)
+    assert lost
     wait_until(lambda: ended_elsewhere(database, lost, "n2"), LEASE_S + 10, "lost jobs done")
     took_s = time.monotonic() - killed
     assert took_s <= LEASE_S + 2, f"{len(lost)} lost jobs done {took_s:.2f}s after the kill"
@@ -187,9 +197,10 @@ def test_a_cut_off_node_completes_nothing_it_lost_when_it_comes_back(
     hosts, database = cluster
     daemons = _start_three(hosts, database, tmp_path)
     jobs = _submit_until_held(daemons, database)
-    lost = held_by(database, "n2")
     hosts.spaces.link_down(2)
     cut = time.monotonic()
+    lost = held_by(database, "n2")  # what it held when cut off: it can store nothing now
+    assert lost
     wait_until(lambda: ended_elsewhere(database, lost, "n2"), LEASE_S + 10, "lost jobs done")
     took_s = time.monotonic() - cut
     time.sleep(1.0)  # the cut-off node finishes what it was running, unable to store it
