@@ -90,7 +90,9 @@ class Dispatcher:
             return False
         if model.batch_timer is not None:
             return True
-        busy = any(w.state is WorkerState.BUSY for w in model.workers.values())
+        # Running work, not the BUSY state: a worker that has replied is still BUSY until
+        # its WantWork arrives, and a lone client's next request often comes first.
+        busy = any(w.jobs for w in model.workers.values())
         if not busy or len(model.queue) >= model.settings.max_batch:
             return False
         model.batch_timer = self.scheduler.call_later(self.batch_wait_s, self._wait_over,

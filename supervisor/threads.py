@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from modelpool.supervisor.models import ModelState
-from modelpool.supervisor.workers import WorkerHandle, WorkerState
+from modelpool.supervisor.workers import WorkerHandle
 
 
 class ThreadBudget:
@@ -39,11 +39,13 @@ class ThreadBudget:
                 and model.settings.threads_auto)
 
     def busy_threads(self, exclude: WorkerHandle) -> int:
+        """Threads of the workers running something now (a worker that has replied and
+        not yet asked for more is still BUSY, but its cores are free)."""
         busy = 0
         for model in self.models.values():
             if model.device != "cpu":
                 continue
             for w in model.workers.values():
-                if w is not exclude and w.state is WorkerState.BUSY:
+                if w is not exclude and w.jobs:
                     busy += w.threads or model.settings.threads
         return busy

@@ -149,6 +149,24 @@ async def test_under_load_a_small_batch_waits_to_fill(make_harness: MakeHarness)
     assert emb.mean_batch == 1.5  # batches of 1 and 2
 
 
+async def test_a_sibling_that_has_replied_is_not_waited_for(make_harness: MakeHarness) -> None:
+    """A worker's reply and its next WantWork are two frames: a lone client's next
+    request often lands between them. The worker runs nothing then, so the request
+    neither waits for a batch to fill nor gives up the replied worker's cores."""
+    h = make_harness(cold_start_workers=2, max_batch_wait_ms=20, max_batch=8)
+    h.pool.dispatcher.threads.cpus = 2  # type: ignore[union-attr]
+    sink = h.sink()
+    h.embed(sink, ["a"])
+    await h.settle()
+    first, second = h.workers("emb")
+    h.ready(first)
+    h.ready(second)
+    h.reply_embeddings(first, h.job_ids(first)[0], 0.0)  # its WantWork is still on the way
+    h.embed(sink, ["b"])
+    (work,) = h.works(second)  # at once, no batch wait
+    assert [i.request.texts for i in work.items] == [["b"]] and work.threads == 2
+
+
 async def test_waiting_bytes_are_bounded(make_harness: MakeHarness) -> None:
     h = make_harness(cold_start_workers=1, max_queued_bytes=1000)
     await one_busy_worker(h)
