@@ -98,9 +98,12 @@ class Kind:
 def merge_rows(replies: list[Any]) -> Any:
     """The replies of a split request's parts, in order, as one reply of all their rows."""
     first = replies[0]
-    return msgspec.structs.replace(
+    merged = msgspec.structs.replace(
         first, data=b"".join(r.data for r in replies),
         shape=[sum(r.shape[0] for r in replies), *first.shape[1:]])
+    if isinstance(first, Embeddings):
+        merged = msgspec.structs.replace(merged, tokens=sum(r.tokens for r in replies))
+    return merged
 
 
 # ---- client builders: friendly arguments -> request fields ----------------------------

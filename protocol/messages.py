@@ -176,6 +176,7 @@ class Embeddings(_Msg, frozen=True, kw_only=True, tag="embeddings"):
     shape: list[int]
     dtype: str = "float32"
     model: str = ""
+    tokens: int = 0  # input tokens the model read (usage figures); 0 when it cannot say
 
 
 class Scores(_Msg, frozen=True, kw_only=True, tag="scores"):

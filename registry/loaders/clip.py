@@ -47,6 +47,11 @@ class ClipEmbedder:
         pixels = batch["pixel_values"].to(self.model.device, self.model.dtype)
         return _normalised(self.model.get_image_features(pixel_values=pixels))
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        batch = self.processor.tokenizer(list(texts), truncation=True,
+                                         max_length=self.text_context)
+        return [len(ids) for ids in batch["input_ids"]]
+
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if not self.text_tower:

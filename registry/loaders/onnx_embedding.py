@@ -65,6 +65,11 @@ class OnnxEmbedder:
             self.threads = threads
             self.session = self._session(threads)
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        if self.manifest.lowercase:
+            texts = [t.lower() for t in texts]
+        return [sum(e.attention_mask) for e in self.tokenizer.encode_batch(list(texts))]
+
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if self.manifest.lowercase:
             texts = [t.lower() for t in texts]

@@ -46,6 +46,12 @@ class SentenceEmbedder:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        if self.lowercase:
+            texts = [t.lower() for t in texts]
+        batch = self.tokenizer(list(texts), truncation=True, max_length=self.max_seq_length)
+        return [len(ids) for ids in batch["input_ids"]]
+
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if self.lowercase:

@@ -42,10 +42,11 @@ def test_batched_kinds_split_in_order_and_merge_back_by_rows() -> None:
     assert [p.texts for p in parts] == [request.texts[0:4], request.texts[4:8],
                                         request.texts[8:10]]
     assert [kind.size(p) for p in parts] == [4, 4, 2]
-    replies = [Embeddings(id=0, data=bytes([i]) * 2 * len(p.texts), shape=[len(p.texts), 2])
-               for i, p in enumerate(parts)]
+    replies = [Embeddings(id=0, data=bytes([i]) * 2 * len(p.texts), shape=[len(p.texts), 2],
+                          tokens=3 * len(p.texts)) for i, p in enumerate(parts)]
     merged = merge_rows(replies)
     assert merged.shape == [10, 2] and merged.data == b"".join(r.data for r in replies)
+    assert merged.tokens == 30  # usage adds up over the parts
 
 
 def test_only_repeatable_requests_are_deterministic() -> None:

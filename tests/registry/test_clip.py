@@ -107,6 +107,8 @@ def test_long_texts_are_cut_at_the_context(clip: ClipEmbedder) -> None:
     vectors = clip.embed([long_text, "short"])
     assert vectors.shape == (2, 32)
     assert np.isfinite(vectors).all()
+    long_count, short_count = clip.count_tokens([long_text, "short"])
+    assert long_count == clip.text_context and 2 < short_count < 10  # as the tower reads them
 
 
 def test_model_without_text_tower_refuses_texts(

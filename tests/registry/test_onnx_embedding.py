@@ -76,6 +76,17 @@ def test_export_gives_eager_vectors_and_a_later_load_exports_nothing(
     assert info["execution"] == "onnx" and info["max_seq_length"] == 256
 
 
+def test_both_runtimes_count_the_tokens_the_model_reads(
+        in_cache: Path, eager: SentenceEmbedder) -> None:
+    model = load_model(_minilm(execution="onnx"))
+    assert isinstance(model, OnnxEmbedder)
+    texts = [*TEXTS, "word " * 400]
+    counts = model.count_tokens(texts)
+    assert counts[1] == 3  # [CLS] short [SEP]
+    assert counts[3] == 256  # truncated at max_seq_length, as the model reads it
+    assert counts == eager.count_tokens(texts)
+
+
 def test_the_entry_is_keyed_by_files_and_versions(in_cache: Path) -> None:
     spec = _minilm()
     model_dir = load_model_with_dir(_minilm(execution="eager"))[1]

@@ -82,6 +82,30 @@ def test_rows_are_split_per_item() -> None:
     assert out.ticks == 1
 
 
+class CountingEmbedder(FakeEmbedder):
+    """Reads each text as one token per word (or fails to count, when told to)."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__()
+        self.broken = broken
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        if self.broken:
+            raise RuntimeError("no tokenizer")
+        return [len(t.split()) for t in texts]
+
+
+def test_each_reply_counts_the_tokens_of_its_own_texts() -> None:
+    items = _items(["one two", "three"], ["four five six"])
+    out = FakeOutbox()
+    text_embedding.run(CountingEmbedder(), items, out, 32)
+    assert [m.tokens for m in out.sent] == [3, 3]  # type: ignore[attr-defined]
+    out = FakeOutbox()  # a model that cannot count: zeros, and the request still runs
+    text_embedding.run(CountingEmbedder(broken=True), items, out, 32)
+    assert out.sent == [_expected(item) for item in items]
+    assert [m.tokens for m in out.sent] == [0, 0]  # type: ignore[attr-defined]
+
+
 def test_inputs_over_max_batch_are_embedded_in_slices() -> None:
     items = _items([f"a{i}" for i in range(5)], [f"b{i}" for i in range(3)])
     model, out = FakeEmbedder(), FakeOutbox()

@@ -20,6 +20,8 @@ class TextEmbeddingModel(Protocol):
     def info(self) -> dict[str, Any]:
         """Facts for the supervisor's status, e.g. {"dim": 384}."""
 
+    # Optional: count_tokens(texts) -> the tokens each text is read as (usage figures).
+
 
 def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
     """Embed every item's texts in forward passes of at most max_batch texts."""
@@ -35,12 +37,28 @@ def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch
         for item in items:
             run(model, [item], out, max_batch)
         return
+    counts = token_counts(model, texts)
     row = 0
     for item in items:
         count = len(item.request.texts)  # type: ignore[union-attr]
         block = vectors[row : row + count]
+        out.send(Embeddings(id=item.job_id, data=block.tobytes(), shape=list(block.shape),
+                            tokens=sum(counts[row : row + count])))
         row += count
-        out.send(Embeddings(id=item.job_id, data=block.tobytes(), shape=list(block.shape)))
+
+
+def token_counts(model: Any, texts: list[str]) -> list[int]:
+    """The tokens each text is read as, for usage figures; zeros when the model cannot
+    say (counting never fails a request)."""
+    count = getattr(model, "count_tokens", None)
+    if callable(count):
+        try:
+            counts = [int(n) for n in count(texts)]
+        except Exception:
+            counts = []
+        if len(counts) == len(texts):
+            return counts
+    return [0] * len(texts)
 
 
 def _embed_in_slices(
