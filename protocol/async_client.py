@@ -23,6 +23,8 @@ from modelpool.protocol.client_core import (
     submit_message,
     unavailable,
     undecodable,
+    unstreamed_call,
+    whole_reply,
 )
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import frame as make_frame
@@ -136,8 +138,9 @@ class AsyncClient:
         finally:
             self._routes.pop(msg.id, None)
 
-    async def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        call = make_call(op, next(self._ids), args, kwargs)
+    async def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       whole: bool = False) -> Any:
+        call = unstreamed_call(op, next(self._ids), args, kwargs)
         parts = split_call(call, self._ids)
         try:
             replies = await asyncio.gather(*(self._final(part) for part in parts))
@@ -145,7 +148,15 @@ class AsyncClient:
             for part in parts:
                 self._cancel(part.id)  # the daemon stops work nobody awaits any more
             raise
+        if whole:
+            return whole_reply(replies)
         return call.parse(replies[0]) if len(parts) == 1 else merged(call, replies)
+
+    async def reply(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        """The daemon's final reply message itself for an operation that does not
+        stream (embed, embed_image, rerank; the arguments are that method's): e.g.
+        Embeddings with .data, .shape and .tokens, the input tokens the model read."""
+        return await self._request(op, args, kwargs, whole=True)
 
     def _cancel(self, rid: int) -> None:
         if self._writer is not None and not self._writer.is_closing():

@@ -43,6 +43,8 @@ from modelpool.protocol.client_core import (
     submit_message,
     unavailable,
     undecodable,
+    unstreamed_call,
+    whole_reply,
 )
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import MAX_FRAME_BYTES, recv_frame, send_frame
@@ -151,6 +153,16 @@ class Client:
         if len(parts) == 1:
             return call.parse(self._final(call.request))
         return merged(call, self._all(parts))
+
+    def reply(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        """The daemon's final reply message itself for an operation that does not
+        stream (embed, embed_image, rerank; the arguments are that method's): e.g.
+        Embeddings with .data, .shape and .tokens, the input tokens the model read."""
+        call = unstreamed_call(op, next(self._ids), args, kwargs)
+        parts = split_call(call, self._ids)
+        if len(parts) == 1:
+            return whole_reply([self._final(call.request)])
+        return whole_reply(self._all(parts))
 
     def _all(self, parts: list[Any]) -> list[Any]:
         """Send every part, then take their final replies in order. Once one fails, the

@@ -132,6 +132,21 @@ def merged(call: Call, replies: list[Any]) -> Any:
     return call.parse(merge_rows([check_reply(r) for r in replies]))
 
 
+def whole_reply(replies: list[Any]) -> Any:
+    """The final reply message itself (the parts' merged), unparsed; PoolError for an
+    Error."""
+    checked = [check_reply(r) for r in replies]
+    return checked[0] if len(checked) == 1 else merge_rows(checked)
+
+
+def unstreamed_call(op: str, rid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """make_call for `reply()`, which has no stream to give."""
+    call = make_call(op, rid, args, kwargs)
+    if call.kind.streaming:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"{op} streams: call it, not reply()")
+    return call
+
+
 def make_call(op: str, rid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """The Call for `client.<op>(*args, **kwargs)`."""
     kind = BY_OP.get(op)

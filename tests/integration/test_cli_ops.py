@@ -165,8 +165,10 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(daemon: Daemon) -
 def test_more_than_4096_texts_are_split_by_the_client(daemon: Daemon) -> None:
     with daemon.client() as c:
         rows = c.embed([str(i) for i in range(9000)], model="emb")
+        reply = c.reply("embed", [str(i) for i in range(9000)], model="emb")
     assert rows.shape == (9000, 8)
     assert rows[5, 0] == 1 and rows[8999, 0] == 4
+    assert reply.shape == [9000, 8] and reply.data == rows.tobytes()  # merged as one
 
 
 def test_load_of_a_model_whose_path_is_gone_says_so_at_once(daemon: Daemon) -> None:

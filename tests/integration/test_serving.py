@@ -74,6 +74,20 @@ def test_embed_matches_sentence_transformers(daemon: Daemon, reference: object) 
     assert cosine_rows(one, expected[0]) >= 0.9999
 
 
+def test_the_reply_itself_carries_the_tokens_read(daemon: Daemon) -> None:
+    texts = ["hello world", "A man is playing a guitar."]
+    with daemon.client() as c:
+        reply = c.reply("embed", texts, model=MINILM)
+        rows = c.embed(texts, model=MINILM)
+        with pytest.raises(PoolError) as refused:
+            c.reply("generate", "Once", model="tiny-llm")
+    got = np.frombuffer(reply.data, dtype=np.float32).reshape(reply.shape)
+    np.testing.assert_array_equal(got, rows)
+    # [CLS] hello world [SEP]; [CLS] a man is playing a guitar . [SEP]
+    assert reply.tokens == 4 + 9
+    assert refused.value.code is ErrorCode.BAD_REQUEST
+
+
 def test_64_concurrent_requests_on_one_connection(daemon: Daemon, reference: object) -> None:
     texts = [f"sentence number {i} about {'cats' if i % 2 else 'the sea'}" for i in range(64)]
 
