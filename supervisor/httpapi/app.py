@@ -56,8 +56,11 @@ class Api:
                     check_key(request, self.settings.api_keys)
                 response = await handler(request)
             except HttpError as exc:
+                # A body cut short (too slow, too large): what is left of it is no next
+                # request, and the connection is not kept for its sender.
+                close = {"Connection": "close"} if exc.status in (408, 413) else None
                 response = Response(replies.error_body(exc.status, exc.message, exc.code,
-                                                       exc.param), exc.status,
+                                                       exc.param), exc.status, close,
                                     media_type="application/json")
             except PoolError as exc:
                 status, body, headers = replies.pool_error(exc)
@@ -77,12 +80,14 @@ class Api:
     async def client(self, request: Request) -> AsyncClient:
         return await self.link.client(client_identity(request))
 
-    async def call(self, request: Request, call: bodies.PoolCall) -> Any:
-        """A call whose answer comes whole; cancelled if the HTTP client leaves."""
+    async def call(self, request: Request, call: bodies.PoolCall, whole: bool = False) -> Any:
+        """A call whose answer comes whole (with `whole`, the daemon's reply message
+        itself); cancelled if the HTTP client leaves."""
         kwargs = with_header_options(request, call.kwargs, self.settings)
         client = await self.client(request)
-        method = getattr(client, call.op)
-        return await unless_disconnected(request, method(*call.args, **kwargs))
+        answer = (client.reply(call.op, *call.args, **kwargs) if whole
+                  else getattr(client, call.op)(*call.args, **kwargs))
+        return await unless_disconnected(request, answer)
 
     async def body(self, request: Request, kind: type[Any]) -> Any:
         return decode(await read_body(request, self.settings), kind)
@@ -91,9 +96,10 @@ class Api:
 
     async def embeddings(self, request: Request) -> Response:
         body = await self.body(request, bodies.EmbeddingsBody)
-        rows = await self.call(request, bodies.embeddings_call(body))
+        reply = await self.call(request, bodies.embeddings_call(body), whole=True)
         model = model_name(body.model, await self.client(request), "embed")
-        return json_response(replies.embeddings(rows, model, body.encoding_format))
+        return json_response(replies.embeddings(replies.rows(reply), model,
+                                                body.encoding_format, reply.tokens))
 
     async def image_embeddings(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImageEmbeddingsBody)
@@ -158,7 +164,7 @@ class Api:
     async def health(self, request: Request) -> Response:
         """Alive: this process answers (its loop runs) and so does the daemon's."""
         try:
-            await (await self.client(request)).status()
+            await (await self.link.any_client()).status()
         except PoolError as exc:
             raise HttpError(503, exc.message, "unavailable") from None
         return json_response({"status": "ok"})
@@ -171,7 +177,7 @@ class Api:
     async def metrics(self, request: Request) -> Response:
         if self.settings.metrics_need_key:
             check_key(request, self.settings.api_keys)
-        status = await (await self.client(request)).status()
+        status = await (await self.link.any_client()).status()
         return Response(exposition(status, self.counters),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -38,6 +38,15 @@ class DaemonLink:
             self._clients[index] = fresh
             return fresh
 
+    async def any_client(self) -> AsyncClient:
+        """A connection already open, if there is one, else the first: for what any
+        connection answers alike (status), as the daemon takes no new connection while
+        it drains."""
+        for client in self._clients:
+            if client is not None and client.connected:
+                return client
+        return await self.client()
+
     async def close(self) -> None:
         for client in self._clients:
             if client is not None:
@@ -46,7 +55,7 @@ class DaemonLink:
     async def ready(self) -> bool:
         """The daemon answers and accepts work."""
         try:
-            status = await (await self.client()).status()
+            status = await (await self.any_client()).status()
         except PoolError:
             return False
         return not status["shutting_down"]

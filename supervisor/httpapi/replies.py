@@ -32,7 +32,8 @@ STATUS: dict[ErrorCode, int] = {
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
               403: "permission_error", 404: "not_found_error", 409: "conflict_error",
-              413: "invalid_request_error", 429: "rate_limit_error"}
+              408: "invalid_request_error", 413: "invalid_request_error",
+              431: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class HttpError(Exception):
@@ -76,12 +77,19 @@ def vector(row: np.ndarray, encoding: str) -> list[float] | str:
     return row.tolist()
 
 
-def embeddings(rows: np.ndarray, model: str, encoding: str) -> dict[str, Any]:
-    """The usage counts are 0: the daemon does not count embedding tokens."""
+def rows(reply: Any) -> np.ndarray:
+    """An Embeddings reply's vectors, one row per input."""
+    array = np.frombuffer(reply.data, dtype=np.dtype(reply.dtype).newbyteorder("<"))
+    return array.reshape(reply.shape)
+
+
+def embeddings(rows: np.ndarray, model: str, encoding: str, tokens: int = 0) -> dict[str, Any]:
+    """Usage counts the input tokens the model read (0 for images, and for a model that
+    cannot say)."""
     return {"object": "list", "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": vector(row, encoding)}
                      for i, row in enumerate(rows)],
-            "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def rerank(scores: np.ndarray, documents: list[str], model: str, top_n: int | None,

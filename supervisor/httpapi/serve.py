@@ -18,6 +18,7 @@ import uvicorn
 
 from modelpool.protocol import logs
 from modelpool.supervisor.httpapi.app import build_app
+from modelpool.supervisor.httpapi.guard import guarded
 from modelpool.supervisor.httpapi.settings import HttpSettings
 
 log = logging.getLogger("modelpool.http")
@@ -32,9 +33,12 @@ class Server(uvicorn.Server):
 
 
 def uvicorn_server(settings: HttpSettings, max_clients: int) -> Server:
+    """httptools with our guards (guard.py): max_clients there, not uvicorn's
+    limit_concurrency, which answers every connection 503 once that many are open; a
+    request's headers bounded by body_timeout_s like its body."""
     config = uvicorn.Config(
-        build_app(settings), http="httptools", lifespan="on", access_log=False,
-        log_level="warning", limit_concurrency=max_clients, timeout_keep_alive=5,
+        build_app(settings), http=guarded(settings.body_timeout_s, max_clients),
+        lifespan="on", access_log=False, log_level="warning", timeout_keep_alive=5,
         timeout_graceful_shutdown=5, server_header=False)
     return Server(config)
 

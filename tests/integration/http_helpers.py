@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import select
 import socket
 import time
 from pathlib import Path
@@ -102,3 +104,69 @@ def data_url(image: bytes) -> str:
 def running(client: object, model: str) -> int:
     status = client.status()  # type: ignore[attr-defined]
     return next(m["running"] + m["queued"] for m in status["models"] if m["key"] == model)
+
+
+def wait_running(daemon: Daemon, model: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    with daemon.client() as c:
+        while running(c, model) == 0:
+            assert time.monotonic() < deadline, f"{model} ran nothing within {timeout_s}s"
+            time.sleep(0.02)
+
+
+def wait_idle(daemon: Daemon, model: str, timeout_s: float = 10) -> float:
+    """Seconds until the model runs and queues nothing; still busy after timeout_s fails."""
+    start = time.monotonic()
+    with daemon.client() as c:
+        while running(c, model) and time.monotonic() - start < timeout_s:
+            time.sleep(0.05)
+        assert running(c, model) == 0, "the request went on after its client left"
+    return time.monotonic() - start
+
+
+# ---- raw connections, for clients too slow or too many for a real HTTP client ----------
+
+
+def raw_connection(base: str) -> socket.socket:
+    host, _, port = base.removeprefix("http://").rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def read_to_close(sock: socket.socket, timeout_s: float = 3.0) -> bytes:
+    """All the server sends until it closes; a socket still open after timeout_s fails."""
+    sock.settimeout(timeout_s)
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def trickle(socks: list[socket.socket], data: bytes, interval_s: float,
+            limit_s: float) -> list[tuple[float, bytes]]:
+    """Sends data to every socket a byte per interval_s until the server answers or
+    closes; for each, (seconds until then, all it answered). No end within limit_s fails."""
+    start = time.monotonic()
+    ended: dict[socket.socket, tuple[float, bytes]] = {}
+    sent = 0
+    while len(ended) < len(socks):
+        elapsed = time.monotonic() - start
+        assert elapsed < limit_s, f"{len(socks) - len(ended)} connection(s) still open"
+        waiting = [s for s in socks if s not in ended]
+        readable, _, _ = select.select(waiting, [], [], interval_s)
+        for sock in readable:
+            ended[sock] = (time.monotonic() - start, read_to_close(sock))
+        if sent < len(data):
+            for sock in waiting:
+                if sock not in ended:
+                    with contextlib.suppress(OSError):  # closed under it: read next round
+                        sock.send(data[sent:sent + 1])
+            sent += 1
+    return [ended[s] for s in socks]
+
+
+def status_of(answer: bytes) -> int | None:
+    """The status of a raw HTTP answer; None for a connection closed without one."""
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None

@@ -10,14 +10,17 @@ import io
 import json
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
-from conftest import Daemon
-from http_helpers import KEY, MINILM, data_url, http_daemon, png
+from conftest import Daemon, model_entry
+from http_helpers import KEY, MINILM, data_url, http_daemon, png, wait_idle, wait_running
+from openai.types import Completion
 from PIL import Image
 
 TEXTS = ["the cat sat on the mat", "a worker keeps one model loaded"]
@@ -27,7 +30,8 @@ TEXTS = ["the cat sat on the mat", "a worker keeps one model loaded"]
 def served(tmp_path_factory: pytest.TempPathFactory,
            tiny_models_dir: Path) -> Iterator[tuple[Daemon, str]]:
     daemon, base = http_daemon(tmp_path_factory.mktemp("http"), tiny_models_dir,
-                               http="max_body_bytes = 1048576")
+                               http="max_body_bytes = 1048576",
+                               extra=model_entry("huge") + "weights_mb = 100000000\n")
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
 
@@ -44,6 +48,9 @@ def test_embeddings_equal_the_socket_clients(served: tuple[Daemon, str],
     got = sdk.embeddings.create(model=MINILM, input=TEXTS)  # base64 on the wire
     floats = sdk.embeddings.create(model=MINILM, input=TEXTS[0], encoding_format="float")
     assert got.model == MINILM and [d.index for d in got.data] == [0, 1]
+    with served[0].client() as c:  # the tokens MiniLM read, as the socket's reply says
+        tokens = c.reply("embed", TEXTS, model=MINILM).tokens
+    assert got.usage.prompt_tokens == got.usage.total_tokens == tokens > len(TEXTS) * 2
     np.testing.assert_allclose(np.array([d.embedding for d in got.data]), expected, atol=1e-6)
     np.testing.assert_allclose(floats.data[0].embedding, expected[0], atol=1e-6)
     default = sdk.embeddings.create(model="", input=TEXTS[0])
@@ -173,21 +180,86 @@ def test_body_over_the_cap_is_413(served: tuple[Daemon, str]) -> None:
         assert c.embed("still serving").shape == (384,)
 
 
-def test_queue_full_is_429_with_retry_after(served: tuple[Daemon, str]) -> None:
+def test_queue_full_is_a_rate_limit_error_with_retry_after(served: tuple[Daemon, str]) -> None:
     """counter: one worker, a queue of one: of three long requests, the third is refused."""
-    async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=served[1], timeout=60,
-                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
-            async def one(i: int) -> httpx.Response:
-                await asyncio.sleep(0.3 * i)  # in order: running, queued, refused
-                return await http.post("/v1/completions", json={
-                    "model": "counter", "prompt": "x", "max_tokens": 20})
-            return await asyncio.gather(*(one(i) for i in range(3)))
+    async def run() -> list[object]:
+        async with openai.AsyncOpenAI(base_url=served[1] + "/v1", api_key=KEY,
+                                      max_retries=0, timeout=60) as sdk:
+            await sdk.completions.create(model="counter", prompt="x", max_tokens=1)  # warm
 
-    responses = asyncio.run(run())
-    assert [r.status_code for r in responses] == [200, 200, 429]
-    assert responses[2].headers["retry-after"].isdigit()
-    assert responses[2].json()["error"]["type"] == "rate_limit_error"
+            async def one(i: int) -> object:
+                await asyncio.sleep(0.3 * i)  # in order: running, queued, refused
+                return await sdk.completions.create(model="counter", prompt="x",
+                                                    max_tokens=20)
+            return await asyncio.gather(*(one(i) for i in range(3)), return_exceptions=True)
+
+    first, second, third = asyncio.run(run())
+    assert isinstance(first, Completion) and isinstance(second, Completion), (first, second)
+    assert isinstance(third, openai.RateLimitError), third
+    assert third.status_code == 429 and third.response.headers["retry-after"].isdigit()
+    assert third.body["type"] == "rate_limit_error" and third.body["code"] == "queue_full"
+
+
+def test_a_model_that_cannot_fit_is_503_through_the_sdk(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.InternalServerError) as refused:
+        sdk.embeddings.create(model="huge", input="x")
+    assert refused.value.status_code == 503
+    assert refused.value.body["code"] == "insufficient_memory"
+    assert refused.value.response.headers["retry-after"].isdigit()
+
+
+def test_timeouts_and_deadlines_are_504_through_the_sdk(served: tuple[Daemon, str],
+                                                        sdk: openai.OpenAI) -> None:
+    """timeout_s bounds the whole request; deadline_s the wait before it runs (counter
+    runs one at a time: the second waits for the first's 1.5 s)."""
+    with pytest.raises(openai.InternalServerError) as timed_out:
+        sdk.completions.create(model="counter", prompt="x", max_tokens=200,
+                               extra_body={"timeout_s": 0.3})
+    assert timed_out.value.status_code == 504 and timed_out.value.body["code"] == "timeout"
+    wait_idle(served[0], "counter")
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(sdk.completions.create, model="counter", prompt="x",
+                            max_tokens=30)
+        wait_running(served[0], "counter")
+        with pytest.raises(openai.InternalServerError) as expired:
+            sdk.completions.create(model="counter", prompt="x", max_tokens=1,
+                                   extra_body={"deadline_s": 0.3})
+        assert ahead.result().usage.completion_tokens == 30
+    assert expired.value.status_code == 504
+    assert expired.value.body["code"] == "deadline_expired"
+
+
+def test_async_sdk_whole_answers_equal_the_socket_clients(served: tuple[Daemon, str]) -> None:
+    messages = [{"role": "user", "content": "what does a worker do?"}]
+    with served[0].client() as c:
+        rows = c.embed(TEXTS, model=MINILM)
+        text = "".join(ch.text for ch in c.generate(messages, model="tiny-llm", max_tokens=8,
+                                                    temperature=0))
+
+    async def run() -> tuple[Any, Any]:
+        async with openai.AsyncOpenAI(base_url=served[1] + "/v1", api_key=KEY,
+                                      max_retries=0, timeout=60) as sdk:
+            return await asyncio.gather(
+                sdk.embeddings.create(model=MINILM, input=TEXTS),
+                sdk.chat.completions.create(model="tiny-llm", messages=messages,
+                                            max_tokens=8, temperature=0))
+
+    embedded, chat = asyncio.run(run())
+    np.testing.assert_allclose([d.embedding for d in embedded.data], rows, atol=1e-6)
+    assert chat.object == "chat.completion" and chat.choices[0].message.content == text
+    assert chat.usage.completion_tokens > 0
+
+
+def test_models_lists_each_configured_model_with_its_capability(sdk: openai.OpenAI) -> None:
+    listed = {m.id: m.model_dump() for m in sdk.models.list()}
+    configured = {"tiny-llm": "text_to_text", "tiny-clip": "image_embedding",
+                  "tiny-vision": "vision", "tiny-sd": "text_to_image",
+                  "tiny-rerank": "rerank", "counter": "text_to_text",
+                  "slow-embed": "text_embedding", "huge": "text_embedding"}
+    assert {key: listed[key]["capability"] for key in configured if key in listed} == configured
+    assert listed[MINILM]["capability"] == "text_embedding"  # the daemon's default
+    assert all(m["object"] == "model" and m["owned_by"] == "modelpool" and m["state"]
+               for m in listed.values())
 
 
 def test_health_ready_and_openapi_need_no_key(served: tuple[Daemon, str]) -> None:

@@ -11,14 +11,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
 import numpy as np
+import openai
 import psutil
 import pytest
 from conftest import ROOT, Daemon, daemon_env, fresh_socket_path
-from http_helpers import KEY, MINILM, free_port, http_daemon, running, wait_for_http
+from http_helpers import (
+    KEY,
+    MINILM,
+    free_port,
+    http_daemon,
+    running,
+    wait_for_http,
+    wait_idle,
+    wait_running,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -82,15 +93,6 @@ def test_metrics_parse_and_move(served: tuple[Daemon, str]) -> None:
     assert after[http] - before.get(http, 0) == 3
 
 
-def _wait_idle(daemon: Daemon, model: str, timeout_s: float = 10) -> float:
-    start = time.monotonic()
-    with daemon.client() as c:
-        while running(c, model) and time.monotonic() - start < timeout_s:
-            time.sleep(0.05)
-        assert running(c, model) == 0, "the request went on after its client left"
-    return time.monotonic() - start
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_cancels_its_generation(served: tuple[Daemon, str],
                                                      stream: bool) -> None:
@@ -106,7 +108,7 @@ def test_a_client_that_leaves_cancels_its_generation(served: tuple[Daemon, str],
         else:
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/completions", json=body)
-    assert _wait_idle(served[0], "counter") < 10
+    assert wait_idle(served[0], "counter") < 10
 
 
 def test_a_client_that_leaves_takes_its_request_out_of_the_queue(
@@ -136,7 +138,39 @@ def test_deadline_header_is_504(served: tuple[Daemon, str]) -> None:
                           headers={**AUTH, "X-Modelpool-Timeout": "0.3"},
                           json={"model": "counter", "prompt": "x", "max_tokens": 200})
     assert response.status_code == 504, response.text
-    _wait_idle(served[0], "counter")
+    wait_idle(served[0], "counter")
+
+
+def test_draining_is_not_ready_but_healthy(tmp_path: Path, tiny_models_dir: Path) -> None:
+    """SIGTERM with a generation in flight: while the pool drains, /ready is 503 and
+    /health 200 (asked on any of the front door's connections: the daemon takes no new
+    one), new work is 503 shutting_down, and the work in flight gets its answer."""
+    daemon, base = http_daemon(tmp_path, tiny_models_dir)
+    sdk = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    try:
+        sdk.completions.create(model="counter", prompt="x", max_tokens=1)  # warm
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(sdk.completions.create, model="counter", prompt="x",
+                                    max_tokens=60)  # 3 s; shutdown_timeout_s is 5
+            wait_running(daemon, "counter")
+            daemon.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 2
+            while (ready := httpx.get(base + "/ready")).status_code == 200:
+                assert time.monotonic() < deadline, "still ready 2 s after SIGTERM"
+                time.sleep(0.05)
+            health = [httpx.get(base + "/health", headers={"Authorization": f"Bearer p{i}"})
+                      for i in range(8)]  # each another client: another connection's turn
+            with pytest.raises(openai.InternalServerError) as refused:
+                sdk.embeddings.create(model="slow-embed", input="x")
+            answered = in_flight.result(timeout=30)
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+        assert [h.status_code for h in health] == [200] * 8
+        assert refused.value.status_code == 503
+        assert refused.value.body["code"] == "shutting_down"
+        assert answered.usage.completion_tokens == 60
+        assert daemon.process.wait(30) == 0
+    finally:
+        daemon.stop()
 
 
 def test_the_front_doors_process_is_started_again(served: tuple[Daemon, str]) -> None:

@@ -7,6 +7,7 @@ import base64
 import json
 from pathlib import Path
 
+import httptools
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,7 +17,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ImageInput
 from modelpool.supervisor.config import Config, ConfigError, HttpConfig
 from modelpool.supervisor.http_front import listen_address, settings_of
-from modelpool.supervisor.httpapi import bodies, replies
+from modelpool.supervisor.httpapi import bodies, guard, replies
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
 from modelpool.supervisor.metrics import Histogram, ModelMetrics
 
@@ -83,6 +84,35 @@ def test_error_codes_have_their_statuses(code: ErrorCode, status: int) -> None:
 
 def test_every_error_code_has_a_status() -> None:
     assert set(replies.STATUS) == set(ErrorCode)
+
+
+@pytest.mark.parametrize("status", [408, 431, 503])
+def test_the_guards_own_answers_are_well_formed_http(status: int) -> None:
+    """Written to the transport by guard.py, past uvicorn: parsed by httptools here."""
+    class Seen:
+        def __init__(self) -> None:
+            self.headers: dict[bytes, bytes] = {}
+            self.body, self.complete = b"", False
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.headers[name.lower()] = value
+
+        def on_body(self, body: bytes) -> None:
+            self.body += body
+
+        def on_message_complete(self) -> None:
+            self.complete = True
+
+    seen = Seen()
+    parser = httptools.HttpResponseParser(seen)
+    parser.feed_data(guard.raw_error(status, "why", "some_code"))
+    assert parser.get_status_code() == status and seen.complete
+    assert seen.headers[b"connection"] == b"close"
+    assert (b"retry-after" in seen.headers) == (status == 503)
+    error = json.loads(seen.body)["error"]
+    assert error["code"] == "some_code" and error["message"] == "why"
+    assert error["type"] == ("service_unavailable" if status == 503 else
+                             "invalid_request_error")
 
 
 def test_a_stream_is_chunks_then_usage() -> None:
