@@ -14,6 +14,7 @@ from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import memory
 from modelpool.supervisor.config import PoolConfig
 from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.queueing import user_of
 
 Rejection = tuple[ErrorCode, str]
 
@@ -95,13 +96,14 @@ def memory_error(model: ModelState, budget_for: Callable[[str], float]) -> Rejec
 def bounds_error(model: ModelState, models: Iterable[ModelState], nbytes: int,
                  config: PoolConfig, owner: Hashable = None) -> Rejection | None:
     """No queue is unbounded: per model in requests, in all in requests and bytes; and
-    no one client takes the last quarter of a model's queue, which is kept for others."""
+    no one user (whatever its connections) takes the last quarter of a model's queue,
+    which is kept for others."""
     limit = model.settings.max_queue
     if len(model.queue) >= limit:
         return ErrorCode.QUEUE_FULL, f"model {model.key!r} has {limit} requests waiting"
     share = max(1, limit - limit // 4)
-    if model.queue.held[owner] >= share:
-        return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this client's "
+    if model.queue.held[user_of(owner)] >= share:
+        return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this user's "
                 "requests wait; the rest is kept for others")
     queued_total = queued_bytes = 0
     for other in models:  # one pass: this runs for every request

@@ -49,7 +49,7 @@ class Connection:
         self.table = table
         self.peer = peer
         self.access = ConnectionAccess(policy, self.peer)
-        self.owner = (self.peer.uid, next(_serials))  # its own turn in fair queueing
+        self.owner = (self.peer.uid, next(_serials))  # a turn within its user's, in the queues
         self.jobs: dict[int, Any] = {}
         self.tasks: set[asyncio.Task[None]] = set()  # replies being worked out (job API)
         self.closed = False

@@ -73,7 +73,7 @@ class MailboxSink:
     def __init__(self, service: JobService, record: JobRecord) -> None:
         self.service = service
         self.record = record
-        self.owner = ("jobs", record.uid)  # one user's jobs take one turn in the queues
+        self.owner = (record.uid, "jobs")  # its user's jobs take one turn among its clients
         self.jobs = _Requesters()
         self.lost = False  # its claim lapsed: another daemon's result counts, not ours
         self.refusal: Error | None = None  # the pool refused to queue it

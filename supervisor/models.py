@@ -16,7 +16,7 @@ from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import memory, scaling
 from modelpool.supervisor.config import PoolConfig
 from modelpool.supervisor.metrics import ModelMetrics
-from modelpool.supervisor.queueing import Job, JobQueue, JobState
+from modelpool.supervisor.queueing import Ageing, Job, JobQueue, JobState
 from modelpool.supervisor.shm import weights_segment
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
@@ -69,6 +69,7 @@ class ModelState:
     settings: ModelSettings
     device: str | None  # "cpu" or "cuda:N"; None: this machine lacks the asked one
     queue: JobQueue = field(default_factory=JobQueue)
+    ageing: Ageing = field(default_factory=Ageing)  # of its queue's priority levels
     workers: dict[int, WorkerHandle] = field(default_factory=dict)
     holder: WorkerHandle | None = None  # the weights holder, when the model uses one
     shared_weights: SharedWeights | None = None  # what the holder shares once loaded

@@ -39,7 +39,7 @@ from modelpool.supervisor.gpus import Gpu, resolve_device
 from modelpool.supervisor.intake import Intake
 from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelSettings, ModelState
-from modelpool.supervisor.queueing import PRIORITY_RANK, Job, JobState, Requester, aged_rank
+from modelpool.supervisor.queueing import Job, JobState, Requester
 from modelpool.supervisor.shm import SharedImages, unlink_segment, weights_segment
 from modelpool.supervisor.threads import ThreadBudget
 from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
@@ -313,9 +313,8 @@ class Pool:
                                            self.policy, now))
         every = self.pool_config.priority_aging_s
         for model in self.models.values():
-            for job in model.queue.jobs():
-                base = PRIORITY_RANK[job.request.priority]
-                model.queue.promote(job, aged_rank(base, now - job.accepted_at, every))
+            for rank in model.ageing.starved(model.queue, now, every):
+                model.queue.lift(rank)
         self.reconcile_waiting()
 
     def check_health(self) -> None:

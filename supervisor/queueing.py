@@ -1,4 +1,5 @@
-"""The per-model queue of jobs: priority first, then age; batches coalesced on pop.
+"""The per-model queue of jobs: priority first, then fair turns between users and
+between each user's clients; batches coalesced on pop.
 
 A Job is one unit of work; its Requesters are the clients waiting for it (more than one
 when identical requests were deduplicated). Pure data structures: no I/O, no clock.
@@ -11,7 +12,6 @@ import enum
 import hashlib
 import heapq
 import itertools
-import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,7 +32,7 @@ class ReplySink(Protocol):
 
     closed: bool
     jobs: dict[int, Any]
-    owner: Hashable  # who takes turns with other clients in the queues
+    owner: Hashable  # (uid, sub): who takes turns in the queues; see user_of
 
     def send(self, msg: Any) -> None: ...
 
@@ -70,7 +70,7 @@ class Job:
     state: JobState = JobState.QUEUED
     rank: int | None = None  # current priority rank once queued; ageing lowers it
     entry: int | None = None  # the queue's current heap entry for it
-    owner: Hashable = None  # whose turn it takes in fair queueing: its client
+    owner: Hashable = None  # whose turn it takes in fair queueing: its client, (uid, sub)
     worker_id: int | None = None
     started_at: float | None = None
     chunks_sent: int = 0
@@ -107,32 +107,164 @@ def dedup_key(kind: Kind, request: WorkRequest, model_key: str) -> bytes | None:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
-def aged_rank(rank: int, waited_s: float, promote_every_s: float) -> int:
-    """One priority level up per promote_every_s of waiting, never into `critical`, so a
-    steady stream of urgent work cannot starve `batch` forever."""
-    if promote_every_s <= 0 or rank <= PROMOTION_FLOOR:
-        return rank
-    return max(PROMOTION_FLOOR, rank - int(waited_s // promote_every_s))
+class Ageing:
+    """Against starvation: a priority level that has had work waiting, and none of it
+    served, for `every` seconds moves that work up one level (never into `critical`), so
+    a steady stream of urgent work cannot starve `batch` forever. It is the level that
+    ages, not each job: a user whose backlog waits behind its own earlier requests is
+    being served, and waiting longer earns it no place ahead of other users' fresh work
+    (their turns stay fair). Pure: the caller passes the time."""
+
+    def __init__(self) -> None:
+        self.seen = [0] * len(PRIORITIES)  # the level's served count when last looked at
+        self.since: list[float | None] = [None] * len(PRIORITIES)  # starved since
+
+    def starved(self, queue: JobQueue, now: float, every: float) -> list[int]:
+        """The levels to lift now, lowest priority last (work moves one level a time)."""
+        lift = []
+        for rank in range(PROMOTION_FLOOR + 1, len(PRIORITIES)):
+            served, since = queue.served[rank], self.since[rank]
+            if every <= 0 or not queue.waiting(rank) or served != self.seen[rank] \
+                    or since is None:
+                self.seen[rank], self.since[rank] = served, now
+            elif now - since >= every:
+                lift.append(rank)
+                self.since[rank] = now
+        return lift
+
+
+def user_of(owner: Hashable) -> Hashable:
+    """The user an owner belongs to: owners are (uid, sub) tuples, a connection being
+    (uid, serial) and a user's submitted jobs (uid, "jobs"); any other owner (a test's
+    name) is a user of its own."""
+    return owner[0] if isinstance(owner, tuple) and owner else owner
+
+
+def _forget_behind(finish: dict[Hashable, float], clock: float) -> None:
+    """A finish tag behind its clock says nothing (the next start is the clock anyway):
+    drop those, so departed clients do not accumulate."""
+    for key in [key for key, tag in finish.items() if tag <= clock]:
+        del finish[key]
+
+
+@dataclass(eq=False, slots=True)
+class _User:
+    """One user's work at one priority. Its owners (connections, its jobs) take turns by
+    start-time fair queueing among themselves; `start` is where the user's next dispatch
+    begins on its priority's clock, where it takes turns with the other users (while it
+    has none waiting: where its last one finished)."""
+
+    uid: Hashable
+    start: float = 0.0
+    seq: int = -1  # of its current entry in its level's heap of users, while live
+    heap: list[tuple[float, int, Job]] = field(default_factory=list)  # (tag, order, job)
+    finish: dict[Hashable, float] = field(default_factory=dict)  # owner: its last finish
+    clock: float = 0.0  # the tag of its job dispatched last
+    live: int = 0
+
+    def top(self) -> Job:
+        heap = self.heap
+        while heap[0][1] != heap[0][2].entry:  # removed, promoted or re-queued since
+            heapq.heappop(heap)
+        return heap[0][2]
+
+    def push(self, job: Job, order: int) -> None:
+        self.live += 1
+        tag = self.finish.get(job.owner, 0.0)
+        tag = tag if tag > self.clock else self.clock
+        self.finish[job.owner] = tag + job.size
+        if len(self.finish) > FINISH_TAGS_KEPT:
+            _forget_behind(self.finish, self.clock)
+        heapq.heappush(self.heap, (tag, order, job))
+
+
+@dataclass(eq=False, slots=True)
+class _Level:
+    """The waiting work of one priority: re-queued jobs first (last in, first out), then
+    the users' work, user against user by start tag, each user's own owners within."""
+
+    front: list[tuple[int, Job]] = field(default_factory=list)  # (order, job)
+    users: dict[Hashable, _User] = field(default_factory=dict)  # those seen lately
+    heap: list[tuple[float, int, Hashable]] = field(default_factory=list)  # (start, seq, uid)
+    clock: float = 0.0  # the start tag of the user dispatched last
+    live: int = 0
+
+    def top(self) -> tuple[Job, _User | None]:
+        front = self.front
+        while front and front[0][0] != front[0][1].entry:
+            heapq.heappop(front)
+        if front:
+            return front[0][1], None
+        while True:
+            _, seq, uid = self.heap[0]
+            user = self.users.get(uid)
+            if user is not None and user.seq == seq and user.live:
+                return user.top(), user
+            heapq.heappop(self.heap)  # that user's work left since
+
+    def wake(self, uid: Hashable, seq: int) -> _User:
+        """A user with nothing waiting here until now: its turn starts at the clock, or
+        where its last one finished if that is later (idleness banks no turns)."""
+        user = self.users.get(uid)
+        if user is None:
+            if len(self.users) > FINISH_TAGS_KEPT:
+                self._forget_idle()
+            user = self.users[uid] = _User(uid)
+        user.heap.clear()  # what is left is skipped entries
+        user.start, user.seq = max(self.clock, user.start), seq
+        heapq.heappush(self.heap, (user.start, seq, uid))
+        return user
+
+    def _forget_idle(self) -> None:
+        """Users with nothing waiting whose turn is behind the clock say nothing."""
+        for uid in [uid for uid, user in self.users.items()
+                    if not user.live and user.start <= self.clock]:
+            del self.users[uid]
+
+    def served(self, user: _User, job: Job, seq: int) -> None:
+        """The user's top job (job) is dispatched: advance both clocks and its turn."""
+        tag = heapq.heappop(user.heap)[0]
+        if tag > user.clock:
+            user.clock = tag
+        if user.start > self.clock:
+            self.clock = user.start
+        user.start += job.size
+        self.live -= 1
+        user.live -= 1
+        if user.live:
+            user.seq = seq
+            heapq.heapreplace(self.heap, (user.start, seq, user.uid))
+        else:
+            heapq.heappop(self.heap)
+
+    def remove(self, job: Job) -> None:
+        """Its current entry no longer counts (it is left in its heap, skipped later)."""
+        self.live -= 1
+        if job.entry is not None and job.entry < 0:  # in the front of the line
+            return
+        self.users[user_of(job.owner)].live -= 1
 
 
 class JobQueue:
-    """A min-heap on (rank, start tag, arrival order): priority first, then start-time
-    fair queueing across owners (client connections) within a priority. Each owner's
-    next job starts where its previous one finished (its start tag plus its size), and
-    never before the tag of the job dispatched last; so one client with a thousand
-    waiting requests and another with one take turns instead of queueing FIFO, and a
-    lone client's jobs keep their arrival order.
+    """Priority first; within a priority, hierarchical start-time fair queueing: users
+    (peer uids) take equal turns, and within a user its owners (its connections, its
+    submitted jobs) take equal turns; turns are weighted by size. A tag is where a job
+    starts on its clock: an owner's next job starts where its previous one finished,
+    never before the tag dispatched last, and likewise a user's next dispatch on the
+    priority's clock. So one user flooding through four connections and another with
+    one request take turns, and a lone client's jobs keep their arrival order. Both
+    levels are heaps: O(log n) a push or pop.
 
-    Removal and re-ranking are lazy: an entry whose job left QUEUED, or that is not the
-    job's current entry (it was promoted or re-queued since), is skipped at the top."""
+    Removal and re-ranking are lazy: an entry that is not its job's current entry (the
+    job was popped, discarded, promoted or re-queued since) is skipped at the top."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Job]] = []
+        self._levels = [_Level() for _ in PRIORITIES]
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
-        self._virtual = [0.0] * len(PRIORITIES)  # per rank: start tag last dispatched
-        self._finish: dict[tuple[int, Hashable], float] = {}  # (rank, owner): last finish
-        self.held: collections.Counter[Hashable] = collections.Counter()  # waiting, by owner
+        self._seq = itertools.count()
+        self.held: collections.Counter[Hashable] = collections.Counter()  # waiting, by user
+        self.served = [0] * len(PRIORITIES)  # jobs handed out, by the rank they left
         self.live = 0
         self.nbytes = 0  # of the jobs waiting
 
@@ -140,96 +272,110 @@ class JobQueue:
         return self.live
 
     def push(self, job: Job) -> None:
-        rank = PRIORITY_RANK[job.request.priority]
-        self._enqueue(job, rank, self._start_tag(rank, job), next(self._order))
+        self._place(job, PRIORITY_RANK[job.request.priority], front=False)
         self._count(job, 1)
 
     def push_front(self, job: Job) -> None:
         """Re-queue ahead of everything of the same rank (a dead worker's job)."""
         rank = job.rank if job.rank is not None else PRIORITY_RANK[job.request.priority]
-        self._enqueue(job, rank, -math.inf, next(self._front))
+        self._place(job, rank, front=True)
         self._count(job, 1)
 
     def promote(self, job: Job, rank: int) -> None:
         """Move a queued job up to rank (ageing, or a more urgent requester attached)."""
         if job.entry is not None and job.rank is not None and rank < job.rank:
-            self._enqueue(job, rank, self._start_tag(rank, job), next(self._order))
+            self._levels[job.rank].remove(job)
+            self._place(job, rank, front=False)
 
     def discard(self, job: Job) -> None:
         """Call after moving a queued job out of QUEUED (cancelled, timed out); a job
         already popped (and then failed or expired before it ran) is not counted twice."""
-        if job.entry is None:
+        if job.entry is None or job.rank is None:
             return
+        self._levels[job.rank].remove(job)
         job.entry = None
         self._count(job, -1)
-        self._drop_dead_top()
 
     def pop_batch(self, max_size: int) -> list[Job]:
         """The best job, plus, for a batched kind, following jobs of the same kind while
         they fit in max_size."""
-        self._drop_dead_top()
-        if not self._heap:
+        top = self._top()
+        if top is None:
             return []
-        batch = [self._pop()]
-        if not batch[0].kind.batched:
+        first = top[1]
+        batch = [self._take(*top)]
+        if not first.kind.batched:
             return batch
-        size = batch[0].size
-        while size < max_size:
-            self._drop_dead_top()
-            if not self._heap:
+        size = first.size
+        while size < max_size and (top := self._top()) is not None:
+            nxt = top[1]
+            if nxt.size + size > max_size or nxt.kind is not first.kind:
                 break
-            nxt = self._heap[0][3]
-            if nxt.size + size > max_size or nxt.kind is not batch[0].kind:
-                break
-            batch.append(self._pop())
+            batch.append(self._take(*top))
             size += nxt.size
         return batch
 
     def jobs(self) -> list[Job]:
-        seen: set[int] = set()
-        out = []
-        for *_, job in self._heap:
-            if job.state is JobState.QUEUED and job.job_id not in seen:
-                seen.add(job.job_id)
-                out.append(job)
-        return out
+        return [job for rank in range(len(self._levels)) for job in self._jobs_at(rank)]
 
-    def _start_tag(self, rank: int, job: Job) -> float:
-        key = (rank, job.owner)
-        start = max(self._virtual[rank], self._finish.get(key, 0.0))
-        self._finish[key] = start + job.size
-        if len(self._finish) > FINISH_TAGS_KEPT:
-            self._forget_idle_owners()
-        return start
+    def waiting(self, rank: int) -> bool:
+        return self._levels[rank].live > 0
 
-    def _forget_idle_owners(self) -> None:
-        """An owner whose last finish is behind its rank's clock starts from the clock
-        anyway: its entry says nothing."""
-        self._finish = {key: finish for key, finish in self._finish.items()
-                        if finish > self._virtual[key[0]]}
+    def lift(self, rank: int) -> None:
+        """Every job waiting at rank up one level, in the order they came."""
+        for job in sorted(self._jobs_at(rank), key=lambda job: job.entry or 0):
+            front = job.entry is not None and job.entry < 0
+            self._levels[rank].remove(job)
+            self._place(job, rank - 1, front)
 
-    def _enqueue(self, job: Job, rank: int, tag: float, order: int) -> None:
-        job.rank, job.entry = rank, order
-        heapq.heappush(self._heap, (rank, tag, order, job))
+    def _jobs_at(self, rank: int) -> list[Job]:
+        level = self._levels[rank]
+        out = [job for order, job in level.front if order == job.entry]
+        for user in level.users.values():
+            out += [job for _, order, job in user.heap if order == job.entry]
+        return [job for job in out if job.state is JobState.QUEUED]
+
+    def _place(self, job: Job, rank: int, front: bool) -> None:
+        level = self._levels[rank]
+        level.live += 1
+        job.rank = rank
+        if front:
+            job.entry = next(self._front)
+            heapq.heappush(level.front, (job.entry, job))
+            return
+        uid = user_of(job.owner)
+        user = level.users.get(uid)
+        if user is None or not user.live:
+            user = level.wake(uid, next(self._seq))
+        job.entry = next(self._order)
+        user.push(job, job.entry)
+
+    def _top(self) -> tuple[_Level, Job, _User | None] | None:
+        """The best job waiting, its priority's level and its user (None: re-queued)."""
+        for level in self._levels:
+            while level.live:
+                job, user = level.top()
+                if job.state is JobState.QUEUED:
+                    return level, job, user
+                self.discard(job)  # it left QUEUED without a discard: never hand it out
+        return None
+
+    def _take(self, level: _Level, job: Job, user: _User | None) -> Job:
+        """Pop the job _top just returned."""
+        if user is None:
+            heapq.heappop(level.front)
+            level.live -= 1
+        else:
+            level.served(user, job, next(self._seq))
+        job.entry = None  # out of the queue
+        self.served[job.rank or 0] += 1
+        self._count(job, -1)
+        return job
 
     def _count(self, job: Job, delta: int) -> None:
         self.live += delta
         self.nbytes += delta * job.nbytes
-        self.held[job.owner] += delta
-        if not self.held[job.owner]:
-            del self.held[job.owner]
-
-    def _pop(self) -> Job:
-        rank, tag, _, job = heapq.heappop(self._heap)
-        if tag > self._virtual[rank]:
-            self._virtual[rank] = tag
-        self._count(job, -1)
-        job.entry = None  # out of the queue
-        return job
-
-    def _drop_dead_top(self) -> None:
-        while self._heap:
-            _, _, order, job = self._heap[0]
-            if job.state is JobState.QUEUED and order == job.entry:
-                return
-            heapq.heappop(self._heap)
+        user = user_of(job.owner)
+        self.held[user] += delta
+        if not self.held[user]:
+            del self.held[user]

@@ -102,7 +102,9 @@ async def test_priority_order_and_ageing(make_harness: MakeHarness) -> None:
     await one_busy_worker(h)
     sink = h.sink()
     low = h.embed(sink, ["low"], priority="batch")
-    h.clock.advance(25)  # batch has waited 25 s: two levels up, to `normal`
+    for _ in range(2):  # batch starves 10 s (up to low), then low starves 10 s (to normal)
+        h.pool.tick()
+        h.clock.advance(10)
     h.pool.tick()
     high = h.embed(sink, ["high"], priority="high")
     normal = h.embed(sink, ["normal"], priority="normal")
@@ -113,6 +115,30 @@ async def test_priority_order_and_ageing(make_harness: MakeHarness) -> None:
         h.want_work(worker)
         order.append(h.works(worker)[-1].items[0].request.id)
     assert order == [high, low, normal]  # aged batch is now ahead of the later normal
+
+
+async def test_a_backlog_earns_no_place_ahead_of_others_by_waiting(
+        make_harness: MakeHarness) -> None:
+    """A level that is being served does not age: a flood waiting behind its own
+    earlier requests keeps taking turns with other users' fresh ones."""
+    h = make_harness(cold_start_workers=1, priority_aging_s=10, max_batch=1)
+    await one_busy_worker(h)
+    flood, polite = h.sink("flood"), h.sink("polite")
+    for i in range(30):
+        h.embed(flood, [f"f{i}"])
+    (worker,) = h.workers("emb")
+
+    def serve_one() -> str:
+        h.reply_embeddings(worker, h.job_ids(worker)[-1], 0.0)
+        h.want_work(worker)
+        return str(h.works(worker)[-1].items[0].request.texts[0])
+
+    for _ in range(15):  # one a second: the flood's rest has waited 15 s by then
+        serve_one()
+        h.clock.advance(1)
+        h.pool.tick()
+    h.embed(polite, ["p"])
+    assert [serve_one() for _ in range(2)] == ["p", "f15"]
 
 
 async def test_expired_work_never_reaches_a_worker(make_harness: MakeHarness) -> None:
@@ -238,6 +264,23 @@ async def test_a_client_cannot_take_the_last_quarter_of_a_queue(
     (error,) = flood.errors()  # 6 waiting: the 7th is refused
     assert error.code is ErrorCode.QUEUE_FULL and "kept for others" in error.message
     assert error.retry_after_s is not None
+    h.embed(polite, ["p"])
+    assert polite.errors() == [] and len(h.pool.models["emb"].queue) == 7
+
+
+async def test_more_connections_give_a_user_no_more_of_the_queue(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1, max_queue=8)
+    await one_busy_worker(h)
+    connections = [h.sink(f"flood{i}") for i in range(4)]
+    for i, sink in enumerate(connections):
+        sink.owner = (1000, i)  # one user (uid 1000), four connections
+    for i in range(8):
+        h.embed(connections[i % 4], [f"f{i}"])
+    refused = [e for sink in connections for e in sink.errors()]
+    assert len(refused) == 2 and all("kept for others" in e.message for e in refused)
+    polite = h.sink("polite")
+    polite.owner = (1001, 9)
     h.embed(polite, ["p"])
     assert polite.errors() == [] and len(h.pool.models["emb"].queue) == 7
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import PRIORITIES, Embed, Generate, Priority
-from modelpool.supervisor.queueing import PRIORITY_RANK, Job, JobQueue, JobState
+from modelpool.supervisor.queueing import PRIORITY_RANK, Ageing, Job, JobQueue, JobState
 
 
 @dataclass
@@ -28,7 +29,7 @@ _ids = itertools.count(1)
 
 
 def make_job(priority: Priority = "normal", texts: int = 1, generate: bool = False,
-             owner: str = "") -> Job:
+             owner: Hashable = "") -> Job:
     jid = next(_ids)
     request: Embed | Generate
     if generate:
@@ -176,50 +177,6 @@ def test_discarded_job_never_returned_in_a_batch() -> None:
 # ---- fairness between clients ---------------------------------------------------------
 
 
-def test_a_flooding_client_and_a_polite_one_take_turns() -> None:
-    queue = JobQueue()
-    flood = [make_job(owner="flood") for _ in range(100)]
-    polite = [make_job(owner="polite") for _ in range(10)]
-    for job in flood + polite:  # the flood arrived first
-        queue.push(job)
-    first_20 = [job.owner for job in drain(queue)[:20]]
-    assert first_20.count("polite") == 10
-    assert first_20[:4] in (["flood", "polite"] * 2, ["polite", "flood"] * 2)
-    assert queue.held == {}
-
-
-def test_turns_are_weighted_by_batch_size() -> None:
-    """A client sending 4 texts a request gets a quarter as many requests through as one
-    sending single texts: the same number of texts."""
-    queue = JobQueue()
-    for _ in range(20):
-        queue.push(make_job(texts=4, owner="big"))
-        queue.push(make_job(texts=1, owner="small"))
-    first = drain(queue)[:10]
-    texts = {owner: sum(j.size for j in first if j.owner == owner) for owner in ("big", "small")}
-    assert abs(texts["big"] - texts["small"]) <= 4
-
-
-def test_fairness_stays_within_a_priority() -> None:
-    queue = JobQueue()
-    for _ in range(5):
-        queue.push(make_job("batch", owner="a"))
-    queue.push(make_job("high", owner="b"))
-    queue.push(make_job("normal", owner="a"))
-    assert [j.request.priority for j in drain(queue)][:2] == ["high", "normal"]
-
-
-def test_jobs_waiting_are_counted_by_client() -> None:
-    queue = JobQueue()
-    jobs = [make_job(owner="a"), make_job(owner="a"), make_job(owner="b")]
-    for job in jobs:
-        queue.push(job)
-    assert queue.held == {"a": 2, "b": 1}
-    cancel(queue, jobs[0])
-    assert queue.pop_batch(1) == [jobs[2]]  # b's first job goes before a's second
-    assert queue.held == {"a": 1}
-
-
 def test_priority_rank_follows_priorities() -> None:
     assert [PRIORITY_RANK[p] for p in ("critical", "high", "normal", "low", "batch")] == [
         0, 1, 2, 3, 4]
@@ -328,3 +285,35 @@ def test_push_order_within_priority(items: list[tuple[Priority, bool]]) -> None:
         pushed = [j.job_id for j in popped
                   if j.request.priority == prio and j.job_id not in fronted]
         assert pushed == sorted(pushed)
+
+
+def test_a_starved_level_moves_up_one_level_at_a_time_in_order() -> None:
+    queue, ageing = JobQueue(), Ageing()
+    batch = [make_job("batch", owner=f"c{i}") for i in range(3)]
+    for job in batch:
+        queue.push(job)
+    assert ageing.starved(queue, 0.0, 10) == []  # starts watching
+    assert ageing.starved(queue, 9.0, 10) == []
+    assert ageing.starved(queue, 10.0, 10) == [PRIORITY_RANK["batch"]]
+    queue.lift(PRIORITY_RANK["batch"])
+    assert [job.rank for job in batch] == [PRIORITY_RANK["low"]] * 3
+    assert ageing.starved(queue, 20.0, 10) == [PRIORITY_RANK["low"]]
+    queue.lift(PRIORITY_RANK["low"])
+    normal = make_job("normal", owner="late")
+    queue.push(normal)
+    assert drain(queue) == [*batch, normal]  # ahead of later work, in their own order
+
+
+def test_a_level_that_is_served_or_empty_does_not_age() -> None:
+    queue, ageing = JobQueue(), Ageing()
+    for _ in range(3):
+        queue.push(make_job("normal", owner="flood"))
+    assert ageing.starved(queue, 0.0, 10) == []
+    queue.pop_batch(1)  # served meanwhile: its clock starts again
+    assert ageing.starved(queue, 15.0, 10) == []
+    assert ageing.starved(queue, 24.0, 10) == []
+    assert ageing.starved(queue, 25.0, 10) == [PRIORITY_RANK["normal"]]
+    high, watch = JobQueue(), Ageing()
+    high.push(make_job("high"))
+    assert watch.starved(high, 0.0, 10) == watch.starved(high, 99.0, 10) == []  # the top
+    assert ageing.starved(queue, 99.0, 0) == []  # 0: no ageing
