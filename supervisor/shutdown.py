@@ -6,8 +6,14 @@ exactly one final reply.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from pathlib import Path
 
+import psutil
+
+from modelpool.protocol.cgroups import LOADING_ENV, SERVING_ENV
 from modelpool.protocol.errors import ErrorCode
 from modelpool.supervisor.clock import wait_for
 from modelpool.supervisor.models import ModelState
@@ -38,6 +44,7 @@ async def drain_and_stop(pool: Pool) -> tuple[int, int, float]:
                        f"the daemon stopped before model {job.model_key!r} finished this request")
     kill_at = min(scheduler.now(), deadline) + KILL_GRACE_S
     await stop_all_workers(pool, kill_at)
+    leave_idle_priority()  # before the forkserver is stopped: nothing serves any more
     log.info("stopped in %.2fs: %d request(s) drained, %d cut", scheduler.now() - started,
              pending - len(leftover), len(leftover))
     return pending - len(leftover), len(leftover), kill_at
@@ -67,3 +74,22 @@ def _serving(model: ModelState) -> list[WorkerHandle]:
 
 def _holders(model: ModelState) -> list[WorkerHandle]:
     return [model.holder] if model.holder else []
+
+
+def leave_idle_priority() -> None:
+    """Whatever is left to exit (the forkserver, workers being killed) runs at normal
+    priority from here: in the idle cgroup, or at SCHED_IDLE, a dying process gets no CPU
+    while anything else wants it, and a killed forkserver (torch mapped) took up to 8 s
+    to exit on a busy 2-core machine, holding the daemon's own exit that long."""
+    serving, loading = os.environ.get(SERVING_ENV), os.environ.get(LOADING_ENV)
+    if serving and loading:
+        with contextlib.suppress(OSError):
+            for pid in Path(loading, "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    Path(serving, "cgroup.procs").write_text(pid)
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{child.pid}/task"):
+                with contextlib.suppress(OSError):
+                    if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                        os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))

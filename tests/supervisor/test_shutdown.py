@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -113,3 +116,20 @@ async def test_workers_that_ignore_stop_are_killed(make_harness: MakeHarness) ->
     workers = h.workers("emb")
     assert set(h.launcher.stopped) == set(workers)
     assert set(h.launcher.killed) == set(workers)
+
+
+def test_what_is_left_to_exit_leaves_idle_priority() -> None:
+    """A dying forkserver or worker at SCHED_IDLE gets no CPU on a busy machine and
+    holds the daemon's exit up; at the end of the drain every child thread at SCHED_IDLE
+    is put back to SCHED_OTHER (here without the idle cgroup: no environment for it)."""
+    child = subprocess.Popen([sys.executable, "-c", "import os, time; os.sched_setscheduler("
+                              "0, os.SCHED_IDLE, os.sched_param(0)); print(1, flush=True); "
+                              "time.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"1"
+        assert os.sched_getscheduler(child.pid) == os.SCHED_IDLE
+        shutdown.leave_idle_priority()
+        assert os.sched_getscheduler(child.pid) == os.SCHED_OTHER
+    finally:
+        child.kill()
+        child.wait()
