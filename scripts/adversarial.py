@@ -5,11 +5,16 @@ fuzzed frames, a frame-sized bomb and clients that never read their replies.
 Prints one JSON object: supervisor RSS before and after 10,000 fuzzed frames (target
 +20 MB at most), RSS after and during one max-size bomb frame (target: at most twice
 the frame), the time to the reply to a bad frame (target p99 10 ms), the unread
-replies held for clients that never read (bounded by max_unread_total_bytes), and the
-log lines written while 600 idle connections meet a 512-fd limit.
+replies held for clients that never read (bounded by max_unread_total_bytes), the
+log lines written while 600 idle connections meet a 512-fd limit; and, from
+scripts/adversarial_pool.py, the split of dispatches between a flooding and a polite
+client (target: the polite one >= 40 %), a SIGSTOPped busy worker until its request is
+answered (target heartbeat_timeout_s + 0.5 s) and a stop with a hung worker until the
+daemon has exited (target shutdown_timeout_s + 1 s).
 
-    python scripts/adversarial.py            # ~1 minute on 2 cores
+    python scripts/adversarial.py            # ~3 minutes on 2 cores
     python scripts/adversarial.py --frames 2000
+    python scripts/adversarial.py --only pool --trials 1
 
 The fuzz corpus is scripts/fuzz_frames.py, shared with tests/adversarial/.
 """
@@ -31,6 +36,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from adversarial_pool import pool_figures  # noqa: E402
 from bench import Daemon, percentiles  # noqa: E402
 from fuzz_frames import bomb_frame, fuzzed_frames  # noqa: E402
 
@@ -233,20 +239,33 @@ def _dropped(sock: socket.socket) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=10_000)
+    parser.add_argument("--only", choices=("front", "pool"),
+                        help="front: frames, replies and fds; pool: fairness, hangs, stops")
+    parser.add_argument("--seconds", type=float, default=8.0, help="each fairness window")
+    parser.add_argument("--trials", type=int, default=3, help="of each hang and stop")
     args = parser.parse_args(argv)
+    figures: dict[str, Any] = {}
+    if args.only != "pool":
+        figures.update(front_figures(args.frames))
+    if args.only != "front":
+        figures["pool"] = pool_figures(args.seconds, args.trials)
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
+def front_figures(frames: int) -> dict[str, Any]:
     limit = 64 * MB
     daemon = Daemon(f"[daemon]\nmax_frame_bytes = {limit}\n"
                     "[pool]\nmax_queued_total = 100000\n" + NOOP)
     try:
         daemon.wait_listening()
-        figures = {"fuzz": fuzz_figures(daemon, args.frames),
+        figures = {"fuzz": fuzz_figures(daemon, frames),
                    "bomb": bomb_figures(daemon, limit),
                    "unread_replies": unread_figures(daemon, clients=16, requests=300)}
     finally:
         daemon.stop()
     figures["fd_exhaustion"] = fd_exhaustion_figures(idle=600, nofile=512, seconds=20)
-    print(json.dumps(figures, indent=2))
-    return 0
+    return figures
 
 
 if __name__ == "__main__":
