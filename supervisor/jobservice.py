@@ -319,11 +319,13 @@ class JobService:
             if not await self.queue.complete(key):
                 log.info("job %s ended here after its claim was lost: its result was kept "
                          "only if it was the first", key)
-            await self.pump()  # room for the next one
         except PoolError as exc:  # the shared store is unreachable: try again at the tick
             if not self._unstored:  # once per outage
                 log.warning("results wait here to be stored: %s", exc.message)
             self._unstored[key] = (sink.record, result)
+            return
+        with contextlib.suppress(PoolError):  # unreachable: the tick claims once it is back
+            await self.pump()  # room for the next one
 
     async def _store(self, record: JobRecord, result: Any) -> None:
         now = self.pool.scheduler.wall()
