@@ -47,22 +47,27 @@ LEASE_S = 2.0  # short leases, so that the tests of lost nodes are quick
 
 
 def node_config(dsn: str, name: str, models: str, lease_s: float = LEASE_S,
-                extra: str = "") -> str:
+                extra: str = "", cluster_extra: str = "") -> str:
+    """A node's config: `cluster_extra` (one line) goes into [cluster], `extra` (one
+    line) into [pool]."""
     return textwrap.dedent(f"""
         [cluster]
         postgres = "{dsn}"
         node_name = "{name}"
         lease_s = {lease_s}
+        {cluster_extra}
         [pool]
         cold_start_workers = 1
         {textwrap.dedent(extra)}
     """) + textwrap.dedent(models)
 
 
-def start_node(workdir: Path, config: str, prefix: list[str] | None = None) -> Any:
-    """A daemon as a cluster node, in its own directory (config, log)."""
+def start_node(workdir: Path, config: str, prefix: list[str] | None = None,
+               env: dict[str, str] | None = None) -> Any:
+    """A daemon as a cluster node, in its own directory (config, log); `env` is added to
+    the daemon's environment."""
     workdir.mkdir(parents=True, exist_ok=True)
-    return start_daemon(workdir, config, prefix=prefix or ())
+    return start_daemon(workdir, config, env=env, prefix=prefix or ())
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str,
@@ -75,6 +80,19 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s}s: {what}")
         time.sleep(interval_s)
+
+
+def model_status(status: dict[str, Any], key: str) -> dict[str, Any]:
+    """One model's entry in a daemon's status."""
+    return next(m for m in status["models"] if m["key"] == key)
+
+
+def peer_serves(status: dict[str, Any], node: str, key: str) -> bool:
+    """The daemon whose status this is sees `node` serve the model (a ready worker)."""
+    for peer in status["cluster"]["nodes"]:
+        if peer["name"] == node and peer["models"].get(key, {}).get("ready"):
+            return True
+    return False
 
 
 _databases = itertools.count()
@@ -104,6 +122,13 @@ class Database:
 
     def dsn_at(self, host: str) -> str:
         return self.server.dsn(host, dbname=self.name)
+
+    def durable_commits(self) -> None:
+        """Commits acknowledged only once written, as a server's default: the throwaway
+        server's synchronous_commit = off would let a crash lose the last ones (see
+        pg.DEFAULT_SETTINGS). For the sessions that connect after this call."""
+        with self.server.connect(dbname="postgres", user=pg.SUPERUSER) as conn:
+            conn.execute(f'ALTER DATABASE "{self.name}" SET synchronous_commit = on')
 
     def query(self, sql: str, params: object = ()) -> list[tuple[object, ...]]:
         with self.server.connect(dbname=self.name) as conn:

@@ -32,8 +32,11 @@ APP_DATABASE = "modelpool"
 _BINARIES = ("initdb", "postgres")
 _PR_SET_PDEATHSIG = 1
 
-# Speed and determinism for a throwaway server; crash safety is not needed (fsync=off
-# still survives a postmaster SIGKILL: the data is in the page cache, not lost).
+# Speed and determinism for a throwaway server. fsync=off survives a postmaster SIGKILL
+# (what was written is in the page cache); synchronous_commit=off does not quite: a
+# commit is acknowledged before its WAL is written, so a crash may lose the last few
+# hundred milliseconds of commits. A test that crashes the server and counts what was
+# acknowledged turns it on for its database (cluster_helpers.Database.durable_commits).
 DEFAULT_SETTINGS: dict[str, str] = {
     "fsync": "off",
     "synchronous_commit": "off",

@@ -78,6 +78,7 @@ def _submitted(client: object, text: str) -> str | None:
 
 
 def test_a_postgres_crash_mid_run_loses_no_job(tmp_path: Path, database: Database) -> None:
+    database.durable_commits()  # what was acknowledged survives the crash
     daemon = start_node(tmp_path, node_config(database.dsn, "alpha", models(1, run_s=0.02)))
     try:
         with daemon.client() as c:

@@ -1,15 +1,18 @@
 """Several daemons, each in its own network namespace as if on its own host, sharing one
 PostgreSQL over their veth links: every job gets exactly one result, a killed or cut-off
-node's jobs finish elsewhere, and a model loaded on one node serves jobs while another
-node loads something else."""
+node's jobs finish elsewhere, a model loaded on one node serves jobs while another node
+loads something else, and a PostgreSQL crash mid-run loses no accepted job."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import netns
 import numpy as np
@@ -20,15 +23,18 @@ from cluster_helpers import (
     Database,
     fresh_database,
     model_entry,
+    model_status,
     node_config,
+    peer_serves,
     start_node,
     wait_until,
 )
 
+from modelpool.protocol.errors import ErrorCode, PoolError
+
 DIM = 8
 LEASE_S = 3.0
 PRIORITIES = ("low", "normal", "high", "critical")
-
 
 
 class Hosts:
@@ -151,15 +157,23 @@ def _start_three(hosts: Hosts, database: Database, tmp_path: Path) -> list[Daemo
     daemons = [hosts.start(tmp_path, database, i, embedders(mark=i + 1, run_s=0.3,
                                                             max_workers=2))
                for i in range(3)]
-    for daemon in daemons:
-        connected(daemon, 2)
-        with daemon.client() as c:
-            c.load("m1", workers=2)
-    for daemon in daemons:
-        with daemon.client() as c:
-            wait_until(lambda: [w["state"] for w in _model(c.status(), "m1")["workers"]]
-                       == ["idle", "idle"], 60, "m1 serving on every node")
+    serving_everywhere(daemons, ["m1"], workers=2)
     return daemons
+
+
+def serving_everywhere(daemons: list[Daemon], keys: list[str], workers: int) -> None:
+    """Every node connected to the others, with these models loaded and idle."""
+    for daemon in daemons:
+        connected(daemon, len(daemons) - 1)
+        with daemon.client() as c:
+            for key in keys:
+                c.load(key, workers=workers)
+    for daemon in daemons:
+        with daemon.client() as c:
+            for key in keys:
+                wait_until(lambda c=c, key=key: [w["state"] for w in model_status(
+                    c.status(), key)["workers"]] == ["idle"] * workers, 60,
+                           f"{key} serving on every node")
 
 
 def _submit_until_held(daemons: list[Daemon], database: Database) -> list[tuple[str, str]]:
@@ -231,29 +245,127 @@ def test_a_model_loaded_on_one_node_serves_while_another_node_loads(
     with b.client() as cb:
         assert np.asarray(cb.embed("warm up", model="warm")).tolist()[-1] == 2
     with a.client() as ca:
-        wait_until(lambda: _peer_serves(ca.status(), "n1", "warm"), 20, "a sees b serve it")
+        wait_until(lambda: peer_serves(ca.status(), "n1", "warm"), 20, "a sees b serve it")
         first = ca.submit("embed", "first", model="warm")
         assert np.asarray(ca.retrieve(first, 30)).tolist()[-1] == 2  # b has room: b runs it
-        assert _model(ca.status(), "warm")["workers"] == []  # and a loads nothing for it
+        assert model_status(ca.status(), "warm")["workers"] == []  # and a loads nothing for it
         ca.load("cold")
         started = time.monotonic()
         keys = [ca.submit("embed", f"w{i}", model="warm") for i in range(10)]
         marks = [np.asarray(ca.retrieve(key, 30)).tolist()[-1] for key in keys]
         direct = np.asarray(ca.embed("routed", model="warm")).tolist()
         took_s = time.monotonic() - started
-        cold = _model(ca.status(), "cold")
+        cold = model_status(ca.status(), "cold")
     assert took_s < 6, f"jobs for b's model took {took_s:.1f}s beside a's load"
     assert cold["state"] == "loading"  # they did not wait for it
     assert marks.count(2) >= 9  # b ran them (a may start one as b is busy)
     assert direct[-1] == 2  # a direct request went through the shared queue to b
 
 
-def _model(status: dict[str, Any], key: str) -> dict[str, Any]:
-    return next(m for m in status["models"] if m["key"] == key)
+class Feed:
+    """Jobs of two models submitted to every node, a thread each, until stopped; each
+    submit's outcome is kept under the phase of the run it began in."""
+
+    def __init__(self, daemons: list[Daemon]) -> None:
+        self.phase = "before"
+        self.accepted: list[tuple[str, str, str]] = []  # (phase, key, text)
+        self.refused: collections.Counter[str] = collections.Counter()  # UNAVAILABLE
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = ThreadPoolExecutor(len(daemons))
+        self._runs = [self._threads.submit(self._run, d, i) for i, d in enumerate(daemons)]
+
+    def count(self, phase: str) -> int:
+        with self._lock:
+            return sum(1 for p, _, _ in self.accepted if p == phase)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            for run in self._runs:
+                run.result(timeout=30)  # a thread's unexpected error is raised here
+        finally:
+            self._threads.shutdown(wait=False)
+
+    def _run(self, daemon: Daemon, node: int) -> None:
+        with daemon.client(timeout_s=20) as c:
+            for i in itertools.count():
+                if self._stop.is_set():
+                    return
+                phase, text = self.phase, f"n{node} job {i} " + "x" * (i % 7)
+                try:
+                    key = c.submit("embed", text, model=("m1", "m2")[i % 2])
+                except PoolError as exc:
+                    if exc.code is not ErrorCode.UNAVAILABLE:
+                        raise
+                    with self._lock:
+                        self.refused[phase] += 1
+                else:
+                    with self._lock:
+                        self.accepted.append((phase, key, text))
+                time.sleep(0.005)
 
 
-def _peer_serves(status: dict[str, Any], node: str, key: str) -> bool:
-    for peer in status["cluster"]["nodes"]:
-        if peer["name"] == node and peer["models"].get(key, {}).get("ready"):
-            return True
-    return False
+OUTAGE_S = 4.0  # longer than a submit's wait for a connection (3 s) and than LEASE_S
+
+
+def one_job_at_a_time(mark: float) -> str:
+    """m1 and m2, one worker each, one job per batch: a backlog builds up as jobs come."""
+    return "".join(model_entry(key, run_s=0.04, mark=mark, max_workers=1).rstrip()
+                   + "\n        max_batch = 1\n" for key in ("m1", "m2"))
+
+
+def job_states(database: Database) -> collections.Counter[str]:
+    rows = database.query("SELECT state, count(*) FROM modelpool.jobs GROUP BY state")
+    return collections.Counter({str(state): int(n) for state, n in rows})  # type: ignore[call-overload]
+
+
+def test_a_postgres_crash_mid_run_loses_no_accepted_job(
+        cluster: tuple[Hosts, Database], tmp_path: Path) -> None:
+    hosts, database = cluster
+    database.durable_commits()
+    daemons = [hosts.start(tmp_path, database, i, one_job_at_a_time(mark=i + 1))
+               for i in range(3)]
+    serving_everywhere(daemons, ["m1", "m2"], workers=1)
+    feed = Feed(daemons)
+    try:
+        wait_until(lambda: feed.count("before") >= 150 and job_states(database)["done"] >= 30,
+                   30, "jobs run before the crash")
+        feed.phase = "during"
+        at_crash = job_states(database)
+        hosts.server.kill()  # as a crash: backends gone, connections broken
+        time.sleep(OUTAGE_S)
+        hosts.server.start()  # crash recovery on the same data directory and port
+        feed.phase = "after"
+        wait_until(lambda: feed.count("after") >= 100, 30, "jobs accepted after the restart")
+    finally:
+        hosts.server.start()  # for the next tests, should this one fail during the outage
+        feed.stop()
+    _every_accepted_job_has_one_result(daemons, database, feed, at_crash)
+
+
+def _every_accepted_job_has_one_result(daemons: list[Daemon], database: Database, feed: Feed,
+                                       at_crash: collections.Counter[str]) -> None:
+    keys = [key for _, key, _ in feed.accepted]
+    wait_until(lambda: set(job_states(database)) == {"done"}, 30, "every job ended")
+    done = {str(k): int(a) for k, a in database.query(  # type: ignore[call-overload]
+        "SELECT key, attempt FROM modelpool.jobs WHERE state = 'done'")}
+    with daemons[1].client() as c:
+        results = [np.asarray(c.retrieve(key, 20)).tolist() for key in keys]
+        stats = wait_until(lambda: (s := c.stats())["nodes"] == 3
+                           and s["completed"] >= len(done) and s, 10, "every node's figures")
+    reruns = sum(attempt - 1 for attempt in done.values())  # lost claims, re-claimed
+    summary = (f"accepted {collections.Counter(p for p, _, _ in feed.accepted)}, refused "
+               f"{feed.refused}, at the crash {at_crash}; {len(done) - len(keys)} stored but "
+               f"never acknowledged, {reruns} claims lost, {stats['duplicate_results']} "
+               "duplicate results dropped")
+    print(summary)
+    assert at_crash["queued"] + at_crash["running"] > 0, summary  # work was in flight
+    assert feed.refused.total() > 0, summary  # clients saw the outage: UNAVAILABLE
+    assert feed.count("after") >= 100 and len(set(keys)) == len(keys), summary
+    assert set(keys) <= set(done), summary  # every accepted job ended, done
+    for (_, _, text), vector in zip(feed.accepted, results, strict=True):
+        assert vector[:DIM - 1] == [float(len(text)), *map(float, range(1, DIM - 1))]
+        assert vector[-1] in (1.0, 2.0, 3.0)
+    # A result is dropped only when its node lost the claim, which another claim followed.
+    assert stats["duplicate_results"] <= reruns, summary

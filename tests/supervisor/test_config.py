@@ -167,3 +167,25 @@ def test_daemon_socket_default_follows_env(monkeypatch: pytest.MonkeyPatch,
                                            tmp_path: Path) -> None:
     monkeypatch.setenv("MODELPOOL_SOCKET", str(tmp_path / "d.sock"))
     assert load_config().daemon.socket == str(tmp_path / "d.sock")
+
+
+# ---- cluster --------------------------------------------------------------------------
+
+
+def test_cluster_settings_their_defaults_and_modelpool_postgres(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("MODELPOOL_POSTGRES", raising=False)
+    default = load_config().cluster
+    assert (default.dsn, default.node_name, default.lease_s, default.route_remote) \
+        == ("", "", 10.0, True)  # no cluster; the daemon names a node after its host
+    monkeypatch.setenv("MODELPOOL_POSTGRES", "postgresql://env@db/a")
+    assert load_config().cluster.dsn == "postgresql://env@db/a"  # without a config too
+    config = load_config(write(tmp_path, '[cluster]\npostgres = "postgresql://cfg@db/b"\n'
+                                         'node_name = "n1"\nlease_s = 2.5\n'
+                                         "route_remote = false\n")).cluster
+    assert config.dsn == "postgresql://cfg@db/b"  # the config's wins over the environment
+    assert (config.node_name, config.lease_s, config.route_remote) == ("n1", 2.5, False)
+    with pytest.raises(ConfigError, match=r"\$\.cluster\.lease_s"):
+        load_config(write(tmp_path, "[cluster]\nlease_s = 0\n"))
+    with pytest.raises(ConfigError, match="postgress"):
+        load_config(write(tmp_path, '[cluster]\npostgress = "postgresql://x"\n'))
