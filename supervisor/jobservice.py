@@ -40,9 +40,10 @@ from modelpool.protocol.messages import (
 )
 from modelpool.supervisor import admission, pool_stats
 from modelpool.supervisor.config import JobsConfig
+from modelpool.supervisor.jobsink import MailboxSink
 from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
 from modelpool.supervisor.pool import Pool
-from modelpool.supervisor.queueing import JobState, dedup_key
+from modelpool.supervisor.queueing import dedup_key
 from modelpool.supervisor.tasks import QueueFull, TaskQueue
 
 log = logging.getLogger("modelpool.jobs")
@@ -51,56 +52,6 @@ KEY_BYTES = 16  # 128 random bits: keys cannot be guessed
 JOB_BACKLOG = 8  # jobs per worker in a model's queue in the pool; the rest wait outside
 _request_decoder = msgspec.msgpack.Decoder(WorkRequest)
 _result_decoder = msgspec.msgpack.Decoder(Embeddings | Scores | Completion | Image)
-
-
-class _Requesters(dict[int, Any]):
-    """The sink's requests in flight, as the pool's job book registers them; whether one
-    ever was tells a refusal (answered before it) from a job's real end."""
-
-    registered = False
-
-    def __setitem__(self, key: int, value: Any) -> None:
-        self.registered = True
-        super().__setitem__(key, value)
-
-
-class MailboxSink:
-    """A submitted job's replies, gathered into one result: its `connection` in the pool.
-    Closing the client connection that submitted the job does not touch it."""
-
-    closed = False
-
-    def __init__(self, service: JobService, record: JobRecord) -> None:
-        self.service = service
-        self.record = record
-        self.owner = (record.uid, "jobs")  # its user's jobs take one turn among its clients
-        self.jobs = _Requesters()
-        self.lost = False  # its claim lapsed: another daemon's result counts, not ours
-        self.refusal: Error | None = None  # the pool refused to queue it
-        self._text: list[str] = []
-
-    @property
-    def running(self) -> bool:
-        req = self.jobs.get(0)
-        return req is not None and req.job is not None and req.job.state is JobState.RUNNING
-
-    def send(self, msg: Any) -> None:
-        if self.lost:
-            return
-        match msg:
-            case Chunk(text=text):
-                self._text.append(text)
-            case End():
-                self.service.ended(self, Completion(
-                    text="".join(self._text), finish_reason=msg.finish_reason,
-                    prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-                    model=msg.model))
-            case Error() if not self.jobs.registered:
-                self.refusal = msg  # answered at once, never queued
-            case Error() | Embeddings() | Scores() | Image():
-                self.service.ended(self, msg)
-            case _:
-                pass  # image progress: the stored result is the finished image
 
 
 class JobService:
@@ -144,8 +95,11 @@ class JobService:
                            dedup=dedup_key(kind, with_defaults(request, self.pool.config
                                                                .defaults), model),
                            submitted_at=self.pool.scheduler.wall())
+        # Shared: with a worker free for it here it is claimed as it is written (no other
+        # node is woken, no claim follows); else it waits for whichever node is free first.
+        claim = self.shared and not self.pool.shutting_down and self._free_now(model)
         try:
-            await self.mailbox.add(record)
+            await self.mailbox.add(record, claim)
         except MailboxFull as exc:
             raise PoolError(ErrorCode.OVERLOADED, str(exc), 1.0) from None
         try:
@@ -153,14 +107,14 @@ class JobService:
         except QueueFull as exc:
             await self.mailbox.remove(record.key)
             raise PoolError(ErrorCode.QUEUE_FULL, str(exc), 1.0) from None
-        if not self.shared:  # a shared queue notifies every node's run(), this one's too
+        if record.state == "running":
+            await self._start(record)
+        elif not self.shared:  # a shared queue notifies every node's run(), this one's too
             await self.pump()
         return record.key
 
     async def retrieve(self, uid: int, key: str, timeout_s: float, rid: int) -> JobResult:
-        record: JobRecord | None = await self._own(uid, key)
-        if record is not None and record.state not in ENDED:
-            record = await self.mailbox.wait(key, timeout_s)
+        record = await self.mailbox.wait(key, timeout_s, uid)  # one read if it has ended
         if record is None:
             raise _not_found(key)
         if record.state not in ENDED:
@@ -295,6 +249,11 @@ class JobService:
             # the nodes that have the model loaded, so that none waits behind this load.
             return max(0, 1 - len(model.queue))
         return max(0, JOB_BACKLOG * max(1, len(live)) - len(model.queue))
+
+    def _free_now(self, key: str) -> bool:
+        """A worker of the model would take one more job at once: none waits for it."""
+        model = self.pool.models.get(key)
+        return model is not None and not len(model.queue) and bool(model.free_workers())
 
     def _cancel_here(self, key: str) -> None:
         sink = self._running.get(key)

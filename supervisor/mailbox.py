@@ -56,8 +56,10 @@ class MailboxFull(Exception):
 
 
 class Mailbox(Protocol):
-    async def add(self, record: JobRecord) -> None:
-        """A newly submitted job; MailboxFull when the mailbox is at its bound."""
+    async def add(self, record: JobRecord, claim: bool = False) -> None:
+        """A newly submitted job; MailboxFull when the mailbox is at its bound. With
+        claim (the caller can run it now), a shared store may hand it to the caller at
+        once, record.state "running", instead of queueing it for every node to claim."""
 
     async def start(self, key: str, node: str, at: float) -> None: ...
 
@@ -65,9 +67,9 @@ class Mailbox(Protocol):
         """The job ended (outcome carries state, result or error, finished_at); False
         when it had ended already: the first ending wins."""
 
-    async def wait(self, key: str, timeout_s: float) -> JobRecord | None:
-        """The record once it has ended, or as it is when timeout_s has passed; None for
-        a key it does not have."""
+    async def wait(self, key: str, timeout_s: float, uid: int) -> JobRecord | None:
+        """The record once it has ended, or as it is when timeout_s has passed; None at
+        once for a key it does not have or that is not uid's."""
 
     async def get(self, key: str) -> JobRecord | None: ...
 
@@ -91,7 +93,7 @@ class MemoryMailbox:
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._bytes = 0
 
-    async def add(self, record: JobRecord) -> None:
+    async def add(self, record: JobRecord, claim: bool = False) -> None:
         if self._bytes >= self.max_bytes:
             raise MailboxFull(f"the mailbox holds {self._bytes >> 20} MiB "
                               f"(max_mailbox_bytes {self.max_bytes >> 20} MiB)")
@@ -117,9 +119,11 @@ class MemoryMailbox:
                 waiter.set_result(None)
         return True
 
-    async def wait(self, key: str, timeout_s: float) -> JobRecord | None:
+    async def wait(self, key: str, timeout_s: float, uid: int) -> JobRecord | None:
         record = self._records.get(key)
-        if record is None or record.state in ENDED or timeout_s <= 0:
+        if record is None or record.uid != uid:
+            return None
+        if record.state in ENDED or timeout_s <= 0:
             return record
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(key, []).append(waiter)

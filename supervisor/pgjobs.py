@@ -80,7 +80,10 @@ class PgJobs:
 
     # ---- the mailbox ----------------------------------------------------------------------
 
-    async def add(self, record: JobRecord) -> None:
+    async def add(self, record: JobRecord, claim: bool = False) -> None:
+        """Claimed at once (claim, and nothing of its model waits at its priority or
+        above: priorities hold across nodes), it wakes no other node; queued, it wakes
+        them all."""
         _, nbytes, _ = await self._counted()
         if nbytes >= self.max_bytes:
             raise MailboxFull(f"the cluster's mailbox holds {nbytes >> 20} MiB "
@@ -90,19 +93,35 @@ class PgJobs:
                 SELECT key FROM {T} WHERE %(dedup)s::bytea IS NOT NULL AND dedup = %(dedup)s
                     AND state IN ('queued', 'running') AND leader IS NULL LIMIT 1),
             waiting AS (SELECT count(*) AS n FROM {T} WHERE state = 'queued'),
+            fate AS (SELECT CASE
+                WHEN EXISTS (SELECT 1 FROM leader) THEN 'joined'
+                WHEN %(claim)s AND NOT EXISTS (
+                    SELECT 1 FROM {T} WHERE state = 'queued' AND model = %(model)s
+                        AND priority <= %(priority)s) THEN 'running'
+                ELSE 'queued' END AS state),
             added AS (
                 INSERT INTO {T} (key, uid, op, model, priority, request, single, dedup,
-                                 leader, submitted_at, state)
+                                 leader, submitted_at, state, node, attempt, lease_until,
+                                 started_at)
                 SELECT %(key)s, %(uid)s, %(op)s, %(model)s, %(priority)s, %(request)s,
                        %(single)s, %(dedup)s, (SELECT key FROM leader), %(submitted_at)s,
-                       CASE WHEN EXISTS (SELECT 1 FROM leader) THEN 'joined' ELSE 'queued' END
-                WHERE (SELECT n FROM waiting) < %(max_queued)s
+                       fate.state, CASE WHEN fate.state = 'running' THEN %(node)s ELSE '' END,
+                       CASE WHEN fate.state = 'running' THEN 1 ELSE 0 END,
+                       CASE WHEN fate.state = 'running'
+                            THEN now() + make_interval(secs => %(lease)s) END,
+                       CASE WHEN fate.state = 'running' THEN %(submitted_at)s END
+                FROM fate WHERE (SELECT n FROM waiting) < %(max_queued)s
                 RETURNING state, model)
-            SELECT state, pg_notify('modelpool_jobs', model)::text FROM added""",
-            {**_params(record), "max_queued": self.max_queued})
+            SELECT state, CASE WHEN state <> 'running'
+                               THEN pg_notify('modelpool_jobs', model)::text END FROM added""",
+            {**_params(record), "max_queued": self.max_queued, "claim": claim,
+             "node": self.node, "lease": self.lease_s})
         if not rows:
             raise QueueFull(f"{self.max_queued} jobs wait in the cluster ([jobs] max_queued)")
         record.state = rows[0]["state"]
+        if record.state == "running":
+            record.attempt = 1
+            self._held[record.key] = 1
 
     async def start(self, key: str, node: str, at: float) -> None:
         return None  # the claim marked it running
@@ -141,7 +160,7 @@ class PgJobs:
         self._held.pop(key, None)  # kept until then: a failed query is tried again
         return any(row["key"] == key for row in rows)
 
-    async def wait(self, key: str, timeout_s: float) -> JobRecord | None:
+    async def wait(self, key: str, timeout_s: float, uid: int) -> JobRecord | None:
         """Looks again at every wake-up until the job has ended or the time is up: a
         wake-up is a hint, not an ending (a reconnection wakes every waiter)."""
         deadline = time.monotonic() + timeout_s
@@ -150,8 +169,10 @@ class PgJobs:
             self._waiters[key].append(waiter)  # before looking: no ending can slip between
             try:
                 record = await self.get(key)
+                if record is None or record.uid != uid:
+                    return None
                 left = deadline - time.monotonic()
-                if record is None or record.state in ENDED or left <= 0:
+                if record.state in ENDED or left <= 0:
                     return record
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter, left)

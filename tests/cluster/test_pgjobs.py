@@ -133,7 +133,7 @@ async def test_identical_work_joins_the_running_job_and_gets_its_result(
         joiner = await submit(b, record(dedup=b"same"))
         assert [r.key for r in await a.claim({"m": 5})] == [leader.key]
         assert await b.claim({"m": 5}) == []  # the joiner waits on the leader, unclaimed
-        waiting = asyncio.create_task(b.wait(joiner.key, 10))
+        waiting = asyncio.create_task(b.wait(joiner.key, 10, 1000))
         await asyncio.sleep(0.1)
         assert await a.finish(leader.key, done(leader, b"shared"))
         ended = await asyncio.wait_for(waiting, 5)
@@ -157,7 +157,7 @@ async def test_a_cancel_ends_a_waiting_job_and_wakes_its_retrieve_on_another_nod
         database: Database) -> None:
     async with node(database, "a") as a, node(database, "b") as b:
         rec = await submit(a, record())
-        waiting = asyncio.create_task(b.wait(rec.key, 10))
+        waiting = asyncio.create_task(b.wait(rec.key, 10, 1000))
         await asyncio.sleep(0.1)
         started = time.monotonic()
         assert await a.cancel(rec.key)
@@ -187,7 +187,7 @@ async def test_a_wake_up_that_is_no_ending_does_not_end_a_retrieve(
     async with node(database, "a") as a, node(database, "b") as b:
         rec = await submit(a, record())
         (claimed,) = await b.claim({"m": 5})
-        waiting = asyncio.create_task(a.wait(rec.key, 10))
+        waiting = asyncio.create_task(a.wait(rec.key, 10, 1000))
         await asyncio.sleep(0.2)
         a.reconnected()  # as after a lost connection: every waiter looks again
         await asyncio.sleep(0.2)
@@ -202,6 +202,24 @@ async def test_new_jobs_wake_other_nodes(database: Database) -> None:
         b.ready.clear()
         await submit(a, record())
         await asyncio.wait_for(b.ready.wait(), 5)
+
+
+async def test_a_node_free_to_run_a_job_claims_it_as_it_writes_it(database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        b.ready.clear()
+        mine = record()
+        await a.add(mine, claim=True)
+        assert (mine.state, mine.attempt) == ("running", 1)
+        await asyncio.sleep(0.3)
+        assert not b.ready.is_set()  # nobody else was woken for it
+        assert await b.claim({"m": 5}) == []
+        assert await a.finish(mine.key, done(mine, b"ok"))  # a holds it: its result counts
+        # Something of the model waits at its priority or above: it queues behind that.
+        waiting = await submit(b, record(priority="high"))
+        later = record(priority="normal")
+        await a.add(later, claim=True)
+        assert later.state == "queued"
+        assert [r.key for r in await b.claim({"m": 5})] == [waiting.key, later.key]
 
 
 async def test_the_shared_queue_has_a_bound(database: Database) -> None:

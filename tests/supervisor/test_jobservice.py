@@ -81,10 +81,11 @@ async def test_another_user_cannot_see_a_job(make_harness: MakeHarness) -> None:
     h = make_harness()
     jobs = service(h)
     key = await jobs.submit(ME, embed("mine"), 100)
-    for call in (jobs.retrieve(OTHER, key, 0, rid=1), jobs.info(OTHER, key),
+    # A retrieve of another user's running job is refused at once, not after its wait.
+    for call in (jobs.retrieve(OTHER, key, 30, rid=1), jobs.info(OTHER, key),
                  jobs.cancel(OTHER, key), jobs.forget(OTHER, key)):
         with pytest.raises(PoolError) as err:
-            await call
+            await asyncio.wait_for(call, 5)
         assert err.value.code is ErrorCode.RESULT_NOT_FOUND
     assert await jobs.recent(OTHER, 10) == []
     assert [j.key for j in await jobs.recent(ME, 10)] == [key]

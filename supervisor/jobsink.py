@@ -1,0 +1,65 @@
+"""Where a submitted job's replies go in the pool: a MailboxSink stands for the client
+connection a direct request would have, and gathers the replies into one result for the
+mailbox. Closing the client connection that submitted the job does not touch it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from modelpool.protocol.jobs import Completion
+from modelpool.protocol.messages import Chunk, Embeddings, End, Error, Image, Scores
+from modelpool.supervisor.mailbox import JobRecord
+from modelpool.supervisor.queueing import JobState
+
+if TYPE_CHECKING:
+    from modelpool.supervisor.jobservice import JobService
+
+
+class _Requesters(dict[int, Any]):
+    """The sink's requests in flight, as the pool's job book registers them; whether one
+    ever was tells a refusal (answered before it) from a job's real end."""
+
+    registered = False
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        self.registered = True
+        super().__setitem__(key, value)
+
+
+class MailboxSink:
+    """A submitted job's replies, gathered into one result: its `connection` in the pool.
+    Closing the client connection that submitted the job does not touch it."""
+
+    closed = False
+
+    def __init__(self, service: JobService, record: JobRecord) -> None:
+        self.service = service
+        self.record = record
+        self.owner = (record.uid, "jobs")  # its user's jobs take one turn among its clients
+        self.jobs = _Requesters()
+        self.lost = False  # its claim lapsed: another daemon's result counts, not ours
+        self.refusal: Error | None = None  # the pool refused to queue it
+        self._text: list[str] = []
+
+    @property
+    def running(self) -> bool:
+        req = self.jobs.get(0)
+        return req is not None and req.job is not None and req.job.state is JobState.RUNNING
+
+    def send(self, msg: Any) -> None:
+        if self.lost:
+            return
+        match msg:
+            case Chunk(text=text):
+                self._text.append(text)
+            case End():
+                self.service.ended(self, Completion(
+                    text="".join(self._text), finish_reason=msg.finish_reason,
+                    prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
+                    model=msg.model))
+            case Error() if not self.jobs.registered:
+                self.refusal = msg  # answered at once, never queued
+            case Error() | Embeddings() | Scores() | Image():
+                self.service.ended(self, msg)
+            case _:
+                pass  # image progress: the stored result is the finished image
