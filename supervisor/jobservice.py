@@ -49,7 +49,12 @@ from modelpool.supervisor.tasks import QueueFull, TaskQueue
 log = logging.getLogger("modelpool.jobs")
 
 KEY_BYTES = 16  # 128 random bits: keys cannot be guessed
-JOB_BACKLOG = 8  # jobs per worker in a model's queue in the pool; the rest wait outside
+# Jobs waiting per worker in a model's queue in the pool, the rest waiting outside: small
+# jobs of a batched model coalesce there; a stream or an image holds its worker for its
+# whole length, so one waits beside each worker and the rest go to whichever daemon frees
+# a worker first.
+JOB_BACKLOG = 8
+UNBATCHED_BACKLOG = 1
 _request_decoder = msgspec.msgpack.Decoder(WorkRequest)
 _result_decoder = msgspec.msgpack.Decoder(Embeddings | Scores | Completion | Image)
 
@@ -235,9 +240,9 @@ class JobService:
         return False
 
     def _room(self, key: str) -> int:
-        """Jobs of the model that may join its queue in the pool: a backlog that keeps
-        its workers (or the ones a first job starts) busy, and no more, so that the
-        rest wait in the job queue, in priority order."""
+        """Jobs of the model that may join its queue in the pool: what its workers (or
+        the ones a first job starts) can start now and a backlog that keeps them busy,
+        and no more, so that the rest wait in the job queue, in priority order."""
         model = self.pool.models.get(key)
         if model is None:
             return 0
@@ -248,7 +253,12 @@ class JobService:
             # A load comes first: take the one job that starts it and leave the rest to
             # the nodes that have the model loaded, so that none waits behind this load.
             return max(0, 1 - len(model.queue))
-        return max(0, JOB_BACKLOG * max(1, len(live)) - len(model.queue))
+        if model.spec.batched:
+            return max(0, JOB_BACKLOG * max(1, len(live)) - len(model.queue))
+        running = sum(len(w.jobs) for w in live)
+        at_once = sum(_streams_at_once(w) for w in live) or 1
+        return max(0, at_once + UNBATCHED_BACKLOG * max(1, len(live)) - running
+                   - len(model.queue))
 
     def _free_now(self, key: str) -> bool:
         """A worker of the model would take one more job at once: none waits for it."""
@@ -350,6 +360,13 @@ class JobService:
         if record is None or record.uid != uid:
             raise _not_found(key)  # another user's key is one that does not exist
         return record
+
+
+def _streams_at_once(worker: Any) -> int:
+    """How many jobs a worker of a model that does not batch runs at once: the streams
+    it decodes together (continuous batching, as its loader reports), else one."""
+    streams = worker.info.get("max_active_sequences")
+    return streams if isinstance(streams, int) and streams > 0 else 1
 
 
 def _not_found(key: str) -> PoolError:

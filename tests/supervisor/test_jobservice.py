@@ -12,7 +12,7 @@ import pytest
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import Completion, Submit
 from modelpool.protocol.messages import Embed, Embeddings, Generate, Sampling
-from modelpool.protocol.pipes import Abort
+from modelpool.protocol.pipes import Abort, WantWork
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.jobservice import JobService
 from modelpool.supervisor.mailbox import MemoryMailbox
@@ -219,6 +219,30 @@ async def test_jobs_wait_in_their_own_queue_in_priority_order(
     h.want_work(worker)
     assert h.works(worker)[-1].items[0].request.texts == ["urgent"]  # claimed first
     assert (await jobs.info(ME, keys[0])).state == "done"
+
+
+async def test_a_streaming_model_takes_what_its_workers_can_start_and_one_more(
+        make_harness: MakeHarness) -> None:
+    """A stream holds its worker for its whole length: a deep backlog beside one worker
+    would wait there while another daemon's worker idles."""
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+
+    def generate(i: int) -> Submit:
+        return Submit(id=i, request=Generate(id=i, model="gen", prompt=f"p{i}",
+                                             sampling=Sampling(max_tokens=3)))
+
+    for i in range(8):
+        await jobs.submit(ME, generate(i), 1)
+    gen = h.pool.models["gen"]
+    assert len(gen.queue) == 2  # no worker yet: one to run and one beside it
+    await h.settle()
+    (worker,) = h.workers("gen")
+    h.ready(worker, want_work=False, info={"max_active_sequences": 3})
+    h.pool.handle(worker, WantWork(slots=3))  # it batches 3 streams
+    await jobs.pump()  # as the next tick or ending does
+    assert len(h.job_ids(worker)) == 3 and len(gen.queue) == 1  # 3 running, one beside
+    assert (await jobs.stats()).queued_jobs == 5  # one beside it, four outside
 
 
 async def test_jobs_the_pool_has_no_room_for_wait_instead_of_failing(
