@@ -177,9 +177,10 @@ def serving_everywhere(daemons: list[Daemon], keys: list[str], workers: int) -> 
 
 
 def _submit_until_held(daemons: list[Daemon], database: Database) -> list[tuple[str, str]]:
-    """Jobs submitted to the first node until the third runs some; (key, text) each."""
+    """Jobs submitted through the third node (which claims those its free workers can
+    start as it writes them) until it runs some; (key, text) each."""
     jobs: list[tuple[str, str]] = []
-    with daemons[0].client() as c:
+    with daemons[2].client() as c:
         for i in range(12):
             text = f"lost {i}"
             jobs.append((c.submit("embed", text, model="m1"), text))
