@@ -262,3 +262,34 @@ async def test_jobs_the_pool_has_no_room_for_wait_instead_of_failing(
         h.want_work(worker)
     assert [(await jobs.info(ME, k)).state for k in keys] == ["done"] * 6
     assert (await jobs.stats()).failed == 0
+
+
+class UnreachableClaims(MemoryTaskQueue):
+    """A queue whose claims fail as a shared one's do while its server is away."""
+
+    unreachable = False
+
+    async def claim(self, rooms: Any) -> list[Any]:
+        if self.unreachable:
+            raise PoolError(ErrorCode.UNAVAILABLE, "the cluster's PostgreSQL is unreachable")
+        return await super().claim(rooms)
+
+
+async def test_a_stored_result_is_not_stored_again_when_the_next_claim_fails(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    config = JobsConfig()
+    queue = UnreachableClaims(config.max_queued)
+    mailbox = MemoryMailbox(h.clock, config.result_retention_s, config.max_mailbox_bytes)
+    jobs = JobService(h.pool, queue, mailbox, config, "node-a")
+    key = await jobs.submit(ME, embed("hello"), 100)
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    queue.unreachable = True  # the result is stored; the claim after it fails
+    h.reply_embeddings(worker, h.job_ids(worker)[0], 0.5)
+    await h.settle()
+    queue.unreachable = False
+    await jobs.tick()  # stores whatever waits to be stored: nothing should
+    assert jobs.duplicates == 0
+    assert isinstance((await jobs.retrieve(ME, key, 0, rid=1)).result, Embeddings)
