@@ -10,207 +10,29 @@ Prints one JSON object, each figure beside its target:
     python scripts/adversarial_pool.py --seconds 4 --trials 1
 
 A flood from another user (uid 101, as in tests/adversarial/) needs root; without it
-those cases are skipped, saying why. scripts/adversarial.py includes these figures.
+those cases are skipped, saying why. The fairness cases are in
+scripts/adversarial_fairness.py; scripts/adversarial.py includes these figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
-import importlib.util
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import psutil
+from adversarial_daemon import integration, model_status, serving
+from adversarial_fairness import fairness_figures
 
-ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT_TIMEOUT_S = 2.0
 SHUTDOWN_TIMEOUT_S = 2.0
-
-
-def integration() -> ModuleType:
-    """tests/integration/conftest.py (real daemons, another user), loaded by path as
-    tests/adversarial/adversarial_helpers.py does."""
-    name = "_modelpool_integration_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, ROOT / "tests" / "integration" / "conftest.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # its dataclass looks itself up there
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-@contextlib.contextmanager
-def serving(config: str) -> Iterator[Any]:
-    """A daemon serving config; stopped, and whatever it left killed, on exit."""
-    workdir = tempfile.mkdtemp(prefix="mpadv-")
-    daemon = integration().start_daemon(Path(workdir), config)
-    try:
-        yield daemon
-    finally:
-        children = daemon.descendants()
-        with contextlib.suppress(Exception):
-            daemon.stop()
-        for child in children:
-            with contextlib.suppress(Exception):
-                child.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def model_status(status: dict[str, Any], key: str) -> dict[str, Any]:
-    return next(m for m in status["models"] if m["key"] == key)
-
-
-# ---- fairness: a flood and a polite client at equal priority ---------------------------
-
-FAIR = """
-[daemon]
-socket_group = "postgres"
-[access]
-allow_users = ["postgres"]
-[pool]
-cold_start_workers = 1
-
-[[models]]
-key = "fair"
-capability = "text_embedding"
-loader = "mp_test_loaders:slow_embedder"
-options = {{ run_s = 0.01 }}
-max_workers = 1
-max_batch = 1
-max_queue = {max_queue}
-"""
-
-
-async def flood(socket_path: str, connections: int, in_flight: int) -> dict[str, Any]:
-    """Keeps in_flight requests waiting over `connections` connections until stdin
-    closes; returns when each was answered (time.monotonic, the same in every process)."""
-    from modelpool.protocol.async_client import AsyncClient
-    from modelpool.protocol.client import PoolError
-
-    clients = [await AsyncClient(socket_path).connect() for _ in range(connections)]
-    done: list[float] = []
-    errors: Counter[str] = Counter()
-    stop = asyncio.Event()
-
-    async def lane(lane_no: int) -> None:
-        client = clients[lane_no % connections]
-        for n in range(10**9):
-            if stop.is_set():
-                return
-            try:  # distinct texts: identical requests would be deduplicated
-                await client.embed(f"flood {lane_no} {n}", model="fair")
-                done.append(time.monotonic())
-            except PoolError as exc:
-                errors[exc.code.value] += 1
-                await asyncio.sleep(0.01)
-
-    lanes = [asyncio.ensure_future(lane(i)) for i in range(in_flight)]
-    print("flooding", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    stop.set()
-    for task in lanes:
-        task.cancel()
-    for client in clients:
-        await client.close()
-    return {"done": done, "errors": dict(errors)}
-
-
-async def polite(socket_path: str, in_flight: int, seconds: float) -> list[float]:
-    """Keeps in_flight requests going for `seconds`; when each was answered."""
-    from modelpool.protocol.async_client import AsyncClient
-
-    done: list[float] = []
-    async with AsyncClient(socket_path) as client:
-        deadline = time.monotonic() + seconds
-
-        async def lane(lane_no: int) -> None:
-            for n in range(10**9):
-                if time.monotonic() >= deadline:
-                    return
-                await client.embed(f"polite {lane_no} {n}", model="fair")
-                done.append(time.monotonic())
-
-        await asyncio.gather(*(lane(i) for i in range(in_flight)))
-    return done
-
-
-def wait_queued(daemon: Any, count: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    with daemon.client() as c:
-        while time.monotonic() < deadline:
-            if model_status(c.status(), "fair")["queued"] >= count:
-                return
-            time.sleep(0.05)
-    raise RuntimeError(f"the flood never had {count} requests waiting")
-
-
-def fairness_case(connections: int, other_user: bool, seconds: float,
-                  in_flight: int = 200, polite_in_flight: int = 2) -> dict[str, Any]:
-    helpers = integration()
-    with serving(FAIR.format(max_queue=max(1000, 3 * in_flight))) as daemon:
-        with daemon.client() as c:
-            c.embed("warm", model="fair")
-        argv = [sys.executable, str(Path(__file__).resolve()), "flood", daemon.socket_path,
-                str(connections), str(in_flight)]
-        env = helpers.other_user_env() if other_user else dict(os.environ)
-        flooder = subprocess.Popen(helpers.as_other_user(argv) if other_user else argv,
-                                   cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert flooder.stdout is not None and flooder.stdout.readline().strip()
-            wait_queued(daemon, in_flight * 3 // 4)
-            started = time.monotonic()
-            mine = asyncio.run(polite(daemon.socket_path, polite_in_flight, seconds))
-            ended = time.monotonic()
-            out, err = flooder.communicate("", timeout=60)
-        finally:
-            if flooder.poll() is None:
-                flooder.kill()
-        if flooder.returncode != 0:
-            raise RuntimeError(f"the flooder failed: {err}")
-        theirs = json.loads(out.splitlines()[-1])
-    window = (started + 0.5, ended)  # both clients active throughout
-    p = sum(window[0] <= t <= window[1] for t in mine)
-    f = sum(window[0] <= t <= window[1] for t in theirs["done"])
-    return {"flood_connections": connections, "flood_in_flight": in_flight,
-            "flood_uid": helpers.OTHER_UID if other_user else os.geteuid(),
-            "polite_uid": os.geteuid(), "polite_in_flight": polite_in_flight,
-            "window_s": round(window[1] - window[0], 2), "polite_done": p, "flood_done": f,
-            "polite_share": round(p / max(1, p + f), 3), "flood_errors": theirs["errors"]}
-
-
-def fairness_figures(seconds: float) -> dict[str, Any]:
-    cases: dict[str, Any] = {"target_polite_share": ">= 0.40 (another user's flood)"}
-    cases["one_connection_same_user"] = fairness_case(1, False, seconds)
-    if os.geteuid() != 0:
-        cases["other_user"] = "skipped: acting as another user needs root"
-        return cases
-    cases["one_connection_other_user"] = fairness_case(1, True, seconds)
-    cases["four_connections_other_user"] = fairness_case(4, True, seconds)
-    # By design not 40 %: a user's connections share its one turn (the polite client is
-    # a fifth connection of the same user here); shown so that the choice is visible.
-    cases["four_connections_same_user_expected_0.2"] = fairness_case(4, False, seconds)
-    # A backlog deep enough to wait out priority_aging_s (10 s) is lifted to `high`,
-    # ahead of the polite client's fresh `normal` requests: ageing, not the queue.
-    cases["four_connections_other_user_1000_in_flight"] = fairness_case(
-        4, True, max(seconds, 20.0), in_flight=1000)
-    return cases
 
 
 # ---- a SIGSTOPped busy worker ------------------------------------------------------------
@@ -391,12 +213,6 @@ def pool_figures(seconds: float, trials: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["flood"]:  # the flooding client, run as a process of its own
-        socket_path, connections, in_flight = argv[1], int(argv[2]), int(argv[3])
-        result = asyncio.run(flood(socket_path, connections, in_flight))
-        print(json.dumps(result))
-        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="each fairness window")
     parser.add_argument("--trials", type=int, default=3)
