@@ -149,20 +149,19 @@ class Client:
         if call.kind.streaming:
             self._send(call.request)
             return self._stream(call)
-        parts = split_call(call, self._ids)
-        if len(parts) == 1:
-            return call.parse(self._final(call.request))
-        return merged(call, self._all(parts))
+        replies = self._replies(call)
+        return call.parse(replies[0]) if len(replies) == 1 else merged(call, replies)
 
     def reply(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """The daemon's final reply message itself for an operation that does not
         stream (embed, embed_image, rerank; the arguments are that method's): e.g.
         Embeddings with .data, .shape and .tokens, the input tokens the model read."""
-        call = unstreamed_call(op, next(self._ids), args, kwargs)
+        return whole_reply(self._replies(unstreamed_call(op, next(self._ids), args, kwargs)))
+
+    def _replies(self, call: Any) -> list[Any]:
+        """The final replies of a call that does not stream: its own, or its parts'."""
         parts = split_call(call, self._ids)
-        if len(parts) == 1:
-            return whole_reply([self._final(call.request)])
-        return whole_reply(self._all(parts))
+        return [self._final(call.request)] if len(parts) == 1 else self._all(parts)
 
     def _all(self, parts: list[Any]) -> list[Any]:
         """Send every part, then take their final replies in order. Once one fails, the
