@@ -47,20 +47,20 @@ class ClipEmbedder:
         pixels = batch["pixel_values"].to(self.model.device, self.model.dtype)
         return _normalised(self.model.get_image_features(pixel_values=pixels))
 
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        batch = self.processor.tokenizer(list(texts), truncation=True,
-                                         max_length=self.text_context)
-        return [len(ids) for ids in batch["input_ids"]]
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self.embed_counted(texts)[0]
 
     @torch.inference_mode()
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
+    def embed_counted(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
+        """The vectors, and the tokens each text was read as (usage figures)."""
         if not self.text_tower:
             raise PoolError(ErrorCode.WRONG_CAPABILITY,
                             f"model {self.key!r} has no text tower: it embeds images only")
         # Longer texts are cut at the tower's context (77 tokens for CLIP), as CLIP does.
         batch = self.processor.tokenizer(list(texts), padding=self.text_padding, truncation=True,
                                          max_length=self.text_context, return_tensors="pt")
-        return _normalised(self.model.get_text_features(**batch.to(self.model.device)))
+        vectors = _normalised(self.model.get_text_features(**batch.to(self.model.device)))
+        return vectors, batch["attention_mask"].sum(dim=1).tolist()
 
 
 def _normalised(features: Any) -> np.ndarray:

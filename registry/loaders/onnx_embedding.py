@@ -65,23 +65,23 @@ class OnnxEmbedder:
             self.threads = threads
             self.session = self._session(threads)
 
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        if self.manifest.lowercase:
-            texts = [t.lower() for t in texts]
-        return [sum(e.attention_mask) for e in self.tokenizer.encode_batch(list(texts))]
-
     def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self.embed_counted(texts)[0]
+
+    def embed_counted(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
+        """The vectors, and the tokens each text was read as (usage figures)."""
         if self.manifest.lowercase:
             texts = [t.lower() for t in texts]
         encodings = self.tokenizer.encode_batch(list(texts))
         ids = np.array([e.ids for e in encodings], dtype=np.int64)
+        masks = np.array([e.attention_mask for e in encodings], dtype=np.int64)
         feeds = {"input_ids": ids}
         if "attention_mask" in self.manifest.inputs:
-            feeds["attention_mask"] = np.array([e.attention_mask for e in encodings],
-                                               dtype=np.int64)
+            feeds["attention_mask"] = masks
         if "token_type_ids" in self.manifest.inputs:
             feeds["token_type_ids"] = np.array([e.type_ids for e in encodings], dtype=np.int64)
-        return np.asarray(self.session.run(None, feeds)[0], dtype=np.float32)
+        vectors = np.asarray(self.session.run(None, feeds)[0], dtype=np.float32)
+        return vectors, masks.sum(axis=1).tolist()
 
     def verify(self) -> float:
         """The smallest cosine between this export's vectors and eager PyTorch's for the

@@ -46,14 +46,12 @@ class SentenceEmbedder:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        if self.lowercase:
-            texts = [t.lower() for t in texts]
-        batch = self.tokenizer(list(texts), truncation=True, max_length=self.max_seq_length)
-        return [len(ids) for ids in batch["input_ids"]]
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self.embed_counted(texts)[0]
 
     @torch.inference_mode()
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
+    def embed_counted(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
+        """The vectors, and the tokens each text was read as (usage figures)."""
         if self.lowercase:
             texts = [t.lower() for t in texts]
         batch = self.tokenizer(list(texts), padding=True, truncation=True,
@@ -63,7 +61,7 @@ class SentenceEmbedder:
         pooled = pool(hidden, batch["attention_mask"], self.pooling)
         if self.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.float().cpu().numpy()
+        return pooled.float().cpu().numpy(), batch["attention_mask"].sum(dim=1).tolist()
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

@@ -83,16 +83,10 @@ def test_rows_are_split_per_item() -> None:
 
 
 class CountingEmbedder(FakeEmbedder):
-    """Reads each text as one token per word (or fails to count, when told to)."""
+    """Reads each text as one token per word, and says so with its vectors."""
 
-    def __init__(self, broken: bool = False) -> None:
-        super().__init__()
-        self.broken = broken
-
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        if self.broken:
-            raise RuntimeError("no tokenizer")
-        return [len(t.split()) for t in texts]
+    def embed_counted(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
+        return self.embed(texts), [len(t.split()) for t in texts]
 
 
 def test_each_reply_counts_the_tokens_of_its_own_texts() -> None:
@@ -101,7 +95,7 @@ def test_each_reply_counts_the_tokens_of_its_own_texts() -> None:
     text_embedding.run(CountingEmbedder(), items, out, 32)
     assert [m.tokens for m in out.sent] == [3, 3]  # type: ignore[attr-defined]
     out = FakeOutbox()  # a model that cannot count: zeros, and the request still runs
-    text_embedding.run(CountingEmbedder(broken=True), items, out, 32)
+    text_embedding.run(FakeEmbedder(), items, out, 32)
     assert out.sent == [_expected(item) for item in items]
     assert [m.tokens for m in out.sent] == [0, 0]  # type: ignore[attr-defined]
 

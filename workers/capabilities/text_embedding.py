@@ -20,7 +20,8 @@ class TextEmbeddingModel(Protocol):
     def info(self) -> dict[str, Any]:
         """Facts for the supervisor's status, e.g. {"dim": 384}."""
 
-    # Optional: count_tokens(texts) -> the tokens each text is read as (usage figures).
+    # Optional: embed_counted(texts) -> (vectors, the tokens each text was read as), for
+    # usage figures from the same tokenization; without it the counts are 0.
 
 
 def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
@@ -28,7 +29,7 @@ def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch
     texts = [text for item in items for text in item.request.texts]  # type: ignore[union-attr]
     texts = text_limits.clip(texts, text_limits.char_limit(model))
     try:
-        vectors = _embed_in_slices(model, texts, out, max_batch)
+        vectors, counts = _embed_in_slices(model, texts, out, max_batch)
     except Exception as exc:
         if len(items) == 1:
             out.send(error_reply(items[0].job_id, exc))
@@ -37,7 +38,6 @@ def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch
         for item in items:
             run(model, [item], out, max_batch)
         return
-    counts = token_counts(model, texts)
     row = 0
     for item in items:
         count = len(item.request.texts)  # type: ignore[union-attr]
@@ -47,24 +47,22 @@ def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch
         row += count
 
 
-def token_counts(model: Any, texts: list[str]) -> list[int]:
-    """The tokens each text is read as, for usage figures; zeros when the model cannot
-    say (counting never fails a request)."""
-    count = getattr(model, "count_tokens", None)
-    if callable(count):
-        try:
-            counts = [int(n) for n in count(texts)]
-        except Exception:
-            counts = []
-        if len(counts) == len(texts):
-            return counts
-    return [0] * len(texts)
-
-
 def _embed_in_slices(
     model: TextEmbeddingModel, texts: list[str], out: Outbox, max_batch: int
-) -> np.ndarray:
-    return in_slices(model.embed, texts, out, max_batch, "texts")
+) -> tuple[np.ndarray, list[int]]:
+    """The vectors, and the tokens each text was read as (zeros when the model cannot
+    say)."""
+    embed_counted = getattr(model, "embed_counted", None)
+    if not callable(embed_counted):
+        return in_slices(model.embed, texts, out, max_batch, "texts"), [0] * len(texts)
+    counts: list[int] = []
+
+    def embed(part: Sequence[str]) -> np.ndarray:
+        vectors, tokens = embed_counted(part)
+        counts.extend(int(n) for n in tokens)
+        return vectors
+    vectors = in_slices(embed, texts, out, max_batch, "texts")
+    return vectors, counts if len(counts) == len(texts) else [0] * len(texts)
 
 
 def in_slices(embed: Callable[[Sequence[Any]], np.ndarray], inputs: Sequence[Any],
