@@ -22,16 +22,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
+
 from modelpool.protocol.jobs import ENDED
 from modelpool.protocol.messages import PRIORITIES
+from modelpool.supervisor import pgbatches
+from modelpool.supervisor.groupcommit import GroupCommit
 from modelpool.supervisor.mailbox import JobRecord, MailboxFull
 from modelpool.supervisor.pgstore import PgStore
 from modelpool.supervisor.queueing import PRIORITY_RANK
 from modelpool.supervisor.tasks import QueueFull
 
-T = "modelpool.jobs"
-COLUMNS = ("key, uid, op, model, priority, request, single, submitted_at, state, started_at, "
-           "finished_at, node, result, error_code, error_message, attempt")
+T = pgbatches.T
+COLUMNS = pgbatches.COLUMNS
 USAGE_TTL_S = 1.0  # the mailbox's size is counted at most this often
 
 
@@ -47,8 +50,21 @@ class PgJobs:
         self.ready = asyncio.Event()
         self.on_cancel: Callable[[str], None] | None = None
         self._held: dict[str, int] = {}  # jobs this daemon holds: key -> attempt
-        self._waiters: dict[str, list[asyncio.Future[None]]] = collections.defaultdict(list)
+        # Retrieves waiting here: woken with the record when this node stored it, with
+        # None by a notification (then they read it).
+        self._waiters: dict[str, list[asyncio.Future[JobRecord | None]]] = \
+            collections.defaultdict(list)
+        # Group commits of the statements every job runs through (pgbatches).
+        self._insert = GroupCommit(self._insert_many)
+        self._finish = GroupCommit(self._finish_many)
+        self._read = GroupCommit(self._read_many)
         self._usage = (0, 0, -USAGE_TTL_S)  # (records, bytes, when counted)
+        # Claims skip a model whose queue a claim found empty, until a hint that jobs may
+        # wait again (a notification of new jobs, a reconnection, a sweep at each tick):
+        # every ending asks for a claim, and most would find nothing.
+        self._hints = 0
+        self._storing: dict[str, bool] = {}  # results being stored -> ended meanwhile?
+        self._drained: dict[str, int] = {}  # model -> _hints when found empty
 
     def connect(self, dsn: str) -> PgStore:
         self.store = PgStore(dsn, self.notified, self.reconnected)
@@ -62,21 +78,26 @@ class PgJobs:
 
     def notified(self, channel: str, key: str) -> None:
         if channel == "modelpool_jobs":
+            self._hints += 1
             self.ready.set()
         elif channel == "modelpool_done":
-            self._wake(key)
+            if key in self._storing:
+                self._storing[key] = True
+            else:
+                self._wake(key)
         elif channel == "modelpool_cancel" and key in self._held and self.on_cancel:
             self.on_cancel(key)
 
     def reconnected(self) -> None:
+        self._hints += 1
         self.ready.set()  # jobs may have come while we were not listening
         for key in list(self._waiters):
             self._wake(key)
 
-    def _wake(self, key: str) -> None:
+    def _wake(self, key: str, record: JobRecord | None = None) -> None:
         for waiter in self._waiters.pop(key, []):
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(record)
 
     # ---- the mailbox ----------------------------------------------------------------------
 
@@ -84,44 +105,23 @@ class PgJobs:
         """Claimed at once (claim, and nothing of its model waits at its priority or
         above: priorities hold across nodes), it wakes no other node; queued, it wakes
         them all."""
-        _, nbytes, _ = await self._counted()
-        if nbytes >= self.max_bytes:
-            raise MailboxFull(f"the cluster's mailbox holds {nbytes >> 20} MiB "
-                              f"(max_mailbox_bytes {self.max_bytes >> 20} MiB)")
-        rows = await self._fetch(f"""
-            WITH leader AS (
-                SELECT key FROM {T} WHERE %(dedup)s::bytea IS NOT NULL AND dedup = %(dedup)s
-                    AND state IN ('queued', 'running') AND leader IS NULL LIMIT 1),
-            waiting AS (SELECT count(*) AS n FROM {T} WHERE state = 'queued'),
-            fate AS (SELECT CASE
-                WHEN EXISTS (SELECT 1 FROM leader) THEN 'joined'
-                WHEN %(claim)s AND NOT EXISTS (
-                    SELECT 1 FROM {T} WHERE state = 'queued' AND model = %(model)s
-                        AND priority <= %(priority)s) THEN 'running'
-                ELSE 'queued' END AS state),
-            added AS (
-                INSERT INTO {T} (key, uid, op, model, priority, request, single, dedup,
-                                 leader, submitted_at, state, node, attempt, lease_until,
-                                 started_at)
-                SELECT %(key)s, %(uid)s, %(op)s, %(model)s, %(priority)s, %(request)s,
-                       %(single)s, %(dedup)s, (SELECT key FROM leader), %(submitted_at)s,
-                       fate.state, CASE WHEN fate.state = 'running' THEN %(node)s ELSE '' END,
-                       CASE WHEN fate.state = 'running' THEN 1 ELSE 0 END,
-                       CASE WHEN fate.state = 'running'
-                            THEN now() + make_interval(secs => %(lease)s) END,
-                       CASE WHEN fate.state = 'running' THEN %(submitted_at)s END
-                FROM fate WHERE (SELECT n FROM waiting) < %(max_queued)s
-                RETURNING state, model)
-            SELECT state, CASE WHEN state <> 'running'
-                               THEN pg_notify('modelpool_jobs', model)::text END FROM added""",
-            {**_params(record), "max_queued": self.max_queued, "claim": claim,
-             "node": self.node, "lease": self.lease_s})
-        if not rows:
-            raise QueueFull(f"{self.max_queued} jobs wait in the cluster ([jobs] max_queued)")
-        record.state = rows[0]["state"]
+        record.state = await self._insert((record, claim))  # QueueFull, MailboxFull
         if record.state == "running":
             record.attempt = 1
             self._held[record.key] = 1
+
+    async def _insert_many(self, records: list[tuple[JobRecord, bool]]) -> list[str | Exception]:
+        _, nbytes, _ = await self._counted()
+        if nbytes >= self.max_bytes:
+            full = MailboxFull(f"the cluster's mailbox holds {nbytes >> 20} MiB "
+                               f"(max_mailbox_bytes {self.max_bytes >> 20} MiB)")
+            return [full] * len(records)
+        rows = await self._fetch(pgbatches.INSERT, {
+            **pgbatches.insert_params(records), "max_queued": self.max_queued,
+            "node": self.node, "lease": self.lease_s})
+        states = {row["key"]: row["state"] for row in rows}
+        full = QueueFull(f"{self.max_queued} jobs wait in the cluster ([jobs] max_queued)")
+        return [states.get(record.key, full) for record, _ in records]
 
     async def start(self, key: str, node: str, at: float) -> None:
         return None  # the claim marked it running
@@ -130,35 +130,31 @@ class PgJobs:
         attempt = self._held.get(key)
         if attempt is None:
             return False  # not ours (any more)
-        rows = await self._fetch(f"""
-            WITH done AS (
-                UPDATE {T} SET state = %(state)s, result = %(result)s,
-                    error_code = %(code)s, error_message = %(message)s,
-                    finished_at = %(at)s, lease_until = NULL,
-                    expires_at = now() + make_interval(secs => %(keep)s)
-                WHERE key = %(key)s AND state = 'running' AND node = %(node)s
-                    AND attempt = %(attempt)s
-                RETURNING key),
-            joiners AS (
-                UPDATE {T} SET state = CASE WHEN %(state)s = 'cancelled' THEN 'queued'
-                                            ELSE %(state)s END,
-                    leader = CASE WHEN %(state)s = 'cancelled' THEN NULL ELSE leader END,
-                    result = %(result)s, error_code = %(code)s, error_message = %(message)s,
-                    finished_at = CASE WHEN %(state)s = 'cancelled' THEN NULL
-                                       ELSE %(at)s END,
-                    expires_at = CASE WHEN %(state)s = 'cancelled' THEN NULL
-                                      ELSE now() + make_interval(secs => %(keep)s) END
-                WHERE leader = %(key)s AND state = 'joined' AND EXISTS (SELECT 1 FROM done)
-                RETURNING key, state)
-            SELECT pg_notify(CASE WHEN state = 'queued' THEN 'modelpool_jobs'
-                                  ELSE 'modelpool_done' END, key), key
-                FROM (SELECT key, 'ended' AS state FROM done
-                      UNION ALL SELECT key, state FROM joiners) AS ended""",
-            {"state": outcome.state, "result": outcome.result, "code": outcome.error_code,
-             "message": outcome.error_message, "at": outcome.finished_at, "key": key,
-             "node": self.node, "attempt": attempt, "keep": self.retention_s})
+        # Its own notification may come back before the statement's answer: the wake-up
+        # it would give waits for that answer, which says whether it was ours.
+        self._storing[key] = False
+        stored = False
+        try:
+            stored = await self._finish((outcome, attempt))
+        finally:
+            noted = self._storing.pop(key)
+            if stored:
+                self._wake(key, outcome)  # a retrieve here needs not read it back
+            elif noted:
+                self._wake(key)
         self._held.pop(key, None)  # kept until then: a failed query is tried again
-        return any(row["key"] == key for row in rows)
+        return stored
+
+    async def _finish_many(self, outcomes: list[tuple[JobRecord, int]]) -> list[bool]:
+        rows = await self._fetch(pgbatches.FINISH, {
+            **pgbatches.finish_params(outcomes), "node": self.node, "keep": self.retention_s})
+        stored = {row["key"] for row in rows if row["leads"]}
+        seen: set[str] = set()  # the same job twice in one batch: the first one counts
+        out = []
+        for outcome, _ in outcomes:
+            out.append(outcome.key in stored and outcome.key not in seen)
+            seen.add(outcome.key)
+        return out
 
     async def wait(self, key: str, timeout_s: float, uid: int) -> JobRecord | None:
         """Looks again at every wake-up until the job has ended or the time is up: a
@@ -175,7 +171,12 @@ class PgJobs:
                 if record.state in ENDED or left <= 0:
                     return record
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter, left)
+                    ended = await asyncio.wait_for(waiter, left)
+                    if ended is not None:  # stored by this node: what it stored
+                        return msgspec.structs.replace(
+                            record, state=ended.state, finished_at=ended.finished_at,
+                            result=ended.result, error_code=ended.error_code,
+                            error_message=ended.error_message)
             finally:
                 waiting = self._waiters.get(key)
                 if waiting and waiter in waiting:
@@ -184,8 +185,12 @@ class PgJobs:
                         del self._waiters[key]
 
     async def get(self, key: str) -> JobRecord | None:
-        rows = await self._fetch(f"SELECT {COLUMNS} FROM {T} WHERE key = %s", (key,))
-        return _record(rows[0]) if rows else None
+        return await self._read(key)
+
+    async def _read_many(self, keys: list[str]) -> list[JobRecord | None]:
+        rows = await self._fetch(pgbatches.READ, (keys,))
+        records = {row["key"]: _record(row) for row in rows}
+        return [records.get(key) for key in keys]
 
     async def remove(self, key: str) -> bool:
         return bool(await self._fetch(f"DELETE FROM {T} WHERE key = %s RETURNING key", (key,)))
@@ -222,6 +227,8 @@ class PgJobs:
         return {row["model"]: row["n"] for row in rows}
 
     async def claim(self, rooms: Mapping[str, int]) -> list[JobRecord]:
+        hints = self._hints
+        rooms = {model: n for model, n in rooms.items() if self._drained.get(model) != hints}
         if not rooms:
             return []
         rows = await self._fetch(f"""
@@ -240,8 +247,12 @@ class PgJobs:
              "limits": list(rooms.values()), "now": time.time()})
         records = sorted((_record(row) for row in rows),
                          key=lambda r: (PRIORITY_RANK[r.priority], r.submitted_at))
+        claimed = collections.Counter(record.model for record in records)
         for record in records:
             self._held[record.key] = record.attempt
+        for model in rooms:
+            if not claimed[model]:  # (not fewer than asked: others may hold some a moment)
+                self._drained[model] = hints
         return records
 
     async def complete(self, key: str) -> bool:
@@ -278,6 +289,7 @@ class PgJobs:
         return bool(rows)
 
     async def sweep(self) -> int:
+        self._hints += 1  # once a tick, every model's queue is looked at again
         rows = await self._fetch(f"""
             UPDATE {T} SET state = 'queued', node = '', lease_until = NULL
             WHERE state = 'running' AND lease_until < now()
@@ -287,13 +299,6 @@ class PgJobs:
     async def length(self) -> int:
         rows = await self._fetch(f"SELECT count(*) AS n FROM {T} WHERE state = 'queued'")
         return int(rows[0]["n"])
-
-
-def _params(record: JobRecord) -> dict[str, Any]:
-    return {"key": record.key, "uid": record.uid, "op": record.op, "model": record.model,
-            "priority": PRIORITY_RANK[record.priority],  # type: ignore[index]
-            "request": record.request, "single": record.single, "dedup": record.dedup,
-            "submitted_at": record.submitted_at}
 
 
 def _record(row: dict[str, Any]) -> JobRecord:
