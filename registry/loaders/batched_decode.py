@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +31,17 @@ from transformers.cache_utils import DynamicLayer
 from modelpool.protocol.messages import Sampling
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
-# Padded prompt tokens per prefill pass (short prompts share one, a long one is cut into
-# chunks of this many). On the CPU a pass is compute-bound: 128 tokens of a 100M-parameter
-# Llama take about four decode steps of 16 sequences here. A GPU takes far more at once.
+# Padded prompt tokens per prefill pass at least (short prompts share one, a long one is
+# cut into chunks of this many). On the CPU a pass is compute-bound: 128 tokens of a
+# 100M-parameter Llama take about four decode steps of 16 sequences here. A GPU takes far
+# more at once.
 PREFILL_TOKENS_CPU = 128
 PREFILL_TOKENS_GPU = 1024
+# More, when the model is fast enough: a pass may stall the running sequences as long as
+# this many of their decode steps (as measured), and take this many times the least when
+# none runs, so that prompts arriving together start together.
+STALL_STEPS = 4
+IDLE_FACTOR = 8
 DEFAULT_MAX_SEQUENCES = 16  # the default cap; fewer when their KV caches would not fit
 KV_MEMORY_FRACTION = 0.25  # of the memory available at load, for full-context KV caches
 
@@ -155,8 +162,11 @@ class ContinuousDecoder:
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                           else next(iter(eos_ids), 0))
         self.default_max_sequences = default_max_sequences(model)
-        self.prefill_tokens = (PREFILL_TOKENS_CPU if model.device.type == "cpu"
-                               else PREFILL_TOKENS_GPU)
+        self.least_prefill = (PREFILL_TOKENS_CPU if model.device.type == "cpu"
+                              else PREFILL_TOKENS_GPU)
+        self.prefill_tokens = self.least_prefill  # this pass's budget (prefill_budget)
+        self.token_s = 0.0  # a padded prompt token's prefill time, as measured
+        self.step_s = 0.0  # a decode step's time, as measured
         self.waiting: list[_Seq] = []  # not yet (fully) prefilled, in arrival order
         self.rows = _Rows()
         self.prefilled_last = False
@@ -187,16 +197,36 @@ class ContinuousDecoder:
     def step(self) -> list[Emitted]:
         """One forward pass: a prefill when sequences wait (alternating with decode steps
         while others run, so neither starves), else one token for every running one."""
+        started = time.perf_counter()
         if self.waiting and not (self.prefilled_last and self.rows.seqs):
             self.prefilled_last = True
-            return self._prefill()
+            self.prefill_tokens = self.prefill_budget()
+            group = self._next_group()
+            tokens = len(group) * min(max(s.left for s in group) or 1, self.prefill_tokens)
+            events = self._prefill(group)
+            self.token_s = _average(self.token_s, (time.perf_counter() - started) / tokens)
+            return events
         self.prefilled_last = False
-        return self._decode() if self.rows.seqs else []
+        if not self.rows.seqs:
+            return []
+        events = self._decode()
+        self.step_s = _average(self.step_s, time.perf_counter() - started)
+        return events
+
+    def prefill_budget(self) -> int:
+        """Padded prompt tokens for the next prefill pass: what stalls the running
+        sequences STALL_STEPS decode steps, or IDLE_FACTOR times the least when none runs
+        (the least until both are measured)."""
+        if not self.token_s or not self.step_s:
+            return self.least_prefill
+        if not self.rows.seqs:
+            return IDLE_FACTOR * self.least_prefill
+        fits = int(STALL_STEPS * self.step_s / self.token_s)
+        return max(self.least_prefill, min(fits, IDLE_FACTOR * self.least_prefill))
 
     # ---- prefill ---------------------------------------------------------------------
 
-    def _prefill(self) -> list[Emitted]:
-        group = self._next_group()
+    def _prefill(self, group: list[_Seq]) -> list[Emitted]:
         try:
             if len(group) == 1 and (group[0].left > self.prefill_tokens or group[0].fed):
                 return self._prefill_chunk(group[0])
@@ -309,6 +339,11 @@ class ContinuousDecoder:
             stats.finish_reason = "length"
             return Emitted(seq.seq_id, text + seq.detok.flush(), stats)
         return Emitted(seq.seq_id, text)
+
+
+def _average(mean: float, sample: float) -> float:
+    """A moving average that follows the last ten or so samples."""
+    return sample if not mean else 0.8 * mean + 0.2 * sample
 
 
 def unsupported(model: Any) -> str | None:

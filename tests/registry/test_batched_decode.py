@@ -113,6 +113,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(
     short = [_request(i, max_tokens=60, ignore_eos=True) for i in range(3)]
     decoder = llm.decoder()
     assert decoder is not None
+    decoder.prefill_budget = lambda: decoder.least_prefill  # type: ignore[method-assign]
     prepared = llm.prepare(long)
     assert prepared.prompt_tokens > 2 * decoder.prefill_tokens
     arrivals = {0: [(i, llm.prepare(r)) for i, r in enumerate(short)], 3: [(9, prepared)]}
@@ -168,3 +169,20 @@ def test_models_that_cannot_batch_say_why() -> None:
     assert batched_decode.unsupported(llama) is None
     assert "sliding window" in (batched_decode.unsupported(windowed) or "")
     assert 1 <= batched_decode.default_max_sequences(llama) <= batched_decode.DEFAULT_MAX_SEQUENCES
+
+
+def test_a_fast_model_prefills_more_at_once_and_most_when_nothing_runs(llm: CausalLM) -> None:
+    decoder = llm.decoder()
+    assert decoder is not None
+    least = decoder.least_prefill
+    assert decoder.prefill_budget() == least  # nothing measured yet
+    first = [_request(i, max_tokens=30, ignore_eos=True) for i in range(2)]
+    _run(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(first)]})
+    assert decoder.token_s > 0 and decoder.step_s > 0
+    assert decoder.prefill_budget() == batched_decode.IDLE_FACTOR * least  # none runs
+    decoder.add(7, llm.prepare(_request(7, max_tokens=30, ignore_eos=True)))
+    decoder.step()  # it runs now
+    decoder.token_s, decoder.step_s = 0.001, 0.1  # a decode step costs 100 prompt tokens
+    assert decoder.prefill_budget() == max(least, batched_decode.STALL_STEPS * 100)
+    decoder.token_s = 1.0  # a slow model: never less than the least
+    assert decoder.prefill_budget() == least
