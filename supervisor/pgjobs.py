@@ -137,7 +137,7 @@ class PgJobs:
         try:
             stored = await self._finish((outcome, attempt))
         finally:
-            noted = self._storing.pop(key)
+            noted = self._storing.pop(key, False)
             if stored:
                 self._wake(key, outcome)  # a retrieve here needs not read it back
             elif noted:
