@@ -189,14 +189,22 @@ async def keep_in_touch(cluster: ClusterNode, jobs: JobService) -> None:
     loop = asyncio.get_running_loop()
     next_beat = loop.time()
     while True:
-        if loop.time() >= next_beat:
-            # A steady rate however long a beat takes, without a burst after an outage.
-            next_beat = max(next_beat + BEAT_S, loop.time() + RESCUE_S)
+        beat, next_beat, wake_at = next_round(loop.time(), next_beat)
+        if beat:
             await cluster.beat()
-            tick = jobs.tick
-        else:
-            tick = jobs.rescue
         if cluster.reachable:
             with contextlib.suppress(PoolError):  # the beat logs it once
-                await tick()
-        await asyncio.sleep(max(0.0, min(next_beat, loop.time() + RESCUE_S) - loop.time()))
+                # Between beats only the sweep: what it puts back is announced to every
+                # node, this one's claimer too.
+                await (jobs.tick() if beat else jobs.queue.sweep())
+        await asyncio.sleep(max(0.0, wake_at - loop.time()))
+
+
+def next_round(now: float, next_beat: float) -> tuple[bool, float, float]:
+    """(beat in this round?, when the next beat is due, when the next round starts): a
+    beat every BEAT_S at a steady rate however long one takes (and no burst of them after
+    an outage), and a sweep of lapsed leases every RESCUE_S between them."""
+    beat = now >= next_beat
+    if beat:
+        next_beat = max(next_beat + BEAT_S, now + RESCUE_S)
+    return beat, next_beat, min(next_beat, now + RESCUE_S)

@@ -325,12 +325,6 @@ class JobService:
         await self.queue.sweep()
         await self.pump()
 
-    async def rescue(self) -> None:
-        """Between ticks: jobs whose claims lapsed (their node is gone) to the queue, and
-        claimed again."""
-        if await self.queue.sweep():
-            await self.pump()
-
     async def run(self) -> None:
         """Claim jobs as they come (the queue's `ready`, set by new jobs)."""
         while True:

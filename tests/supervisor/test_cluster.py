@@ -7,7 +7,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from modelpool.protocol.messages import ModelLoad
-from modelpool.supervisor.cluster import Peer, may_load_here, serves_with_room
+from modelpool.supervisor.cluster import (
+    BEAT_S,
+    RESCUE_S,
+    Peer,
+    may_load_here,
+    next_round,
+    serves_with_room,
+)
 
 if TYPE_CHECKING:
     from conftest import Harness
@@ -44,3 +51,21 @@ def test_no_load_without_a_slot_or_memory(make_harness: MakeHarness) -> None:
     assert not may_load_here(model, [], loading=2, max_loads=2, used_mb=0, budget_mb=1000)
     assert not may_load_here(model, [], loading=0, max_loads=2, used_mb=990, budget_mb=1000)
     assert may_load_here(model, [], loading=1, max_loads=2, used_mb=980, budget_mb=1000)
+
+
+def test_lapsed_leases_are_swept_between_beats_which_keep_a_steady_rate() -> None:
+    now, next_beat, rounds = 100.0, 100.0, []
+    while now < 103.0:
+        beat, next_beat, wake_at = next_round(now, next_beat)
+        rounds.append((round(now, 2), beat))
+        now = wake_at + (0.3 if beat else 0.0)  # each beat took 0.3 s: no drift
+    assert rounds == [(100.0, True), (100.8, False), (101.0, True), (101.8, False),
+                      (102.0, True), (102.8, False)]
+    assert RESCUE_S < BEAT_S
+
+
+def test_after_an_outage_beats_resume_without_a_burst() -> None:
+    beat, next_beat, wake_at = next_round(now=110.0, next_beat=101.0)  # 9 s late
+    assert beat and next_beat == 110.0 + RESCUE_S and wake_at == next_beat
+    beat, next_beat, _ = next_round(now=wake_at, next_beat=next_beat)
+    assert beat  # the next one half a second later, not nine at once
