@@ -334,3 +334,10 @@ async def test_a_claim_that_found_nothing_is_not_repeated_until_jobs_may_wait_ag
         before = len(sent)
         await a.sweep()  # each tick looks again, notification or not
         assert await a.claim({"m": 4}) == [] and len(sent) == before + 2
+
+
+async def test_the_statements_run_as_generic_plans(database: Database) -> None:
+    async with node(database, "a") as a:
+        assert a.store is not None
+        rows = await a.store.fetch("SHOW plan_cache_mode")
+    assert rows == [{"plan_cache_mode": "force_generic_plan"}]  # planned once, not per call
