@@ -189,10 +189,11 @@ def noop_latency(server: pg.PgServer, rounds: int) -> dict[str, Any]:
 
 def noop_rate(server: pg.PgServer, jobs: int, lanes: int, host: str | None) -> dict[str, Any]:
     """Two nodes, `lanes` clients each submitting and retrieving no-op jobs, half of them
-    on each node: completed jobs per second (after a warm-up of a tenth as many)."""
-    nodes, _ = start_nodes(server, 2, NOOP.format(run_s=0, max_queue=10_000), host=host)
+    on each node: completed jobs per second (after a warm-up of a tenth as many), with
+    PostgreSQL's committed statements and each kind of process's CPU time per job."""
+    nodes, db = start_nodes(server, 2, NOOP.format(run_s=0, max_queue=10_000), host=host)
 
-    async def run() -> float:
+    async def run() -> tuple[float, float, dict[str, float]]:
         clients = [AsyncClient(node.socket) for node in nodes]
         for c in clients:
             await c.connect()
@@ -204,19 +205,49 @@ def noop_rate(server: pg.PgServer, jobs: int, lanes: int, host: str | None) -> d
         try:
             await asyncio.gather(*(lane(clients[i % 2]) for i in range(lanes)))  # warm
             counter = iter(range(jobs))
+            commits, cpu = _commits(server, db), _cpu_by_kind(nodes)
             t0 = time.perf_counter()
             await asyncio.gather(*(lane(clients[i % 2]) for i in range(lanes)))
-            return jobs / (time.perf_counter() - t0)
+            wall = time.perf_counter() - t0
+            cpu = {k: v - cpu.get(k, 0.0) for k, v in _cpu_by_kind(nodes).items()}
+            await asyncio.sleep(1.1)  # PostgreSQL publishes its counters once a second
+            return wall, _commits(server, db) - commits, cpu
         finally:
             for c in clients:
                 await c.close()
     try:
-        rate = asyncio.run(run())
+        wall, commits, cpu = asyncio.run(run())
     finally:
         stop_nodes(nodes)
+    rate = jobs / wall
     return {"postgres_via": host or "unix socket", "jobs": jobs, "lanes": lanes, "nodes": 2,
-            "jobs_per_s": round(rate, 1), "target": ">= 1,000 no-op jobs/s with 2 nodes",
-            "met": rate >= 1000}
+            "jobs_per_s": round(rate, 1), "statements_per_job": round(commits / jobs, 2),
+            "cpu_ms_per_job": {k: round(v * 1000 / jobs, 3) for k, v in cpu.items()},
+            "target": ">= 1,000 no-op jobs/s with 2 nodes", "met": rate >= 1000}
+
+
+def _commits(server: pg.PgServer, db: str) -> int:
+    """Transactions committed in the database: one per statement on autocommit."""
+    with server.connect(dbname="postgres", user=pg.SUPERUSER) as conn:
+        row = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = %s",
+                           (db,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _cpu_by_kind(nodes: list[Daemon]) -> dict[str, float]:
+    """CPU seconds so far of the supervisors, their workers, PostgreSQL and this client."""
+    out = {"supervisors": 0.0, "workers": 0.0, "postgres": 0.0, "client": 0.0}
+    daemons = [psutil.Process(node.process.pid) for node in nodes]
+    for kind, procs in (("supervisors", daemons),
+                        ("workers", [c for d in daemons for c in d.children(recursive=True)]),
+                        ("postgres", [p for p in psutil.process_iter(["username"])
+                                      if p.info["username"] == pg.PG_USER]),
+                        ("client", [psutil.Process()])):
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                out[kind] += sum(proc.cpu_times()[:2])
+    return out
 
 
 def reclaim_after_kill(server: pg.PgServer, lease_s: float) -> dict[str, Any]:
