@@ -51,7 +51,8 @@ INSERT = f"""
     woken AS (
         SELECT pg_notify('modelpool_jobs', model)
         FROM (SELECT DISTINCT model FROM added WHERE state <> 'running') AS waiting)
-    SELECT key, state, (SELECT count(*) FROM woken) AS woken FROM added"""
+    SELECT key, state, (SELECT count(*) FROM woken) AS woken  -- named, so that it runs
+    FROM added"""
 
 # Only the node holding a job's current claim (node, attempt) stores its result: the
 # first completion wins. The jobs that joined it get the same ending; those of a
