@@ -55,6 +55,14 @@ KEY_BYTES = 16  # 128 random bits: keys cannot be guessed
 # a worker first.
 JOB_BACKLOG = 8
 UNBATCHED_BACKLOG = 1
+
+
+def new_key() -> str:
+    """A job key: hex, so that no key starts with '-' and reads as an option to a shell
+    command (`modelpool result KEY`), and none needs quoting or URL escaping."""
+    return secrets.token_hex(KEY_BYTES)
+
+
 _request_decoder = msgspec.msgpack.Decoder(WorkRequest)
 _result_decoder = msgspec.msgpack.Decoder(Embeddings | Scores | Completion | Image)
 
@@ -94,7 +102,7 @@ class JobService:
         kind = KIND_OF[type(request)]
         spec = admission.resolve(self.pool.registry, kind, request)
         model = spec.key if spec else request.model
-        record = JobRecord(key=secrets.token_urlsafe(KEY_BYTES), uid=uid, op=kind.op,
+        record = JobRecord(key=new_key(), uid=uid, op=kind.op,
                            model=model, priority=request.priority,
                            request=encoder.encode(request), single=msg.single,
                            dedup=dedup_key(kind, with_defaults(request, self.pool.config

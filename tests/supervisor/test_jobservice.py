@@ -14,7 +14,7 @@ from modelpool.protocol.jobs import Completion, Submit
 from modelpool.protocol.messages import Embed, Embeddings, Generate, Sampling
 from modelpool.protocol.pipes import Abort, WantWork
 from modelpool.supervisor.config import JobsConfig
-from modelpool.supervisor.jobservice import JobService
+from modelpool.supervisor.jobservice import JobService, new_key
 from modelpool.supervisor.mailbox import MemoryMailbox
 from modelpool.supervisor.tasks import MemoryTaskQueue
 
@@ -56,6 +56,14 @@ async def test_submit_returns_a_key_and_retrieve_the_result(make_harness: MakeHa
     assert again.result == result.result
     info = await jobs.info(ME, key)
     assert info.state == "done" and info.finished_at is not None and info.node == "node-a"
+
+
+def test_keys_never_read_as_a_command_line_option() -> None:
+    # One in 64 URL-safe base64 keys began with '-', which `modelpool result KEY` took
+    # for an option; 2,000 keys of that kind would all but surely have shown one.
+    keys = {new_key() for _ in range(2000)}
+    assert len(keys) == 2000
+    assert all(key[0].isalnum() and key.isalnum() and len(key) == 32 for key in keys)
 
 
 async def test_retrieve_times_out_and_the_job_goes_on(make_harness: MakeHarness) -> None:
