@@ -1,9 +1,10 @@
 """Where exported ONNX models live on disk, and what decided them. Free of torch.
 
 An entry is a directory named by a hash of everything its export depends on: the model's
-files (path, size, modification time), the options that change its vectors, and the
-versions of torch, transformers, tokenizers, onnx and onnxruntime. A changed file or an
-upgrade makes a new key, so an entry is never stale; it is written whole into a
+files (path, size, modification time), the options that change its vectors, the
+versions of torch, transformers, tokenizers, onnx and onnxruntime, and the CPU's
+instruction sets (the entry holds weights prepacked for them). A changed file, an upgrade
+or another kind of CPU makes a new key, so an entry is never stale; it is written whole into a
 temporary directory and renamed into place, so a reader never sees half of one.
 """
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import os
+import platform
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -24,7 +27,7 @@ import msgspec
 
 from modelpool.registry.spec import ModelSpec
 
-FORMAT = "1"  # bump when the export or the manifest changes
+FORMAT = "2"  # bump when the export or the manifest changes
 VERSIONED = ("torch", "transformers", "tokenizers", "onnx", "onnxruntime")
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
@@ -62,11 +65,24 @@ def entry_key(spec: ModelSpec, model_dir: Path) -> str:
     options = {k: spec.options.get(k) for k in ("pooling", "normalize", "max_seq_length",
                                                  "dtype")}
     digest.update(msgspec.json.encode(options) + b"\n")
+    digest.update(f"cpu {cpu_fingerprint()}\n".encode())
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
         stat = path.stat()
         digest.update(f"{path.relative_to(model_dir)} {stat.st_size} "
                       f"{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:32]
+
+
+@functools.cache
+def cpu_fingerprint() -> str:
+    """The machine and its instruction-set flags: ONNX Runtime's prepacked layouts are
+    made for the kernels this CPU runs, so a cache copied to another kind of CPU (a
+    shared home, an image built elsewhere) must not be read there."""
+    flags = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        flags = next((line.split(":", 1)[1].strip() for line in info
+                      if line.startswith(("flags", "Features"))), "")
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:16]
 
 
 def entry_dir(spec: ModelSpec, model_dir: Path) -> Path:

@@ -102,16 +102,14 @@ class OnnxEmbedder:
 
     def _session(self, threads: int) -> Any:
         if threads not in self.sessions:
-            self.sessions[threads] = new_session(self.entry / onnx_cache.MODEL_FILE, threads,
-                                                 prepack=threads >= self.cpus)
+            self.sessions[threads] = new_session(self.entry / onnx_cache.MODEL_FILE, threads)
         return self.sessions[threads]
 
 
-def new_session(model_file: Path, threads: int, prepack: bool) -> Any:
-    """A session on `threads` intra-op threads. Its weights are mapped from the cache
-    (shared by every session and worker); prepacking copies them into a private layout
-    (~45 MiB for MiniLM) that speeds up small batches by about a third and large ones
-    not at all, so only the session for a request alone on every core prepacks."""
+def new_session(model_file: Path, threads: int) -> Any:
+    """A session on `threads` intra-op threads. Its weights, and their layouts prepacked
+    for this CPU at export, are mapped from the cache: every session of every worker
+    shares one copy from the page cache."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -122,8 +120,6 @@ def new_session(model_file: Path, threads: int, prepack: bool) -> Any:
     # No arena: activations go back to malloc, and an idle worker trims them (main.py).
     options.enable_cpu_mem_arena = False
     options.log_severity_level = 3
-    if not prepack:
-        options.add_session_config_entry("session.disable_prepacking", "1")
     return ort.InferenceSession(str(model_file), options, providers=["CPUExecutionProvider"])
 
 
