@@ -167,7 +167,7 @@ def test_texts_are_cut_to_what_the_model_can_see_before_tokenizing() -> None:
     limit = 4 * text_limits.MAX_CHARS_PER_TOKEN
     model, out = LimitedEmbedder(), FakeOutbox()
     text_embedding.run(model, _items(["x" * 8_000_000, "short"]), out, 32)
-    assert [len(t) for t in model.calls[0]] == [limit, 5]
+    assert sorted(len(t) for call in model.calls for t in call) == [5, limit]
     assert isinstance(out.sent[0], Embeddings)
 
 
@@ -175,6 +175,31 @@ def test_a_model_that_states_no_limit_gets_texts_whole() -> None:
     model, out = FakeEmbedder(), FakeOutbox()
     text_embedding.run(model, _items(["x" * 100_000]), out, 32)
     assert len(model.calls[0][0]) == 100_000
+
+
+def test_passes_group_texts_of_similar_lengths_and_replies_keep_their_order() -> None:
+    short, long = [f"s{i}" for i in range(6)], [f"{'l' * 300}{i}" for i in range(6)]
+    mixed = [text for pair in zip(short, long, strict=True) for text in pair]
+    items = _items(mixed[:5], mixed[5:])
+    model, out = FakeEmbedder(), FakeOutbox()
+    text_embedding.run(model, items, out, 32)
+    # Padding each short text to 300 characters costs more than a second pass.
+    assert model.calls == [short, long]
+    assert out.ticks == 2
+    assert out.sent == [_expected(item) for item in items]
+
+
+def test_pass_groups_weigh_padding_against_the_cost_of_a_pass() -> None:
+    groups = text_embedding.pass_groups
+    assert groups([10] * 5, 2, 100) == [[0, 1], [2, 3], [4]]  # equal: full passes first
+    assert groups([5, 500, 6, 7], 32, 100) == [[0, 2, 3], [1]]
+    assert groups([5, 500, 6, 7], 32, 10_000) == [[0, 1, 2, 3]]  # passes cost too much
+    assert groups([5, 500, 6, 7], 2, 100) == [[0, 2], [3], [1]]
+    assert groups([], 32, 100) == []
+    lengths = [(i * 37) % 301 for i in range(200)]
+    split = groups(lengths, 32, 200)
+    assert sorted(i for group in split for i in group) == list(range(200))
+    assert all(len(group) <= 32 for group in split)
 
 
 def test_slices_also_follow_a_cost_budget() -> None:

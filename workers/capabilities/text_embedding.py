@@ -29,7 +29,7 @@ def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch
     texts = [text for item in items for text in item.request.texts]  # type: ignore[union-attr]
     texts = text_limits.clip(texts, text_limits.char_limit(model))
     try:
-        vectors, counts = _embed_in_slices(model, texts, out, max_batch)
+        vectors, counts = _embed_in_passes(model, texts, out, max_batch)
     except Exception as exc:
         if len(items) == 1:
             out.send(error_reply(items[0].job_id, exc))
@@ -47,22 +47,60 @@ def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch
         row += count
 
 
-def _embed_in_slices(
+# A forward pass pads every text to its longest, and costs about as much as 200 more
+# characters of padding on top (MiniLM on this project's 2-core machine, ONNX Runtime and
+# eager alike: a batch of 32 mixed sentences split into four passes of similar lengths
+# ran 1.3-1.6x faster than in one pass, into eight slower again).
+PASS_COST_CHARS = 200
+TEXT_COST_CHARS = 8  # the tokens every text gets besides its own ([CLS], [SEP])
+
+
+def _embed_in_passes(
     model: TextEmbeddingModel, texts: list[str], out: Outbox, max_batch: int
 ) -> tuple[np.ndarray, list[int]]:
     """The vectors, and the tokens each text was read as (zeros when the model cannot
-    say)."""
+    say), from forward passes of texts of similar lengths (pass_groups)."""
     embed_counted = getattr(model, "embed_counted", None)
-    if not callable(embed_counted):
-        return in_slices(model.embed, texts, out, max_batch, "texts"), [0] * len(texts)
-    counts: list[int] = []
+    counts = [0] * len(texts)
+    vectors: np.ndarray | None = None
+    for group in pass_groups([len(text) for text in texts], max_batch, PASS_COST_CHARS):
+        part = [texts[i] for i in group]
+        if callable(embed_counted):
+            rows, tokens = embed_counted(part)
+            for i, n in zip(group, tokens, strict=False):
+                counts[i] = int(n)
+        else:
+            rows = model.embed(part)
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if rows.ndim != 2 or rows.shape[0] != len(part):
+            raise ValueError(f"model returned shape {rows.shape} for {len(part)} texts")
+        if vectors is None:
+            vectors = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
+        vectors[group] = rows
+        out.tick()
+    return (vectors if vectors is not None else np.zeros((0, 0), np.float32)), counts
 
-    def embed(part: Sequence[str]) -> np.ndarray:
-        vectors, tokens = embed_counted(part)
-        counts.extend(int(n) for n in tokens)
-        return vectors
-    vectors = in_slices(embed, texts, out, max_batch, "texts")
-    return vectors, counts if len(counts) == len(texts) else [0] * len(texts)
+
+def pass_groups(lengths: list[int], max_batch: int, pass_cost: int) -> list[list[int]]:
+    """The inputs' indices in forward passes of at most max_batch, grouped by length so
+    that the passes' padding plus pass_cost each is least (a shortest path over the
+    inputs sorted by length); each pass keeps the inputs' own order."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    sizes = [lengths[i] + TEXT_COST_CHARS for i in order]
+    best = [0] + [0] * len(order)
+    cut = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        best[end] = -1
+        for start in range(max(0, end - max_batch), end):
+            cost = best[start] + pass_cost + (end - start) * sizes[end - 1]
+            if best[end] < 0 or cost <= best[end]:  # ties: earlier passes full
+                best[end], cut[end] = cost, start
+    groups = []
+    end = len(order)
+    while end:
+        groups.append(sorted(order[cut[end] : end]))
+        end = cut[end]
+    return groups[::-1]
 
 
 def in_slices(embed: Callable[[Sequence[Any]], np.ndarray], inputs: Sequence[Any],
