@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from modelpool.protocol.client import AsyncClient
@@ -25,6 +25,7 @@ from modelpool.supervisor.httpapi.link import DaemonLink
 from modelpool.supervisor.httpapi.openapi import openapi_document
 from modelpool.supervisor.httpapi.plumbing import (
     ClientGone,
+    EventStream,
     check_key,
     client_identity,
     decode,
@@ -138,8 +139,7 @@ class Api:
         shape = replies.StreamShape(chat, model_name(body.model, client, call.op),
                                     include_usage)
         if body.stream:
-            return StreamingResponse(_events(shape, first, stream), media_type=
-                                     "text/event-stream", headers={"Cache-Control": "no-cache"})
+            return EventStream(_events(shape, first, stream))
         text = await unless_disconnected(request, _gather(first, stream, shape.model))
         return json_response(replies.completion(text, chat, shape.model))
 
