@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -71,9 +72,7 @@ def _embed_in_passes(
                 counts[i] = int(n)
         else:
             rows = model.embed(part)
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
-        if rows.ndim != 2 or rows.shape[0] != len(part):
-            raise ValueError(f"model returned shape {rows.shape} for {len(part)} texts")
+        rows = _rows(rows, len(part), "texts")
         if vectors is None:
             vectors = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
         vectors[group] = rows
@@ -87,13 +86,12 @@ def pass_groups(lengths: list[int], max_batch: int, pass_cost: int) -> list[list
     inputs sorted by length); each pass keeps the inputs' own order."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     sizes = [lengths[i] + TEXT_COST_CHARS for i in order]
-    best = [0] + [0] * len(order)
+    best = [0.0] + [math.inf] * len(order)
     cut = [0] * (len(order) + 1)
     for end in range(1, len(order) + 1):
-        best[end] = -1
         for start in range(max(0, end - max_batch), end):
             cost = best[start] + pass_cost + (end - start) * sizes[end - 1]
-            if best[end] < 0 or cost <= best[end]:  # ties: earlier passes full
+            if cost <= best[end]:  # ties: earlier passes full
                 best[end], cut[end] = cost, start
     groups = []
     end = len(order)
@@ -110,14 +108,19 @@ def in_slices(embed: Callable[[Sequence[Any]], np.ndarray], inputs: Sequence[Any
     it, an input alone excepted), one progress tick each; float32 rows."""
     parts = []
     for chunk in _slices(inputs, max_batch, cost, budget):
-        vectors = np.ascontiguousarray(embed(chunk), dtype=np.float32)
-        if vectors.ndim != 2 or vectors.shape[0] != len(chunk):
-            raise ValueError(f"model returned shape {vectors.shape} for {len(chunk)} {unit}")
-        parts.append(vectors)
+        parts.append(_rows(embed(chunk), len(chunk), unit))
         out.tick()
     if not parts:
         return np.zeros((0, 0), dtype=np.float32)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _rows(vectors: Any, count: int, unit: str) -> np.ndarray:
+    """A forward pass's vectors as float32 rows, one per input, or ValueError."""
+    rows = np.ascontiguousarray(vectors, dtype=np.float32)
+    if rows.ndim != 2 or rows.shape[0] != count:
+        raise ValueError(f"model returned shape {rows.shape} for {count} {unit}")
+    return rows
 
 
 def _slices(inputs: Sequence[Any], max_batch: int, cost: Callable[[Any], int] | None,
