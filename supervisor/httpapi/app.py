@@ -1,18 +1,16 @@
-"""The HTTP front door: OpenAI's endpoints, our extensions, jobs, health and metrics, as a
-Starlette application whose every answer comes from the pool over the daemon's socket.
+"""The HTTP front door: OpenAI's endpoints, our extensions, jobs, health and metrics, as an
+ASGI application whose every answer comes from the pool over the daemon's socket.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from modelpool.protocol.client import AsyncClient
 from modelpool.protocol.client_core import ImageChunk, TextResult
@@ -34,10 +32,10 @@ from modelpool.supervisor.httpapi.plumbing import (
     with_header_options,
 )
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
+from modelpool.supervisor.httpapi.routes import Handler, Route, Routes
 from modelpool.supervisor.httpapi.settings import HttpSettings
 
 log = logging.getLogger("modelpool.http")
-Handler = Callable[[Request], Awaitable[Response]]
 CLIENT_CLOSED = 499  # nginx's status for a client that left: logged and counted only
 
 
@@ -66,7 +64,7 @@ class Api:
             except PoolError as exc:
                 status, body, headers = replies.pool_error(exc)
                 response = Response(body, status, headers, "application/json")
-            except ClientGone:
+            except (ClientGone, ClientDisconnect):
                 response = Response(b"", CLIENT_CLOSED)
             except Exception as exc:  # a bug here: the client still gets JSON, and a log
                 log.exception("HTTP %s failed", path)
@@ -88,7 +86,7 @@ class Api:
         client = await self.client(request)
         answer = (client.reply(call.op, *call.args, **kwargs) if whole
                   else getattr(client, call.op)(*call.args, **kwargs))
-        return await unless_disconnected(request, answer)
+        return await unless_disconnected(request.scope, answer)
 
     async def body(self, request: Request, kind: type[Any]) -> Any:
         return decode(await read_body(request, self.settings), kind)
@@ -131,7 +129,7 @@ class Api:
         # The first chunk before the answer's status: an unknown model is a 404, not an
         # error event inside a 200 stream.
         try:
-            first = await unless_disconnected(request, anext(stream))
+            first = await unless_disconnected(request.scope, anext(stream))
         except BaseException:
             await stream.aclose()
             raise
@@ -140,7 +138,7 @@ class Api:
                                     include_usage)
         if body.stream:
             return EventStream(_events(shape, first, stream))
-        text = await unless_disconnected(request, _gather(first, stream, shape.model))
+        text = await unless_disconnected(request.scope, _gather(first, stream, shape.model))
         return json_response(replies.completion(text, chat, shape.model))
 
     async def images(self, request: Request) -> Response:
@@ -148,7 +146,7 @@ class Api:
         call = bodies.images_call(body)
         kwargs = with_header_options(request, call.kwargs, self.settings)
         client = await self.client(request)
-        last = await unless_disconnected(request, _last_image(
+        last = await unless_disconnected(request.scope, _last_image(
             client.generate_image(*call.args, **kwargs)))
         return json_response(replies.image(last))
 
@@ -225,7 +223,7 @@ async def _last_image(stream: AsyncIterator[ImageChunk]) -> ImageChunk:
     raise PoolError(replies.ErrorCode.INTERNAL, "the image stream ended without an image")
 
 
-def build_app(settings: HttpSettings) -> Starlette:
+def build_app(settings: HttpSettings) -> Routes:
     api = Api(settings)
     table: list[tuple[str, Handler, str, bool]] = [
         ("/v1/embeddings", api.embeddings, "POST", False),
@@ -243,12 +241,5 @@ def build_app(settings: HttpSettings) -> Starlette:
         ("/metrics", api.metrics, "GET", True),  # its own key check, when asked for
         ("/openapi.json", api.openapi, "GET", True),
     ]
-    routes = [Route(path, api.endpoint(handler, path, open_), methods=[method])
-              for path, handler, method, open_ in table]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        await api.link.close()
-
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Routes([Route(path, method, api.endpoint(handler, path, open_))
+                   for path, handler, method, open_ in table], api.link.close)

@@ -18,12 +18,17 @@ a header however long it grows. Here, on every connection:
 
 The body has its own bound (`read_body`, body_timeout_s), and a request being answered
 none: the pool's timeouts bound that.
+
+The guard also tells the app when its client has gone (`Departure`, in the scope's
+extensions), so that a request's own task is cancelled then: watching ASGI's `receive`
+for the disconnect takes a task of its own per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
@@ -61,6 +66,34 @@ HEAD_TOO_LARGE = raw_error(431, f"request line and headers over {MAX_HEAD_BYTES}
                            "request_header_too_large")
 
 
+class Departure:
+    """A connection's client going away: the callbacks watching it are called once."""
+
+    EXTENSION = "modelpool.departure"
+
+    def __init__(self) -> None:
+        self.gone = False
+        self._watchers: list[Callable[[], object]] = []
+
+    def watch(self, callback: Callable[[], object]) -> None:
+        self._watchers.append(callback)
+
+    def unwatch(self, callback: Callable[[], object]) -> None:
+        if callback in self._watchers:
+            self._watchers.remove(callback)
+
+    def happened(self) -> None:
+        self.gone = True
+        watchers, self._watchers = self._watchers, []
+        for callback in watchers:
+            callback()
+
+
+def departure_of(scope: Mapping[str, Any]) -> Departure:
+    departure: Departure = scope["extensions"][Departure.EXTENSION]
+    return departure
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the guards above; `guarded()` sets the bounds."""
 
@@ -73,6 +106,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self.deadline: asyncio.TimerHandle | None = None
         self.in_head = False  # between a request's first byte and its headers' end
         self.head_bytes = 0
+        self.departure = Departure()
 
     # ---- waiting for a request's line and headers -------------------------------------
 
@@ -122,6 +156,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm()
         super().connection_lost(exc)
+        self.departure.happened()
 
     def data_received(self, data: bytes) -> None:
         """A head is counted even while the request before it is answered (pipelined):
@@ -139,6 +174,7 @@ class GuardedProtocol(HttpToolsProtocol):
         """Counted from the next read on (the one that began it goes uncounted: what
         it held before may be the rest of a body its app did not read)."""
         super().on_message_begin()
+        self.scope["extensions"] = {Departure.EXTENSION: self.departure}  # type: ignore[typeddict-unknown-key]
         self.in_head, self.head_bytes = True, 0
 
     def on_headers_complete(self) -> None:

@@ -64,7 +64,7 @@ class JobsApi:
         client = await self.api.client(request)
         info, result = await client.job(key), None
         if info["state"] in ("queued", "running") and wait > 0:
-            info, result = await unless_disconnected(request, _after(client, key, wait))
+            info, result = await unless_disconnected(request.scope, _after(client, key, wait))
         out = _job(info)
         if info["state"] == "done":
             if result is None:

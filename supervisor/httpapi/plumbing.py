@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import PRIORITIES
+from modelpool.supervisor.httpapi.guard import departure_of
 from modelpool.supervisor.httpapi.replies import HttpError
 from modelpool.supervisor.httpapi.settings import HttpSettings
 
@@ -109,37 +110,33 @@ def with_header_options(request: Request, kwargs: dict[str, Any],
     return out
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """The work's result; if the client goes first, the work is cancelled (which cancels
-    it in the daemon too) and ClientGone raised."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
+async def unless_disconnected(scope: Scope, work: Coroutine[Any, Any, T]) -> T:
+    """The work's result, awaited in the request's own task; if the client goes first,
+    that task is cancelled (which cancels the work in the daemon too) and ClientGone
+    raised."""
+    departure = departure_of(scope)
+    if departure.gone:
+        work.close()
         raise ClientGone
-    return task.result()
-
-
-async def _disconnect(request: Request) -> None:
-    await _until_disconnect(request.receive)
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    task = asyncio.current_task()
+    assert task is not None
+    departure.watch(task.cancel)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not departure.gone:
+            raise
+        task.uncancel()
+        raise ClientGone from None
+    finally:
+        departure.unwatch(task.cancel)
 
 
 class EventStream(Response):
-    """Server-sent events. The first is written at once, by the request's own task:
-    Starlette's StreamingResponse starts every stream in an anyio task group (uvicorn
-    announces ASGI 2.3), 0.1 ms here before the first event could go out. The rest are
-    sent by a task that a disconnect cancels, which closes the events' iterator and so
-    the daemon's stream, cancelling its work."""
+    """Server-sent events, sent by the request's own task as they come; a disconnect
+    cancels it, which closes the events' iterator and so the daemon's stream, cancelling
+    its work. (Starlette's StreamingResponse starts every stream in an anyio task group,
+    as uvicorn announces ASGI 2.3: 0.1 ms here before the first event could go out.)"""
 
     media_type = "text/event-stream"
 
@@ -153,22 +150,10 @@ class EventStream(Response):
         async with contextlib.aclosing(self.events):  # type: ignore[type-var]
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            first = await anext(self.events, None)
-            if first is not None:
-                await send({"type": "http.response.body", "body": first, "more_body": True})
-            rest = asyncio.ensure_future(self._send_rest(send))
-            gone = asyncio.ensure_future(_until_disconnect(receive))
-            try:
-                await asyncio.wait({rest, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                rest.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await rest  # its iterator is closed before this returns
-            if not rest.cancelled():
-                rest.result()
+            with contextlib.suppress(ClientGone):
+                await unless_disconnected(scope, self._send_all(send))
 
-    async def _send_rest(self, send: Send) -> None:
+    async def _send_all(self, send: Send) -> None:
         async for event in self.events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

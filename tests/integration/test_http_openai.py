@@ -268,3 +268,16 @@ def test_health_ready_and_openapi_need_no_key(served: tuple[Daemon, str]) -> Non
     document = httpx.get(served[1] + "/openapi.json").json()
     assert {"/v1/embeddings", "/v1/chat/completions", "/v1/jobs/{key}"} <= set(document["paths"])
     assert httpx.get(served[1] + "/metrics").status_code == 401  # metrics_need_key
+
+
+def test_unknown_paths_and_methods_are_answered_in_the_error_shape(
+        served: tuple[Daemon, str]) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    missing = httpx.get(served[1] + "/v1/nothing", headers=auth)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "not_found"
+    wrong = httpx.put(served[1] + "/v1/jobs/abc", headers=auth)
+    assert wrong.status_code == 405
+    assert set(wrong.headers["allow"].split(", ")) == {"GET", "DELETE"}
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.head(served[1] + "/health").status_code == 200

@@ -17,7 +17,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ImageInput
 from modelpool.supervisor.config import Config, ConfigError, HttpConfig
 from modelpool.supervisor.http_front import listen_address, settings_of
-from modelpool.supervisor.httpapi import bodies, guard, replies
+from modelpool.supervisor.httpapi import bodies, guard, replies, routes
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
 from modelpool.supervisor.metrics import Histogram, ModelMetrics
 
@@ -174,3 +174,24 @@ def test_an_open_port_beyond_loopback_needs_keys(tmp_path: Path) -> None:
     assert listen_address("[::1]:80") == ("::1", 80)
     with pytest.raises(ConfigError, match="HOST:PORT"):
         listen_address("8000")
+
+
+def test_a_route_takes_its_parameters_from_whole_segments() -> None:
+    async def handler(request: object) -> object:
+        return None
+
+    route = routes.Route("/v1/jobs/{key}", "GET", handler)  # type: ignore[arg-type]
+    assert route.params("/v1/jobs/abc") == {"key": "abc"}
+    assert route.params("/v1/jobs/") is None
+    assert route.params("/v1/jobs/abc/more") is None
+    assert route.params("/v1/job/abc") is None
+
+
+def test_a_departure_calls_its_watchers_once() -> None:
+    departure, calls = guard.Departure(), []
+    departure.watch(lambda: calls.append("a"))
+    departure.watch(dropped := lambda: calls.append("b"))
+    departure.unwatch(dropped)
+    departure.happened()
+    departure.happened()
+    assert calls == ["a"] and departure.gone
