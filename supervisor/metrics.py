@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,22 +22,23 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class Histogram:
-    """Fixed buckets, cumulative counts: cheap enough to observe on every request."""
+    """Fixed buckets: one count per observation, on every request; made cumulative, as
+    Prometheus has them, only when read."""
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
-        self.counts = [0] * len(bounds)
+        self.in_bucket = [0] * (len(bounds) + 1)  # the last: above every bound
         self.count = 0
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
         self.count += 1
         self.sum += value
-        for i in range(bisect.bisect_left(self.bounds, value), len(self.bounds)):
-            self.counts[i] += 1
+        self.in_bucket[bisect.bisect_left(self.bounds, value)] += 1
 
     def totals(self) -> HistogramTotals:
-        return HistogramTotals(bounds=list(self.bounds), counts=list(self.counts),
+        return HistogramTotals(bounds=list(self.bounds),
+                               counts=list(itertools.accumulate(self.in_bucket[:-1])),
                                count=self.count, sum=self.sum)
 
 
