@@ -7,7 +7,13 @@ supervisor and a worker do: the middle one spends 0.1 ms each way, the last WORK
 Windows alternate between the chain alone and the chain beside one busy loop: at
 SCHED_IDLE (where the daemon cannot make an idle cgroup, loading workers run so), at
 nice 19, and as a normal task in a cgroup marked cpu.idle (supervisor/cgroups.py), when
-this process may make one."""
+this process may make one.
+
+And what waking a process that slept costs here: the same chain with no work at all,
+its messages sent back to back against sent after the chain has slept as long as a
+MiniLM forward pass takes. A lone request through the daemon crosses this chain's four
+hops (client, supervisor, worker and back) after its processes slept; one in-process
+call crosses none."""
 
 from __future__ import annotations
 
@@ -46,19 +52,37 @@ def _fork(body: Callable[[], None], close: tuple[socket.socket, ...] = ()) -> in
     return pid
 
 
-def _relay(inbound: socket.socket, outbound: socket.socket) -> None:
+def _relay(inbound: socket.socket, outbound: socket.socket, burn_ms: float) -> None:
     while message := inbound.recv(64):
-        _burn(0.1)
+        _burn(burn_ms)
         outbound.send(message)
         outbound.recv(64)
-        _burn(0.1)
+        _burn(burn_ms)
         inbound.send(message)
 
 
-def _serve(inbound: socket.socket) -> None:
+def _serve(inbound: socket.socket, work_ms: float) -> None:
     while message := inbound.recv(64):
-        _burn(WORK_MS)
+        _burn(work_ms)
         inbound.send(message)
+
+
+def _chain(relay_ms: float, work_ms: float) -> tuple[socket.socket, list[int]]:
+    """The client's end of a chain of three processes, and the other two's pids."""
+    client, relay_in = socket.socketpair()
+    relay_out, server = socket.socketpair()
+    children = [_fork(lambda: _relay(relay_in, relay_out, relay_ms), close=(client, server)),
+                _fork(lambda: _serve(server, work_ms), close=(client, relay_in, relay_out))]
+    for end in (relay_in, relay_out, server):
+        end.close()
+    return client, children
+
+
+def _round_trip(client: socket.socket) -> float:
+    t0 = time.perf_counter()
+    client.send(b"x")
+    client.recv(64)
+    return time.perf_counter() - t0
 
 
 def _busy_loop(neighbour: str, idle_cgroup: Path | None) -> None:
@@ -81,10 +105,7 @@ def _window(client: socket.socket, seconds: float, neighbour: str,
         out = []
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            client.send(b"x")
-            client.recv(64)
-            out.append(time.perf_counter() - t0)
+            out.append(_round_trip(client))
         return out
     finally:
         if loop is not None:
@@ -94,12 +115,7 @@ def _window(client: socket.socket, seconds: float, neighbour: str,
 
 def idle_neighbour(seconds: float, rounds: int) -> dict[str, Any]:
     """p99 of the chain beside each kind of busy loop, and its ratio to the chain alone."""
-    client, relay_in = socket.socketpair()
-    relay_out, server = socket.socketpair()
-    children = [_fork(lambda: _relay(relay_in, relay_out), close=(client, server)),
-                _fork(lambda: _serve(server), close=(client, relay_in, relay_out))]
-    for end in (relay_in, relay_out, server):
-        end.close()
+    client, children = _chain(0.1, WORK_MS)
     idle_cgroup = cgroups.enter(True)
     kinds = NEIGHBOURS if idle_cgroup else NEIGHBOURS[:-1]
     lat: dict[str, list[float]] = {n: [] for n in kinds}
@@ -116,4 +132,25 @@ def idle_neighbour(seconds: float, rounds: int) -> dict[str, Any]:
     figures: dict[str, Any] = {n: percentiles(v) for n, v in lat.items()}
     alone = figures["alone"]["p99_ms"]
     figures["p99_ratio"] = {n: round(figures[n]["p99_ms"] / alone, 3) for n in kinds[1:]}
+    return figures
+
+
+def wakeup_after_idle(rounds: int, idle_ms: float = 8.0) -> dict[str, Any]:
+    """Round trips through the chain with no work: back to back, and each after the
+    chain slept idle_ms, interleaved."""
+    client, children = _chain(0.0, 0.0)
+    back_to_back, after_idle = [], []
+    try:
+        for _ in range(rounds):
+            back_to_back.append(_round_trip(client))
+            time.sleep(idle_ms / 1000)
+            after_idle.append(_round_trip(client))
+    finally:
+        client.close()
+        for pid in children:
+            os.waitpid(pid, 0)
+    figures: dict[str, Any] = {"back_to_back": percentiles(back_to_back),
+                               f"after_{idle_ms:g}_ms_idle": percentiles(after_idle)}
+    figures["p50_cost_of_waking_ms"] = round(
+        figures[f"after_{idle_ms:g}_ms_idle"]["p50_ms"] - figures["back_to_back"]["p50_ms"], 3)
     return figures

@@ -1,7 +1,9 @@
 """No-op requests through one daemon: what the supervisor alone sustains.
 
 64 in flight on one connection, and 1,024 in flight over 16 connections (64 each), with
-a model that costs nothing (bench_loaders:noop); the supervisor's CPU per request.
+a model that costs nothing (bench_loaders:noop); the supervisor's CPU per request. And
+one request at a time, back to back and each after the daemon slept as long as a MiniLM
+forward pass takes: what a lone request pays for crossing processes that were asleep.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from typing import Any
 
 import psutil
-from bench import Daemon
+from bench import Daemon, percentiles
 from bench_pool import NOOP
 
 from modelpool.protocol.client import AsyncClient, Client
@@ -36,6 +38,23 @@ async def _run(sock: str, requests: int, connections: int, in_flight: int) -> fl
             await c.__aexit__(None, None, None)
 
 
+def _lone(c: Client, rounds: int, idle_ms: float = 8.0) -> dict[str, Any]:
+    back_to_back, after_idle = [], []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        c.embed(f"b{i}", model="noop")
+        back_to_back.append(time.perf_counter() - t0)
+        time.sleep(idle_ms / 1000)
+        t0 = time.perf_counter()
+        c.embed(f"a{i}", model="noop")
+        after_idle.append(time.perf_counter() - t0)
+    out: dict[str, Any] = {"back_to_back": percentiles(back_to_back),
+                           f"after_{idle_ms:g}_ms_idle": percentiles(after_idle)}
+    out["p50_cost_of_waking_ms"] = round(
+        out[f"after_{idle_ms:g}_ms_idle"]["p50_ms"] - out["back_to_back"]["p50_ms"], 3)
+    return out
+
+
 def figures(requests: int) -> dict[str, Any]:
     daemon = Daemon("[pool]\ncold_start_workers = 1\n"
                     + NOOP.format(run_s=0, max_queue=100000))
@@ -43,8 +62,8 @@ def figures(requests: int) -> dict[str, Any]:
         daemon.wait_listening()
         with Client(socket_path=daemon.socket) as c:
             c.embed("warm", model="noop")
+            out: dict[str, Any] = {"lone": _lone(c, 300)}
         sup = psutil.Process(daemon.process.pid)
-        out = {}
         for name, connections, in_flight in (("in_flight_64", 1, 64),
                                              ("in_flight_1024_16_connections", 16, 64)):
             cpu0 = sum(sup.cpu_times()[:2])

@@ -7,7 +7,9 @@ processes of one thread each, each embedding half the corpus in batches of 32, s
 together); the cached ONNX export in this process; both in-process runtimes again on
 the corpus sorted by length (as sentence-transformers' encode does). Through the daemon:
 the default config (MiniLM runs its verified ONNX export) and the same with execution =
-"eager".
+"eager". Beside the single-text figures, what waking sleeping processes costs here: a
+no-op request through the daemon, and a chain of three processes with no modelpool code,
+each back to back and after 8 ms asleep (bench_noop, bench_machine).
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def figures(quick: bool) -> dict[str, Any]:
+    import bench_machine
     import bench_noop
 
     texts = corpus(512 if quick else 2048)
@@ -186,7 +189,9 @@ def figures(quick: bool) -> dict[str, Any]:
     }
     eager_daemon.pop("vectors")
     onnx.pop("vectors")
-    return {"load_average": os.getloadavg(), "targets": targets,
+    wakeup = {"daemon_noop": noop.pop("lone"),
+              "machine_three_processes": bench_machine.wakeup_after_idle(300)}
+    return {"load_average": os.getloadavg(), "targets": targets, "wakeup": wakeup,
             "in_process_eager": eager, "in_process_onnx": onnx, "in_process_split": split,
             "daemon_default": default, "daemon_eager": eager_daemon, "noop": noop}
 
