@@ -2,8 +2,8 @@
 an identical one already waiting or running, or split into parts when it is a batched
 request over max_batch. Refusals are answered at once with a typed error.
 
-A component of the Pool: it queues into the pool's models and calls back `queued(model)`
-so the pool dispatches and scales; it decides nothing else.
+A component of the Pool: it queues into the pool's models and calls back
+`queued(model, was_waiting)` so the pool dispatches and scales; it decides nothing else.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from modelpool.supervisor.queueing import dedup_key as make_dedup_key
 class Intake:
     def __init__(self, config: Config, registry: Registry, models: dict[str, ModelState],
                  capacity: Capacity, book: JobBook, scheduler: Scheduler, gpu_count: int,
-                 closed: Callable[[], bool], queued: Callable[[ModelState], None]) -> None:
+                 closed: Callable[[], bool],
+                 queued: Callable[[ModelState, bool], None]) -> None:
         self.config = config
         self.registry = registry
         self.models = models
@@ -116,12 +117,13 @@ class Intake:
 
     def _queue(self, model: ModelState, job: Job, nbytes: int) -> None:
         job.nbytes = nbytes
+        was_waiting = len(model.queue) > 0
         if job.kind.batched and job.size > model.settings.max_batch:
             for part in self.book.split(job, model.settings.max_batch):
                 model.queue.push(part)
         else:
             model.queue.push(job)
-        self.queued(model)
+        self.queued(model, was_waiting)
 
     def _error(self, request: WorkRequest, model: ModelState | None,
                reject: Rejection) -> Error:

@@ -268,6 +268,29 @@ async def test_scale_up_respects_per_model_max_workers(make_harness: MakeHarness
     assert len(h.launcher.started) == 1
 
 
+async def test_work_queued_behind_waiting_work_with_no_free_worker_is_not_reconciled(
+        make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing the policy reads changed and nothing can be dispatched: the reconcile of
+    the next freed slot takes it, with everything queued meanwhile."""
+    h = make_harness(max_workers_per_model=2)
+    sink = h.sink()
+    h.embed(sink, ["1"])
+    await h.settle()
+    a, b = h.workers("emb")
+    h.ready(a)
+    h.ready(b)
+    h.embed(sink, ["2"])
+    reconciles = []
+    real = h.pool.reconcile
+    monkeypatch.setattr(h.pool, "reconcile", lambda m: (reconciles.append(m.key), real(m)))
+    for n in range(3, 8):
+        h.embed(sink, [str(n)])
+    assert reconciles == ["emb"]  # the first found the queue empty
+    h.reply_embeddings(a, h.job_ids(a)[0], 1.0)
+    h.want_work(a)
+    assert [r.texts for _, r in h.items(h.works(a)[1])] == [[str(n)] for n in range(3, 8)]
+
+
 # ---- defaults --------------------------------------------------------------------------
 
 
