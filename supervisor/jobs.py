@@ -15,7 +15,7 @@ import msgspec
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import Kind, merge_rows
 from modelpool.protocol.messages import Error, WorkRequest
-from modelpool.supervisor.clock import Scheduler
+from modelpool.supervisor.clock import Scheduler, TimerHeap
 from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester
 
 
@@ -36,6 +36,7 @@ class JobEvents(Protocol):
 class JobBook:
     def __init__(self, scheduler: Scheduler, events: JobEvents) -> None:
         self.scheduler = scheduler
+        self.timers = TimerHeap(scheduler)  # each requester's timeout or deadline
         self.events = events
         self.index: dict[bytes, Job] = {}  # dedup: key -> the job doing that work
         self._job_ids = itertools.count(1)
@@ -56,7 +57,7 @@ class JobBook:
         sink.jobs[request.id] = req
         is_deadline = deadline_in_s is not None and deadline_in_s < timeout_s
         delay = deadline_in_s if is_deadline else timeout_s
-        req.timer = self.scheduler.call_later(delay, self.expire, req, is_deadline)
+        req.timer = self.timers.call_later(delay, self.expire, req, is_deadline)
         return req
 
     def attach(self, req: Requester, leader: Job) -> None:

@@ -52,7 +52,7 @@ class Requester:
     priority: str
     accepted_at: float
     deadline_at: float | None = None
-    timer: Any = None  # the loop's TimerHandle for its timeout or deadline
+    timer: Any = None  # its timeout or deadline, in the job book's TimerHeap
     done: bool = False
     job: Job | None = None
 
