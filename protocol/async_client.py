@@ -61,7 +61,11 @@ class AsyncClient:
         self._trusted = trusted_daemon_uids(daemon_uid)
         self.daemon: Peer | None = None
         self._ids = itertools.count(1)
-        self._routes: dict[int, asyncio.Queue[Any]] = {}
+        # Where each request's replies go: a future for the one final reply of most, a
+        # queue for a stream's chunks. (A queue per request, and a task per request
+        # from gather, were most of this client's cost per no-op request.)
+        self._finals: dict[int, asyncio.Future[Any]] = {}
+        self._streams: dict[int, asyncio.Queue[Any]] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self.welcome: Welcome | None = None
@@ -108,9 +112,13 @@ class AsyncClient:
         try:
             while True:
                 msg = server_decoder.decode(await read_frame(reader))
-                route = self._routes.get(getattr(msg, "id", None))  # type: ignore[arg-type]
-                if route is not None:
-                    route.put_nowait(msg)
+                rid = getattr(msg, "id", None)
+                final = self._finals.pop(rid, None)  # type: ignore[arg-type]
+                if final is not None:
+                    if not final.done():  # else its awaiter was cancelled
+                        final.set_result(msg)
+                elif (stream := self._streams.get(rid)) is not None:  # type: ignore[arg-type]
+                    stream.put_nowait(msg)
                 elif isinstance(msg, Error) and msg.id is None:
                     lost = PoolError(msg.code, msg.message)  # the daemon closes after these
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -119,31 +127,35 @@ class AsyncClient:
             lost = undecodable(exc)
         finally:
             err = unavailable(self.socket_path, lost)
-            for route in self._routes.values():
-                route.put_nowait(Error(id=None, code=err.code, message=err.message))
+            for final in self._finals.values():
+                if not final.done():
+                    final.set_result(Error(id=None, code=err.code, message=err.message))
+            for stream in self._streams.values():
+                stream.put_nowait(Error(id=None, code=err.code, message=err.message))
 
-    def _open(self, msg: msgspec.Struct) -> asyncio.Queue[Any]:
-        if self._writer is None:
+    def _send(self, msg: msgspec.Struct) -> None:
+        """Sent; the caller then registers where its replies go, before any await (so
+        before the reader can see one)."""
+        if self._writer is None or not self.connected:
             raise PoolError(ErrorCode.UNAVAILABLE, "AsyncClient is not connected")
-        payload = encode_checked(msg, self.welcome)
-        route: asyncio.Queue[Any] = asyncio.Queue()
-        self._routes[msg.id] = route  # type: ignore[attr-defined]
-        self._writer.write(make_frame(payload))
-        return route
+        self._writer.write(make_frame(encode_checked(msg, self.welcome)))
 
     async def _final(self, msg: Any) -> Any:
-        route = self._open(msg)
+        self._send(msg)
+        final = asyncio.get_running_loop().create_future()
+        self._finals[msg.id] = final
         try:
-            return await route.get()
+            return await final
         finally:
-            self._routes.pop(msg.id, None)
+            self._finals.pop(msg.id, None)
 
     async def _request(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                        whole: bool = False) -> Any:
         call = unstreamed_call(op, next(self._ids), args, kwargs)
         parts = split_call(call, self._ids)
         try:
-            replies = await asyncio.gather(*(self._final(part) for part in parts))
+            replies = ([await self._final(parts[0])] if len(parts) == 1
+                       else await asyncio.gather(*(self._final(part) for part in parts)))
         except asyncio.CancelledError:
             for part in parts:
                 self._cancel(part.id)  # the daemon stops work nobody awaits any more
@@ -165,7 +177,9 @@ class AsyncClient:
     async def _stream(self, op: str, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> AsyncIterator[Any]:
         call = make_call(op, next(self._ids), args, kwargs)
-        route = self._open(call.request)
+        self._send(call.request)
+        route: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[call.id] = route
         finished = False
         try:
             while not finished:
@@ -176,7 +190,7 @@ class AsyncClient:
             finished = True
             raise
         finally:
-            self._routes.pop(call.id, None)
+            self._streams.pop(call.id, None)
             if not finished:
                 self._cancel(call.id)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import os
@@ -14,7 +15,7 @@ import msgspec
 import pytest
 from PIL import Image
 
-from modelpool.protocol.client import Client
+from modelpool.protocol.client import AsyncClient, Client
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import recv_frame, send_frame
 from modelpool.protocol.inputs import image_input
@@ -71,6 +72,27 @@ def test_requests_over_the_daemons_frame_limit_are_refused_locally(
     with Client(socket_path=path) as c, pytest.raises(PoolError) as err:
         c.embed("x" * (2 << 20))  # the fake daemon's limit is 1 MiB
     assert err.value.code is ErrorCode.BAD_REQUEST and "limit" in err.value.message
+
+
+def test_the_async_client_answers_waiters_and_later_calls_when_the_daemon_goes(
+        fake_daemon: Callable[[Script], str]) -> None:
+    """Requests in flight get UNAVAILABLE when the connection closes; a request after
+    that is refused at once, not left waiting for a reply that cannot come."""
+    def gone_after_two(conn: socket.socket) -> None:
+        recv_frame(conn)
+        recv_frame(conn)
+
+    async def run() -> None:
+        async with AsyncClient(fake_daemon(gone_after_two)) as c:
+            waiting = await asyncio.gather(c.embed("a"), c.embed("b"),
+                                           return_exceptions=True)
+            assert all(isinstance(e, PoolError) and e.code is ErrorCode.UNAVAILABLE
+                       for e in waiting), waiting
+            with pytest.raises(PoolError) as later:
+                await asyncio.wait_for(c.embed("c"), 5)
+            assert later.value.code is ErrorCode.UNAVAILABLE
+
+    asyncio.run(run())
 
 
 def test_an_absent_daemon_is_unavailable(tmp_path: Path) -> None:
