@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.framing import FrameTooLarge, recv_frame, send_frame
-from modelpool.protocol.kinds import kind_of
+from modelpool.protocol.framing import FrameTooLarge, frame, recv_frame, send_frame
+from modelpool.protocol.kinds import STREAMED, kind_of
 from modelpool.protocol.messages import encoder
 from modelpool.protocol.pipes import (
     Abort,
@@ -59,10 +59,30 @@ class Worker:
         self.loaded = False  # until then the heartbeat reports load progress
         self.aborts: set[int] = set()
         self.stopping = False
+        # While a Work runs, its final replies wait for its end (finish_work) and leave
+        # in one write with the WantWork that follows them; streamed chunks go at once.
+        self.held: list[bytes] | None = None
 
     def send(self, msg: msgspec.Struct) -> None:
+        if self.held is not None and not isinstance(msg, STREAMED):
+            self.held.append(frame(encoder.encode(msg)))
+            return
+        self._write(frame(encoder.encode(msg)))
+
+    def finish_work(self) -> None:
+        """The Work's final replies and a WantWork, in one write. Sent apart, the
+        supervisor could pass a reply on, and the client send its next request, before
+        this worker's WantWork came: the request then went to a sibling, whose threads
+        and caches had gone cold (a lone client of eager MiniLM alternated between two
+        workers 47 times in 200 requests)."""
+        held, self.held = self.held or [], None
+        self._write(b"".join([*held, frame(encoder.encode(WantWork()))]))
+
+    def _write(self, data: bytes) -> None:
+        if self.held:  # a chunk after held replies: keep the order they were sent in
+            data, self.held = b"".join([*self.held, data]), []
         try:
-            send_frame(self.sock, encoder.encode(msg))
+            self.sock.sendall(data)
         except OSError:
             os._exit(exitcodes.SUPERVISOR_GONE)
 
@@ -231,25 +251,27 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
     from modelpool.workers.capabilities import ADAPTERS
 
     adapter = ADAPTERS[settings.spec.capability]
-    want_work, trim_when_idle = True, False
+    # Exactly one WantWork per free slot, which the supervisor counts on: this one, then
+    # one with each Work's replies.
+    worker.send(WantWork())
+    trim_when_idle = False
     while not worker.stopping:
-        if want_work:  # exactly one WantWork per free slot: the supervisor counts on it
-            worker.send(WantWork())
         if trim_when_idle and not select.select([worker.sock], [], [], IDLE_TRIM_S)[0]:
             release_memory()
             trim_when_idle = False
         msg = worker.receive()
-        want_work = False
         match msg:
             case Work(items=items, threads=threads):
                 if threads:
                     set_threads(model, threads)
+                worker.held = []
                 worker.take_images(items)
                 adapter(model, items, worker, settings.max_batch)
                 worker.image_bytes = {}
                 worker.aborts.clear()  # job ids never repeat: old aborts mean nothing
                 worker.tick()
-                want_work, trim_when_idle = True, True
+                worker.finish_work()
+                trim_when_idle = True
             case Abort():
                 pass  # for a job already finished: its reply crossed the abort
             case Shutdown():

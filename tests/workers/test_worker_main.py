@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from modelpool.protocol.framing import recv_frame, send_frame
-from modelpool.protocol.messages import Embed, Embeddings, encoder
+from modelpool.protocol.messages import Chunk, Embed, Embeddings, encoder
 from modelpool.protocol.pipes import (
     Abort,
     FromWorker,
@@ -33,7 +33,7 @@ from modelpool.protocol.pipes import (
 )
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 from modelpool.workers import exitcodes
-from modelpool.workers.main import run_worker
+from modelpool.workers.main import Worker, run_worker
 
 TIMEOUT_S = 60.0
 
@@ -175,3 +175,26 @@ def test_stale_abort_while_idle_does_not_ask_for_work_twice(
     assert isinstance(child.recv(), WantWork)
     child.send(Shutdown())
     assert child.exitcode() == exitcodes.OK
+
+
+def test_a_works_final_replies_leave_with_its_want_work_and_chunks_at_once() -> None:
+    """So the supervisor sees this worker free as it passes the replies on: a lone
+    client's next request then comes back to the same, warm worker."""
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    worker = Worker(ours)
+    worker.held = []
+    worker.send(Embeddings(id=1, data=b"\0" * 4, shape=[1, 1]))
+    with pytest.raises(BlockingIOError):
+        theirs.recv(1)  # held
+    worker.send(Chunk(id=2, seq=0, text="a"))  # a stream's chunk: at once, after it
+    worker.send(Embeddings(id=3, data=b"\0" * 4, shape=[1, 1]))
+    worker.finish_work()
+    theirs.setblocking(True)
+    theirs.settimeout(TIMEOUT_S)
+    got = [from_worker_decoder.decode(recv_frame(theirs)) for _ in range(4)]
+    assert [type(m) for m in got] == [Embeddings, Chunk, Embeddings, WantWork]
+    assert [getattr(m, "id", None) for m in got] == [1, 2, 3, None]
+    assert worker.held is None
+    ours.close()
+    theirs.close()
