@@ -79,14 +79,16 @@ class Api:
     async def client(self, request: Request) -> AsyncClient:
         return await self.link.client(client_identity(request))
 
-    async def call(self, request: Request, call: bodies.PoolCall, whole: bool = False) -> Any:
+    async def call(self, request: Request, call: bodies.PoolCall,
+                   whole: bool = False) -> tuple[Any, str]:
         """A call whose answer comes whole (with `whole`, the daemon's reply message
-        itself); cancelled if the HTTP client leaves."""
+        itself), and the model that answered; cancelled if the HTTP client leaves."""
         kwargs = with_header_options(request, call.kwargs, self.settings)
         client = await self.client(request)
         answer = (client.reply(call.op, *call.args, **kwargs) if whole
                   else getattr(client, call.op)(*call.args, **kwargs))
-        return await unless_disconnected(request.scope, answer)
+        model = model_name(kwargs.get("model") or "", client, call.op)
+        return await unless_disconnected(request.scope, answer), model
 
     async def body(self, request: Request, kind: type[Any]) -> Any:
         return decode(await read_body(request, self.settings), kind)
@@ -95,21 +97,18 @@ class Api:
 
     async def embeddings(self, request: Request) -> Response:
         body = await self.body(request, bodies.EmbeddingsBody)
-        reply = await self.call(request, bodies.embeddings_call(body), whole=True)
-        model = model_name(body.model, await self.client(request), "embed")
+        reply, model = await self.call(request, bodies.embeddings_call(body), whole=True)
         return json_response(replies.embeddings(replies.rows(reply), model,
                                                 body.encoding_format, reply.tokens))
 
     async def image_embeddings(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImageEmbeddingsBody)
-        rows = await self.call(request, bodies.image_embeddings_call(body))
-        model = model_name(body.model, await self.client(request), "embed_image")
+        rows, model = await self.call(request, bodies.image_embeddings_call(body))
         return json_response(replies.embeddings(rows, model, body.encoding_format))
 
     async def rerank(self, request: Request) -> Response:
         body = await self.body(request, bodies.RerankBody)
-        scores = await self.call(request, bodies.rerank_call(body))
-        model = model_name(body.model, await self.client(request), "rerank")
+        scores, model = await self.call(request, bodies.rerank_call(body))
         return json_response(replies.rerank(scores, body.documents, model, body.top_n,
                                             body.return_documents))
 
