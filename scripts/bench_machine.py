@@ -139,18 +139,25 @@ def wakeup_after_idle(rounds: int, idle_ms: float = 8.0) -> dict[str, Any]:
     """Round trips through the chain with no work: back to back, and each after the
     chain slept idle_ms, interleaved."""
     client, children = _chain(0.0, 0.0)
-    back_to_back, after_idle = [], []
     try:
-        for _ in range(rounds):
-            back_to_back.append(_round_trip(client))
-            time.sleep(idle_ms / 1000)
-            after_idle.append(_round_trip(client))
+        return wakeup_figures(lambda: _round_trip(client), rounds, idle_ms)
     finally:
         client.close()
         for pid in children:
             os.waitpid(pid, 0)
+
+
+def wakeup_figures(round_trip: Callable[[], float], rounds: int,
+                   idle_ms: float) -> dict[str, Any]:
+    """round_trip()'s seconds back to back, and each after sleeping idle_ms, interleaved."""
+    back_to_back, after_idle = [], []
+    for _ in range(rounds):
+        back_to_back.append(round_trip())
+        time.sleep(idle_ms / 1000)
+        after_idle.append(round_trip())
+    slept = f"after_{idle_ms:g}_ms_idle"
     figures: dict[str, Any] = {"back_to_back": percentiles(back_to_back),
-                               f"after_{idle_ms:g}_ms_idle": percentiles(after_idle)}
+                               slept: percentiles(after_idle)}
     figures["p50_cost_of_waking_ms"] = round(
-        figures[f"after_{idle_ms:g}_ms_idle"]["p50_ms"] - figures["back_to_back"]["p50_ms"], 3)
+        figures[slept]["p50_ms"] - figures["back_to_back"]["p50_ms"], 3)
     return figures

@@ -9,11 +9,13 @@ forward pass takes: what a lone request pays for crossing processes that were as
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from typing import Any
 
+import bench_machine
 import psutil
-from bench import Daemon, percentiles
+from bench import Daemon
 from bench_pool import NOOP
 
 from modelpool.protocol.client import AsyncClient, Client
@@ -39,20 +41,14 @@ async def _run(sock: str, requests: int, connections: int, in_flight: int) -> fl
 
 
 def _lone(c: Client, rounds: int, idle_ms: float = 8.0) -> dict[str, Any]:
-    back_to_back, after_idle = [], []
-    for i in range(rounds):
+    texts = (f"t{i}" for i in itertools.count())
+
+    def round_trip() -> float:
         t0 = time.perf_counter()
-        c.embed(f"b{i}", model="noop")
-        back_to_back.append(time.perf_counter() - t0)
-        time.sleep(idle_ms / 1000)
-        t0 = time.perf_counter()
-        c.embed(f"a{i}", model="noop")
-        after_idle.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"back_to_back": percentiles(back_to_back),
-                           f"after_{idle_ms:g}_ms_idle": percentiles(after_idle)}
-    out["p50_cost_of_waking_ms"] = round(
-        out[f"after_{idle_ms:g}_ms_idle"]["p50_ms"] - out["back_to_back"]["p50_ms"], 3)
-    return out
+        c.embed(next(texts), model="noop")
+        return time.perf_counter() - t0
+
+    return bench_machine.wakeup_figures(round_trip, rounds, idle_ms)
 
 
 def figures(requests: int) -> dict[str, Any]:

@@ -176,9 +176,10 @@ async def test_under_load_a_small_batch_waits_to_fill(make_harness: MakeHarness)
 
 
 async def test_a_sibling_that_has_replied_is_not_waited_for(make_harness: MakeHarness) -> None:
-    """A worker's reply and its next WantWork are two frames: a lone client's next
-    request often lands between them. The worker runs nothing then, so the request
-    neither waits for a batch to fill nor gives up the replied worker's cores."""
+    """A worker's reply and its next WantWork are two frames (sent in one write, but
+    they may still be read apart): a lone client's next request can land between them.
+    The worker runs nothing then, so the request neither waits for a batch to fill nor
+    gives up the replied worker's cores."""
     h = make_harness(cold_start_workers=2, max_batch_wait_ms=20, max_batch=8)
     h.pool.dispatcher.threads.cpus = 2  # type: ignore[union-attr]
     sink = h.sink()
