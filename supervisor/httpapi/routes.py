@@ -8,11 +8,14 @@ CPU per request, and every endpoint already answers its own errors (`Api.endpoin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import compile_path
 from starlette.types import Receive, Scope, Send
 
 from modelpool.supervisor.httpapi.replies import error_body
@@ -26,20 +29,14 @@ class Route:
     method: str
     handler: Handler
 
+    @cached_property
+    def pattern(self) -> re.Pattern[str]:
+        return compile_path(self.path)[0]
+
     def params(self, path: str) -> dict[str, str] | None:
         """The path's parameters if it matches this route's path, else None."""
-        mine, theirs = self.path.split("/"), path.split("/")
-        if len(mine) != len(theirs):
-            return None
-        params = {}
-        for template, segment in zip(mine, theirs, strict=True):
-            if template.startswith("{"):
-                if not segment:
-                    return None
-                params[template[1:-1]] = segment
-            elif template != segment:
-                return None
-        return params
+        match = self.pattern.match(path)
+        return match.groupdict() if match else None
 
 
 class Routes:
