@@ -106,12 +106,12 @@ def _client(args: argparse.Namespace) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     _ignore_working_directory()
-    import asyncio
     import logging
 
     import msgspec
 
     from modelpool.protocol import logs
+    from modelpool.supervisor import eventloop
     from modelpool.supervisor.activation import ActivationError
     from modelpool.supervisor.config import ConfigError, load_config
     from modelpool.supervisor.server import AlreadyRunning, serve
@@ -135,7 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     for warning in warnings:
         logging.getLogger("modelpool.config").warning("%s", warning)
     try:
-        asyncio.run(serve(config))
+        eventloop.run(serve(config), config.daemon.event_loop)
     except ConfigError as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from modelpool.protocol.paths import default_socket_path
 from modelpool.protocol.peers import uid_of
 from modelpool.protocol.pipes import ImagePolicy
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
+from modelpool.supervisor.eventloop import EventLoop, uvloop_installed
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
@@ -57,6 +58,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # A client with nothing in flight that sends nothing this long is closed; 0: never.
     idle_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 3600.0
     frame_timeout_s: Positive = 30.0  # a begun frame (and the hello) must arrive within this
+    # uvloop where installed ("auto"), or asyncio's own loop (supervisor/eventloop.py).
+    event_loop: EventLoop = "auto"
     realtime: bool = False  # the event loop as SCHED_FIFO, when permitted (supervisor/realtime.py)
     idle_cgroup: bool = True  # start, load, stop workers in an idle cpu cgroup (cgroups.py)
 
@@ -65,6 +68,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             _known(gid_of, self.socket_group, "group")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.event_loop == "uvloop" and not uvloop_installed():
+            raise ValueError('event_loop = "uvloop", but uvloop is not installed')
 
 
 class AccessConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

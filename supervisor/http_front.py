@@ -89,6 +89,7 @@ def bind(listen: str) -> socket.socket:
 class HttpFront:
     def __init__(self, config: Config, socket_path: str) -> None:
         self.config = config.http
+        self.event_loop = config.daemon.event_loop
         self.settings = settings_of(config, socket_path)
         self.sock = bind(self.config.listen)
         self.process: asyncio.subprocess.Process | None = None
@@ -128,7 +129,8 @@ class HttpFront:
             stdin=asyncio.subprocess.PIPE, pass_fds=(fd,))
         assert self.process.stdin is not None
         self.process.stdin.write(msgspec.json.encode(Launch(
-            settings=self.settings, max_clients=self.config.max_clients)) + b"\n")
+            settings=self.settings, max_clients=self.config.max_clients,
+            event_loop=self.event_loop)) + b"\n")
         return await self.process.wait()
 
     async def stop(self, timeout_s: float = 5.0) -> None:

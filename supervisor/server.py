@@ -31,6 +31,7 @@ from modelpool.supervisor import (
     activation,
     cgroups,
     cluster,
+    eventloop,
     gpus,
     memory,
     pressure,
@@ -172,9 +173,9 @@ class Server:
             front = loop.create_task(self.http.run(self.socket_path)) if self.http else None
             if self.http:
                 log.info("HTTP API on http://%s", self.http.address)
-            log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients)",
-                     self.socket_path, os.getpid(), len(self.pool.models),
-                     self.connections.max_connections)
+            log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients, "
+                     "%s loop)", self.socket_path, os.getpid(), len(self.pool.models),
+                     self.connections.max_connections, eventloop.running_loop_name())
             self.service.ready()
             await self.stop_requested.wait()
             log.info("stopping: refusing new work, draining")

@@ -17,6 +17,8 @@ import msgspec
 import uvicorn
 
 from modelpool.protocol import logs
+from modelpool.supervisor import eventloop
+from modelpool.supervisor.eventloop import EventLoop
 from modelpool.supervisor.httpapi.app import build_app
 from modelpool.supervisor.httpapi.guard import guarded
 from modelpool.supervisor.httpapi.settings import HttpSettings
@@ -60,6 +62,7 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
 
     settings: HttpSettings
     max_clients: int
+    event_loop: EventLoop = "auto"  # the daemon's choice
 
 
 async def _serve_process(sock: socket.socket, launch: Launch) -> None:
@@ -85,7 +88,7 @@ def main(argv: list[str]) -> int:
     logs.configure_from_env()  # the daemon's log format, as its workers use it
     sock = socket.socket(fileno=int(argv[0]))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve_process(sock, launch))
+        eventloop.run(_serve_process(sock, launch), launch.event_loop)
     return 0
 
 

@@ -4,6 +4,7 @@ door's process restarted, and the same API served from the supervisor's loop."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -218,3 +219,31 @@ def test_in_loop_serves_the_same_api(make_daemon: object, tmp_path: Path) -> Non
         np.testing.assert_allclose(got["data"][0]["embedding"], c.embed("x"), atol=1e-6)
     assert len([p for p in daemon.descendants()
                 if "httpapi.serve" in " ".join(p.cmdline())]) == 0
+
+
+def _maps_uvloop(process: psutil.Process) -> bool:
+    return any("uvloop" in m.path for m in process.memory_maps(grouped=True))
+
+
+@pytest.mark.parametrize("event_loop", ["auto", "asyncio"])
+def test_the_daemon_and_its_front_door_run_the_loop_configured(
+        make_daemon: object, event_loop: str) -> None:
+    want_uvloop = event_loop == "auto" and importlib.util.find_spec("uvloop") is not None
+    port = free_port()
+    daemon = make_daemon(f"""
+        [daemon]
+        event_loop = "{event_loop}"
+        [http]
+        listen = "127.0.0.1:{port}"
+    """)  # type: ignore[operator]
+    base = f"http://127.0.0.1:{port}"
+    wait_for_http(base, daemon)
+    openai_client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    got = openai_client.embeddings.create(model=MINILM, input="x").data[0].embedding
+    with daemon.client() as c:
+        np.testing.assert_allclose(got, c.embed("x"), atol=1e-6)
+    assert f"{'uvloop' if want_uvloop else 'asyncio'} loop)" in daemon.log()
+    front = [p for p in daemon.descendants() if "httpapi.serve" in " ".join(p.cmdline())]
+    assert len(front) == 1
+    assert _maps_uvloop(psutil.Process(daemon.process.pid)) == want_uvloop
+    assert _maps_uvloop(front[0]) == want_uvloop
