@@ -35,6 +35,34 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES)
     return await reader.readexactly(size)
 
 
+class FrameBuffer:
+    """Frames out of a byte stream fed as it arrives, for readers that are called with
+    whatever bytes came (an asyncio Protocol), not ones that await each frame."""
+
+    def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
+        self.limit = limit
+        self.buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The frames data completes, in order; the rest is kept for the next feed.
+        Raises FrameTooLarge when a frame announces more than the limit."""
+        buffer = self.buffer
+        buffer += data
+        frames, start, end = [], 0, len(buffer)
+        with memoryview(buffer) as view:
+            while end - start >= HEADER.size:
+                (size,) = HEADER.unpack_from(view, start)
+                if size > self.limit:
+                    raise FrameTooLarge(size, self.limit)
+                stop = start + HEADER.size + size
+                if stop > end:
+                    break
+                frames.append(bytes(view[start + HEADER.size:stop]))
+                start = stop
+        del buffer[:start]
+        return frames
+
+
 def recv_exactly(sock: socket.socket, size: int) -> bytes:
     """Blocking read of exactly size bytes. Raises EOFError if the peer closed first."""
     buf = bytearray(size)

@@ -18,12 +18,13 @@ import multiprocessing.context
 import os
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 
-from modelpool.protocol.framing import frame, read_frame
+from modelpool.protocol.framing import FrameBuffer, FrameTooLarge, frame
 from modelpool.protocol.messages import encoder
 from modelpool.protocol.pipes import (
     FromWorker,
@@ -93,9 +94,8 @@ class WorkerHandle:
     info: dict[str, Any] = field(default_factory=dict)
     load_error: str | None = None  # its loader failed (or its load timed out or stalled)
     start_error: str | None = None  # its process could not be started
-    writer: asyncio.StreamWriter | None = None
-    beat_writer: asyncio.StreamWriter | None = None  # unused, owns the heartbeat socket
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    writer: asyncio.Transport | None = None  # the work pipe's
+    beat_writer: asyncio.Transport | None = None  # unused, owns the heartbeat socket
     kill_timer: Any = None  # the scheduler's timer that SIGKILLs it if it will not stop
 
     def move_to(self, state: WorkerState) -> None:
@@ -131,6 +131,34 @@ def forkserver_context(preload: list[str]) -> multiprocessing.context.ForkServer
     ctx.set_forkserver_preload(
         ["modelpool.workers.preload", *preload, "modelpool.workers.preloaded"])
     return ctx
+
+
+class Pipe(asyncio.Protocol):
+    """A worker's pipe, read as its bytes arrive: each whole frame is decoded and handed
+    to deliver at once, in the loop's callback, with no task or future per frame
+    (through a StreamReader, a lone request's reply cost two more turns of the loop).
+    A frame that is too large or undecodable goes to refuse, and the pipe is read no
+    more: the worker's sentinel reports what follows."""
+
+    def __init__(self, decoder: msgspec.msgpack.Decoder[Any], deliver: Callable[[Any], None],
+                 refuse: Callable[[str], None]) -> None:
+        self.decoder = decoder
+        self.deliver = deliver
+        self.refuse = refuse
+        self.frames = FrameBuffer()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for payload in self.frames.feed(data):
+                self.deliver(self.decoder.decode(payload))
+        except (FrameTooLarge, msgspec.DecodeError) as exc:
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self.refuse(str(exc))
 
 
 class WorkerEvents(Protocol):
@@ -193,38 +221,24 @@ class Launcher:
             work_child.close()
             beat_child.close()
         handle.process, handle.pid = process, process.pid
-        reader, handle.writer = await asyncio.open_unix_connection(sock=work_parent)
-        # Keep the writer referenced: a collected StreamWriter closes its socket.
-        beat_reader, handle.beat_writer = await asyncio.open_unix_connection(sock=beat_parent)
-        handle.tasks = [
-            loop.create_task(self._read_work(handle, reader)),
-            loop.create_task(self._read_heartbeats(handle, beat_reader)),
-        ]
+        events = self.events
+        assert events is not None
+
+        def refuse_work(why: str) -> None:
+            log.error("worker %s sent an unreadable message (%s); killing it",
+                      handle.worker_id, why)
+            self.kill(handle)
+
+        work = Pipe(from_worker_decoder, lambda msg: events.handle(handle, msg), refuse_work)
+        # A silent worker is judged hung by its missing heartbeats: nothing more to do.
+        beats = Pipe(heartbeat_decoder, lambda beat: events.handle_heartbeat(handle, beat),
+                     lambda why: None)
+        # Keep the transports referenced: a collected transport closes its socket.
+        handle.writer = cast(asyncio.Transport, (await loop.create_unix_connection(
+            lambda: work, sock=work_parent))[0])
+        handle.beat_writer = cast(asyncio.Transport, (await loop.create_unix_connection(
+            lambda: beats, sock=beat_parent))[0])
         loop.add_reader(process.sentinel, self._exited, handle)
-
-    async def _read_work(self, handle: WorkerHandle, reader: asyncio.StreamReader) -> None:
-        assert self.events is not None
-        while True:
-            try:
-                payload = await read_frame(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return  # the sentinel reports the death
-            try:
-                msg = from_worker_decoder.decode(payload)
-            except msgspec.DecodeError:
-                log.error("worker %s sent an undecodable message; killing it", handle.worker_id)
-                self.kill(handle)
-                return
-            self.events.handle(handle, msg)
-
-    async def _read_heartbeats(self, handle: WorkerHandle, reader: asyncio.StreamReader) -> None:
-        assert self.events is not None
-        while True:
-            try:
-                beat: Heartbeat = heartbeat_decoder.decode(await read_frame(reader))
-            except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError):
-                return
-            self.events.handle_heartbeat(handle, beat)
 
     def _exited(self, handle: WorkerHandle) -> None:
         process = handle.process
@@ -232,8 +246,6 @@ class Launcher:
         asyncio.get_running_loop().remove_reader(process.sentinel)
         process.join(0)
         exitcode = process.exitcode
-        for task in handle.tasks:
-            task.cancel()
         for writer in (handle.writer, handle.beat_writer):
             if writer is not None:
                 writer.close()

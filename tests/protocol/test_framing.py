@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import struct
 import threading
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from modelpool.protocol.framing import (
     HEADER,
     MAX_FRAME_BYTES,
+    FrameBuffer,
     FrameTooLarge,
     frame,
     read_frame,
@@ -160,3 +164,24 @@ def test_read_frame_over_limit_raises() -> None:
     with pytest.raises(FrameTooLarge) as info:
         _read_fed(struct.pack(">I", 65), eof=False, limit=64)
     assert info.value.size == 65 and info.value.limit == 64
+
+
+@given(payloads=st.lists(st.binary(max_size=300), max_size=8),
+       cuts=st.lists(st.integers(min_value=0, max_value=3000), max_size=12))
+def test_frame_buffer_gives_each_frame_whole_however_the_bytes_are_cut(
+        payloads: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(frame(p) for p in payloads)
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    frames = FrameBuffer(limit=300)
+    got = [f for a, b in itertools.pairwise(bounds) for f in frames.feed(stream[a:b])]
+    assert got == payloads
+    assert frames.buffer == b""
+
+
+def test_frame_buffer_keeps_a_partial_frame_and_refuses_an_oversized_one() -> None:
+    frames = FrameBuffer(limit=10)
+    assert frames.feed(frame(b"abc") + frame(b"0123456789")[:6]) == [b"abc"]
+    assert frames.feed(frame(b"0123456789")[6:]) == [b"0123456789"]
+    with pytest.raises(FrameTooLarge) as info:
+        frames.feed(HEADER.pack(11))
+    assert info.value.size == 11
