@@ -1,10 +1,19 @@
-"""A worker's state moves only along the allowed transitions."""
+"""A worker's state moves only along the allowed transitions; its pipe hands on each
+whole frame, and stops at one it cannot read."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+from typing import Any
+
 import pytest
 
-from modelpool.supervisor.workers import IllegalTransition, WorkerHandle, WorkerState
+from modelpool.protocol.framing import HEADER, MAX_FRAME_BYTES, frame
+from modelpool.protocol.messages import encoder
+from modelpool.protocol.pipes import Ready, WantWork, from_worker_decoder
+from modelpool.supervisor.eventloop import loop_factory
+from modelpool.supervisor.workers import IllegalTransition, Pipe, WorkerHandle, WorkerState
 
 S = WorkerState
 
@@ -34,3 +43,43 @@ def test_impossible_moves_are_refused(start: WorkerState, end: WorkerState) -> N
     with pytest.raises(IllegalTransition):
         worker.move_to(end)
     assert worker.state is start
+
+
+async def _through_pipe(chunks: list[bytes]) -> tuple[list[Any], list[str]]:
+    """What a Pipe delivers and refuses when a worker writes chunks, one at a time."""
+    delivered: list[Any] = []
+    refused: list[str] = []
+    ours, theirs = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_unix_connection(
+        lambda: Pipe(from_worker_decoder, delivered.append, refused.append), sock=ours)
+    try:
+        for chunk in chunks:
+            theirs.sendall(chunk)
+            await asyncio.sleep(0.02)  # each chunk its own read
+    finally:
+        theirs.close()
+        transport.close()
+    return delivered, refused
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_pipe_delivers_frames_cut_anywhere_then_stops_at_garbage(loop: str) -> None:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop", reason="uvloop is not installed here")
+    ready = frame(encoder.encode(Ready(pid=7, load_s=0.5)))
+    want = frame(encoder.encode(WantWork()))
+    stream = ready + want + want
+    chunks = [stream[:3], stream[3:len(ready) + 2], stream[len(ready) + 2:],
+              frame(b"\xc1 not msgpack"), want]
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:  # type: ignore[arg-type]
+        delivered, refused = runner.run(_through_pipe(chunks))
+    assert delivered == [Ready(pid=7, load_s=0.5), WantWork(), WantWork()]
+    assert len(refused) == 1  # and nothing after the garbage was read
+
+
+def test_pipe_refuses_a_frame_over_the_limit() -> None:
+    delivered, refused = asyncio.run(_through_pipe([HEADER.pack(MAX_FRAME_BYTES + 1)]))
+    assert delivered == []
+    assert refused == [f"frame of {MAX_FRAME_BYTES + 1} bytes exceeds the limit of "
+                       f"{MAX_FRAME_BYTES} bytes"]
