@@ -38,6 +38,6 @@ def run(main: Coroutine[Any, Any, T], choice: EventLoop) -> T:
 
 
 def running_loop_name() -> str:
-    """"uvloop" or "asyncio": what the status reports."""
+    """"uvloop" or "asyncio", for the log line that says the daemon is serving."""
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") \
         else "asyncio"

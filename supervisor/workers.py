@@ -135,8 +135,8 @@ def forkserver_context(preload: list[str]) -> multiprocessing.context.ForkServer
 
 class Pipe(asyncio.Protocol):
     """A worker's pipe, read as its bytes arrive: each whole frame is decoded and handed
-    to deliver at once, in the loop's callback, with no task or future per frame
-    (through a StreamReader, a lone request's reply cost two more turns of the loop).
+    to deliver at once, in the loop's callback (through a StreamReader task, each frame
+    cost a future, a task step in a later turn of the loop and two readexactly calls).
     A frame that is too large or undecodable goes to refuse, and the pipe is read no
     more: the worker's sentinel reports what follows."""
 
