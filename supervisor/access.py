@@ -12,17 +12,12 @@ connection and logs a refusal once per connection, never once per frame.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import msgspec
+from typing import Any
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.framing import HEADER
 from modelpool.protocol.jobs import Submit
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
@@ -115,12 +110,6 @@ class AccessPolicy:
                 f"admit the whole group")
 
 
-class Sink(Protocol):
-    def send(self, msg: msgspec.Struct) -> None: ...
-
-    def close(self, abort: bool = False) -> None: ...
-
-
 class ConnectionAccess:
     """The policy applied to one connection's peer; refusals are logged once."""
 
@@ -149,16 +138,3 @@ class ConnectionAccess:
         if not self.logged:
             self.logged = True
             log.warning("pid %d, %s: %s", self.peer.pid, user_name(self.peer.uid), message)
-
-
-async def turn_away(conn: Sink, reader: asyncio.StreamReader, error: Error) -> None:
-    """Answer a refused client's hello with the refusal, then hang up. The client speaks
-    first; waiting for its hello (bounded in bytes and time) makes the refusal the reply
-    to it, where hanging up at once could reset the connection before the client reads."""
-    conn.send(error)
-    with contextlib.suppress(TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-        async with asyncio.timeout(REFUSED_HELLO_S):
-            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-            if size <= REFUSED_HELLO_BYTES:
-                await reader.readexactly(size)
-    conn.close()

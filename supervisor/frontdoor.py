@@ -101,10 +101,9 @@ class FrontDoor:
         conn.tasks.add(task)
         task.add_done_callback(conn.tasks.discard)
 
-    async def handshake(self, conn: Connection, limit: int) -> bool:
-        payload = await conn.next_frame(limit)
-        if payload is None:
-            return False
+    def greet(self, conn: Connection, payload: bytes | bytearray) -> bool:
+        """The client's first frame, which must be its hello: welcome it, or say why
+        not and close."""
         try:
             hello = msgspec.msgpack.decode(payload, type=Hello)
         except Exception as exc:  # see decode_request: not only DecodeError
@@ -118,9 +117,16 @@ class FrontDoor:
             return False
         conn.send(Welcome(protocol_version=PROTOCOL_VERSION,
                           server_version=status.version(),
-                          max_frame_bytes=limit,
+                          max_frame_bytes=conn.limit,
                           default_models=dict(self.pool.registry.defaults)))
         return True
+
+    def gone(self, conn: Connection) -> None:
+        """The client has gone: what it waits for is ended (work nobody else waits for
+        is cancelled), and so is what is being worked out for it."""
+        self.pool.forget_sink(conn)
+        for task in conn.tasks:  # retrieves waiting for a reply nobody will read
+            task.cancel()
 
     def handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None:
         msg = decode_request(payload)

@@ -190,6 +190,8 @@ class Server:
             if front is not None:
                 await self._stop_http(front)
             self.service.close()
+            for conn in list(self.connections.live):
+                conn.close()  # what they were told goes out before the process ends
             cgroups.leave(loading_cgroup)
             for task in tasks:
                 task.cancel()
@@ -297,37 +299,14 @@ class Server:
                     f"max_connections): retry later")))
 
     async def _serve_socket(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.open_unix_connection(sock=sock)
-        except OSError:
+            conn = Connection(self.connections, self.access, peer_of(sock), self.front,
+                              self.config.daemon.max_frame_bytes, defer=loop.call_soon)
+            await loop.create_unix_connection(lambda: conn, sock=sock)
+        except OSError:  # gone before it was served
             self.connections.release()
             sock.close()
-            return
-        await self._serve_client(reader, writer)
-
-    async def _serve_client(self, reader: asyncio.StreamReader,
-                            writer: asyncio.StreamWriter) -> None:
-        conn = Connection(reader, writer, self.connections, self.access,
-                          peer_of(writer.get_extra_info("socket")),
-                          defer=asyncio.get_running_loop().call_soon)
-        self.connections.admit(conn)
-        limit = self.config.daemon.max_frame_bytes
-        try:
-            if refusal := conn.access.refusal():
-                await access.turn_away(conn, reader, refusal)
-            elif await self.front.handshake(conn, limit):
-                while (payload := await conn.next_frame(limit)) is not None:
-                    self.front.handle_frame(conn, payload)
-                    del payload  # not held while the next frame is awaited (up to 64 MiB)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        except Exception:  # a bug, not the client's doing: every input is handled above
-            log.exception("client connection failed")
-        finally:
-            self.pool.forget_sink(conn)
-            for task in conn.tasks:  # retrieves waiting for a reply nobody will read
-                task.cancel()
-            conn.close()
 
 async def serve(config: Config) -> None:
     await Server(config).run()

@@ -3,7 +3,9 @@ timeouts, places for clients, decoding that never raises, quiet accept errors.""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import itertools
 import logging
 import os
 from typing import Any
@@ -14,13 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.framing import HEADER, frame
 from modelpool.protocol.messages import Embed, Error
 from modelpool.protocol.peers import Peer
 from modelpool.protocol.wire import server_decoder
 from modelpool.supervisor.acceptor import Acceptor, auto_max_connections
 from modelpool.supervisor.access import AccessPolicy
 from modelpool.supervisor.config import DaemonConfig
-from modelpool.supervisor.connections import Connection, ConnectionTable
+from modelpool.supervisor.connections import READ_CHUNK, Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import decode_request
 
 KB = 1024
@@ -48,6 +51,8 @@ class FakeTransport:
         self.buffer = 0
         self.aborted = False
         self.closing = False
+        self.reading = True
+        self.frames: list[bytes] = []
 
     def set_write_buffer_limits(self, high: int, low: int) -> None:
         pass
@@ -58,25 +63,44 @@ class FakeTransport:
     def is_closing(self) -> bool:
         return self.closing or self.aborted
 
+    def write(self, data: bytes) -> None:
+        self.frames.append(data)
+        if not self.reads:
+            self.buffer += len(data)
+
+    def close(self) -> None:
+        self.closing = True
+
     def abort(self) -> None:
         self.aborted = True
 
+    def pause_reading(self) -> None:
+        self.reading = False
 
-class FakeWriter:
-    def __init__(self, reads: bool) -> None:
-        self.transport = FakeTransport(reads)
-        self.frames: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.frames.append(data)
-        if not self.transport.reads:
-            self.transport.buffer += len(data)
-
-    def close(self) -> None:
-        self.transport.closing = True
+    def resume_reading(self) -> None:
+        self.reading = True
 
     def messages(self) -> list[Any]:
         return [server_decoder.decode(f[4:]) for f in self.frames]
+
+
+class FakeHandler:
+    """Records what a connection hands on; greets every hello but b"bad"."""
+
+    def __init__(self) -> None:
+        self.hellos: list[bytes] = []
+        self.frames: list[bytes] = []
+        self.gone: list[Connection] = []
+
+    def greet(self, conn: Connection, payload: bytes | bytearray) -> bool:
+        self.hellos.append(bytes(payload))
+        return payload != b"bad"
+
+    def handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None:
+        self.frames.append(bytes(payload))
+
+    def gone(self, conn: Connection) -> None:  # type: ignore[override]
+        self.gone.append(conn)
 
 
 ME = Peer(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid(), groups=())
@@ -89,15 +113,16 @@ def table(scheduler: FakeScheduler, **daemon: Any) -> ConnectionTable:
     return ConnectionTable(config, max_connections=3, now=scheduler.now)
 
 
-def connect(t: ConnectionTable, greeted: bool = True,
-            reads: bool = False) -> tuple[Connection, FakeWriter]:
-    writer = FakeWriter(reads)
+def connect(t: ConnectionTable, greeted: bool = True, reads: bool = False,
+            handler: FakeHandler | None = None, limit: int = 64 * KB,
+            policy: AccessPolicy = POLICY) -> tuple[Connection, FakeTransport]:
+    transport = FakeTransport(reads)
     assert t.reserve()
-    conn = Connection(None, writer, t, POLICY, ME)  # type: ignore[arg-type]
-    t.admit(conn)
+    conn = Connection(t, policy, ME, handler or FakeHandler(), limit)
+    conn.connection_made(transport)  # type: ignore[arg-type]
     if greeted:
-        conn.frame_started = None
-    return conn, writer
+        conn.greeted, conn.frame_started = True, None
+    return conn, transport
 
 
 def reply_of(size: int) -> Error:
@@ -111,7 +136,7 @@ def test_a_client_over_its_own_cap_is_dropped() -> None:
     hog.send(reply_of(40 * KB))
     assert not hog.closed
     hog.send(reply_of(40 * KB))
-    assert hog.closed and hog_writer.transport.aborted and not other.closed
+    assert hog.closed and hog_writer.aborted and not other.closed
     assert t.unsent_total == 0
 
 
@@ -130,7 +155,7 @@ def test_replies_a_client_has_read_are_not_held_against_anyone() -> None:
     t = table(FakeScheduler())
     (a, a_writer), (b, _) = connect(t), connect(t)
     a.send(reply_of(60 * KB))
-    a_writer.transport.buffer = 0  # the client read them; the table has not looked since
+    a_writer.buffer = 0  # the client read them; the table has not looked since
     b.send(reply_of(60 * KB))
     assert not a.closed and not b.closed
     assert t.unsent_total == b.unsent()
@@ -157,7 +182,7 @@ def test_an_idle_client_is_told_and_closed_but_not_one_with_work() -> None:
     assert not idle.closed
     clock.advance(2)
     t.sweep()
-    assert idle.closed and idle_writer.transport.closing and not idle_writer.transport.aborted
+    assert idle.closed and idle_writer.closing and not idle_writer.aborted
     assert [(m.code, m.id) for m in idle_writer.messages()] == [(ErrorCode.UNAVAILABLE, None)]
     assert not busy.closed and busy_writer.frames == []
 
@@ -191,12 +216,95 @@ def test_a_goodbye_to_a_client_that_does_not_read_closes_at_once() -> None:
     conn, writer = connect(t)
     conn.send(reply_of(10 * KB))
     conn.goodbye(ErrorCode.UNAVAILABLE, "bye")
-    assert writer.transport.aborted  # a graceful close would wait for it to read
+    assert writer.aborted  # a graceful close would wait for it to read
 
 
 # ---- decoding -------------------------------------------------------------------------
 
 enc = msgspec.msgpack.encode
+
+
+@given(payloads=st.lists(st.binary(max_size=200), min_size=1, max_size=6),
+       cuts=st.lists(st.integers(min_value=0, max_value=1500), max_size=10))
+@settings(max_examples=60)
+def test_frames_cut_anywhere_reach_the_handler_whole_and_in_order(
+        payloads: list[bytes], cuts: list[int]) -> None:
+    handler = FakeHandler()
+    conn, _ = connect(table(FakeScheduler()), greeted=False, handler=handler)
+    stream = frame(b"hello") + b"".join(frame(p) for p in payloads)
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    for a, b in itertools.pairwise(bounds):
+        conn.data_received(stream[a:b])
+    assert handler.hellos == [b"hello"] and handler.frames == payloads
+    assert conn.frame_started is None
+
+
+def test_an_oversized_frame_is_answered_skipped_as_it_comes_and_the_next_served() -> None:
+    sched = FakeScheduler()
+    handler = FakeHandler()
+    conn, transport = connect(table(sched), handler=handler, limit=100)
+    conn.data_received(HEADER.pack(150) + b"x" * 50)
+    assert "exceeds the limit" in transport.messages()[0].message
+    assert conn.frame_started == sched.now()  # the frame timeout bounds the skipping
+    conn.data_received(b"x" * 100 + frame(b"next"))
+    assert handler.frames == [b"next"] and conn.frame_started is None
+
+
+def test_a_large_frame_grows_in_its_own_buffer_and_is_handed_on_as_it_is() -> None:
+    handler = FakeHandler()
+    conn, _ = connect(table(FakeScheduler()), handler=handler, limit=4 * READ_CHUNK)
+    body = bytes(range(256)) * (READ_CHUNK // 128)  # 2 MiB
+    data = frame(body) + frame(b"after")
+    for i in range(0, len(data), 300_000):
+        conn.data_received(data[i:i + 300_000])
+    assert handler.frames == [body, b"after"]
+    assert conn.frames.buffer == b""
+
+
+def test_while_replies_back_up_no_request_is_read_then_all_are() -> None:
+    handler = FakeHandler()
+    conn, transport = connect(table(FakeScheduler()), handler=handler)
+    conn.pause_writing()
+    conn.data_received(frame(b"a") + frame(b"b"))
+    assert handler.frames == [] and not transport.reading
+    assert conn.frame_started is None  # waiting on us is no slow frame
+    conn.resume_writing()
+    assert handler.frames == [b"a", b"b"] and transport.reading
+
+
+def test_the_stream_ending_mid_frame_is_answered_then_closed() -> None:
+    conn, transport = connect(table(FakeScheduler()))
+    conn.data_received(HEADER.pack(10) + b"abc")
+    assert conn.eof_received() is False
+    assert transport.messages()[0].message == \
+        "truncated frame: the stream ended after 3 of 10 bytes"
+    assert conn.closed and transport.closing
+
+
+def test_a_bad_hello_closes_and_nothing_after_it_is_read() -> None:
+    handler = FakeHandler()
+    conn, transport = connect(table(FakeScheduler()), greeted=False, handler=handler)
+    conn.data_received(frame(b"bad") + frame(b"request"))
+    assert handler.hellos == [b"bad"] and handler.frames == []
+    assert conn.closed and transport.closing
+
+
+def test_a_refused_client_gets_the_refusal_and_is_closed_at_its_hello() -> None:
+    async def run() -> tuple[Connection, FakeTransport, FakeHandler]:
+        handler = FakeHandler()
+        strangers_only = AccessPolicy(daemon_uid=os.geteuid() + 12345)
+        nobody = Peer(pid=1, uid=os.geteuid() + 1, gid=1, groups=())
+        t = table(FakeScheduler())
+        assert t.reserve()
+        conn = Connection(t, strangers_only, nobody, handler, 64 * KB)
+        transport = FakeTransport(reads=True)
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        conn.data_received(frame(b"hello"))
+        return conn, transport, handler
+
+    conn, transport, handler = asyncio.run(run())
+    assert transport.messages()[0].code is ErrorCode.PERMISSION_DENIED
+    assert conn.closed and transport.closing and handler.hellos == []
 
 
 def test_invalid_utf8_is_a_bad_request_naming_the_id() -> None:
