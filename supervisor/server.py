@@ -308,5 +308,6 @@ class Server:
             self.connections.release()
             sock.close()
 
+
 async def serve(config: Config) -> None:
     await Server(config).run()
