@@ -35,32 +35,82 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES)
     return await reader.readexactly(size)
 
 
-class FrameBuffer:
+class FrameReader:
     """Frames out of a byte stream fed as it arrives, for readers that are called with
-    whatever bytes came (an asyncio Protocol), not ones that await each frame."""
+    whatever bytes came (an asyncio Protocol), not ones that await each frame. A frame
+    over `large` bytes grows in its own buffer and is handed on as it is: copied out of a
+    shared one, a 64 MiB frame would be held twice. next() gives a whole frame, the size
+    of one over the limit (whose bytes are then skipped as they come, so the framing
+    stays intact), or None until more bytes arrive; compact() after a run of next()."""
 
-    def __init__(self, limit: int = MAX_FRAME_BYTES) -> None:
-        self.limit = limit
+    def __init__(self, large: int = 1 << 20) -> None:
+        self.large_from = large
         self.buffer = bytearray()
+        self.pos = 0  # where the unread bytes start; compacted after each read
+        self.skip = 0  # bytes of an oversized frame still to discard ...
+        self.skip_size = 0  # ... of this many
+        self.large: bytearray | None = None
+        self.large_size = 0
 
-    def feed(self, data: bytes) -> list[bytes]:
-        """The frames data completes, in order; the rest is kept for the next feed.
-        Raises FrameTooLarge when a frame announces more than the limit."""
-        buffer = self.buffer
-        buffer += data
-        frames, start, end = [], 0, len(buffer)
-        with memoryview(buffer) as view:
-            while end - start >= HEADER.size:
-                (size,) = HEADER.unpack_from(view, start)
-                if size > self.limit:
-                    raise FrameTooLarge(size, self.limit)
-                stop = start + HEADER.size + size
-                if stop > end:
-                    break
-                frames.append(bytes(view[start + HEADER.size:stop]))
-                start = stop
-        del buffer[:start]
-        return frames
+    def feed(self, data: bytes) -> None:
+        self.buffer += data
+
+    def next(self, limit: int) -> bytes | bytearray | int | None:
+        if self.skip:
+            taken = min(self.skip, len(self.buffer) - self.pos)
+            self.pos += taken
+            self.skip -= taken
+            if self.skip:
+                return None
+        if self.large is not None:
+            return self._grow()
+        if len(self.buffer) - self.pos < HEADER.size:
+            return None
+        (size,) = HEADER.unpack_from(self.buffer, self.pos)
+        if size > limit:
+            self.pos += HEADER.size
+            self.skip = self.skip_size = size
+            return size
+        if size > self.large_from:
+            self.pos += HEADER.size
+            self.large, self.large_size = bytearray(), size
+            return self._grow()
+        start, end = self.pos + HEADER.size, self.pos + HEADER.size + size
+        if end > len(self.buffer):
+            return None
+        self.pos = end
+        with memoryview(self.buffer) as view:
+            return bytes(view[start:end])
+
+    def _grow(self) -> bytearray | None:
+        assert self.large is not None
+        taken = min(self.large_size - len(self.large), len(self.buffer) - self.pos)
+        with memoryview(self.buffer) as view:
+            self.large += view[self.pos:self.pos + taken]
+        self.pos += taken
+        if len(self.large) < self.large_size:
+            return None
+        payload, self.large = self.large, None
+        return payload
+
+    def compact(self) -> None:
+        del self.buffer[:self.pos]
+        self.pos = 0
+
+    def begun(self) -> bool:
+        """Part of a frame has come (or is being skipped)."""
+        return bool(self.skip) or self.large is not None or len(self.buffer) > self.pos
+
+    def progress(self) -> tuple[int, int]:
+        """(bytes come, bytes due) of the part of a frame begun: its header, its body."""
+        if self.skip:
+            return self.skip_size - self.skip, self.skip_size
+        if self.large is not None:
+            return len(self.large), self.large_size
+        unread = len(self.buffer) - self.pos
+        if unread < HEADER.size:
+            return unread, HEADER.size
+        return unread - HEADER.size, int(HEADER.unpack_from(self.buffer, self.pos)[0])
 
 
 def recv_exactly(sock: socket.socket, size: int) -> bytes:

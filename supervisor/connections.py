@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.framing import HEADER, frame
+from modelpool.protocol.framing import FrameReader, frame
 from modelpool.protocol.messages import ClientsStatus, Error, encoder
 from modelpool.protocol.peers import Peer
 from modelpool.supervisor.access import (
@@ -83,7 +83,7 @@ class Connection(asyncio.Protocol):
         self.defer = defer
         self.pending: list[bytes] = []
         self.pending_bytes = 0
-        self.frames = _FrameReader()
+        self.frames = FrameReader(READ_CHUNK)
         self.greeted = False
         self.refused = False  # turned away: only its hello is awaited, then it is closed
         self.paused = False  # its replies back up: none of its requests are read
@@ -226,81 +226,6 @@ class Connection(asyncio.Protocol):
     def drop(self, reason: str) -> None:
         log.warning("dropping a client: %s", reason)
         self.close(abort=True)
-
-
-class _FrameReader:
-    """The frames in a client's bytes as they arrive. A frame over READ_CHUNK grows in its
-    own buffer and is handed on as it is: copied out of a shared one, a 64 MiB frame would
-    be held twice. next() gives a whole frame, the size of one over the limit (whose bytes
-    are then skipped as they come), or None until more bytes arrive."""
-
-    def __init__(self) -> None:
-        self.buffer = bytearray()
-        self.pos = 0  # where the unread bytes start; compacted after each read
-        self.skip = 0  # bytes of an oversized frame still to discard ...
-        self.skip_size = 0  # ... of this many
-        self.large: bytearray | None = None
-        self.large_size = 0
-
-    def feed(self, data: bytes) -> None:
-        self.buffer += data
-
-    def next(self, limit: int) -> bytes | bytearray | int | None:
-        if self.skip:
-            taken = min(self.skip, len(self.buffer) - self.pos)
-            self.pos += taken
-            self.skip -= taken
-            if self.skip:
-                return None
-        if self.large is not None:
-            return self._grow()
-        if len(self.buffer) - self.pos < HEADER.size:
-            return None
-        (size,) = HEADER.unpack_from(self.buffer, self.pos)
-        if size > limit:
-            self.pos += HEADER.size
-            self.skip = self.skip_size = size
-            return size
-        if size > READ_CHUNK:
-            self.pos += HEADER.size
-            self.large, self.large_size = bytearray(), size
-            return self._grow()
-        start, end = self.pos + HEADER.size, self.pos + HEADER.size + size
-        if end > len(self.buffer):
-            return None
-        self.pos = end
-        with memoryview(self.buffer) as view:
-            return bytes(view[start:end])
-
-    def _grow(self) -> bytearray | None:
-        assert self.large is not None
-        taken = min(self.large_size - len(self.large), len(self.buffer) - self.pos)
-        with memoryview(self.buffer) as view:
-            self.large += view[self.pos:self.pos + taken]
-        self.pos += taken
-        if len(self.large) < self.large_size:
-            return None
-        payload, self.large = self.large, None
-        return payload
-
-    def compact(self) -> None:
-        del self.buffer[:self.pos]
-        self.pos = 0
-
-    def begun(self) -> bool:
-        """Part of a frame has come (or is being skipped)."""
-        return bool(self.skip) or self.large is not None or len(self.buffer) > self.pos
-
-    def progress(self) -> tuple[int, int]:
-        """(bytes come, bytes due) of the part of a frame begun: its header, its body."""
-        if self.skip:
-            return self.skip_size - self.skip, self.skip_size
-        if self.large is not None:
-            return len(self.large), self.large_size
-        unread = len(self.buffer) - self.pos
-        if unread < HEADER.size:
-            return unread, HEADER.size
-        return unread - HEADER.size, int(HEADER.unpack_from(self.buffer, self.pos)[0])
 
 
 class ConnectionTable:

@@ -24,7 +24,7 @@ from typing import Any, Protocol, cast
 
 import msgspec
 
-from modelpool.protocol.framing import FrameBuffer, FrameTooLarge, frame
+from modelpool.protocol.framing import MAX_FRAME_BYTES, FrameReader, frame
 from modelpool.protocol.messages import encoder
 from modelpool.protocol.pipes import (
     FromWorker,
@@ -145,20 +145,31 @@ class Pipe(asyncio.Protocol):
         self.decoder = decoder
         self.deliver = deliver
         self.refuse = refuse
-        self.frames = FrameBuffer()
+        self.frames = FrameReader()
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        try:
-            for payload in self.frames.feed(data):
-                self.deliver(self.decoder.decode(payload))
-        except (FrameTooLarge, msgspec.DecodeError) as exc:
-            assert self.transport is not None
-            self.transport.pause_reading()
-            self.refuse(str(exc))
+        self.frames.feed(data)
+        while (payload := self.frames.next(MAX_FRAME_BYTES)) is not None:
+            if isinstance(payload, int):
+                self._stop(f"frame of {payload} bytes exceeds the limit of "
+                           f"{MAX_FRAME_BYTES} bytes")
+                return
+            try:
+                msg = self.decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                self._stop(str(exc))
+                return
+            self.deliver(msg)
+        self.frames.compact()
+
+    def _stop(self, why: str) -> None:
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self.refuse(why)
 
 
 class WorkerEvents(Protocol):
