@@ -127,11 +127,12 @@ class AsyncClient:
             lost = undecodable(exc)
         finally:
             err = unavailable(self.socket_path, lost)
+            gone = Error(id=None, code=err.code, message=err.message)
             for final in self._finals.values():
                 if not final.done():
-                    final.set_result(Error(id=None, code=err.code, message=err.message))
+                    final.set_result(gone)
             for stream in self._streams.values():
-                stream.put_nowait(Error(id=None, code=err.code, message=err.message))
+                stream.put_nowait(gone)
 
     def _send(self, msg: msgspec.Struct) -> None:
         """Sent; the caller then registers where its replies go, before any await (so

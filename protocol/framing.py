@@ -12,6 +12,7 @@ import struct
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+LARGE_FRAME_BYTES = 1 << 20  # FrameReader grows frames over this in their own buffer
 
 
 class FrameTooLarge(Exception):
@@ -38,13 +39,13 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES)
 class FrameReader:
     """Frames out of a byte stream fed as it arrives, for readers that are called with
     whatever bytes came (an asyncio Protocol), not ones that await each frame. A frame
-    over `large` bytes grows in its own buffer and is handed on as it is: copied out of a
+    over `large_from` bytes grows in its own buffer and is handed on as it is: copied out of a
     shared one, a 64 MiB frame would be held twice. next() gives a whole frame, the size
     of one over the limit (whose bytes are then skipped as they come, so the framing
     stays intact), or None until more bytes arrive; compact() after a run of next()."""
 
-    def __init__(self, large: int = 1 << 20) -> None:
-        self.large_from = large
+    def __init__(self, large_from: int = LARGE_FRAME_BYTES) -> None:
+        self.large_from = large_from
         self.buffer = bytearray()
         self.pos = 0  # where the unread bytes start; compacted after each read
         self.skip = 0  # bytes of an oversized frame still to discard ...

@@ -34,7 +34,6 @@ log = logging.getLogger("modelpool.server")
 
 PAUSE_READING_BYTES = 1 << 20  # unread replies above this: read no more of the client's requests
 RESUME_READING_BYTES = 256 << 10  # ... until they drain below this
-READ_CHUNK = 1 << 20  # frames larger than this are read piecewise into their own buffer
 SWEEP_MAX_S = 1.0
 
 _serials = itertools.count(1)
@@ -83,7 +82,7 @@ class Connection(asyncio.Protocol):
         self.defer = defer
         self.pending: list[bytes] = []
         self.pending_bytes = 0
-        self.frames = FrameReader(READ_CHUNK)
+        self.frames = FrameReader()
         self.greeted = False
         self.refused = False  # turned away: only its hello is awaited, then it is closed
         self.paused = False  # its replies back up: none of its requests are read

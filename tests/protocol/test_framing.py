@@ -172,7 +172,7 @@ def test_frame_reader_gives_each_frame_whole_however_the_bytes_are_cut(
         payloads: list[bytes], cuts: list[int]) -> None:
     stream = b"".join(frame(p) for p in payloads)
     bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
-    frames = FrameReader(large=100)  # the longer ones grow in their own buffer
+    frames = FrameReader(large_from=100)  # the longer ones grow in their own buffer
     got: list[bytes | bytearray | int] = []
     for a, b in itertools.pairwise(bounds):
         frames.feed(stream[a:b])

@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.framing import HEADER, frame
+from modelpool.protocol.framing import HEADER, LARGE_FRAME_BYTES, frame
 from modelpool.protocol.messages import Embed, Error
 from modelpool.protocol.peers import Peer
 from modelpool.protocol.wire import server_decoder
 from modelpool.supervisor.acceptor import Acceptor, auto_max_connections
 from modelpool.supervisor.access import AccessPolicy
 from modelpool.supervisor.config import DaemonConfig
-from modelpool.supervisor.connections import READ_CHUNK, Connection, ConnectionTable
+from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import decode_request
 
 KB = 1024
@@ -252,8 +252,8 @@ def test_an_oversized_frame_is_answered_skipped_as_it_comes_and_the_next_served(
 
 def test_a_large_frame_grows_in_its_own_buffer_and_is_handed_on_as_it_is() -> None:
     handler = FakeHandler()
-    conn, _ = connect(table(FakeScheduler()), handler=handler, limit=4 * READ_CHUNK)
-    body = bytes(range(256)) * (READ_CHUNK // 128)  # 2 MiB
+    conn, _ = connect(table(FakeScheduler()), handler=handler, limit=4 * LARGE_FRAME_BYTES)
+    body = bytes(range(256)) * (LARGE_FRAME_BYTES // 128)  # 2 MiB
     data = frame(body) + frame(b"after")
     for i in range(0, len(data), 300_000):
         conn.data_received(data[i:i + 300_000])
