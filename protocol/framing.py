@@ -11,6 +11,8 @@ import socket
 import struct
 
 HEADER = struct.Struct(">I")
+HEADER_BYTES = HEADER.size
+_unpack_header = HEADER.unpack_from
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 LARGE_FRAME_BYTES = 1 << 20  # FrameReader grows frames over this in their own buffer
 
@@ -57,31 +59,34 @@ class FrameReader:
         self.buffer += data
 
     def next(self, limit: int) -> bytes | bytearray | int | None:
-        if self.skip:
-            taken = min(self.skip, len(self.buffer) - self.pos)
-            self.pos += taken
-            self.skip -= taken
-            if self.skip:
-                return None
+        if self.skip and not self._skipped():
+            return None
         if self.large is not None:
             return self._grow()
-        if len(self.buffer) - self.pos < HEADER.size:
+        buffer, pos = self.buffer, self.pos
+        if len(buffer) - pos < HEADER_BYTES:
             return None
-        (size,) = HEADER.unpack_from(self.buffer, self.pos)
+        (size,) = _unpack_header(buffer, pos)
         if size > limit:
-            self.pos += HEADER.size
+            self.pos += HEADER_BYTES
             self.skip = self.skip_size = size
             return size
         if size > self.large_from:
-            self.pos += HEADER.size
+            self.pos += HEADER_BYTES
             self.large, self.large_size = bytearray(), size
             return self._grow()
-        start, end = self.pos + HEADER.size, self.pos + HEADER.size + size
-        if end > len(self.buffer):
+        end = pos + HEADER_BYTES + size
+        if end > len(buffer):
             return None
         self.pos = end
-        with memoryview(self.buffer) as view:
-            return bytes(view[start:end])
+        return bytes(buffer[pos + HEADER_BYTES:end])  # (a memoryview here cost more)
+
+    def _skipped(self) -> bool:
+        """Discard what has come of the oversized frame: is all of it gone?"""
+        taken = min(self.skip, len(self.buffer) - self.pos)
+        self.pos += taken
+        self.skip -= taken
+        return not self.skip
 
     def _grow(self) -> bytearray | None:
         assert self.large is not None
