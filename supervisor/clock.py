@@ -77,10 +77,9 @@ class TimerHeap:
         self._armed_at = math.inf
         self.cancelled = 0
 
-    def call_later(self, delay_s: float, callback: Callable[..., object],
-                   *args: Any) -> HeapTimer:
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any) -> HeapTimer:
+        """At `when`, a time on the scheduler's clock."""
         timer = HeapTimer(self, callback, args)
-        when = self.scheduler.now() + max(0.0, delay_s)
         self._order += 1
         heapq.heappush(self._heap, (when, self._order, timer))
         if when < self._armed_at:

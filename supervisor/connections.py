@@ -134,6 +134,7 @@ class Connection(asyncio.Protocol):
         a begun frame may take, the hello's from the connection's first moment."""
         frames = self.frames
         limit = REFUSED_HELLO_BYTES if self.refused else self.limit
+        now = self.table.now()  # one reading for the frames that came together
         while not self.paused and not self.closed:
             got = frames.next(limit)
             if got is None:
@@ -147,15 +148,15 @@ class Connection(asyncio.Protocol):
                                         f"{limit}; its bytes are skipped"))
                 continue
             self.frame_started = None
-            self.last_active = self.table.now()
+            self.last_active = now
             self._handle(got)
         frames.compact()
         if frames.begun():
             if self.frame_started is None and not self.paused:
-                self.frame_started = self.table.now()
+                self.frame_started = now
         elif self.greeted and self.frame_started is not None:  # a skipped frame ended
             self.frame_started = None
-            self.last_active = self.table.now()
+            self.last_active = now
 
     def _handle(self, payload: bytes | bytearray) -> None:
         if self.refused:
@@ -188,12 +189,13 @@ class Connection(asyncio.Protocol):
         data = frame(encoder.encode(msg))
         if self.defer is None:
             self.transport.write(data)
+            self.last_active = self.table.now()
         else:
-            if not self.pending:
+            if not self.pending:  # the turn's first reply: its time is the turn's
                 self.defer(self.flush)
+                self.last_active = self.table.now()
             self.pending.append(data)
             self.pending_bytes += len(data)
-        self.last_active = self.table.now()
         self.table.note_unsent(self)
 
     def flush(self) -> None:

@@ -110,7 +110,7 @@ class Intake:
         """A model with no worker whose files are not there fails at once, saying what
         to do (a path to fix, `modelpool pull` to run), instead of after a load or a
         download the request would time out waiting for."""
-        if model.live_workers():
+        if model.has_live_worker():
             return None
         missing = self.missing_files(model.spec)
         return (ErrorCode.MODEL_LOAD_FAILED, missing.message) if missing else None

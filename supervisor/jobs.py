@@ -57,7 +57,7 @@ class JobBook:
         sink.jobs[request.id] = req
         is_deadline = deadline_in_s is not None and deadline_in_s < timeout_s
         delay = deadline_in_s if is_deadline else timeout_s
-        req.timer = self.timers.call_later(delay, self.expire, req, is_deadline)
+        req.timer = self.timers.call_at(now + max(0.0, delay), self.expire, req, is_deadline)
         return req
 
     def attach(self, req: Requester, leader: Job) -> None:

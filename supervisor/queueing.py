@@ -43,7 +43,7 @@ class JobState(enum.Enum):
     DONE = "done"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Requester:
     """One client request waiting on a job; gets exactly one final reply."""
 
@@ -57,7 +57,7 @@ class Requester:
     job: Job | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     """One unit of work, from admission until its worker replies (or it is dropped)."""
 
@@ -84,9 +84,11 @@ class Job:
     part_replies: dict[int, Any] = field(default_factory=dict)
     history: list[Any] | None = None  # chunks so far, replayed to requesters who attach late
     size: int = field(init=False)  # units of batch capacity: texts, images, documents; or 1
+    user: Hashable = field(init=False)  # user_of(owner): whose turn it takes among users
 
     def __post_init__(self) -> None:
         self.size = self.kind.size(self.request)
+        self.user = user_of(self.owner)
 
     @property
     def live(self) -> list[Requester]:
@@ -242,7 +244,7 @@ class _Level:
         self.live -= 1
         if job.entry is not None and job.entry < 0:  # in the front of the line
             return
-        self.users[user_of(job.owner)].live -= 1
+        self.users[job.user].live -= 1
 
 
 class JobQueue:
@@ -343,10 +345,9 @@ class JobQueue:
             job.entry = next(self._front)
             heapq.heappush(level.front, (job.entry, job))
             return
-        uid = user_of(job.owner)
-        user = level.users.get(uid)
+        user = level.users.get(job.user)
         if user is None or not user.live:
-            user = level.wake(uid, next(self._seq))
+            user = level.wake(job.user, next(self._seq))
         job.entry = next(self._order)
         user.push(job, job.entry)
 
@@ -375,7 +376,7 @@ class JobQueue:
     def _count(self, job: Job, delta: int) -> None:
         self.live += delta
         self.nbytes += delta * job.nbytes
-        user = user_of(job.owner)
+        user = job.user
         self.held[user] += delta
         if not self.held[user]:
             del self.held[user]

@@ -53,9 +53,12 @@ class SharedImages:
         return WorkItem(job_id=job_id, request=kind.with_images(request, stripped), shared=refs)
 
     def release(self, job_id: int) -> None:
+        names = self.by_job.pop(job_id, None)
+        if not names:
+            return  # most jobs: no images, and this runs for every reply
         import _posixshmem
 
-        for name in self.by_job.pop(job_id, []):
+        for name in names:
             with contextlib.suppress(FileNotFoundError):
                 _posixshmem.shm_unlink("/" + name)
 
