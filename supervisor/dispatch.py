@@ -58,16 +58,18 @@ class Dispatcher:
         if not sent:
             return
         now = self.scheduler.now()
+        size = 0
         for job in sent:
             job.state, job.worker_id, job.started_at = JobState.RUNNING, worker.worker_id, now
             worker.jobs[job.job_id] = job
+            size += job.size
+            model.metrics.queue_wait_s.observe(now - job.accepted_at)
         threads = self.threads.grant(model, worker) if self.threads is not None else 0
         if worker.state is WorkerState.IDLE:
             worker.move_to(WorkerState.BUSY)
         worker.slots -= 1 if sent[0].kind.batched else len(sent)
         worker.last_used, worker.last_dispatch_at = now, now
-        model.metrics.batch(sum(job.size for job in sent),
-                            [now - job.accepted_at for job in sent])
+        model.metrics.batch(size)
         worker.send(Work(items=items, threads=threads))
 
     def _runnable(self, jobs: list[Job]) -> list[Job]:

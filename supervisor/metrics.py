@@ -69,12 +69,11 @@ class ModelMetrics:
     load_failures: int = 0
     worker_deaths: int = 0
 
-    def batch(self, size: int, waits_s: list[float]) -> None:
+    def batch(self, size: int) -> None:
+        """A batch of `size` went to a worker (each job's wait is in queue_wait_s)."""
         self.batches += 1
         self.batched_items += size
         self.batch_size.observe(size)
-        for wait in waits_s:
-            self.queue_wait_s.observe(wait)
 
     def rejected(self, op: str, priority: str, code: ErrorCode) -> None:
         self.by_priority[priority].rejected[code.value] += 1
@@ -82,14 +81,16 @@ class ModelMetrics:
 
     def ended(self, op: str, priority: str, reply: Any, latency_s: float) -> None:
         """One request's final reply; None when its client left without one."""
-        counters = self.by_priority[priority]
         if reply is None:
             return  # nobody to count it for
-        self.outcomes[op, priority, reply.code.value if isinstance(reply, Error) else "OK"] += 1
-        if op not in self.latency_s:
-            self.latency_s[op] = Histogram(SECONDS_BUCKETS)
-        self.latency_s[op].observe(latency_s)
-        if not isinstance(reply, Error):
+        failed = isinstance(reply, Error)
+        self.outcomes[op, priority, reply.code.value if failed else "OK"] += 1
+        histogram = self.latency_s.get(op)
+        if histogram is None:
+            histogram = self.latency_s[op] = Histogram(SECONDS_BUCKETS)
+        histogram.observe(latency_s)
+        counters = self.by_priority[priority]
+        if not failed:
             counters.completed += 1
             counters.latencies_s.append(latency_s)
         elif reply.code is ErrorCode.DEADLINE_EXPIRED:

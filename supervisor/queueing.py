@@ -309,7 +309,7 @@ class JobQueue:
         if not first.kind.batched:
             return batch
         size = first.size
-        while size < max_size and (top := self._top()) is not None:
+        while size < max_size and self.live and (top := self._top()) is not None:
             nxt = top[1]
             if nxt.size + size > max_size or nxt.kind is not first.kind:
                 break

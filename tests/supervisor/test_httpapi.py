@@ -139,7 +139,9 @@ def test_metrics_text_parses_with_prometheus_own_parser() -> None:
     metrics = ModelMetrics()
     metrics.ended("embed", "normal", object(), 0.02)
     metrics.rejected("embed", "low", ErrorCode.QUEUE_FULL)
-    metrics.batch(4, [0.001, 0.002])
+    metrics.batch(4)
+    metrics.queue_wait_s.observe(0.001)
+    metrics.queue_wait_s.observe(0.002)
     status = {"uptime_s": 1.0, "shutting_down": False, "clients": None,
               "memory": {"budget_mb": 100.0, "used_mb": 10.0, "available_mb": 50.0},
               "models": [{"key": "m", "state": "ready", "queued": 1, "running": 2,
