@@ -97,6 +97,18 @@ def test_priority_caps_refuse_what_is_above_them_and_name_the_cap() -> None:
     assert p.request_refusal(peer(DAEMON), Embed(id=5, texts=["a"], priority="critical")) is None
 
 
+def test_the_daemons_user_and_root_are_never_refused_and_others_always_checked() -> None:
+    """Their connections skip the per-request check; every other connection keeps it."""
+    p = policy(allow_users=[2000], max_priority="low")
+    for uid in (DAEMON, 0):
+        gate = ConnectionAccess(p, peer(uid))
+        assert gate.check(StopDaemon(id=1)) is None
+        assert gate.check(Embed(id=2, texts=["a"], priority="critical")) is None
+    other = ConnectionAccess(p, peer(2000))
+    assert other.check(StopDaemon(id=3)) is not None
+    assert other.check(Embed(id=4, texts=["a"], priority="normal")) is not None
+
+
 def test_a_connection_logs_its_refusals_once(caplog: pytest.LogCaptureFixture) -> None:
     gate = ConnectionAccess(policy(allow_users=[2000]), peer(2000))
     with caplog.at_level(logging.WARNING, logger="modelpool.access"):
