@@ -102,7 +102,7 @@ def bounds_error(model: ModelState, models: Iterable[ModelState], nbytes: int,
     if len(model.queue) >= limit:
         return ErrorCode.QUEUE_FULL, f"model {model.key!r} has {limit} requests waiting"
     share = max(1, limit - limit // 4)
-    if model.queue.held[user_of(owner)] >= share:
+    if model.queue.held.get(user_of(owner), 0) >= share:
         return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this user's "
                 "requests wait; the rest is kept for others")
     queued_total = queued_bytes = 0

@@ -116,7 +116,8 @@ class ModelState:
         used, so the least recently used stay idle long enough to be retired."""
         free = [w for w in self.workers.values() if w.slots > 0 and not w.hung
                 and w.state in (WorkerState.IDLE, WorkerState.BUSY)]
-        free.sort(key=lambda w: (len(w.jobs), -w.last_used))
+        if len(free) > 1:
+            free.sort(key=lambda w: (len(w.jobs), -w.last_used))
         return free
 
     def running(self) -> int:

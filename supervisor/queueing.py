@@ -7,7 +7,6 @@ when identical requests were deduplicated). Pure data structures: no I/O, no clo
 
 from __future__ import annotations
 
-import collections
 import enum
 import hashlib
 import heapq
@@ -265,7 +264,9 @@ class JobQueue:
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
         self._seq = itertools.count()
-        self.held: collections.Counter[Hashable] = collections.Counter()  # waiting, by user
+        # Waiting, by user: a plain dict (a Counter's Python-level __missing__ and
+        # __delitem__ ran for a lone client's every request).
+        self.held: dict[Hashable, int] = {}
         self.served = [0] * len(PRIORITIES)  # jobs handed out, by the rank they left
         self.live = 0
         self.nbytes = 0  # of the jobs waiting
@@ -376,7 +377,8 @@ class JobQueue:
     def _count(self, job: Job, delta: int) -> None:
         self.live += delta
         self.nbytes += delta * job.nbytes
-        user = job.user
-        self.held[user] += delta
-        if not self.held[user]:
-            del self.held[user]
+        held = self.held.get(job.user, 0) + delta
+        if held:
+            self.held[job.user] = held
+        else:
+            del self.held[job.user]
