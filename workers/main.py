@@ -99,9 +99,11 @@ class Worker:
     def take_images(self, items: list[WorkItem]) -> None:
         """Copy in the images the supervisor put in shared memory for this work, and
         unlink their segments, before any of it runs."""
+        self.image_bytes = {}
+        if not any(item.shared for item in items):
+            return  # most work: no images (and no import to look up for each)
         from modelpool.workers.capabilities import images
 
-        self.image_bytes = {}
         for item in items:
             for index, shared in enumerate(item.shared):
                 if shared is not None:

@@ -196,6 +196,7 @@ def test_pass_groups_weigh_padding_against_the_cost_of_a_pass() -> None:
     assert groups([5, 500, 6, 7], 32, 10_000) == [[0, 1, 2, 3]]  # passes cost too much
     assert groups([5, 500, 6, 7], 2, 100) == [[0, 2], [3], [1]]
     assert groups([], 32, 100) == []
+    assert groups([42], 32, 100) == [[0]]
     lengths = [(i * 37) % 301 for i in range(200)]
     split = groups(lengths, 32, 200)
     assert sorted(i for group in split for i in group) == list(range(200))

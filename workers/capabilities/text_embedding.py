@@ -64,8 +64,9 @@ def _embed_in_passes(
     embed_counted = getattr(model, "embed_counted", None)
     counts = [0] * len(texts)
     vectors: np.ndarray | None = None
-    for group in pass_groups([len(text) for text in texts], max_batch, PASS_COST_CHARS):
-        part = [texts[i] for i in group]
+    groups = pass_groups([len(text) for text in texts], max_batch, PASS_COST_CHARS)
+    for group in groups:
+        part = texts if len(groups) == 1 else [texts[i] for i in group]
         if callable(embed_counted):
             rows, tokens = embed_counted(part)
             for i, n in zip(group, tokens, strict=False):
@@ -73,9 +74,12 @@ def _embed_in_passes(
         else:
             rows = model.embed(part)
         rows = _rows(rows, len(part), "texts")
-        if vectors is None:
-            vectors = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
-        vectors[group] = rows
+        if len(groups) == 1:
+            vectors = rows  # every text, in order: no copy into place
+        else:
+            if vectors is None:
+                vectors = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
+            vectors[group] = rows
         out.tick()
     return (vectors if vectors is not None else np.zeros((0, 0), np.float32)), counts
 
@@ -84,6 +88,8 @@ def pass_groups(lengths: list[int], max_batch: int, pass_cost: int) -> list[list
     """The inputs' indices in forward passes of at most max_batch, grouped by length so
     that the passes' padding plus pass_cost each is least (a shortest path over the
     inputs sorted by length); each pass keeps the inputs' own order."""
+    if len(lengths) == 1:
+        return [[0]]  # a lone text, the common case of one request at a time
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     sizes = [lengths[i] + TEXT_COST_CHARS for i in order]
     best = [0.0] + [math.inf] * len(order)
