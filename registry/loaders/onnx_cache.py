@@ -27,7 +27,7 @@ import msgspec
 
 from modelpool.registry.spec import ModelSpec
 
-FORMAT = "2"  # bump when the export or the manifest changes
+FORMAT = "3"  # bump when the export or the manifest changes
 VERSIONED = ("torch", "transformers", "tokenizers", "onnx", "onnxruntime")
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"

@@ -76,6 +76,27 @@ def test_export_gives_eager_vectors_and_a_later_load_exports_nothing(
     assert info["execution"] == "onnx" and info["max_seq_length"] == 256
 
 
+def test_attention_is_exported_without_sdpas_mask_handling(
+        in_cache: Path, eager: SentenceEmbedder) -> None:
+    """Traced through eager attention: SDPA's export wraps each layer's softmax in NaN
+    handling, which made ONNX Runtime slower. The model is put back after tracing."""
+    import onnx
+
+    from modelpool.registry.loaders import onnx_export
+
+    model_dir = load_model_with_dir(_minilm(execution="eager"))[1]
+    assert model_dir is not None
+    entry = onnx_cache.entry_dir(_minilm(), model_dir)
+    graph = onnx.load(str(entry / onnx_cache.MODEL_FILE), load_external_data=False).graph
+    ops = [node.op_type for node in graph.node]
+    assert ops.count("Softmax") == 6 and "IsNaN" not in ops  # MiniLM's six layers
+    before = eager.model.config._attn_implementation
+    assert before != "eager"
+    with onnx_export._eager_attention(eager.model):
+        assert eager.model.config._attn_implementation == "eager"
+    assert eager.model.config._attn_implementation == before
+
+
 def test_both_runtimes_count_the_tokens_the_model_reads(
         in_cache: Path, eager: SentenceEmbedder) -> None:
     model = load_model(_minilm(execution="onnx"))
