@@ -160,8 +160,7 @@ def _decide(eager: SentenceEmbedder, work: Path, manifest: Manifest) -> Manifest
         cosine = candidate.verify()
     except onnx_embedding.VectorsDiffer as exc:
         return _with(manifest, choice="eager", reason=str(exc))
-    eager_ms = _best_ms(eager.embed)
-    onnx_ms = _best_ms(candidate.embed)
+    eager_ms, onnx_ms = _best_ms(eager.embed, candidate.embed)
     # One timing on a shared machine varies by tens of percent: only a clearly slower
     # export loses (the runtimes' usual order for encoders is the other way round).
     slower = onnx_ms > SLOWER * eager_ms
@@ -171,18 +170,22 @@ def _decide(eager: SentenceEmbedder, work: Path, manifest: Manifest) -> Manifest
                  min_cosine=cosine, eager_ms=round(eager_ms, 2), onnx_ms=round(onnx_ms, 2))
 
 
-def _best_ms(embed: Any) -> float:
-    """Best of a few rounds of a batch and single texts of everyday lengths."""
+def _best_ms(*embeds: Any) -> list[float]:
+    """Each runtime's best of a few rounds of a batch and single texts of everyday
+    lengths. The rounds take turns, so that a busy spell of the machine (other work, a
+    test suite) slows both rather than whichever ran through it: the choice is cached."""
     texts = [t for t in onnx_embedding.REFERENCE_TEXTS if len(t) < onnx_embedding.LONG_CHARS]
-    embed(texts)  # warm
-    best = float("inf")
+    for embed in embeds:
+        embed(texts)  # warm
+    best = [float("inf")] * len(embeds)
     for _ in range(TIMING_ROUNDS):
-        started = time.perf_counter()
-        embed(texts)
-        for text in texts[:4]:
-            embed([text])
-        best = min(best, time.perf_counter() - started)
-    return best * 1000
+        for index, embed in enumerate(embeds):
+            started = time.perf_counter()
+            embed(texts)
+            for text in texts[:4]:
+                embed([text])
+            best[index] = min(best[index], time.perf_counter() - started)
+    return [seconds * 1000 for seconds in best]
 
 
 def _with(manifest: Manifest, **changes: Any) -> Manifest:

@@ -194,3 +194,13 @@ def test_a_worker_serving_the_export_never_imports_torch(in_cache: Path) -> None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=dict(os.environ), check=True)
     assert out.stdout.split() == ["onnx", "False"]
+
+
+def test_the_export_and_eager_are_timed_in_turns() -> None:
+    """The cached choice rests on these timings: a busy spell must not fall on one side."""
+    from modelpool.registry.loaders import onnx_export
+
+    calls: list[str] = []
+    onnx_export._best_ms(lambda texts: calls.append("e"), lambda texts: calls.append("o"))
+    per_round = 1 + 4  # a batch, then four single texts
+    assert "".join(calls) == "eo" + ("e" * per_round + "o" * per_round) * onnx_export.TIMING_ROUNDS
