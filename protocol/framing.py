@@ -114,9 +114,9 @@ class FrameReader:
         if self.large is not None:
             return len(self.large), self.large_size
         unread = len(self.buffer) - self.pos
-        if unread < HEADER.size:
-            return unread, HEADER.size
-        return unread - HEADER.size, int(HEADER.unpack_from(self.buffer, self.pos)[0])
+        if unread < HEADER_BYTES:
+            return unread, HEADER_BYTES
+        return unread - HEADER_BYTES, int(_unpack_header(self.buffer, self.pos)[0])
 
 
 def recv_exactly(sock: socket.socket, size: int) -> bytes:

@@ -53,6 +53,9 @@ class ModelSettings:
                    threads_auto=not (spec.threads or pool.threads_per_worker))
 
 
+_GONE = (WorkerState.STOPPING, WorkerState.DEAD)  # a worker that will serve no more
+
+
 @dataclass
 class LoadFailures:
     """Failed loads in a row, and the back-off before the next attempt."""
@@ -101,14 +104,11 @@ class ModelState:
         return [*self.workers.values(), *([self.holder] if self.holder else [])]
 
     def live_workers(self) -> list[WorkerHandle]:
-        return [w for w in self.workers.values()
-                if w.state not in (WorkerState.STOPPING, WorkerState.DEAD)]
+        return [w for w in self.workers.values() if w.state not in _GONE]
 
     def has_live_worker(self) -> bool:
-        for worker in self.workers.values():  # any() over a generator cost a quarter more
-            if worker.state is not WorkerState.STOPPING and worker.state is not WorkerState.DEAD:
-                return True
-        return False
+        """Without building the list: this runs for every request."""
+        return any(worker.state not in _GONE for worker in self.workers.values())
 
     def free_workers(self) -> list[WorkerHandle]:
         """Workers that asked for work and may get it: the least loaded first (a worker
