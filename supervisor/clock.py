@@ -133,4 +133,5 @@ class HeapTimer:
     def cancel(self) -> None:
         if not (self.cancelled or self.fired):
             self.cancelled = True
+            self.args = ()  # what it would have called with is freed now, not when dropped
             self.heap._cancelled_one()

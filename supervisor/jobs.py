@@ -119,8 +119,8 @@ class JobBook:
         other requester still waits for it."""
         if req.done:
             return
-        self._end(req, reply)
         job = req.job
+        self._end(req, reply)
         if job is not None and job.state is not JobState.DONE and not job.live:
             self.events.abandon(job)
             self._close(job)
@@ -179,3 +179,7 @@ class JobBook:
         if reply is not None and not req.sink.closed:
             req.sink.send(reply)
         self.events.request_ended(req, reply)
+        # The requester and its job point at each other (and its timer at it): unlinked,
+        # both are freed as their last reference goes, not left as cycles for the garbage
+        # collector, which ran for ~10% of the supervisor's time per no-op request.
+        req.timer = req.job = None

@@ -4,12 +4,15 @@ normal request path)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Chunk
 from modelpool.protocol.pipes import Abort
+from modelpool.supervisor.clock import HeapTimer
+from modelpool.supervisor.queueing import Job, Requester
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -165,6 +168,48 @@ async def test_forget_sink_sends_nothing_even_before_the_connection_is_marked_cl
     h.pool.forget_sink(sink)  # the server's order: forget first, then conn.close()
 
     assert sink.messages == []
+
+
+# ---- 8. what an ended request leaves behind ------------------------------------------
+
+
+async def test_ended_requests_leave_no_cycles_for_the_garbage_collector(
+        make_harness: MakeHarness) -> None:
+    """Replied, timed out, cancelled, deduplicated, or its client gone: the request's
+    Requester, Job and timer are freed as their last reference goes. As cycles they
+    waited for the collector, which then ran for a tenth of the supervisor's time."""
+    h = make_harness()
+    sink, gone = h.sink(), h.sink("gone")
+    h.embed(sink, ["warm"])
+    await h.settle()
+    worker = h.workers("emb")[0]
+    h.ready(worker)
+    h.reply_embeddings(worker, h.job_ids(worker)[0], 1.0)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        replied = h.embed(sink, ["a"])
+        twin = h.embed(sink, ["a"])  # joins the first: one job, two requesters
+        cancelled = h.embed(sink, ["c"])
+        timed_out = h.embed(sink, ["t"], timeout_s=0.05)
+        h.embed(gone, ["g"])
+        h.pool.cancel(sink, cancelled)
+        h.clock.advance(0.1)
+        h.pool.forget_sink(gone)
+        h.want_work(worker)
+        for job_id in h.job_ids(worker)[1:]:
+            h.reply_embeddings(worker, job_id, 2.0)
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, Job | Requester | HeapTimer)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
+    assert [type(m).__name__ for m in sink.messages[1:]] == [
+        "Error", "Error", "Embeddings", "Embeddings"]
+    assert {m.id for m in sink.messages[1:]} == {replied, twin, cancelled, timed_out}
 
 
 async def test_concurrent_loads_are_capped_across_models(make_harness: MakeHarness) -> None:
