@@ -64,7 +64,14 @@ class Shutdown(_Msg, frozen=True, kw_only=True, tag="shutdown"):
     pass
 
 
-ToWorker = Work | Abort | Shutdown
+class Threads(_Msg, frozen=True, kw_only=True, tag="threads"):
+    """Intra-op threads for the forward passes from the next on, while streams run: the
+    cores a stream's idle siblings left it change as they start and finish work."""
+
+    count: int
+
+
+ToWorker = Work | Abort | Shutdown | Threads
 
 
 # ---- shared weights: a holder's tensors, mapped by the serving workers -------------
@@ -162,6 +169,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     seq: int
     progress: int  # advanced per batch, token or diffusion step
     tokens: int = 0  # generated since the worker started, for tokens/s
+    threads: int = 0  # intra-op threads its forward passes use now; 0: not known yet
 
 
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

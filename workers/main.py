@@ -16,6 +16,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
@@ -32,6 +34,7 @@ from modelpool.protocol.pipes import (
     Ready,
     SharedWeights,
     Shutdown,
+    Threads,
     WantWork,
     Work,
     WorkerSettings,
@@ -62,6 +65,11 @@ class Worker:
         # While a Work runs, its final replies wait for its end (finish_work) and leave
         # in one write with the WantWork that follows them; streamed chunks go at once.
         self.held: list[bytes] | None = None
+        # Intra-op threads: what the forward passes use now (0: as loaded), what the
+        # supervisor granted last, and how this worker's model changes its count.
+        self.threads = 0
+        self.threads_wanted = 0
+        self.set_model_threads: Callable[[int], bool] | None = None
 
     def send(self, msg: msgspec.Struct) -> None:
         if self.held is not None and not isinstance(msg, STREAMED):
@@ -91,10 +99,21 @@ class Worker:
         self.tokens += tokens
 
     def aborted(self, job_id: int) -> bool:
-        # Drain whatever the supervisor sent while we were busy: only Abort/Shutdown can come.
+        # Drain what the supervisor sent while we were busy: Abort, Shutdown, Threads.
         while select.select([self.sock], [], [], 0)[0]:
             self._handle_control(self.receive())
+        self.use_threads()
         return job_id in self.aborts or self.stopping
+
+    def use_threads(self) -> None:
+        """The last grant (a Work's or a Threads message's), for the next forward pass:
+        several that came together cost one change (torch's takes ~1 ms)."""
+        wanted = self.threads_wanted
+        if wanted and wanted != self.threads and self.set_model_threads is not None:
+            if self.set_model_threads(wanted):
+                self.threads = wanted
+            else:
+                self.threads_wanted = 0  # a model without intra-op threads to set
 
     def take_images(self, items: list[WorkItem]) -> None:
         """Copy in the images the supervisor put in shared memory for this work, and
@@ -132,7 +151,7 @@ class Worker:
         count = len(kind_of(item.request).images(item.request))
         return images.opened([self.image_data(item, i) for i in range(count)], self.images)
 
-    def receive(self) -> Work | Abort | Shutdown:
+    def receive(self) -> Work | Abort | Shutdown | Threads:
         try:
             return to_worker_decoder.decode(recv_frame(self.sock))
         except (EOFError, OSError):
@@ -140,12 +159,14 @@ class Worker:
         except (msgspec.DecodeError, FrameTooLarge):
             os._exit(exitcodes.PROTOCOL_ERROR)
 
-    def _handle_control(self, msg: Work | Abort | Shutdown) -> None:
+    def _handle_control(self, msg: Work | Abort | Shutdown | Threads) -> None:
         match msg:
             case Abort(job_id=job_id):
                 self.aborts.add(job_id)
             case Shutdown():
                 self.stopping = True
+            case Threads(count=count):
+                self.threads_wanted = count
             case Work():
                 os._exit(exitcodes.PROTOCOL_ERROR)  # work is only sent when we ask for it
 
@@ -165,7 +186,8 @@ def heartbeat_loop(sock: socket.socket, worker: Worker, interval: float,
         beat = worker.progress if worker.loaded else load_progress()
         try:
             send_frame(sock, encoder.encode(Heartbeat(seq=seq, progress=beat,
-                                                      tokens=worker.tokens)))
+                                                      tokens=worker.tokens,
+                                                      threads=worker.threads)))
         except OSError:
             return  # the supervisor is gone; the work pipe will tell the main thread
         seq += 1
@@ -182,6 +204,9 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
                      args=(beat_sock, worker, settings.heartbeat_interval_s,
                            settings.idle_load_s)).start()
     model, batching = _load(settings, worker)  # at idle priority, from the forkserver
+    worker.set_model_threads = partial(set_threads, model)
+    worker.threads_wanted = settings.threads
+    worker.use_threads()  # set at load already: this records it, for the heartbeats
     worker.loaded = True
     if settings.hold_segment is not None:
         hold(worker)  # stays idle: it only keeps the weights alive
@@ -264,8 +289,8 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
         msg = worker.receive()
         match msg:
             case Work(items=items, threads=threads):
-                if threads:
-                    set_threads(model, threads)
+                worker.threads_wanted = threads or worker.threads_wanted
+                worker.use_threads()
                 worker.held = []
                 worker.take_images(items)
                 adapter(model, items, worker, settings.max_batch)
@@ -276,6 +301,8 @@ def serve(model: object, settings: WorkerSettings, worker: Worker) -> NoReturn:
                 trim_when_idle = True
             case Abort():
                 pass  # for a job already finished: its reply crossed the abort
+            case Threads():
+                pass  # for a stream that has ended: the next Work brings its own count
             case Shutdown():
                 worker.stopping = True
     priority.idle_all_threads()  # tearing down must not slow the serving workers
@@ -296,14 +323,19 @@ def serve_streams(model: object, settings: WorkerSettings, worker: Worker,
     _exit(exitcodes.OK)
 
 
-def set_threads(model: object, threads: int) -> None:
+def set_threads(model: object, threads: int) -> bool:
     """The model's own way (an ONNX Runtime session per count), else torch's pool, which
-    is the process's: ~1 ms to change (OpenMP resizes its team), so only on a change."""
+    is the process's: ~1 ms to change (OpenMP resizes its team), so only on a change.
+    False: neither (a model that runs without torch and has no threads to set)."""
     own = getattr(model, "set_threads", None)
     if callable(own):
         own(threads)
-    elif "torch" in sys.modules and sys.modules["torch"].get_num_threads() != threads:
+        return True
+    if "torch" not in sys.modules:
+        return False
+    if sys.modules["torch"].get_num_threads() != threads:
         sys.modules["torch"].set_num_threads(threads)
+    return True
 
 
 def release_memory() -> None:

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from modelpool.protocol.messages import Chunk, End
-from modelpool.protocol.pipes import Abort, Shutdown, WantWork, Work, WorkerSettings, WorkItem
+from modelpool.protocol.pipes import (
+    Abort,
+    Shutdown,
+    Threads,
+    WantWork,
+    Work,
+    WorkerSettings,
+    WorkItem,
+)
 from modelpool.workers.capabilities.base import error_reply
 from modelpool.workers.capabilities.text_to_text import GenerationStats, StopMatcher
 
@@ -55,10 +63,13 @@ class StreamWorker(Protocol):
     sock: Any
     stopping: bool
     image_bytes: dict[tuple[int, int], bytes]
+    threads_wanted: int  # the supervisor's last grant; use_threads applies it
 
     def send(self, msg: Any) -> None: ...
 
-    def receive(self) -> Work | Abort | Shutdown: ...
+    def receive(self) -> Work | Abort | Shutdown | Threads: ...
+
+    def use_threads(self) -> None: ...
 
     def tick(self, tokens: int = 0) -> None: ...
 
@@ -124,14 +135,19 @@ class StreamLoop:
         while block or _readable(self.worker, 0):
             block = False
             match self.worker.receive():
-                case Work(items=items):
+                case Work(items=items, threads=threads):
+                    self.worker.threads_wanted = threads or self.worker.threads_wanted
+                    self.worker.use_threads()  # before the new streams' prefill
                     self._start(items)
+                case Threads(count=count):
+                    self.worker.threads_wanted = count
                 case Abort(job_id=job_id) if job_id in self.streams:
                     self._cancel(job_id)
                 case Abort():
                     pass  # for a stream already ended: its End crossed the abort
                 case Shutdown():
                     self.worker.stopping = True
+        self.worker.use_threads()
 
     def _start(self, items: list[WorkItem]) -> None:
         self.worker.take_images(items)

@@ -254,7 +254,7 @@ def test_work_round_trip_with_embed_and_generate() -> None:
     assert isinstance(decoded.items[1].request, Generate)
 
 
-@pytest.mark.parametrize("msg", [pipes.Abort(job_id=3), pipes.Shutdown()],
+@pytest.mark.parametrize("msg", [pipes.Abort(job_id=3), pipes.Shutdown(), pipes.Threads(count=2)],
                          ids=lambda m: type(m).__name__)
 def test_to_worker_round_trip(msg: msgspec.Struct) -> None:
     decoded = pipes.to_worker_decoder.decode(encoder.encode(msg))
@@ -281,10 +281,10 @@ def test_from_worker_round_trip(msg: msgspec.Struct) -> None:
 
 
 def test_heartbeat_is_a_compact_array() -> None:
-    payload = encoder.encode(pipes.Heartbeat(seq=5, progress=17, tokens=40))
-    assert msgspec.msgpack.decode(payload) == [5, 17, 40]  # array_like: no field names
+    payload = encoder.encode(pipes.Heartbeat(seq=5, progress=17, tokens=40, threads=2))
+    assert msgspec.msgpack.decode(payload) == [5, 17, 40, 2]  # array_like: no field names
     assert pipes.heartbeat_decoder.decode(payload) == pipes.Heartbeat(seq=5, progress=17,
-                                                                      tokens=40)
-    # A beat without the token count (an older worker's) still decodes.
+                                                                      tokens=40, threads=2)
+    # A beat without the token count or the threads (an older worker's) still decodes.
     old = msgspec.msgpack.encode([5, 17])
     assert pipes.heartbeat_decoder.decode(old) == pipes.Heartbeat(seq=5, progress=17)

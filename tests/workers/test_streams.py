@@ -4,6 +4,7 @@ of one stream among others. The test plays the supervisor's side of the pipe."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import socket
 from collections import defaultdict
@@ -23,11 +24,13 @@ from modelpool.protocol.pipes import (
     Abort,
     Ready,
     Shutdown,
+    Threads,
     WantWork,
     Work,
     WorkerSettings,
     WorkItem,
     from_worker_decoder,
+    heartbeat_decoder,
 )
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers import exitcodes
@@ -47,9 +50,20 @@ class Replies:
 
 
 class StreamChild:
-    def __init__(self, process: Any, work: socket.socket) -> None:
-        self.process, self.work = process, work
+    def __init__(self, process: Any, work: socket.socket, beat: socket.socket) -> None:
+        self.process, self.work, self.beat = process, work, beat
         self.replies = Replies()
+
+    def beats_until(self, threads: int) -> None:
+        """Heartbeats (the ones already sent dropped) until one says the forward passes
+        use this many threads."""
+        self.beat.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while self.beat.recv(1 << 16):
+                pass
+        self.beat.settimeout(TIMEOUT_S)
+        while heartbeat_decoder.decode(recv_frame(self.beat)).threads != threads:
+            pass
 
     def send(self, msg: msgspec.Struct) -> None:
         send_frame(self.work, encoder.encode(msg))
@@ -92,7 +106,7 @@ def child(tiny_models_dir: Path) -> Iterator[StreamChild]:
         work_child.close()
         beat_child.close()
     work_parent.settimeout(TIMEOUT_S)
-    handle = StreamChild(process, work_parent)
+    handle = StreamChild(process, work_parent, beat_parent)
     ready = handle.read_one()
     assert isinstance(ready, Ready), ready
     assert ready.info["max_active_sequences"] == 4
@@ -157,4 +171,21 @@ def test_abort_ends_one_stream_and_shutdown_cancels_the_rest(child: StreamChild)
     child.until(_ended(1, 3))
     assert [e.finish_reason for j in (1, 3) for e in child.replies.endings[j]] == [
         "cancelled", "cancelled"]
+    assert child.exitcode() == exitcodes.OK
+
+
+def test_each_grant_of_threads_is_used_from_the_next_step(child: StreamChild) -> None:
+    child.beats_until(1)  # its share, as started
+    long = {"max_tokens": 1900, "ignore_eos": True}
+    child.send(Work(items=[_item(1, "stream", **long)], threads=2))
+    child.beats_until(2)  # alone: every core
+    child.send(Threads(count=1))  # a sibling started work
+    child.send(Threads(count=2))  # ... and finished it
+    child.send(Threads(count=1))  # ... and started again
+    child.beats_until(1)
+    chunks_then = len(child.replies.seqs[1])
+    child.until(lambda r: len(r.seqs[1]) > chunks_then + 3)  # the stream goes on
+    child.send(Abort(job_id=1))
+    child.until(_ended(1))
+    child.send(Shutdown())
     assert child.exitcode() == exitcodes.OK

@@ -24,6 +24,7 @@ from modelpool.protocol.pipes import (
     LoadFailed,
     Ready,
     Shutdown,
+    Threads,
     WantWork,
     Work,
     WorkerSettings,
@@ -196,5 +197,24 @@ def test_a_works_final_replies_leave_with_its_want_work_and_chunks_at_once() -> 
     assert [type(m) for m in got] == [Embeddings, Chunk, Embeddings, WantWork]
     assert [getattr(m, "id", None) for m in got] == [1, 2, 3, None]
     assert worker.held is None
+    ours.close()
+    theirs.close()
+
+
+def test_threads_granted_mid_stream_apply_once_at_the_next_check() -> None:
+    """A one-at-a-time stream checks for aborts between tokens: the grants that came
+    meanwhile are applied there, the last one only, and only if it changes the count."""
+    ours, theirs = socket.socketpair()
+    worker = Worker(ours)
+    applied: list[int] = []
+    worker.set_model_threads = lambda count: applied.append(count) is None
+    worker.threads = 1
+    for count in (2, 1, 2):
+        send_frame(theirs, encoder.encode(Threads(count=count)))
+    assert not worker.aborted(7)
+    assert applied == [2] and worker.threads == 2
+    send_frame(theirs, encoder.encode(Threads(count=2)))
+    assert not worker.aborted(7)
+    assert applied == [2]  # the count it has: nothing to change
     ours.close()
     theirs.close()
