@@ -244,6 +244,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     sequences: int | None = None
     max_sequences: int | None = None
     tokens_per_s: float | None = None  # generated, over the last seconds
+    threads: int | None = None  # intra-op threads its forward passes use now (heartbeats)
     info: dict[str, Any] = {}  # what its loaded model says of itself (dim, execution, ...)
 
 

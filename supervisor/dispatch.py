@@ -8,7 +8,7 @@ only place jobs go from a queue to a worker.
 from __future__ import annotations
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.pipes import Work
+from modelpool.protocol.pipes import Threads, Work
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelState
@@ -57,6 +57,7 @@ class Dispatcher:
                 self.book.fail(job, ErrorCode.OVERLOADED, str(exc))
         if not sent:
             return
+        was_running = bool(worker.jobs)
         now = self.scheduler.now()
         size = 0
         for job in sent:
@@ -71,6 +72,15 @@ class Dispatcher:
         worker.last_used, worker.last_dispatch_at = now, now
         model.metrics.batch(size)
         worker.send(Work(items=items, threads=threads))
+        if not was_running:
+            self.rethread(worker)
+
+    def rethread(self, changed: WorkerHandle) -> None:
+        """`changed` started or stopped running work: workers running streams that may
+        now use more cores, or must give some back, are told their new count."""
+        if self.threads is not None:
+            for worker in self.threads.regrant(changed):
+                worker.send(Threads(count=worker.threads))
 
     def _runnable(self, jobs: list[Job]) -> list[Job]:
         """Drop what expired while waiting: expired work never reaches a worker."""

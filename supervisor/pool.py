@@ -166,6 +166,8 @@ class Pool:
         self.shared.release(msg.id)
         if job is None:
             return
+        if not worker.jobs:
+            self.dispatcher.rethread(worker)
         model = self.models[worker.model_key]
         if job.started_at is not None:
             model.metrics.ran(self.scheduler.now() - job.started_at)
@@ -196,6 +198,7 @@ class Pool:
                 self.shared.release(job.job_id)
                 self._requeue_or_fail(model, job, worker, exitcode, cause)
             worker.jobs.clear()
+            self.dispatcher.rethread(worker)
             self.retire_unneeded_holder(model)
         self.changed.set()
         self.reconcile_waiting()  # its memory and maybe its load slot are free again

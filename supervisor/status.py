@@ -113,6 +113,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
                               if w.last_heartbeat is not None else None),
             load_s=w.load_s,
             holds_weights=w is model.holder,
+            threads=w.threads_in_use or None,
             **_generation(w, now),
             info=w.info,
         )

@@ -3,10 +3,15 @@ siblings (of every model) leave free.
 
 A worker is started with `threads` (cpus / cold_start_workers by default), which is
 what it uses when every worker is busy. When the others are idle, a lone request would
-run on one core while the rest idle: each batch sent to a worker of a batched model
-with automatic threads says how many threads it may use instead, the cores not granted
-to busy workers (at least its own share). At 64 in flight every worker is busy and
-each keeps its share; one request at a time gets every core.
+run on one core while the rest idle: each batch sent to a worker of a batched or
+streaming model with automatic threads says how many threads it may use instead, the
+cores not granted to busy workers (at least its own share). At 64 in flight every
+worker is busy and each keeps its share; one request at a time gets every core.
+
+A batch ends within a forward pass or a few, but streams run for seconds while other
+workers start and finish: whenever a worker starts or stops running work, the workers
+running streams are granted again (`regrant`), and told when their count changes, so
+that they give back the cores others now use and take them again once they are free.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ class ThreadBudget:
     def __init__(self, cpus: int, models: Mapping[str, ModelState]) -> None:
         self.cpus = cpus
         self.models = models
+        # Whose streams are granted again as others start and stop; the models, their
+        # devices and their threads settings are fixed from the daemon's start.
+        self.streaming = [m for m in models.values() if m.spec.streaming and self.adaptive(m)]
 
     def grant(self, model: ModelState, worker: WorkerHandle) -> int:
         """Threads for the batch about to go to `worker` (which is not busy yet); 0 for
@@ -32,11 +40,27 @@ class ThreadBudget:
         worker.threads = max(share, self.cpus - self.busy_threads(worker))
         return worker.threads
 
+    def regrant(self, changed: WorkerHandle) -> list[WorkerHandle]:
+        """`changed` started or stopped running work: the other workers running streams
+        of adaptive models, granted again; those whose count changed (worker.threads is
+        the new one), to be told."""
+        told = []
+        for model in self.streaming:
+            for worker in model.workers.values():
+                if worker is changed or not worker.jobs:
+                    continue
+                threads = max(model.settings.threads, self.cpus - self.busy_threads(worker))
+                if threads != worker.threads:
+                    worker.threads = threads
+                    told.append(worker)
+        return told
+
     def adaptive(self, model: ModelState) -> bool:
-        """Batched CPU models whose threads were not set by hand. Generation (a forward
-        pass per token) keeps its share: it is not measured here."""
-        return (model.device == "cpu" and model.spec.batched and not model.spec.threads
-                and model.settings.threads_auto)
+        """Batched and streaming CPU models whose threads were not set by hand: both
+        gain from every core (a lone text to embed; a lone stream of a ~100M-parameter
+        causal LM decoded 1.6x faster on 2 threads than on 1, as did 16 in one worker)."""
+        return (model.device == "cpu" and (model.spec.batched or model.spec.streaming)
+                and not model.spec.threads and model.settings.threads_auto)
 
     def busy_threads(self, exclude: WorkerHandle) -> int:
         """Threads of the workers running something now (a worker that has replied and

@@ -87,6 +87,7 @@ class WorkerHandle:
     tokens: TokenRate = field(default_factory=TokenRate)  # generated, from heartbeats
     last_dispatch_at: float = 0.0  # a new job resets the stall clock
     threads: int = 0  # intra-op threads its current work may use (supervisor/threads.py)
+    threads_in_use: int = 0  # what its heartbeats say its forward passes use; 0: unknown
     hung: str | None = None  # why it was judged hung and killed
     stop_requested: bool = False  # we stopped it: exiting before Ready is no load failure
     uss_mb: float | None = None
@@ -107,6 +108,7 @@ class WorkerHandle:
 
     def note_heartbeat(self, beat: Heartbeat, now: float) -> None:
         self.last_heartbeat = now
+        self.threads_in_use = beat.threads
         self.tokens.note(now, beat.tokens)
         if beat.progress != self.progress:
             self.progress, self.progress_changed_at = beat.progress, now

@@ -20,6 +20,7 @@ from conftest import Daemon, model_entry, start_daemon
 
 from modelpool.protocol.client import AsyncClient, PoolError
 from modelpool.protocol.errors import ErrorCode
+from modelpool.supervisor.server import usable_cpus
 
 LLM = """
     [[models]]
@@ -226,3 +227,30 @@ def test_more_streams_than_slots_wait_their_turn(daemon: Daemon) -> None:
     results, most = asyncio.run(run())
     assert results == [("".join(f"tok{i} " for i in range(10)), "length")] * 7
     assert most == 3  # never more than its slots on the one worker
+
+
+def test_a_lone_stream_runs_on_the_cores_its_idle_siblings_leave(
+        tmp_path: Path, tiny_llm_dir: Path) -> None:
+    """Two cold-start workers share the cores; a stream alone gets them all."""
+    cpus = usable_cpus()
+    if cpus < 2:
+        pytest.skip("one usable core: a worker's share is already every core")
+    config = ("[pool]\ncold_start_workers = 2\nheartbeat_interval_s = 0.05\n"
+              + LLM.format(key="alone", path=tiny_llm_dir, n=4))
+    daemon = start_daemon(tmp_path, config)
+
+    async def run() -> None:
+        async with AsyncClient(daemon.socket_path) as c:
+            await c.load("alone")
+            await _until(c, "alone", lambda m: [w.get("threads") for w in m["workers"]]
+                         == [cpus // 2])  # its share, as started
+            stream = asyncio.create_task(
+                _stream(c, "once", "alone", max_tokens=1900, ignore_eos=True))
+            await _until(c, "alone", lambda m: [(w["inflight"], w.get("threads"))
+                                                for w in m["workers"]] == [(1, cpus)])
+            stream.cancel()
+
+    try:
+        asyncio.run(run())
+    finally:
+        daemon.stop()

@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from modelpool.registry.spec import ModelSpec
+from modelpool.protocol.pipes import Threads
+from modelpool.supervisor.workers import WorkerHandle
 
 if TYPE_CHECKING:
     from conftest import Harness
@@ -63,17 +64,56 @@ async def test_generation_and_hand_set_threads_are_left_alone(
         worker = h.workers(model)[0]
         h.ready(worker)
         assert [w.threads for w in h.works(worker)] == [0]  # 0: keep what it was told
+    h.die(h.workers("emb")[0], -9)
+    assert _threads_told(h, h.workers("gen")[0]) == []
 
 
-async def test_generation_keeps_its_share_with_automatic_threads(
+def _threads_told(h: Harness, worker: WorkerHandle) -> list[int]:
+    return [m.count for m in h.sent(worker) if isinstance(m, Threads)]
+
+
+async def test_a_lone_stream_gets_every_core_and_shares_them_while_others_run(
         make_harness: MakeHarness) -> None:
-    models = [ModelSpec(key="gen", capability="text_to_text", path="/nonexistent",
-                        weights_mb=10, per_worker_mb=10)]
-    h = make_harness(models=models)
+    h = make_harness(cold_start_workers=1)
     _two_cores(h, "gen")
+    _two_cores(h, "emb")
     sink = h.sink()
     h.generate(sink)
     await h.settle()
-    worker = h.workers("gen")[0]
-    h.ready(worker)
-    assert [w.threads for w in h.works(worker)] == [0]
+    gen = h.workers("gen")[0]
+    h.ready(gen)
+    assert [w.threads for w in h.works(gen)] == [2]  # nothing else runs: both cores
+
+    h.embed(sink, ["a"])
+    await h.settle()
+    emb = h.workers("emb")[0]
+    h.ready(emb)
+    assert [w.threads for w in h.works(emb)] == [1]  # the stream holds both
+    assert _threads_told(h, gen) == [1]  # ... and gives one back while the batch runs
+
+    h.reply_embeddings(emb, h.job_ids(emb)[0], 0.5)
+    assert _threads_told(h, gen) == [1, 2]  # the batch is done: both cores again
+
+    h.end(gen, h.job_ids(gen)[0])
+    h.want_work(emb)
+    h.embed(sink, ["b"])
+    assert h.works(emb)[-1].threads == 2  # the stream ended: the batch gets both
+    assert _threads_told(h, gen) == [1, 2]  # a worker running nothing is not told
+
+
+async def test_streams_of_two_workers_share_the_cores_and_a_death_frees_them(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=2)
+    _two_cores(h, "gen")
+    sink = h.sink()
+    h.generate(sink, prompt="one")
+    await h.settle()
+    first, second = h.workers("gen")
+    h.ready(first)
+    h.generate(sink, prompt="two")
+    h.ready(second)
+    assert [w.threads for w in h.works(first) + h.works(second)] == [2, 1]
+    assert _threads_told(h, first) == [1]
+
+    h.die(second, -9)
+    assert _threads_told(h, first) == [1, 2]
