@@ -125,26 +125,25 @@ async def _through(sock: str, texts: list[str], in_flight: int) -> tuple[float, 
     return round(rate, 1), np.stack([results[i] for i in range(len(texts))])
 
 
-async def singles_in_turns(sock: str, model: Any, texts: list[str],
-                           block: int = 20) -> dict[str, Any]:
+def singles_in_turns(sock: str, model: Any, texts: list[str], block: int = 20) -> dict[str, Any]:
     """Lone texts through the daemon and in this process, in blocks of `block` in turn.
     This VM's speed drifts by tens of percent over minutes, far more than the fraction
     of a millisecond compared: an eager daemon's lone text measured +1.13 ms over
-    in-process measured a minute apart, +0.47 ms in turns within the same quarter hour."""
+    in-process measured a minute apart, +0.47 ms in turns within the same quarter hour.
+    Through the blocking Client, which a program sending one request at a time uses
+    (AsyncClient's event loop added 25-70 us a request here)."""
     lat: dict[str, list[float]] = {"daemon": [], "in_process": []}
-    async with AsyncClient(sock) as c:
+    with Client(socket_path=sock) as c:
         for text in texts[:10]:
-            await c.embed(text)
+            c.embed(text)
             model.embed([text])
         for start in range(0, len(texts), block):
             turns = ("daemon", "in_process") if start // block % 2 else ("in_process", "daemon")
             for who in turns:
+                embed = c.embed if who == "daemon" else lambda text: model.embed([text])
                 for text in texts[start : start + block]:
                     t0 = time.perf_counter()
-                    if who == "daemon":
-                        await c.embed(text)
-                    else:
-                        model.embed([text])
+                    embed(text)
                     lat[who].append(time.perf_counter() - t0)
     return {who: percentiles(samples) for who, samples in lat.items()}
 
@@ -163,7 +162,7 @@ def daemon(texts: list[str], singles: int, config: str, reference: Any) -> dict[
             while any(w["state"] != "idle" for w in workers_of(c, MINILM)):
                 time.sleep(0.1)
             info = workers_of(c, MINILM)
-        single = asyncio.run(singles_in_turns(d.socket, reference, texts[:singles]))
+        single = singles_in_turns(d.socket, reference, texts[:singles])
         rate, vectors = asyncio.run(_through(d.socket, texts, 64))
         pss_busy = round(sum(d.pss_mb().values()), 1)  # just after the burst
         return {"start_to_first_embedding_s": round(first, 3), "single": single,
