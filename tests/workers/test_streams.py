@@ -4,8 +4,8 @@ of one stream among others. The test plays the supervisor's side of the pipe."""
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
+import select
 import socket
 from collections import defaultdict
 from collections.abc import Iterator
@@ -55,13 +55,10 @@ class StreamChild:
         self.replies = Replies()
 
     def beats_until(self, threads: int) -> None:
-        """Heartbeats (the ones already sent dropped) until one says the forward passes
-        use this many threads."""
-        self.beat.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            while self.beat.recv(1 << 16):
-                pass
-        self.beat.settimeout(TIMEOUT_S)
+        """Heartbeats until one says the forward passes use this many threads (those
+        sent before the call say what was)."""
+        while select.select([self.beat], [], [], 0)[0]:
+            recv_frame(self.beat)
         while heartbeat_decoder.decode(recv_frame(self.beat)).threads != threads:
             pass
 
@@ -106,6 +103,7 @@ def child(tiny_models_dir: Path) -> Iterator[StreamChild]:
         work_child.close()
         beat_child.close()
     work_parent.settimeout(TIMEOUT_S)
+    beat_parent.settimeout(TIMEOUT_S)
     handle = StreamChild(process, work_parent, beat_parent)
     ready = handle.read_one()
     assert isinstance(ready, Ready), ready

@@ -207,7 +207,12 @@ def test_threads_granted_mid_stream_apply_once_at_the_next_check() -> None:
     ours, theirs = socket.socketpair()
     worker = Worker(ours)
     applied: list[int] = []
-    worker.set_model_threads = lambda count: applied.append(count) is None
+
+    def set_model_threads(count: int) -> bool:
+        applied.append(count)
+        return True
+
+    worker.set_model_threads = set_model_threads
     worker.threads = 1
     for count in (2, 1, 2):
         send_frame(theirs, encoder.encode(Threads(count=count)))
