@@ -2,7 +2,8 @@
 age), compatible waiting jobs coalesced into one batch, and expired work never sent.
 
 The pool calls `dispatch` whenever a model's queue or free workers change; this is the
-only place jobs go from a queue to a worker.
+only place jobs go from a queue to a worker, and `take_back` the one where they leave
+it, so that the threads of workers running streams follow who runs what.
 """
 
 from __future__ import annotations
@@ -73,9 +74,22 @@ class Dispatcher:
         model.metrics.batch(size)
         worker.send(Work(items=items, threads=threads))
         if not was_running:
-            self.rethread(worker)
+            self._rethread(worker)
 
-    def rethread(self, changed: WorkerHandle) -> None:
+    def take_back(self, worker: WorkerHandle, job_id: int) -> Job | None:
+        """The job the worker replied for finally (None: not one it runs)."""
+        job = worker.jobs.pop(job_id, None)
+        if job is not None and not worker.jobs:
+            self._rethread(worker)
+        return job
+
+    def take_all_back(self, worker: WorkerHandle) -> None:
+        """The worker is gone: it runs nothing (its jobs were requeued or failed)."""
+        if worker.jobs:
+            worker.jobs.clear()
+            self._rethread(worker)
+
+    def _rethread(self, changed: WorkerHandle) -> None:
         """`changed` started or stopped running work: workers running streams that may
         now use more cores, or must give some back, are told their new count."""
         if self.threads is not None:

@@ -162,12 +162,10 @@ class Pool:
             self.book.forward(job, msg)
 
     def handle_reply(self, worker: WorkerHandle, msg: Any) -> None:
-        job = worker.jobs.pop(msg.id, None)
+        job = self.dispatcher.take_back(worker, msg.id)
         self.shared.release(msg.id)
         if job is None:
             return
-        if not worker.jobs:
-            self.dispatcher.rethread(worker)
         model = self.models[worker.model_key]
         if job.started_at is not None:
             model.metrics.ran(self.scheduler.now() - job.started_at)
@@ -197,8 +195,7 @@ class Pool:
             for job in worker.jobs.values():
                 self.shared.release(job.job_id)
                 self._requeue_or_fail(model, job, worker, exitcode, cause)
-            worker.jobs.clear()
-            self.dispatcher.rethread(worker)
+            self.dispatcher.take_all_back(worker)
             self.retire_unneeded_holder(model)
         self.changed.set()
         self.reconcile_waiting()  # its memory and maybe its load slot are free again

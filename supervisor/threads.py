@@ -31,7 +31,7 @@ class ThreadBudget:
         self.streaming = [m for m in models.values() if m.spec.streaming and self.adaptive(m)]
 
     def grant(self, model: ModelState, worker: WorkerHandle) -> int:
-        """Threads for the batch about to go to `worker` (which is not busy yet); 0 for
+        """Threads for the work about to go to `worker` (its own not counted); 0 for
         a model whose thread count stays as configured."""
         if not self.adaptive(model):
             worker.threads = 0
