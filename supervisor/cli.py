@@ -153,8 +153,7 @@ def _status(args: argparse.Namespace) -> None:
         return
     print(f"{'MODEL':<42} {'CAPABILITY':<15} {'STATE':<9} {'QUEUED':>6} {'RUNNING':>7}  WORKERS")
     for model in status["models"]:
-        workers = ", ".join(f"{w['pid']}:{w['state']}" + _sequences(w)
-                            for w in model["workers"]) or "-"
+        workers = ", ".join(_worker_text(w) for w in model["workers"]) or "-"
         print(f"{model['key']:<42} {model['capability']:<15} {model['state']:<9} "
               f"{model['queued']:>6} {model['running']:>7}  {workers}")
         if model.get("loading"):
@@ -173,11 +172,17 @@ def _status(args: argparse.Namespace) -> None:
         _print_cluster(status["cluster"])
 
 
-def _sequences(worker: dict[str, Any]) -> str:
-    """" 3/16 seq" for a worker that batches streams: active sequences of its maximum."""
-    if worker.get("max_sequences") is None:
-        return ""
-    return f" {worker['sequences']}/{worker['max_sequences']} seq"
+def _worker_text(worker: dict[str, Any]) -> str:
+    """"4101:busy 2 threads 3/16 seq": pid, state, the intra-op threads it last reported
+    (adaptive workers change them with load) and, for a worker that batches streams,
+    its active sequences of its maximum."""
+    text = f"{worker['pid']}:{worker['state']}"
+    threads = worker.get("threads")
+    if threads:
+        text += f" {threads} thread" + ("s" if threads > 1 else "")
+    if worker.get("max_sequences") is not None:
+        text += f" {worker['sequences']}/{worker['max_sequences']} seq"
+    return text
 
 
 def _print_cluster(cluster: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import pytest
 
 from modelpool.protocol.messages import ModelStatus
@@ -63,6 +64,27 @@ async def test_status_follows_a_model_from_cold_to_ready(make_harness: MakeHarne
     assert (emb.running, emb.completed, emb.failed) == (0, 2, 0)
     by_pid = {w.pid: w for w in emb.workers}
     assert (by_pid[a.pid].state, by_pid[a.pid].idle_s) == ("idle", 7.0)
+
+
+async def test_status_text_shows_the_threads_each_worker_last_reported(
+        make_harness: MakeHarness) -> None:
+    from modelpool.protocol.pipes import Heartbeat
+    from modelpool.supervisor.cli import _worker_text
+
+    h = make_harness(cold_start_workers=2)
+    h.embed(h.sink(), ["a"])
+    await h.settle()
+    first, second = h.workers("emb")
+    for worker in (first, second):
+        h.ready(worker)
+    h.pool.handle_heartbeat(first, Heartbeat(seq=0, progress=1, threads=2))
+    h.pool.handle_heartbeat(second, Heartbeat(seq=0, progress=1, threads=1))
+    # As the CLI gets it: the status as plain data, over the socket.
+    status = msgspec.to_builtins(build_status(h.pool, "/s", time.monotonic()))
+    (emb,) = [m for m in status["models"] if m["key"] == "emb"]
+    texts = {w["pid"]: _worker_text(w) for w in emb["workers"]}
+    assert texts[first.pid].endswith(" 2 threads")
+    assert texts[second.pid].endswith(" 1 thread")
 
 
 async def test_status_shows_failed_model_with_its_last_error(make_harness: MakeHarness) -> None:
