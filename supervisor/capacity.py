@@ -85,4 +85,6 @@ def model_view(model: ModelState) -> scaling.ModelView:
         idle_workers=tuple((w.worker_id, w.last_used) for w in model.workers.values()
                            if w.state is WorkerState.IDLE and not w.jobs),
         loading_workers=tuple((w.worker_id, w.started_at) for w in model.workers.values()
-                              if w.state in LOADING))
+                              if w.state in LOADING),
+        outdated_workers=tuple((w.worker_id, w.state is WorkerState.IDLE and not w.jobs)
+                               for w in model.workers.values() if w.outdated and w.ready))

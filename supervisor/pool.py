@@ -35,6 +35,7 @@ from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
 from modelpool.supervisor.dispatch import Dispatcher
+from modelpool.supervisor.exports import Exports
 from modelpool.supervisor.gpus import Gpu, resolve_device
 from modelpool.supervisor.intake import Intake
 from modelpool.supervisor.jobs import JobBook
@@ -69,6 +70,7 @@ class Pool:
                                             config.pool.cooldown_idle_s)
         self.book = JobBook(scheduler, self)
         self.shared = SharedImages()
+        self.exports = Exports()
         self.dispatcher = Dispatcher(scheduler, self.book, self.shared,
                                      config.pool.max_batch_wait_ms / 1000,
                                      ThreadBudget(cpus, self.models))
@@ -146,6 +148,7 @@ class Pool:
     def handle_ready(self, worker: WorkerHandle, msg: Ready) -> None:
         model = self.models[worker.model_key]
         model.note_ready(worker, msg, self.scheduler.now())
+        self.exports.note_ready(model, worker)
         if worker is not model.holder:
             log.info("worker %d of %s ready: pid %d, loaded in %.2fs, USS %.0f MiB",
                      worker.worker_id, model.key, msg.pid, msg.load_s, msg.uss_mb or 0)
@@ -269,10 +272,8 @@ class Pool:
 
     def queued(self, model: ModelState, was_waiting: bool) -> None:
         """New work in the model's queue. Behind work that already waited, with no worker
-        free to take any, it changes nothing the scaling policy reads (only whether work
-        waits) and nothing can be dispatched: the reconcile of the next freed slot, or of
-        the periodic tick, takes it. Under load that is most requests, and reconciling
-        each was a tenth of the supervisor's time per request."""
+        free, nothing can be dispatched or scaled: the next freed slot or tick takes it
+        (under load most requests; reconciling each cost a tenth of the supervisor)."""
         if was_waiting and not any(w.slots > 0 for w in model.workers.values()):
             return
         self.reconcile(model)
@@ -303,24 +304,24 @@ class Pool:
             worker = model.workers.get(stop.worker_id)
             if worker is None:
                 continue
-            if stop.reason == "preempted":
-                log.info("stopping worker %d of %s, loading, to free a load slot for a "
-                         "model that waits for its first", stop.worker_id, model.key)
-                self.stop_worker(worker, grace_s=0.0)  # a load reads no Shutdown
-                continue
-            if stop.reason == "evicted":
-                log.info("evicting idle worker %d of %s to make room", stop.worker_id, model.key)
-            else:
+            if stop.reason == "idle":
                 model.last_scale_down = now
-            self.stop_worker(worker)
+            else:
+                why = scaling.STOP_REASONS[stop.reason]
+                log.info("stopping worker %d of %s: %s", stop.worker_id, model.key,
+                         f"{why}: {worker.outdated}" if stop.reason == "replaced" else why)
+            # A load reads no Shutdown: a preempted one is killed at once.
+            self.stop_worker(worker, grace_s=0.0 if stop.reason == "preempted" else None)
         for start in plan.start:
             self.start_worker(self.models[start.model_key], holder=start.holder)
 
     def tick(self) -> None:
-        """Periodic: retire idle workers, age waiting work, retry what waits for a start."""
+        """Periodic: retire idle or outdated workers, age waiting work, retry starts."""
         now = self.scheduler.now()
         self.apply(scaling.plan_scale_down(self.capacity.view(self.models.values()),
                                            self.policy, now))
+        if not self.shutting_down:
+            self.apply(scaling.plan_replacements(self.capacity.view(self.models.values())))
         every = self.pool_config.priority_aging_s
         for model in self.models.values():
             for rank in model.ageing.starved(model.queue, now, every):

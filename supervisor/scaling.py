@@ -12,7 +12,9 @@ Rules:
   the same device, least recently used first, or else waits for memory;
 - load slots: every waiting model gets one before any model gets a second, even if
   that means stopping another model's extra load (one that is not its first);
-- a weights holder starts before its model's workers and stops when none is left.
+- a weights holder starts before its model's workers and stops when none is left;
+- an outdated worker (its model's ONNX export became ready) is replaced by a new one,
+  one at a time per model: an idle one, or a busy one while another worker serves.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ModelView:
     holder: HolderState = "none"
     idle_workers: tuple[tuple[int, float], ...] = ()  # (worker id, last used), no work held
     loading_workers: tuple[tuple[int, float], ...] = ()  # (worker id, started at)
+    outdated_workers: tuple[tuple[int, bool], ...] = ()  # (worker id, idle), ready ones
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,14 @@ class Start:
 class Stop:
     worker_id: int
     model_key: str
-    reason: str  # "idle" (scale-down), "evicted" (room for another model), "preempted"
-    # (an extra load of one model stopped so that another model's first can start)
+    reason: str  # "idle" (scale-down) or one of STOP_REASONS
+
+
+STOP_REASONS = {
+    "evicted": "idle, to make room for another model",
+    "preempted": "an extra load, stopped so that another model's first can start",
+    "replaced": "a new worker serves better",
+}
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,29 @@ def plan_scale_down(view: PoolView, policy: ScalingPolicy, now: float) -> Plan:
             worker_id, _ = min(model.idle_workers, key=lambda w: w[1])
             stops.append(Stop(worker_id, model.key, "idle"))
     return Plan(stop=tuple(stops))
+
+
+def plan_replacements(view: PoolView) -> Plan:
+    """For each model with outdated workers and none loading: one of them stopped (it
+    finishes its work first) and a new worker started, if memory and a load slot allow.
+    Busy ones only while another worker of the model serves."""
+    slots = view.max_concurrent_loads - view.loading
+    stops, starts = [], []
+    for model in view.models.values():
+        load = model.load
+        if not model.outdated_workers or load.starting or slots <= 0:
+            continue
+        if memory.room_for(model.charge, view.used_mb.get(model.device, 0.0),
+                           view.budget_mb.get(model.device, 0.0)) == 0:
+            continue
+        idle = [worker_id for worker_id, is_idle in model.outdated_workers if is_idle]
+        if not idle and load.live - load.starting < 2:
+            continue
+        worker_id = idle[0] if idle else model.outdated_workers[0][0]
+        stops.append(Stop(worker_id, model.key, "replaced"))
+        starts.append(Start(model.key))
+        slots -= 1
+    return Plan(start=tuple(starts), stop=tuple(stops))
 
 
 def should_stop_one(load: ModelLoad, policy: ScalingPolicy, now: float) -> bool:

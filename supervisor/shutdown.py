@@ -33,6 +33,7 @@ async def drain_and_stop(pool: Pool) -> tuple[int, int, float]:
     started = scheduler.now()
     deadline = started + pool.pool_config.shutdown_timeout_s
     pool.shutting_down = True
+    await pool.exports.close()
     pending = len(pool.active_jobs())
     while pool.active_jobs():
         pool.changed.clear()

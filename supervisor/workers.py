@@ -90,6 +90,7 @@ class WorkerHandle:
     threads_in_use: int = 0  # what its heartbeats say its forward passes use; 0: unknown
     hung: str | None = None  # why it was judged hung and killed
     stop_requested: bool = False  # we stopped it: exiting before Ready is no load failure
+    outdated: str | None = None  # why a new worker would serve better (supervisor/exports.py)
     uss_mb: float | None = None
     load_s: float | None = None
     info: dict[str, Any] = field(default_factory=dict)

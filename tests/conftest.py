@@ -13,7 +13,7 @@ import pytest
 # before anything imports huggingface_hub, and inherited by worker processes.
 os.environ["HF_HUB_OFFLINE"] = "1"
 # ONNX exports (registry/loaders/onnx_cache.py) go to a directory of this run, not the
-# user's cache: the first MiniLM load of a run exports, the others find it.
+# user's cache: made once per run (the minilm_export fixture), found by the rest.
 _ONNX_CACHE = tempfile.TemporaryDirectory(prefix="modelpool-test-cache-")
 os.environ["MODELPOOL_CACHE_DIR"] = _ONNX_CACHE.name
 
@@ -32,6 +32,25 @@ def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outdir = tmp_path_factory.mktemp("tiny-models")
     assert module.main([str(outdir)]) == 0
     return outdir
+
+
+@pytest.fixture(scope="session")
+def minilm_export() -> None:
+    """The run's MiniLM export, made once before a test daemon needs it. A daemon without
+    it serves eager PyTorch, makes the export in the background and then replaces its
+    workers (tests/integration/test_onnx_background.py); the other tests want the
+    steady state from their first request, and one export per run, not one per daemon."""
+    from modelpool.registry.download import resolve_model_dir
+    from modelpool.registry.loaders import embedding_exec, onnx_cache
+    from modelpool.registry.spec import Registry, load_catalog
+
+    spec = Registry(load_catalog()).resolve("minilm")
+    assert spec is not None
+    model_dir = resolve_model_dir(spec)
+    assert model_dir is not None
+    entry = onnx_cache.entry_dir(spec, model_dir)
+    if onnx_cache.read_manifest(entry) is None:
+        embedding_exec.export_in_child(spec, model_dir, entry)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

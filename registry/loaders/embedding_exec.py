@@ -3,16 +3,18 @@
 export is needed, so a worker serving a cached export never imports torch.
 
 "auto" runs the cached export when, at export, its vectors matched eager PyTorch's on
-the reference texts and it was faster; "onnx" runs it whenever its vectors match (and
-fails the load otherwise); "eager" never exports. Every load of an export checks it
-against eager's reference vectors again before it serves.
+the reference texts and it was faster. With no export cached yet, "auto" serves eager
+PyTorch at once and says so in its info (`onnx_export`): the daemon makes the export in
+the background and replaces the worker (supervisor/exports.py). "onnx" exports at
+load, and runs the export whenever its vectors match (and fails the load otherwise);
+"eager" never exports. Every load of an export checks it against eager's reference
+vectors again before it serves.
 """
 
 from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from modelpool.registry.loaders.onnx_cache import Manifest
 from modelpool.registry.spec import ModelSpec
 
 log = logging.getLogger("modelpool.onnx")
-EXPORT_TIMEOUT_S = 600  # the load's own bound (load_timeout_s) is the same by default
+NOT_EXPORTED_YET = "no ONNX export yet: the daemon makes one in the background"
 
 
 def load(spec: ModelSpec, model_dir: Path | None) -> Any:
@@ -48,6 +50,9 @@ def load(spec: ModelSpec, model_dir: Path | None) -> Any:
 
     eager = sentence_embedding.load(spec, model_dir)
     eager.execution_reason = reason
+    if reason == NOT_EXPORTED_YET:
+        entry = onnx_cache.entry_dir(spec, model_dir)
+        eager.onnx_export = {"entry": str(entry), "model_dir": str(model_dir)}
     return eager
 
 
@@ -55,6 +60,8 @@ def _load_onnx(spec: ModelSpec, model_dir: Path) -> Any:
     """The verified export, or why eager runs instead."""
     entry = onnx_cache.entry_dir(spec, model_dir)
     manifest = onnx_cache.read_manifest(entry)
+    if manifest is None and spec.execution == "auto":
+        return NOT_EXPORTED_YET  # the first request need not wait for an export
     if manifest is None:
         manifest = export_in_child(spec, model_dir, entry)
     if manifest.choice == "eager" and spec.execution == "auto":
@@ -66,11 +73,9 @@ def _load_onnx(spec: ModelSpec, model_dir: Path) -> Any:
 
 def export_in_child(spec: ModelSpec, model_dir: Path, entry: Path) -> Manifest:
     """The export, in a process of its own (registry/loaders/onnx_export.py)."""
-    payload = msgspec.msgpack.encode([spec, str(model_dir), str(entry)])
-    # -I: nothing from the working directory or the user's site; the package is found
-    # where this interpreter's site-packages says.
-    done = subprocess.run([sys.executable, "-I", "-m", "modelpool.registry.loaders.onnx_export"],
-                          input=payload, capture_output=True, timeout=EXPORT_TIMEOUT_S)
+    argv, payload = onnx_cache.export_command(spec, model_dir, entry)
+    done = subprocess.run(argv, input=payload, capture_output=True,
+                          timeout=onnx_cache.EXPORT_TIMEOUT_S)
     if done.returncode != 0:
         tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
         raise RuntimeError(f"ONNX export exited with {done.returncode}: {tail[0]}")

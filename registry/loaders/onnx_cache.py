@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,9 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     min_cosine: float | None = None  # against eager on the reference texts
     eager_ms: float | None = None  # the reference set, same threads, best of a few
     onnx_ms: float | None = None
+
+
+EXPORT_TIMEOUT_S = 600  # a load's own bound (load_timeout_s) is the same by default
 
 
 def cache_root() -> Path:
@@ -123,6 +127,8 @@ def exporting(entry: Path) -> Iterator[Path | None]:
         if read_manifest(entry) is not None:
             yield None
             return
+        for left in entry.parent.glob(f".{entry.name}-*"):  # an export killed half-way
+            shutil.rmtree(left, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
         try:
             yield work
@@ -131,6 +137,14 @@ def exporting(entry: Path) -> Iterator[Path | None]:
             os.rename(work, entry)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def export_command(spec: ModelSpec, model_dir: Path, entry: Path) -> tuple[list[str], bytes]:
+    """The export's process (registry/loaders/onnx_export.py) and what it reads on stdin.
+    -I: nothing from the working directory or the user's site; the package is found where
+    this interpreter's site-packages says."""
+    payload = msgspec.msgpack.encode([spec, str(model_dir), str(entry)])
+    return [sys.executable, "-I", "-m", "modelpool.registry.loaders.onnx_export"], payload
 
 
 def _version(dist: str) -> str:

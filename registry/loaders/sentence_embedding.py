@@ -36,10 +36,15 @@ class SentenceEmbedder:
         self.lowercase = lowercase
         self.dim = int(model.config.hidden_size)
         self.execution_reason = ""  # why not ONNX (registry/loaders/embedding_exec.py)
+        self.onnx_export: dict[str, str] | None = None  # an export to make, where
 
     def info(self) -> dict[str, Any]:
-        return {"dim": self.dim, "max_seq_length": self.max_seq_length, "pooling": self.pooling,
-                "execution": "eager", "execution_reason": self.execution_reason}
+        info: dict[str, Any] = {
+            "dim": self.dim, "max_seq_length": self.max_seq_length, "pooling": self.pooling,
+            "execution": "eager", "execution_reason": self.execution_reason}
+        if self.onnx_export is not None:
+            info["onnx_export"] = self.onnx_export
+        return info
 
     def set_threads(self, threads: int) -> None:
         """Intra-op threads of the next forward passes (the whole process's torch pool)."""

@@ -20,8 +20,8 @@ TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
 def test_minilm_serves_from_its_onnx_export_with_eager_vectors(
         make_daemon: MakeDaemon) -> None:
     daemon = make_daemon("[pool]\ncold_start_workers = 2\n")
-    with daemon.client(timeout_s=120) as c:  # the run's first load exports (~10-30 s)
-        got = np.asarray(c.embed(TEXTS, timeout_s=110))
+    with daemon.client() as c:  # the export is cached (tests/conftest.py)
+        got = np.asarray(c.embed(TEXTS))
         workers = next(m for m in c.status()["models"] if m["key"].endswith("MiniLM-L6-v2")
                        )["workers"]
     ready = [w for w in workers if w["info"]]
@@ -36,8 +36,6 @@ def test_minilm_serves_from_its_onnx_export_with_eager_vectors(
 
 def test_with_the_export_cached_no_process_of_the_daemon_maps_torch(
         make_daemon: MakeDaemon) -> None:
-    with make_daemon("").client(timeout_s=120) as c:  # makes sure the export is cached
-        c.embed("first", timeout_s=110)
     daemon = make_daemon("[pool]\ncold_start_workers = 2\n")
     with daemon.client() as c:
         c.embed(TEXTS)

@@ -76,6 +76,24 @@ def test_export_gives_eager_vectors_and_a_later_load_exports_nothing(
     assert info["execution"] == "onnx" and info["max_seq_length"] == 256
 
 
+def test_auto_without_an_export_serves_eager_at_once_and_names_the_export(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first request does not wait for an export: the daemon makes it in the
+    background (supervisor/exports.py) from what the info names."""
+    def no_export(*_: object) -> None:
+        raise AssertionError("exported at load")
+
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(embedding_exec, "export_in_child", no_export)
+    model, model_dir = load_model_with_dir(_minilm(execution="auto"))
+    assert isinstance(model, SentenceEmbedder) and model_dir is not None
+    info = model.info()
+    assert info["execution"] == "eager" and "background" in info["execution_reason"]
+    assert info["onnx_export"] == {"entry": str(onnx_cache.entry_dir(_minilm(), model_dir)),
+                                   "model_dir": str(model_dir)}
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_attention_is_exported_without_sdpas_mask_handling(
         in_cache: Path, eager: SentenceEmbedder) -> None:
     """Traced through eager attention: SDPA's export wraps each layer's softmax in NaN

@@ -216,3 +216,38 @@ def test_no_stop_without_live_workers() -> None:
 def test_cpu_plan_shares_the_cores(cpus: int, cold: int, threads: int, max_workers: int,
                                    expected: tuple[int, int]) -> None:
     assert scaling.cpu_plan(cpus, cold, threads, max_workers) == expected
+
+
+# ---- plan_replacements ----------------------------------------------------------------
+
+
+def outdated(*workers: tuple[int, bool], **changes: Any) -> ModelView:
+    """Model "a": 2 ready workers (one busy) and charge for them, some outdated."""
+    return model(load_=load(**changes), charge=charge(workers=2), outdated_workers=workers)
+
+
+def test_an_idle_outdated_worker_is_replaced_one_at_a_time() -> None:
+    plan = scaling.plan_replacements(view(outdated((7, False), (8, True))))
+    assert plan == Plan(start=(Start("a"),), stop=(Stop(8, "a", "replaced"),))
+    # The new worker loads: nothing more until it is ready.
+    loading = outdated((7, False), starting=1, live=3)
+    assert scaling.plan_replacements(view(loading, loading=1)) == Plan()
+
+
+def test_a_busy_outdated_worker_is_replaced_only_while_another_serves() -> None:
+    plan = scaling.plan_replacements(view(outdated((7, False))))
+    assert plan.stop == (Stop(7, "a", "replaced"),) and plan.start == (Start("a"),)
+    alone = outdated((7, False), live=1, idle=0, busy=1)
+    assert scaling.plan_replacements(view(alone)) == Plan()
+    alone_idle = outdated((7, True), live=1, idle=1, busy=0)
+    assert scaling.plan_replacements(view(alone_idle)).stop == (Stop(7, "a", "replaced"),)
+
+
+def test_no_replacement_without_memory_or_a_load_slot_or_outdated_workers() -> None:
+    # 951 of 1000 used: less than one more worker's 50 left.
+    assert scaling.plan_replacements(view(outdated((8, True)), used=951)) == Plan()
+    assert scaling.plan_replacements(view(outdated((8, True)), loading=2)) == Plan()
+    assert scaling.plan_replacements(view(outdated())) == Plan()
+    two = [outdated((8, True)), dataclasses.replace(outdated((9, True)), key="b")]
+    plan = scaling.plan_replacements(view(*two, loading=1))
+    assert len(plan.stop) == len(plan.start) == 1  # one slot: one replacement

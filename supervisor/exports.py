@@ -1,0 +1,122 @@
+"""ONNX exports made in the background, so that a model's first request never waits for
+one.
+
+A text-embedding model whose export is not cached yet loads eager PyTorch and serves at
+once; its worker's Ready info names the export to make (`onnx_export`: the cache entry
+and the model's files, registry/loaders/embedding_exec.py). The daemon then runs that
+export once, in a process of its own at idle CPU priority (serving comes first), while
+the eager workers serve. When the export is the better runtime (its vectors match eager
+PyTorch's and it is faster), the model's eager workers are marked `outdated` and the
+scaling policy replaces them one at a time (scaling.plan_replacements), each new one
+loading the export. Otherwise (slower, other vectors, a failed export) they keep
+serving eager and their status says why. An export is tried once per daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+
+from modelpool.registry.loaders import onnx_cache
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.workers import WorkerHandle
+
+log = logging.getLogger("modelpool.exports")
+ONNX = "onnx"  # an export's outcome when its model should run it; else why not
+REPLACED_BECAUSE = "its model's ONNX export is ready"
+
+RunExport = Callable[[ModelSpec, Path, Path], Awaitable[str]]
+
+
+async def run_export(spec: ModelSpec, model_dir: Path, entry: Path) -> str:
+    """ONNX, or why the model keeps running eager PyTorch."""
+    argv, payload = onnx_cache.export_command(spec, model_dir, entry)
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    with contextlib.suppress(OSError):  # its threads, started later, inherit it
+        os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
+    try:
+        out, err = await asyncio.wait_for(process.communicate(payload),
+                                          onnx_cache.EXPORT_TIMEOUT_S)
+    except BaseException:  # a timeout, or the daemon stopping: the export goes too
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        raise
+    if process.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+        return f"the ONNX export exited with {process.returncode}: {tail[0]}"
+    manifest = msgspec.json.decode(out, type=onnx_cache.Manifest)
+    return ONNX if manifest.choice == "onnx" else manifest.reason
+
+
+class Exports:
+    """The background exports of this daemon, and what became of them."""
+
+    def __init__(self, run: RunExport = run_export) -> None:
+        self.run = run
+        self.outcomes: dict[str, str] = {}  # entry -> ONNX or why eager
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self.closed = False
+
+    def note_ready(self, model: ModelState, worker: WorkerHandle) -> None:
+        """A worker is ready: start the export it names, or act on one that ended."""
+        export = worker.info.get("onnx_export")
+        if self.closed or not isinstance(export, dict):
+            return
+        entry, model_dir = str(export.get("entry", "")), str(export.get("model_dir", ""))
+        if not entry or not model_dir:
+            return
+        if entry in self.outcomes:
+            self._settle(model, entry)
+        elif entry not in self.running:
+            log.info("model %s: making its ONNX export in the background (%s)", model.key,
+                     entry)
+            self.running[entry] = asyncio.get_running_loop().create_task(
+                self._export(model, Path(model_dir), entry))
+
+    async def _export(self, model: ModelState, model_dir: Path, entry: str) -> None:
+        try:
+            outcome = await self.run(model.spec, model_dir, Path(entry))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the process could not start, its reply was garbled
+            outcome = f"the ONNX export failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.running.pop(entry, None)
+        self.outcomes[entry] = outcome
+        log.info("model %s: ONNX export done: %s", model.key,
+                 "replacing its eager workers" if outcome == ONNX else outcome)
+        self._settle(model, entry)
+
+    def _settle(self, model: ModelState, entry: str) -> None:
+        """Mark the workers that wait for this export: for replacement, or with the
+        reason they stay eager."""
+        outcome = self.outcomes[entry]
+        for worker in model.live_workers():
+            export = worker.info.get("onnx_export")
+            if not isinstance(export, dict) or export.get("entry") != entry:
+                continue
+            if outcome == ONNX:
+                worker.outdated = REPLACED_BECAUSE
+            else:
+                info = {k: v for k, v in worker.info.items() if k != "onnx_export"}
+                worker.info = {**info, "execution_reason": outcome}
+
+    async def close(self) -> None:
+        """No more exports; those running are killed (the next start makes them)."""
+        self.closed = True
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

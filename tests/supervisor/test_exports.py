@@ -1,0 +1,115 @@
+"""Background ONNX exports: made once while eager workers serve, then those workers are
+replaced one at a time; an export that loses leaves them serving, with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE, Exports
+from modelpool.supervisor.workers import WorkerState
+
+if TYPE_CHECKING:
+    from conftest import Harness
+
+MakeHarness = Callable[..., "Harness"]
+PENDING = {"dim": 2, "execution": "eager", "execution_reason": "no ONNX export yet",
+           "onnx_export": {"entry": "/cache/onnx/abc", "model_dir": "/models/emb"}}
+
+
+class FakeExport:
+    """Stands in for the export's process: records each run, ends when told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Path, Path]] = []
+        self.outcome: asyncio.Future[str] | None = None
+
+    async def __call__(self, spec: ModelSpec, model_dir: Path, entry: Path) -> str:
+        self.calls.append((spec.key, model_dir, entry))
+        self.outcome = asyncio.get_running_loop().create_future()
+        return await self.outcome
+
+
+async def _two_eager_workers(make_harness: MakeHarness) -> tuple[Harness, FakeExport]:
+    h = make_harness(cold_start_workers=2)
+    export = FakeExport()
+    h.pool.exports = Exports(run=export)
+    sink = h.sink()
+    h.embed(sink, ["a"])
+    await h.settle()
+    for worker in h.workers("emb"):
+        h.ready(worker, info=dict(PENDING))
+    await h.settle()
+    return h, export
+
+
+async def test_one_export_for_the_workers_that_name_it_then_each_is_replaced(
+        make_harness: MakeHarness) -> None:
+    h, export = await _two_eager_workers(make_harness)
+    first, second = h.workers("emb")
+    assert export.calls == [("emb", Path("/models/emb"), Path("/cache/onnx/abc"))]
+    h.pool.tick()
+    assert h.launcher.stopped == []  # nothing is replaced before the export is done
+
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    assert first.outdated == second.outdated == REPLACED_BECAUSE
+    h.pool.tick()
+    await h.settle()
+    stopped = h.launcher.stopped
+    assert len(stopped) == 1 and stopped[0] in (first, second)
+    (new,) = h.workers("emb")[2:]
+    assert new.state is WorkerState.LOADING
+    h.pool.tick()  # one at a time: the new one is still loading
+    assert len(h.launcher.stopped) == 1
+
+    h.ready(new, info={"dim": 2, "execution": "onnx"})
+    h.pool.tick()
+    await h.settle()
+    assert {*h.launcher.stopped} == {first, second}
+    h.ready(h.workers("emb")[3], info={"dim": 2, "execution": "onnx"})
+    h.pool.tick()
+    assert len(h.launcher.stopped) == 2 and len(h.workers("emb")) == 4
+    assert export.calls == [("emb", Path("/models/emb"), Path("/cache/onnx/abc"))]
+
+
+async def test_an_export_that_loses_leaves_the_workers_serving_and_says_why(
+        make_harness: MakeHarness) -> None:
+    h, export = await _two_eager_workers(make_harness)
+    assert export.outcome is not None
+    export.outcome.set_result("timing set in 90 ms against eager PyTorch's 60")
+    await h.settle()
+    for worker in h.workers("emb"):
+        assert worker.outdated is None and "onnx_export" not in worker.info
+        assert worker.info["execution_reason"].startswith("timing set in 90 ms")
+    h.pool.tick()
+    assert h.launcher.stopped == []
+    # A later worker naming the same export is told at once; nothing is exported again.
+    late = h.pool.start_worker(h.pool.models["emb"])
+    await h.settle()
+    h.ready(late, info=dict(PENDING))
+    assert late.info["execution_reason"].startswith("timing set in 90 ms")
+    assert len(export.calls) == 1
+
+
+async def test_a_failed_export_is_not_retried_and_stopping_kills_a_running_one(
+        make_harness: MakeHarness) -> None:
+    h, export = await _two_eager_workers(make_harness)
+    assert export.outcome is not None
+    export.outcome.set_exception(OSError("no space left on device"))
+    await h.settle()
+    for worker in h.workers("emb"):
+        assert "no space left on device" in worker.info["execution_reason"]
+
+    h2, export2 = await _two_eager_workers(make_harness)
+    running = next(iter(h2.pool.exports.running.values()))
+    await h2.pool.exports.close()
+    assert running.cancelled() and h2.pool.exports.running == {}
+    late = h2.pool.start_worker(h2.pool.models["emb"])
+    await h2.settle()
+    h2.ready(late, info=dict(PENDING))
+    assert len(export2.calls) == 1  # none after close
