@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE, Exports
+from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE, Exports, run_export
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -113,3 +113,11 @@ async def test_a_failed_export_is_not_retried_and_stopping_kills_a_running_one(
     await h2.settle()
     h2.ready(late, info=dict(PENDING))
     assert len(export2.calls) == 1  # none after close
+
+
+async def test_a_real_export_process_that_fails_says_why(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    spec = ModelSpec(key="broken", capability="text_embedding", path=str(missing))
+    outcome = await run_export(spec, missing, tmp_path / "cache" / "entry")
+    assert outcome.startswith("the ONNX export exited with 1: ") and "no-such-model" in outcome
+    assert not (tmp_path / "cache" / "entry").exists()
