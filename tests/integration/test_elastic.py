@@ -84,7 +84,7 @@ def test_idle_model_is_evicted_for_one_that_needs_the_room(make_daemon: MakeDaem
         c.embed("y", model="b")  # a (idle) must go to make room
         assert status_of(daemon, "a")["workers"] == []
         assert len(status_of(daemon, "b")["workers"]) == 1
-    assert "evicting idle worker" in daemon.log()
+    assert "stopping worker 1 of a: idle, to make room for another model" in daemon.log()
 
 
 def test_a_model_that_can_never_fit_is_refused_at_once(make_daemon: MakeDaemon) -> None:
