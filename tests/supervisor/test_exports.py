@@ -121,3 +121,19 @@ async def test_a_real_export_process_that_fails_says_why(tmp_path: Path) -> None
     outcome = await run_export(spec, missing, tmp_path / "cache" / "entry")
     assert outcome.startswith("the ONNX export exited with 1: ") and "no-such-model" in outcome
     assert not (tmp_path / "cache" / "entry").exists()
+
+
+async def test_exports_of_two_models_run_one_after_the_other(
+        make_harness: MakeHarness) -> None:
+    h, export = await _two_eager_workers(make_harness)
+    h.generate(h.sink(), "hi")
+    await h.settle()
+    other = {**PENDING, "onnx_export": {"entry": "/cache/onnx/def", "model_dir": "/models/g"}}
+    for worker in h.workers("gen"):
+        h.ready(worker, info=other)
+    await h.settle()
+    assert [call[0] for call in export.calls] == ["emb"]  # the second waits its turn
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    assert [call[0] for call in export.calls] == ["emb", "gen"]
