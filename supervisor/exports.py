@@ -1,16 +1,18 @@
 """ONNX exports made in the background, so that a model's first request never waits for
 one.
 
-A text-embedding model whose export is not cached yet loads eager PyTorch and serves at
-once; its worker's Ready info names the export to make (`onnx_export`: the cache entry
-and the model's files, registry/loaders/embedding_exec.py). The daemon then runs that
-export once, in a process of its own at idle CPU priority (serving comes first), while
-the eager workers serve. When the export is the better runtime (its vectors match eager
-PyTorch's and it is faster), the model's eager workers are marked `outdated` and the
-scaling policy replaces them one at a time (scaling.plan_replacements), each new one
-loading the export. Otherwise (slower, other vectors, a failed export) they keep
-serving eager and their status says why. An export is tried once per daemon, and one
-runs at a time (MiniLM's peaked at 780 MiB resident).
+The daemon makes each export a model lacks once, in a process of its own at idle CPU
+priority (serving comes first): from its start for models whose files are on this
+machine, else when a worker names it. Meanwhile the model serves eager PyTorch: a worker
+that found no export loads eager and its Ready info names the export (`onnx_export`: the
+cache entry and the model's files, registry/loaders/embedding_exec.py). When the export
+is the better runtime (its vectors match eager PyTorch's and it is faster), those
+workers are marked `outdated` and the scaling policy replaces them one at a time
+(scaling.plan_replacements), each new one loading the export; a model's first worker
+that starts after it loads the export at once. Otherwise (slower, other vectors, a
+failed export) the workers keep serving eager and their status says why. An export is
+tried once per daemon, and one runs at a time (the bundled model's peaked at 780 MiB
+resident).
 """
 
 from __future__ import annotations
@@ -79,11 +81,16 @@ class Exports:
             return
         if entry in self.outcomes:
             self._settle(model, entry)
-        elif entry not in self.running:
-            log.info("model %s: making its ONNX export in the background (%s)", model.key,
-                     entry)
-            self.running[entry] = asyncio.get_running_loop().create_task(
-                self._export(model, Path(model_dir), entry))
+        else:
+            self.request(model, entry, model_dir)
+
+    def request(self, model: ModelState, entry: str, model_dir: str) -> None:
+        """Make the export in the background, unless it is made or being made."""
+        if self.closed or entry in self.outcomes or entry in self.running:
+            return
+        log.info("model %s: making its ONNX export in the background (%s)", model.key, entry)
+        self.running[entry] = asyncio.get_running_loop().create_task(
+            self._export(model, Path(model_dir), entry))
 
     async def _export(self, model: ModelState, model_dir: Path, entry: str) -> None:
         try:

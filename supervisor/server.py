@@ -115,9 +115,11 @@ class Server:
         self.stop_requested = asyncio.Event()
         self.started_at = time.monotonic()
         registry = config.registry()
-        from modelpool.registry.loaders import preload_modules
+        from modelpool.registry.loaders import exports_to_make, preload_modules
 
-        ctx = forkserver_context(preload_modules(list(registry.specs.values())))
+        specs = list(registry.specs.values())
+        ctx = forkserver_context(preload_modules(specs))
+        self.exports_at_start = exports_to_make(specs)  # made before the first request
         self.launcher = Launcher(ctx)
         gpu_list = gpus.discover()
         if gpu_list:
@@ -207,6 +209,8 @@ class Server:
                 self._memory_ticker(), self.jobs.run(), self._connection_ticker()]
         if self.cluster is not None:
             work.append(cluster.keep_in_touch(self.cluster, self.jobs))
+        for spec, model_dir, entry in self.exports_at_start:
+            self.pool.exports.request(self.pool.models[spec.key], str(entry), str(model_dir))
         return [loop.create_task(w) for w in work]
 
     async def _stop_http(self, front: asyncio.Task[None]) -> None:

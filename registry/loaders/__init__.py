@@ -131,6 +131,24 @@ TORCH_PRELOAD = "modelpool.workers.preload_torch"
 ONNX_MODULES = ("modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers")
 
 
+def exports_to_make(specs: list[ModelSpec]) -> list[tuple[ModelSpec, Path, Path]]:
+    """(spec, model files, cache entry) of each model on this machine that will run an
+    ONNX export not made yet ("auto": one with "onnx" exports at its load), for the daemon
+    to make from its start, before the first request (supervisor/exports.py)."""
+    from modelpool.registry.loaders import onnx_cache
+
+    found = []
+    for spec in specs:
+        local = _local_dir(spec)
+        if (local is None or spec.execution != "auto" or not _may_run_onnx(spec)
+                or onnx_cache.unsupported(spec) is not None or not local.is_dir()):
+            continue
+        entry = onnx_cache.entry_dir(spec, local)
+        if onnx_cache.read_manifest(entry) is None:
+            found.append((spec, local, entry))
+    return found
+
+
 def _may_run_onnx(spec: ModelSpec) -> bool:
     return spec.capability == "text_embedding" and not spec.loader and spec.execution != "eager"
 

@@ -31,7 +31,7 @@ NOT_EXPORTED_YET = "no ONNX export yet: the daemon makes one in the background"
 def load(spec: ModelSpec, model_dir: Path | None) -> Any:
     if model_dir is None:  # as loaders.common.require_dir, which would import torch
         raise ValueError(f"model {spec.key!r} has no files: give it a path, package or repo")
-    reason = _onnx_unsupported(spec)
+    reason = onnx_cache.unsupported(spec)
     if reason is not None and spec.execution == "onnx":
         raise ValueError(f"model {spec.key!r}: execution = \"onnx\" impossible: {reason}")
     if reason is None:
@@ -80,15 +80,3 @@ def export_in_child(spec: ModelSpec, model_dir: Path, entry: Path) -> Manifest:
         tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
         raise RuntimeError(f"ONNX export exited with {done.returncode}: {tail[0]}")
     return msgspec.json.decode(done.stdout, type=Manifest)
-
-
-def _onnx_unsupported(spec: ModelSpec) -> str | None:
-    if spec.execution == "eager":
-        return "execution = \"eager\""
-    if spec.device not in ("auto", "cpu"):
-        return f"device {spec.device}: ONNX runs on the CPU here"
-    if spec.weights_holder == "on":
-        return "weights_holder = \"on\" shares torch tensors"
-    if spec.options.get("dtype", "float32") != "float32":
-        return f"dtype {spec.options['dtype']}: the export is float32"
-    return None

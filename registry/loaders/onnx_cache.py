@@ -139,6 +139,19 @@ def exporting(entry: Path) -> Iterator[Path | None]:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def unsupported(spec: ModelSpec) -> str | None:
+    """Why this model cannot run an export, or None."""
+    if spec.execution == "eager":
+        return "execution = \"eager\""
+    if spec.device not in ("auto", "cpu"):
+        return f"device {spec.device}: ONNX runs on the CPU here"
+    if spec.weights_holder == "on":
+        return "weights_holder = \"on\" shares torch tensors"
+    if spec.options.get("dtype", "float32") != "float32":
+        return f"dtype {spec.options['dtype']}: the export is float32"
+    return None
+
+
 def export_command(spec: ModelSpec, model_dir: Path, entry: Path) -> tuple[list[str], bytes]:
     """The export's process (registry/loaders/onnx_export.py) and what it reads on stdin.
     -I: nothing from the working directory or the user's site; the package is found where

@@ -1,18 +1,25 @@
-"""A first start with no ONNX export cached: the daemon serves MiniLM on eager PyTorch
-at once, makes the export in the background, and replaces its workers with ones that
-run it, answering every request throughout."""
+"""A first start with no ONNX export cached: the daemon starts making the export at once,
+serves MiniLM on eager PyTorch meanwhile, and then replaces its workers with ones that
+run the export, answering every request throughout."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import numpy as np
+import pytest
 from conftest import Daemon
 
 from modelpool.protocol.client import Client
+from modelpool.registry.download import resolve_model_dir
+from modelpool.registry.loaders import onnx_cache
+from modelpool.registry.spec import Registry, load_catalog
 
 MakeDaemon = Callable[..., Daemon]
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
@@ -28,21 +35,44 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-def test_the_first_request_is_served_eager_while_the_export_is_made_then_onnx(
-        make_daemon: MakeDaemon, tmp_path: Path) -> None:
+@contextmanager
+def _export_held(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Holds the lock the export takes on its cache entry, so that the export waits and
+    the daemon's first workers are sure to find none."""
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))
+    spec = Registry(load_catalog()).resolve("minilm")
+    assert spec is not None
+    model_dir = resolve_model_dir(spec)
+    assert model_dir is not None
+    entry = onnx_cache.entry_dir(spec, model_dir)
+    entry.parent.mkdir(parents=True)
+    with open(entry.parent / f"{entry.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _export_process(daemon: Daemon) -> list[int]:
+    return [p.pid for p in daemon.descendants() if "onnx_export" in " ".join(p.cmdline())]
+
+
+def test_the_export_is_made_from_the_start_while_eager_serves_then_workers_are_replaced(
+        make_daemon: MakeDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "empty-cache"
-    daemon = make_daemon("[pool]\ncold_start_workers = 2\n",
-                         env={"MODELPOOL_CACHE_DIR": str(cache)})
-    with daemon.client(timeout_s=120) as c:
-        first = np.asarray(c.embed(TEXTS))
-        infos = [w["info"] for w in _workers(c) if w["info"]]
+    with _export_held(cache, monkeypatch):
+        daemon = make_daemon("[pool]\ncold_start_workers = 2\n",
+                             env={"MODELPOOL_CACHE_DIR": str(cache)})
+        deadline = time.monotonic() + 30
+        while not _export_process(daemon) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (export,) = _export_process(daemon)  # before any request: one, at idle priority
+        assert os.sched_getscheduler(export) == os.SCHED_IDLE
+        with daemon.client(timeout_s=120) as c:
+            first = np.asarray(c.embed(TEXTS))
+            infos = [w["info"] for w in _workers(c) if w["info"]]
         assert infos and all(i["execution"] == "eager" for i in infos)
         assert all("background" in i["execution_reason"] for i in infos)
-        exports = [p for p in daemon.descendants() if "onnx_export" in " ".join(p.cmdline())]
-        assert len(exports) == 1  # one for both workers, at idle priority
-        assert os.sched_getscheduler(exports[0].pid) == os.SCHED_IDLE
-
-        # Requests keep coming while the export runs and the workers are replaced.
+    # The lock is free: the export goes on, requests keep coming while workers change.
+    with daemon.client(timeout_s=120) as c:
         answered, deadline = 0, time.monotonic() + EXPORT_BOUND_S
         while time.monotonic() < deadline:
             got = np.asarray(c.embed(TEXTS))
@@ -55,7 +85,9 @@ def test_the_first_request_is_served_eager_while_the_export_is_made_then_onnx(
         else:
             raise AssertionError(f"still not all ONNX: {_workers(c)}\n{daemon.log()}")
     assert answered > 1 and len(workers) == 2
-    assert (cache / "onnx").is_dir()
+    manifests = list((cache / "onnx").glob("*/manifest.json"))
+    assert len(manifests) == 1
+    assert msgspec.json.decode(manifests[0].read_bytes())["choice"] == "onnx"
     log = daemon.log()
-    assert "making its ONNX export in the background" in log
+    assert log.count("making its ONNX export in the background") == 1
     assert log.count("a new worker serves better") == 2

@@ -14,6 +14,7 @@ import pytest
 
 from modelpool.registry.loaders import (
     embedding_exec,
+    exports_to_make,
     load_model,
     load_model_with_dir,
     onnx_cache,
@@ -92,6 +93,18 @@ def test_auto_without_an_export_serves_eager_at_once_and_names_the_export(
     assert info["onnx_export"] == {"entry": str(onnx_cache.entry_dir(_minilm(), model_dir)),
                                    "model_dir": str(model_dir)}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_daemon_makes_from_its_start_the_exports_its_auto_models_lack(
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path))
+    spec = _minilm()
+    others = [_minilm(key="e", execution="eager"), _minilm(key="o", execution="onnx"),
+              _minilm(key="b", options={"dtype": "bfloat16"})]
+    ((found, model_dir, entry),) = exports_to_make([spec, *others])
+    assert found == spec and entry == onnx_cache.entry_dir(spec, model_dir)
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))  # where it is made
+    assert exports_to_make([spec]) == []
 
 
 def test_attention_is_exported_without_sdpas_mask_handling(
