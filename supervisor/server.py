@@ -189,6 +189,7 @@ class Server:
             self.pool.shared.release_all()
             await self.launcher.close(kill_at - self.pool.scheduler.now())
         finally:
+            await self.pool.exports.close()  # also when the start failed half-way
             if front is not None:
                 await self._stop_http(front)
             self.service.close()
