@@ -68,6 +68,7 @@ class Exports:
         self.run = run
         self.outcomes: dict[str, str] = {}  # entry -> ONNX or why eager
         self.running: dict[str, asyncio.Task[None]] = {}  # entry -> its export, or its wait
+        self.models: dict[str, list[ModelState]] = {}  # entry -> the models that wait for it
         self.turn = asyncio.Lock()  # one export at a time
         self.closed = False
 
@@ -85,7 +86,11 @@ class Exports:
             self.request(model, entry, model_dir)
 
     def request(self, model: ModelState, entry: str, model_dir: str) -> None:
-        """Make the export in the background, unless it is made or being made."""
+        """Make the export in the background, unless it is made or being made. Two model
+        keys may share one (the same files and options)."""
+        waiting = self.models.setdefault(entry, [])
+        if model not in waiting:
+            waiting.append(model)
         if self.closed or entry in self.outcomes or entry in self.running:
             return
         log.info("model %s: making its ONNX export in the background (%s)", model.key, entry)
@@ -105,7 +110,8 @@ class Exports:
         self.outcomes[entry] = outcome
         log.info("model %s: ONNX export done: %s", model.key,
                  "replacing its eager workers" if outcome == ONNX else outcome)
-        self._settle(model, entry)
+        for waiting in self.models.pop(entry, []):
+            self._settle(waiting, entry)
 
     def _settle(self, model: ModelState, entry: str) -> None:
         """Mark the workers that wait for this export: for replacement, or with the

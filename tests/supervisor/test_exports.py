@@ -137,3 +137,17 @@ async def test_exports_of_two_models_run_one_after_the_other(
     export.outcome.set_result(ONNX)
     await h.settle()
     assert [call[0] for call in export.calls] == ["emb", "gen"]
+
+
+async def test_two_models_that_share_an_export_wait_for_one_and_both_are_replaced(
+        make_harness: MakeHarness) -> None:
+    h, export = await _two_eager_workers(make_harness)
+    h.generate(h.sink(), "hi")
+    await h.settle()
+    for worker in h.workers("gen"):
+        h.ready(worker, info=dict(PENDING))  # the same files and options: the same entry
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    assert len(export.calls) == 1
+    assert all(w.outdated for w in h.workers("emb") + h.workers("gen"))
