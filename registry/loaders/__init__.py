@@ -143,7 +143,10 @@ def exports_to_make(specs: list[ModelSpec]) -> list[tuple[ModelSpec, Path, Path]
         if (local is None or spec.execution != "auto" or not _may_run_onnx(spec)
                 or onnx_cache.unsupported(spec) is not None or not local.is_dir()):
             continue
-        entry = onnx_cache.entry_dir(spec, local)
+        try:
+            entry = onnx_cache.entry_dir(spec, local)
+        except OSError:  # a file it cannot read: its worker's load will say what
+            continue
         if onnx_cache.read_manifest(entry) is None:
             found.append((spec, local, entry))
     return found
