@@ -153,23 +153,31 @@ def _status(args: argparse.Namespace) -> None:
         return
     print(f"{'MODEL':<42} {'CAPABILITY':<15} {'STATE':<9} {'QUEUED':>6} {'RUNNING':>7}  WORKERS")
     for model in status["models"]:
-        workers = ", ".join(_worker_text(w) for w in model["workers"]) or "-"
-        print(f"{model['key']:<42} {model['capability']:<15} {model['state']:<9} "
-              f"{model['queued']:>6} {model['running']:>7}  {workers}")
-        if model.get("loading"):
-            print(f"    {model['loading']}")
-        if model.get("tokens_per_s") is not None:
-            print(f"    generating: {model['tokens_per_s']:.1f} tokens/s")
-        if model["health"] != "ok":
-            print(f"    health: {model['health']}")
-        elif model.get("last_error"):
-            print(f"    last error: {model['last_error']}")
+        print("\n".join(_model_text(model)))
     mem = status["memory"]
     print(f"memory: {mem['used_mb']:.0f} MiB charged of a {mem['budget_mb']:.0f} MiB budget "
           f"({mem['available_mb']:.0f} MiB available); daemon pid {status['pid']}, "
           f"up {status['uptime_s']:.0f}s")
     if status.get("cluster"):
         _print_cluster(status["cluster"])
+
+
+def _model_text(model: dict[str, Any]) -> list[str]:
+    """A model's row of the status table, and the lines under it."""
+    workers = ", ".join(_worker_text(w) for w in model["workers"]) or "-"
+    lines = [f"{model['key']:<42} {model['capability']:<15} {model['state']:<9} "
+             f"{model['queued']:>6} {model['running']:>7}  {workers}"]
+    if model.get("loading"):
+        lines.append(f"    {model['loading']}")
+    if any("onnx_export" in (w.get("info") or {}) for w in model["workers"]):
+        lines.append("    ONNX export made in the background; eager PyTorch serves meanwhile")
+    if model.get("tokens_per_s") is not None:
+        lines.append(f"    generating: {model['tokens_per_s']:.1f} tokens/s")
+    if model["health"] != "ok":
+        lines.append(f"    health: {model['health']}")
+    elif model.get("last_error"):
+        lines.append(f"    last error: {model['last_error']}")
+    return lines
 
 
 def _worker_text(worker: dict[str, Any]) -> str:

@@ -8,8 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.cli import _model_text
 from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE, Exports, run_export
+from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -151,3 +155,17 @@ async def test_two_models_that_share_an_export_wait_for_one_and_both_are_replace
     await h.settle()
     assert len(export.calls) == 1
     assert all(w.outdated for w in h.workers("emb") + h.workers("gen"))
+
+
+async def test_status_says_while_eager_serves_for_an_export(make_harness: MakeHarness) -> None:
+    h, export = await _two_eager_workers(make_harness)
+
+    def emb_text() -> str:
+        status = msgspec.to_builtins(build_status(h.pool, "/s", 0.0))
+        return "\n".join(_model_text(next(m for m in status["models"] if m["key"] == "emb")))
+
+    assert "ONNX export made in the background" in emb_text()
+    assert export.outcome is not None
+    export.outcome.set_result("the ONNX export exited with 1: MemoryError")
+    await h.settle()
+    assert "ONNX export" not in emb_text()
