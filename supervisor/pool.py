@@ -320,7 +320,8 @@ class Pool:
         now = self.scheduler.now()
         self.apply(scaling.plan_scale_down(self.capacity.view(self.models.values()),
                                            self.policy, now))
-        if not self.shutting_down:
+        if not self.shutting_down and any(w.outdated for m in self.models.values()
+                                           for w in m.workers.values()):
             self.apply(scaling.plan_replacements(self.capacity.view(self.models.values())))
         every = self.pool_config.priority_aging_s
         for model in self.models.values():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -34,6 +34,7 @@ def load(spec: ModelSpec, model_dir: Path | None) -> Any:
     reason = onnx_cache.unsupported(spec)
     if reason is not None and spec.execution == "onnx":
         raise ValueError(f"model {spec.key!r}: execution = \"onnx\" impossible: {reason}")
+    missing: Path | None = None  # the export to make, when there is none yet
     if reason is None:
         try:
             model = _load_onnx(spec, model_dir)
@@ -43,25 +44,31 @@ def load(spec: ModelSpec, model_dir: Path | None) -> Any:
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("model %r: not running ONNX (%s)", spec.key, reason)
         else:
-            if not isinstance(model, str):
+            if isinstance(model, _Missing):
+                reason, missing = NOT_EXPORTED_YET, model.entry
+            elif isinstance(model, str):
+                reason = model
+            else:
                 return model
-            reason = model
     from modelpool.registry.loaders import sentence_embedding
 
     eager = sentence_embedding.load(spec, model_dir)
     eager.execution_reason = reason
-    if reason == NOT_EXPORTED_YET:
-        entry = onnx_cache.entry_dir(spec, model_dir)
-        eager.onnx_export = {"entry": str(entry), "model_dir": str(model_dir)}
+    if missing is not None:
+        eager.onnx_export = {"entry": str(missing), "model_dir": str(model_dir)}
     return eager
 
 
+class _Missing(NamedTuple):
+    entry: Path
+
+
 def _load_onnx(spec: ModelSpec, model_dir: Path) -> Any:
-    """The verified export, or why eager runs instead."""
+    """The verified export, the entry of one still to make, or why eager runs instead."""
     entry = onnx_cache.entry_dir(spec, model_dir)
     manifest = onnx_cache.read_manifest(entry)
     if manifest is None and spec.execution == "auto":
-        return NOT_EXPORTED_YET  # the first request need not wait for an export
+        return _Missing(entry)  # the first request need not wait for an export
     if manifest is None:
         manifest = export_in_child(spec, model_dir, entry)
     if manifest.choice == "eager" and spec.execution == "auto":

@@ -160,6 +160,7 @@ def export_command(spec: ModelSpec, model_dir: Path, entry: Path) -> tuple[list[
     return [sys.executable, "-I", "-m", "modelpool.registry.loaders.onnx_export"], payload
 
 
+@functools.cache  # fixed for the process; every entry key asks for five
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
