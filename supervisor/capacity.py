@@ -1,12 +1,13 @@
 """The memory budget and the frozen views of the pool that the scaling policy reads.
 
 Budgets are memory_fraction x RAM for the CPU (or memory_budget_mb), and x VRAM for
-each GPU; what each model is charged comes from the model itself (ModelState.charge).
+each GPU; what each model is charged comes from the model itself (ModelState.charge),
+and on the CPU a background ONNX export's expected peak while it runs (exports.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from modelpool.supervisor import memory, pressure, scaling
 from modelpool.supervisor.config import PoolConfig
@@ -16,8 +17,10 @@ from modelpool.supervisor.workers import WorkerState
 
 
 class Capacity:
-    def __init__(self, config: PoolConfig, gpus: list[Gpu]) -> None:
+    def __init__(self, config: PoolConfig, gpus: list[Gpu],
+                 background_mb: Callable[[], float] = lambda: 0.0) -> None:
         self.config = config
+        self.background_mb = background_mb  # CPU memory the pool's own non-workers hold
         self.budget_mb = (config.memory_budget_mb
                           or config.memory_fraction * memory.read_memory().total_mb)
         self.gpu_budgets_mb = {g.device: config.memory_fraction * g.total_mb for g in gpus}
@@ -34,9 +37,9 @@ class Capacity:
         """memory_fraction x RAM for the CPU, x VRAM for each GPU."""
         return self.budget_mb if device == "cpu" else self.gpu_budgets_mb.get(device, 0.0)
 
-    @staticmethod
-    def used_mb(models: Iterable[ModelState], device: str = "cpu") -> float:
-        return sum(m.charge().charged_mb for m in models if m.device == device)
+    def used_mb(self, models: Iterable[ModelState], device: str = "cpu") -> float:
+        held = sum(m.charge().charged_mb for m in models if m.device == device)
+        return held + self.background_mb() if device == "cpu" else held
 
     def view(self, models: Iterable[ModelState]) -> scaling.PoolView:
         """Everything the scaling policy may look at, frozen."""

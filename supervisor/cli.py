@@ -169,7 +169,10 @@ def _model_text(model: dict[str, Any]) -> list[str]:
              f"{model['queued']:>6} {model['running']:>7}  {workers}"]
     if model.get("loading"):
         lines.append(f"    {model['loading']}")
-    if any("onnx_export" in (w.get("info") or {}) for w in model["workers"]):
+    if model.get("export_waits_for_mb") is not None:
+        lines.append(f"    ONNX export waits for ~{model['export_waits_for_mb']:.0f} MiB of the "
+                     "memory budget; eager PyTorch serves meanwhile")
+    elif any("onnx_export" in (w.get("info") or {}) for w in model["workers"]):
         lines.append("    ONNX export made in the background; eager PyTorch serves meanwhile")
     if model.get("tokens_per_s") is not None:
         lines.append(f"    generating: {model['tokens_per_s']:.1f} tokens/s")

@@ -11,8 +11,11 @@ workers are marked `outdated` and the scaling policy replaces them one at a time
 (scaling.plan_replacements), each new one loading the export; a model's first worker
 that starts after it loads the export at once. Otherwise (slower, other vectors, a
 failed export) the workers keep serving eager and their status says why. An export is
-tried once per daemon, and one runs at a time (the bundled model's peaked at 780 MiB
-resident).
+tried once per daemon, and one runs at a time, when the memory budget has room for its
+expected peak (onnx_cache.export_peak_mb: the bundled model's peaked at 780 MiB
+resident). While it runs that peak is charged against the budget like a worker's
+memory, so that the pool starts no worker into it and does not take the export's
+memory for outside pressure; it never evicts a worker to make room.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 
-from modelpool.registry.loaders import onnx_cache
+from modelpool.registry.loaders import onnx_cache, weights_size_mb
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.workers import WorkerHandle
@@ -62,14 +66,20 @@ async def run_export(spec: ModelSpec, model_dir: Path, entry: Path) -> str:
 
 
 class Exports:
-    """The background exports of this daemon, and what became of them."""
+    """The background exports of this daemon, and what became of them. `free_mb` says
+    what the CPU memory budget has left (the running export's charge taken)."""
 
-    def __init__(self, run: RunExport = run_export) -> None:
+    def __init__(self, free_mb: Callable[[], float] = lambda: math.inf,
+                 run: RunExport = run_export) -> None:
+        self.free_mb = free_mb
         self.run = run
         self.outcomes: dict[str, str] = {}  # entry -> ONNX or why eager
-        self.running: dict[str, asyncio.Task[None]] = {}  # entry -> its export, or its wait
+        self.waiting: dict[str, tuple[ModelState, Path, float]] = {}  # entry -> not started:
+        # (the model that asked, its files, the expected peak in MiB), oldest first
+        self.running: dict[str, asyncio.Task[None]] = {}  # entry -> its export; one at most
+        self.charged_mb = 0.0  # the running export's expected peak
         self.models: dict[str, list[ModelState]] = {}  # entry -> the models that wait for it
-        self.turn = asyncio.Lock()  # one export at a time
+        self.told: set[str] = set()  # entries whose wait for memory was logged
         self.closed = False
 
     def note_ready(self, model: ModelState, worker: WorkerHandle) -> None:
@@ -91,27 +101,56 @@ class Exports:
         waiting = self.models.setdefault(entry, [])
         if model not in waiting:
             waiting.append(model)
-        if self.closed or entry in self.outcomes or entry in self.running:
+        if (self.closed or entry in self.outcomes or entry in self.running
+                or entry in self.waiting):
             return
-        log.info("model %s: making its ONNX export in the background (%s)", model.key, entry)
-        self.running[entry] = asyncio.get_running_loop().create_task(
-            self._export(model, Path(model_dir), entry))
+        weights = weights_size_mb(Path(model_dir)) or model.charge().weights_mb
+        self.waiting[entry] = (model, Path(model_dir), onnx_cache.export_peak_mb(weights))
+        self.start_next()
+
+    def start_next(self) -> None:
+        """Start the oldest waiting export that fits in what the budget has left, unless
+        one runs. The pool calls this again as memory frees (its tick)."""
+        if self.closed or self.running or not self.waiting:
+            return
+        free = self.free_mb()
+        fits = next((e for e, (_, _, peak) in self.waiting.items() if peak <= free), None)
+        if fits is None:
+            for entry, (model, _, peak) in self.waiting.items():
+                if entry not in self.told:
+                    self.told.add(entry)
+                    log.info("model %s: its ONNX export waits for memory: ~%.0f MiB at its "
+                             "peak, %.0f free in the budget", model.key, peak, free)
+            return
+        model, model_dir, peak = self.waiting.pop(fits)
+        log.info("model %s: making its ONNX export in the background (%s, ~%.0f MiB)",
+                 model.key, fits, peak)
+        self.charged_mb = peak
+        self.running[fits] = asyncio.get_running_loop().create_task(
+            self._export(model, model_dir, fits))
+
+    def waits_for_memory(self, model: ModelState) -> float | None:
+        """The expected peak of an export this model waits for that does not fit yet."""
+        peaks = [peak for entry, (_, _, peak) in self.waiting.items()
+                 if model in self.models.get(entry, ())]
+        return max(peaks) if peaks else None
 
     async def _export(self, model: ModelState, model_dir: Path, entry: str) -> None:
         try:
-            async with self.turn:
-                outcome = await self.run(model.spec, model_dir, Path(entry))
+            outcome = await self.run(model.spec, model_dir, Path(entry))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the process could not start, its reply was garbled
             outcome = f"the ONNX export failed: {type(exc).__name__}: {exc}"
         finally:
             self.running.pop(entry, None)
+            self.charged_mb = 0.0
         self.outcomes[entry] = outcome
         log.info("model %s: ONNX export done: %s", model.key,
                  "replacing its eager workers" if outcome == ONNX else outcome)
         for waiting in self.models.pop(entry, []):
             self._settle(waiting, entry)
+        self.start_next()
 
     def _settle(self, model: ModelState, entry: str) -> None:
         """Mark the workers that wait for this export: for replacement, or with the
@@ -130,6 +169,7 @@ class Exports:
     async def close(self) -> None:
         """No more exports; those running are killed (the next start makes them)."""
         self.closed = True
+        self.waiting.clear()
         tasks = list(self.running.values())
         for task in tasks:
             task.cancel()

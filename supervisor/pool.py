@@ -65,12 +65,13 @@ class Pool:
         self.models = {key: ModelState(spec, ModelSettings.of(spec, config.pool, cpus),
                                        resolve_device(spec.device, self.gpus))
                        for key, spec in registry.specs.items()}
-        self.capacity = Capacity(config.pool, self.gpus)
+        self.capacity = Capacity(config.pool, self.gpus, lambda: self.exports.charged_mb)
         self.policy = scaling.ScalingPolicy(config.pool.cold_start_workers,
                                             config.pool.cooldown_idle_s)
         self.book = JobBook(scheduler, self)
         self.shared = SharedImages()
-        self.exports = Exports()
+        self.exports = Exports(lambda: self.capacity.budget_for("cpu")
+                               - self.capacity.used_mb(self.models.values()))
         self.dispatcher = Dispatcher(scheduler, self.book, self.shared,
                                      config.pool.max_batch_wait_ms / 1000,
                                      ThreadBudget(cpus, self.models))
@@ -323,6 +324,7 @@ class Pool:
         if not self.shutting_down and any(w.outdated for m in self.models.values()
                                            for w in m.workers.values()):
             self.apply(scaling.plan_replacements(self.capacity.view(self.models.values())))
+        self.exports.start_next()  # one waiting for memory may fit now
         every = self.pool_config.priority_aging_s
         for model in self.models.values():
             for rank in model.ageing.starved(model.queue, now, every):

@@ -135,6 +135,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         tokens_per_s=(round(sum(w.tokens.per_s(now) for w in generating), 1)
                       if generating else None),
         tokens=sum(w.tokens.total for w in generating),
+        export_waits_for_mb=pool.exports.waits_for_memory(model),
     )
 
 

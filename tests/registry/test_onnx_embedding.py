@@ -20,6 +20,7 @@ from modelpool.registry.loaders import (
     onnx_cache,
     onnx_embedding,
     preload_modules,
+    weights_size_mb,
 )
 from modelpool.registry.loaders.onnx_embedding import OnnxEmbedder
 from modelpool.registry.loaders.sentence_embedding import SentenceEmbedder
@@ -235,3 +236,27 @@ def test_the_export_and_eager_are_timed_in_turns() -> None:
     onnx_export._best_ms(lambda texts: calls.append("e"), lambda texts: calls.append("o"))
     per_round = 1 + 4  # a batch, then four single texts
     assert "".join(calls) == "eo" + ("e" * per_round + "o" * per_round) * onnx_export.TIMING_ROUNDS
+
+
+def test_the_export_peaks_below_the_memory_the_daemon_charges_for_it(tmp_path: Path) -> None:
+    """The real export process of the bundled model, its peak resident memory from the
+    kernel (wait4): the background export is charged onnx_cache.export_peak_mb."""
+    from modelpool.registry.download import resolve_model_dir
+
+    spec = _minilm(key="peak-test")
+    model_dir = resolve_model_dir(spec)
+    assert model_dir is not None
+    weights = weights_size_mb(model_dir)
+    assert weights is not None and weights > 80
+    argv, payload = onnx_cache.export_command(spec, model_dir, tmp_path / "entry")
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, env={**os.environ,
+                          "MODELPOOL_CACHE_DIR": str(tmp_path)}) as export:
+        assert export.stdin is not None
+        export.stdin.write(payload)
+        export.stdin.close()
+        _, status, usage = os.wait4(export.pid, 0)
+        export.returncode = os.waitstatus_to_exitcode(status)
+    assert export.returncode == 0 and (tmp_path / "entry" / onnx_cache.MANIFEST).is_file()
+    peak_mb = usage.ru_maxrss / 1024
+    assert 300 < peak_mb <= onnx_cache.export_peak_mb(weights), (peak_mb, weights)

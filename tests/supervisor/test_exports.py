@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from modelpool.registry.loaders import onnx_cache
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.cli import _model_text
-from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE, Exports, run_export
+from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE, run_export
 from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
 
@@ -37,10 +38,11 @@ class FakeExport:
         return await self.outcome
 
 
-async def _two_eager_workers(make_harness: MakeHarness) -> tuple[Harness, FakeExport]:
-    h = make_harness(cold_start_workers=2)
+async def _two_eager_workers(make_harness: MakeHarness,
+                             **pool: float) -> tuple[Harness, FakeExport]:
+    h = make_harness(cold_start_workers=2, **pool)
     export = FakeExport()
-    h.pool.exports = Exports(run=export)
+    h.pool.exports.run = export
     sink = h.sink()
     h.embed(sink, ["a"])
     await h.settle()
@@ -157,15 +159,44 @@ async def test_two_models_that_share_an_export_wait_for_one_and_both_are_replace
     assert all(w.outdated for w in h.workers("emb") + h.workers("gen"))
 
 
+def _status_text(h: Harness, key: str) -> str:
+    status = msgspec.to_builtins(build_status(h.pool, "/s", 0.0))
+    return "\n".join(_model_text(next(m for m in status["models"] if m["key"] == key)))
+
+
 async def test_status_says_while_eager_serves_for_an_export(make_harness: MakeHarness) -> None:
     h, export = await _two_eager_workers(make_harness)
-
-    def emb_text() -> str:
-        status = msgspec.to_builtins(build_status(h.pool, "/s", 0.0))
-        return "\n".join(_model_text(next(m for m in status["models"] if m["key"] == "emb")))
-
-    assert "ONNX export made in the background" in emb_text()
+    assert "ONNX export made in the background" in _status_text(h, "emb")
     assert export.outcome is not None
     export.outcome.set_result("the ONNX export exited with 1: MemoryError")
     await h.settle()
-    assert "ONNX export" not in emb_text()
+    assert "ONNX export" not in _status_text(h, "emb")
+
+
+async def test_an_export_waits_for_room_in_the_budget_and_is_charged_while_it_runs(
+        make_harness: MakeHarness) -> None:
+    # Two workers of 10 MiB weights and 10 each hold 30; the export's peak (~542 MiB for
+    # 10 MiB of weights) does not fit in the 530 a 560 MiB budget leaves.
+    h, export = await _two_eager_workers(make_harness, memory_budget_mb=560)
+    models, peak = h.pool.models.values(), onnx_cache.export_peak_mb(10)
+    used = h.pool.capacity.used_mb(models)
+    assert used == 30 and export.calls == []
+    assert h.pool.exports.waits_for_memory(h.pool.models["emb"]) == peak
+    assert f"ONNX export waits for ~{peak:.0f} MiB" in _status_text(h, "emb")
+    h.pool.tick()
+    assert export.calls == []
+
+    h.pool.capacity.budget_mb = 600  # memory other processes held came back
+    h.pool.tick()
+    await h.settle()
+    assert len(export.calls) == 1 and h.pool.exports.waits_for_memory(
+        h.pool.models["emb"]) is None
+    # Charged like a worker: the policy starts nothing into it, and the daemon does not
+    # take the export's memory for outside pressure (both read used_mb).
+    assert h.pool.capacity.used_mb(models) == used + peak
+    assert h.pool.capacity.view(models).used_mb["cpu"] == used + peak
+    assert "ONNX export made in the background" in _status_text(h, "emb")
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    assert h.pool.capacity.used_mb(models) == used
