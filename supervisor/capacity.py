@@ -38,8 +38,13 @@ class Capacity:
         return self.budget_mb if device == "cpu" else self.gpu_budgets_mb.get(device, 0.0)
 
     def used_mb(self, models: Iterable[ModelState], device: str = "cpu") -> float:
-        held = sum(m.charge().charged_mb for m in models if m.device == device)
+        """What the pool holds: its workers, and on the CPU a running export."""
+        held = self.workers_mb(models, device)
         return held + self.background_mb() if device == "cpu" else held
+
+    @staticmethod
+    def workers_mb(models: Iterable[ModelState], device: str = "cpu") -> float:
+        return sum(m.charge().charged_mb for m in models if m.device == device)
 
     def view(self, models: Iterable[ModelState]) -> scaling.PoolView:
         """Everything the scaling policy may look at, frozen."""
@@ -51,7 +56,8 @@ class Capacity:
             loading=sum(w.state in LOADING for w in processes),
             max_concurrent_loads=self.config.max_concurrent_loads,
             budget_mb={d: self.budget_for(d) for d in devices},
-            used_mb={d: self.used_mb(models, d) for d in devices},
+            # Without a running export: it yields its memory to a worker (Pool.apply).
+            used_mb={d: self.workers_mb(models, d) for d in devices},
             freeing=frozenset(m.device or "cpu" for m in models for w in m.processes()
                               if w.state is WorkerState.STOPPING))
 

@@ -13,9 +13,10 @@ that starts after it loads the export at once. Otherwise (slower, other vectors,
 failed export) the workers keep serving eager and their status says why. An export is
 tried once per daemon, and one runs at a time, when the memory budget has room for its
 expected peak (onnx_cache.export_peak_mb: the bundled model's peaked at 780 MiB
-resident). While it runs that peak is charged against the budget like a worker's
-memory, so that the pool starts no worker into it and does not take the export's
-memory for outside pressure; it never evicts a worker to make room.
+resident). It never evicts a worker, and it yields to one: while it runs its peak is
+charged against the budget (`Capacity.used_mb`, so that it is not taken for outside
+pressure), but the scaling policy plans as if it were free, and a worker start that
+needs that memory stops the export, which waits for room again (make_room).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import math
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
@@ -65,6 +67,12 @@ async def run_export(spec: ModelSpec, model_dir: Path, entry: Path) -> str:
     return ONNX if manifest.choice == "onnx" else manifest.reason
 
 
+class Pending(NamedTuple):
+    model: ModelState  # the model that asked for it first
+    model_dir: Path
+    peak_mb: float  # onnx_cache.export_peak_mb
+
+
 class Exports:
     """The background exports of this daemon, and what became of them. `free_mb` says
     what the CPU memory budget has left (the running export's charge taken)."""
@@ -74,9 +82,8 @@ class Exports:
         self.free_mb = free_mb
         self.run = run
         self.outcomes: dict[str, str] = {}  # entry -> ONNX or why eager
-        self.waiting: dict[str, tuple[ModelState, Path, float]] = {}  # entry -> not started:
-        # (the model that asked, its files, the expected peak in MiB), oldest first
-        self.running: dict[str, asyncio.Task[None]] = {}  # entry -> its export; one at most
+        self.waiting: dict[str, Pending] = {}  # entry -> an export not started, oldest first
+        self.running: dict[str, tuple[Pending, asyncio.Task[None]]] = {}  # one at most
         self.charged_mb = 0.0  # the running export's expected peak
         self.models: dict[str, list[ModelState]] = {}  # entry -> the models that wait for it
         self.told: set[str] = set()  # entries whose wait for memory was logged
@@ -105,7 +112,7 @@ class Exports:
                 or entry in self.waiting):
             return
         weights = weights_size_mb(Path(model_dir)) or model.charge().weights_mb
-        self.waiting[entry] = (model, Path(model_dir), onnx_cache.export_peak_mb(weights))
+        self.waiting[entry] = Pending(model, Path(model_dir), onnx_cache.export_peak_mb(weights))
         self.start_next()
 
     def start_next(self) -> None:
@@ -114,24 +121,37 @@ class Exports:
         if self.closed or self.running or not self.waiting:
             return
         free = self.free_mb()
-        fits = next((e for e, (_, _, peak) in self.waiting.items() if peak <= free), None)
+        fits = next((e for e, p in self.waiting.items() if p.peak_mb <= free), None)
         if fits is None:
-            for entry, (model, _, peak) in self.waiting.items():
+            for entry, pending in self.waiting.items():
                 if entry not in self.told:
                     self.told.add(entry)
                     log.info("model %s: its ONNX export waits for memory: ~%.0f MiB at its "
-                             "peak, %.0f free in the budget", model.key, peak, free)
+                             "peak, %.0f free in the budget", pending.model.key,
+                             pending.peak_mb, free)
             return
-        model, model_dir, peak = self.waiting.pop(fits)
+        pending = self.waiting.pop(fits)
         log.info("model %s: making its ONNX export in the background (%s, ~%.0f MiB)",
-                 model.key, fits, peak)
-        self.charged_mb = peak
-        self.running[fits] = asyncio.get_running_loop().create_task(
-            self._export(model, model_dir, fits))
+                 pending.model.key, fits, pending.peak_mb)
+        self.charged_mb = pending.peak_mb
+        self.running[fits] = pending, asyncio.get_running_loop().create_task(
+            self._export(pending.model, pending.model_dir, fits))
+
+    def make_room(self, need_mb: float) -> None:
+        """A worker is about to start on the CPU: if it needs the running export's memory,
+        the export stops (its process is killed) and waits for room again, first."""
+        if not self.running or self.free_mb() >= need_mb:
+            return
+        for entry, (pending, task) in self.running.items():
+            log.info("model %s: its ONNX export stops to leave its memory to a worker; "
+                     "made again when the budget has room", pending.model.key)
+            self.waiting = {entry: pending, **self.waiting}
+            self.told.discard(entry)
+            task.cancel()
 
     def waits_for_memory(self, model: ModelState) -> float | None:
         """The expected peak of an export this model waits for that does not fit yet."""
-        peaks = [peak for entry, (_, _, peak) in self.waiting.items()
+        peaks = [p.peak_mb for entry, p in self.waiting.items()
                  if model in self.models.get(entry, ())]
         return max(peaks) if peaks else None
 
@@ -170,7 +190,7 @@ class Exports:
         """No more exports; those running are killed (the next start makes them)."""
         self.closed = True
         self.waiting.clear()
-        tasks = list(self.running.values())
+        tasks = [task for _, task in self.running.values()]
         for task in tasks:
             task.cancel()
         for task in tasks:

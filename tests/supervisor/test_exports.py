@@ -112,7 +112,7 @@ async def test_a_failed_export_is_not_retried_and_stopping_kills_a_running_one(
         assert "no space left on device" in worker.info["execution_reason"]
 
     h2, export2 = await _two_eager_workers(make_harness)
-    running = next(iter(h2.pool.exports.running.values()))
+    _, running = next(iter(h2.pool.exports.running.values()))
     await h2.pool.exports.close()
     assert running.cancelled() and h2.pool.exports.running == {}
     late = h2.pool.start_worker(h2.pool.models["emb"])
@@ -191,12 +191,38 @@ async def test_an_export_waits_for_room_in_the_budget_and_is_charged_while_it_ru
     await h.settle()
     assert len(export.calls) == 1 and h.pool.exports.waits_for_memory(
         h.pool.models["emb"]) is None
-    # Charged like a worker: the policy starts nothing into it, and the daemon does not
-    # take the export's memory for outside pressure (both read used_mb).
+    # Charged (the daemon does not take the export's memory for outside pressure), but
+    # the policy plans as if it were free: it yields it to a worker.
     assert h.pool.capacity.used_mb(models) == used + peak
-    assert h.pool.capacity.view(models).used_mb["cpu"] == used + peak
+    assert h.pool.capacity.view(models).used_mb["cpu"] == used
     assert "ONNX export made in the background" in _status_text(h, "emb")
     assert export.outcome is not None
     export.outcome.set_result(ONNX)
     await h.settle()
     assert h.pool.capacity.used_mb(models) == used
+
+
+async def test_a_worker_that_needs_the_exports_memory_stops_it_until_there_is_room(
+        make_harness: MakeHarness) -> None:
+    h, export = await _two_eager_workers(make_harness, memory_budget_mb=600)
+    peak = onnx_cache.export_peak_mb(10)
+    assert len(export.calls) == 1 and h.pool.exports.charged_mb == peak  # 30 + 542 of 600
+    _, task = next(iter(h.pool.exports.running.values()))
+    # Two workers of another model start at its first request (20 MiB, then 10): the
+    # second does not fit beside the export, so the export makes room.
+    h.generate(h.sink(), "hi")
+    await h.settle()
+    assert len(h.workers("gen")) == 2 and task.cancelled()
+    assert h.pool.exports.running == {} and h.pool.exports.charged_mb == 0
+    assert h.pool.exports.waits_for_memory(h.pool.models["emb"]) == peak
+    h.pool.tick()  # 540 free: still no room
+    assert len(export.calls) == 1
+
+    h.pool.capacity.budget_mb = 700
+    h.pool.tick()
+    await h.settle()
+    assert len(export.calls) == 2 and h.pool.exports.charged_mb == peak
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    assert all(w.outdated for w in h.workers("emb"))
