@@ -18,7 +18,7 @@ from conftest import Daemon
 
 from modelpool.protocol.client import Client
 from modelpool.registry.download import resolve_model_dir
-from modelpool.registry.loaders import onnx_cache
+from modelpool.registry.loaders import onnx_cache, weights_size_mb
 from modelpool.registry.spec import Registry, load_catalog
 
 MakeDaemon = Callable[..., Daemon]
@@ -91,3 +91,23 @@ def test_the_export_is_made_from_the_start_while_eager_serves_then_workers_are_r
     log = daemon.log()
     assert log.count("making its ONNX export in the background") == 1
     assert log.count("a new worker serves better") == 2
+
+
+def test_an_export_that_does_not_fit_the_memory_budget_waits_and_eager_serves(
+        make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    # MiniLM's export is expected to peak at ~864 MiB (onnx_cache.export_peak_mb): more
+    # than this whole budget, so it never starts; the model serves eager PyTorch.
+    cache = tmp_path / "empty-cache"
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\nmemory_budget_mb = 700\n",
+                         env={"MODELPOOL_CACHE_DIR": str(cache)})
+    with daemon.client(timeout_s=120) as c:
+        assert np.asarray(c.embed(TEXTS)).shape == (3, 384)
+        (model,) = [m for m in c.status()["models"] if m["key"].endswith("MiniLM-L6-v2")]
+    spec = Registry(load_catalog()).resolve("minilm")
+    assert spec is not None
+    weights = weights_size_mb(resolve_model_dir(spec))
+    assert weights is not None
+    assert model["export_waits_for_mb"] == pytest.approx(onnx_cache.export_peak_mb(weights))
+    assert [w["info"]["execution"] for w in model["workers"]] == ["eager"]
+    assert _export_process(daemon) == [] and not list(cache.glob("onnx/*/manifest.json"))
+    assert "its ONNX export waits for memory" in daemon.log()
