@@ -143,6 +143,8 @@ class Exports:
         if not self.running or self.free_mb() >= need_mb:
             return
         for entry, (pending, task) in self.running.items():
+            if entry in self.waiting:  # already stopping for an earlier start
+                continue
             log.info("model %s: its ONNX export stops to leave its memory to a worker; "
                      "made again when the budget has room", pending.model.key)
             self.waiting = {entry: pending, **self.waiting}
