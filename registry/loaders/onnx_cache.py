@@ -54,9 +54,11 @@ EXPORT_TIMEOUT_S = 600  # a load's own bound (load_timeout_s) is the same by def
 # An export's process at its peak: what it imports (torch, transformers, onnx) and a few
 # copies of the weights (the eager model, its traced graph, the ONNX model, the session
 # that checks it). Measured 2026-11-27 (peak RSS of export_command): 578, 781 and 2,159
-# MiB for BERTs of 26, 87 and 415 MiB of weights; this line lies above all three.
-EXPORT_BASE_MB = 500.0
-EXPORT_PER_WEIGHTS_MB = 4.2
+# MiB for BERTs of 26, 87 and 415 MiB of weights alone, and MiniLM's 871 under the
+# whole test suite (its RSS counts the shared libraries' pages it maps, which vary);
+# this line lies 14-27% above all of them.
+EXPORT_BASE_MB = 600.0
+EXPORT_PER_WEIGHTS_MB = 4.5
 
 
 def export_peak_mb(weights_mb: float) -> float:

@@ -175,10 +175,11 @@ async def test_status_says_while_eager_serves_for_an_export(make_harness: MakeHa
 
 async def test_an_export_waits_for_room_in_the_budget_and_is_charged_while_it_runs(
         make_harness: MakeHarness) -> None:
-    # Two workers of 10 MiB weights and 10 each hold 30; the export's peak (~542 MiB for
-    # 10 MiB of weights) does not fit in the 530 a 560 MiB budget leaves.
-    h, export = await _two_eager_workers(make_harness, memory_budget_mb=560)
-    models, peak = h.pool.models.values(), onnx_cache.export_peak_mb(10)
+    # Two workers of 10 MiB weights and 10 each hold 30; the export's peak (for 10 MiB
+    # of weights) does not fit in what the budget leaves.
+    peak = onnx_cache.export_peak_mb(10)
+    h, export = await _two_eager_workers(make_harness, memory_budget_mb=30 + peak - 10)
+    models = h.pool.models.values()
     used = h.pool.capacity.used_mb(models)
     assert used == 30 and export.calls == []
     assert h.pool.exports.waits_for_memory(h.pool.models["emb"]) == peak
@@ -186,7 +187,7 @@ async def test_an_export_waits_for_room_in_the_budget_and_is_charged_while_it_ru
     h.pool.tick()
     assert export.calls == []
 
-    h.pool.capacity.budget_mb = 600  # memory other processes held came back
+    h.pool.capacity.budget_mb = 30 + peak + 10  # memory other processes held came back
     h.pool.tick()
     await h.settle()
     assert len(export.calls) == 1 and h.pool.exports.waits_for_memory(
@@ -204,9 +205,9 @@ async def test_an_export_waits_for_room_in_the_budget_and_is_charged_while_it_ru
 
 async def test_a_worker_that_needs_the_exports_memory_stops_it_until_there_is_room(
         make_harness: MakeHarness) -> None:
-    h, export = await _two_eager_workers(make_harness, memory_budget_mb=600)
     peak = onnx_cache.export_peak_mb(10)
-    assert len(export.calls) == 1 and h.pool.exports.charged_mb == peak  # 30 + 542 of 600
+    h, export = await _two_eager_workers(make_harness, memory_budget_mb=30 + peak + 28)
+    assert len(export.calls) == 1 and h.pool.exports.charged_mb == peak  # 28 MiB left
     _, task = next(iter(h.pool.exports.running.values()))
     # Two workers of another model start at its first request (20 MiB, then 10): the
     # second does not fit beside the export, so the export makes room.
@@ -215,10 +216,10 @@ async def test_a_worker_that_needs_the_exports_memory_stops_it_until_there_is_ro
     assert len(h.workers("gen")) == 2 and task.cancelled()
     assert h.pool.exports.running == {} and h.pool.exports.charged_mb == 0
     assert h.pool.exports.waits_for_memory(h.pool.models["emb"]) == peak
-    h.pool.tick()  # 540 free: still no room
+    h.pool.tick()  # 2 MiB short of the export's peak: still no room
     assert len(export.calls) == 1
 
-    h.pool.capacity.budget_mb = 700
+    h.pool.capacity.budget_mb = 30 + peak + 100
     h.pool.tick()
     await h.settle()
     assert len(export.calls) == 2 and h.pool.exports.charged_mb == peak
