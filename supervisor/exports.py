@@ -137,10 +137,11 @@ class Exports:
         self.running[fits] = pending, asyncio.get_running_loop().create_task(
             self._export(pending.model, pending.model_dir, fits))
 
-    def make_room(self, need_mb: float) -> None:
-        """A worker is about to start on the CPU: if it needs the running export's memory,
-        the export stops (its process is killed) and waits for room again, first."""
-        if not self.running or self.free_mb() >= need_mb:
+    def make_room(self, model: ModelState) -> None:
+        """A worker of this model is about to start: if it needs the running export's
+        memory, the export stops (its process is killed) and waits for room again, first."""
+        if (not self.running or model.device != "cpu"
+                or self.free_mb() >= model.charge().next_worker_mb):
             return
         for entry, (pending, task) in self.running.items():
             if entry in self.waiting:  # already stopping for an earlier start

@@ -314,10 +314,8 @@ class Pool:
             # A load reads no Shutdown: a preempted one is killed at once.
             self.stop_worker(worker, grace_s=0.0 if stop.reason == "preempted" else None)
         for start in plan.start:
-            model = self.models[start.model_key]
-            if model.device == "cpu":
-                self.exports.make_room(model.charge().next_worker_mb)
-            self.start_worker(model, holder=start.holder)
+            self.exports.make_room(self.models[start.model_key])
+            self.start_worker(self.models[start.model_key], holder=start.holder)
 
     def tick(self) -> None:
         """Periodic: retire idle or outdated workers, age waiting work, retry starts."""
