@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import signal
 from typing import Any
 
 import msgspec
 
-from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import STREAMED
 from modelpool.protocol.messages import Error, WorkRequest
 from modelpool.protocol.pipes import (
@@ -30,7 +28,7 @@ from modelpool.protocol.pipes import (
     WorkerSettings,
 )
 from modelpool.registry.spec import Registry
-from modelpool.supervisor import capacity, health, pressure, recovery, scaling
+from modelpool.supervisor import capacity, exits, health, pressure, scaling
 from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
@@ -41,10 +39,9 @@ from modelpool.supervisor.intake import Intake
 from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelSettings, ModelState
 from modelpool.supervisor.queueing import Job, JobState, Requester
-from modelpool.supervisor.shm import SharedImages, unlink_segment, weights_segment
+from modelpool.supervisor.shm import SharedImages
 from modelpool.supervisor.threads import ThreadBudget
 from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
-from modelpool.workers import exitcodes
 
 log = logging.getLogger("modelpool.pool")
 
@@ -180,94 +177,7 @@ class Pool:
         worker.note_heartbeat(beat, self.scheduler.now())
 
     def handle_exit(self, worker: WorkerHandle, exitcode: int | None) -> None:
-        worker.move_to(WorkerState.DEAD)
-        if worker.kill_timer is not None:
-            worker.kill_timer.cancel()
-        model = self.models[worker.model_key]
-        if worker is model.holder:
-            self._holder_exited(model, worker, exitcode)
-        else:
-            model.workers.pop(worker.worker_id, None)
-            expected = exitcode == exitcodes.OK and not worker.jobs
-            cause = self.exit_cause(worker, exitcode)
-            log.log(logging.INFO if expected else logging.WARNING,
-                    "worker %d (pid %s) of %s exited: %s", worker.worker_id, worker.pid,
-                    model.key, cause)
-            self._note_failed_start(model, worker, exitcode, cause=cause)
-            if worker.ready_at is not None and not worker.stop_requested:
-                model.metrics.worker_deaths += 1
-            for job in worker.jobs.values():
-                self.shared.release(job.job_id)
-                self._requeue_or_fail(model, job, worker, exitcode, cause)
-            self.dispatcher.take_all_back(worker)
-            self.retire_unneeded_holder(model)
-        self.changed.set()
-        self.reconcile_waiting()  # its memory and maybe its load slot are free again
-
-    def _holder_exited(self, model: ModelState, holder: WorkerHandle,
-                       exitcode: int | None) -> None:
-        model.holder, model.shared_weights = None, None
-        # By its name, which the supervisor chose: also when it died half-way through
-        # writing it. Workers' mappings outlive the name.
-        unlink_segment(weights_segment(holder.worker_id))
-        log.log(logging.INFO if holder.stop_requested else logging.WARNING,
-                "weights holder (pid %s) of %s exited: %s", holder.pid, model.key,
-                exitcodes.describe(exitcode))
-        if holder.stop_requested:
-            return
-        if holder.ready_at is None:
-            self._note_failed_start(model, holder, exitcode, holder=True)
-            return
-        # CUDA memory shared over IPC dies with its exporter: its workers must not run
-        # one more kernel on it (their work is re-queued). CPU mappings outlive it: those
-        # workers finish their work and make way for ones on the next holder's weights.
-        # Loading ones too: their weights are gone, and their failing is no load failure.
-        on_gpu = (model.device or "cpu") != "cpu"
-        for worker in model.live_workers():
-            if on_gpu:
-                worker.stop_requested = True
-                self.kill_hung(worker, "its weights holder died")
-            else:
-                self.stop_worker(worker)
-
-    def exit_cause(self, worker: WorkerHandle, exitcode: int | None) -> str:
-        """The exit in words; a SIGKILL this pool did not send is checked against the
-        cgroup's OOM kill count (supervisor/pressure.py)."""
-        ours = worker.stop_requested or worker.hung is not None
-        kills = self.oom.new_kills() if exitcode == -signal.SIGKILL and not ours else 0
-        return pressure.exit_cause(exitcode, ours, kills)
-
-    def _note_failed_start(self, model: ModelState, worker: WorkerHandle,
-                           exitcode: int | None, holder: bool = False,
-                           cause: str | None = None) -> None:
-        """A loader that failed backs off and fails what waits (unless a sibling serves);
-        a process that died for any other reason backs off and is started again."""
-        now = self.scheduler.now()
-        if (failure := recovery.load_failure(worker)) is not None:
-            model.note_load_failure(worker.started_at, failure, now)
-            log.error("model %s failed to load (%d in a row): %s", model.key,
-                      model.failures.count, failure)
-            if not model.has_ready_worker():
-                for job in model.queue.jobs():
-                    self.book.fail(job, ErrorCode.MODEL_LOAD_FAILED,
-                                   f"model {model.key!r}: {failure}")
-        elif (death := recovery.death_before_ready(worker, exitcode, holder,
-                                                    cause)) is not None:
-            model.note_death(worker.started_at, death, now)
-            log.warning("model %s: %s (%d in a row); starting again in %.1fs", model.key,
-                        death, model.deaths.count, model.deaths.blocked_until - now)
-
-    def _requeue_or_fail(self, model: ModelState, job: Job, worker: WorkerHandle,
-                         exitcode: int | None, cause: str | None = None) -> None:
-        if job.state is JobState.DONE:
-            return
-        why = recovery.death_verdict(job, worker.pid, exitcode, cause)
-        if why is not None:
-            self.book.fail(job, ErrorCode.WORKER_DIED, why)
-            return
-        job.retries += 1
-        job.state, job.worker_id = JobState.QUEUED, None
-        model.queue.push_front(job)
+        exits.worker_exited(self, worker, exitcode)
 
     # ---- scaling --------------------------------------------------------------------
 
