@@ -61,8 +61,7 @@ async def run_export(spec: ModelSpec, model_dir: Path, entry: Path) -> str:
         await process.wait()
         raise
     if process.returncode != 0:
-        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
-        return f"the ONNX export exited with {process.returncode}: {tail[0]}"
+        return f"the {onnx_cache.export_failure(process.returncode, err)}"
     manifest = msgspec.json.decode(out, type=onnx_cache.Manifest)
     return ONNX if manifest.choice == "onnx" else manifest.reason
 

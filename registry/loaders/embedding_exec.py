@@ -84,6 +84,5 @@ def export_in_child(spec: ModelSpec, model_dir: Path, entry: Path) -> Manifest:
     done = subprocess.run(argv, input=payload, capture_output=True,
                           timeout=onnx_cache.EXPORT_TIMEOUT_S)
     if done.returncode != 0:
-        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
-        raise RuntimeError(f"ONNX export exited with {done.returncode}: {tail[0]}")
+        raise RuntimeError(onnx_cache.export_failure(done.returncode, done.stderr))
     return msgspec.json.decode(done.stdout, type=Manifest)

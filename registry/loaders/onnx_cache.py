@@ -173,6 +173,12 @@ def export_command(spec: ModelSpec, model_dir: Path, entry: Path) -> tuple[list[
     return [sys.executable, "-I", "-m", "modelpool.registry.loaders.onnx_export"], payload
 
 
+def export_failure(returncode: int, stderr: bytes) -> str:
+    """A failed export process in words: its exit code and the last line it wrote."""
+    tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+    return f"ONNX export exited with {returncode}: {tail[0]}"
+
+
 @functools.cache  # fixed for the process; every entry key asks for five
 def _version(dist: str) -> str:
     try:

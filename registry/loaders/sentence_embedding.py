@@ -36,7 +36,8 @@ class SentenceEmbedder:
         self.lowercase = lowercase
         self.dim = int(model.config.hidden_size)
         self.execution_reason = ""  # why not ONNX (registry/loaders/embedding_exec.py)
-        self.onnx_export: dict[str, str] | None = None  # an export to make, where
+        self.onnx_export: dict[str, str] | None = None  # the export still to make:
+        # its cache entry and the model's files (registry/loaders/embedding_exec.py)
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
