@@ -53,6 +53,16 @@ def minilm_export() -> None:
         embedding_exec.export_in_child(spec, model_dir, entry)
 
 
+DAEMON_TEST_DIRS = ("adversarial", "cluster", "integration")
+
+
+@pytest.fixture(autouse=True)
+def _minilm_exported(request: pytest.FixtureRequest) -> None:
+    """Tests that start daemons start them with MiniLM's export cached."""
+    if request.node.path.parent.name in DAEMON_TEST_DIRS:
+        request.getfixturevalue("minilm_export")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` need CUDA; on machines without it they are skipped, not failed."""
     import torch

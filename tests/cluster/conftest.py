@@ -22,8 +22,3 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     kwargs = {name: pyfuncitem.funcargs[name] for name in names}
     asyncio.run(asyncio.wait_for(pyfuncitem.obj(**kwargs), ASYNC_TEST_TIMEOUT_S))
     return True
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _minilm_exported(minilm_export: None) -> None:
-    """Daemons here start with MiniLM's export cached (tests/conftest.py)."""

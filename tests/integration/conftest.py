@@ -177,8 +177,3 @@ def other_user_env() -> dict[str, str]:
     """The environment for a client run as the other user."""
     env = {k: v for k, v in os.environ.items() if k != "MODELPOOL_SOCKET"}
     return {**env, "HOME": "/tmp"}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _minilm_exported(minilm_export: None) -> None:
-    """Daemons here start with MiniLM's export cached (tests/conftest.py)."""
