@@ -84,6 +84,12 @@ def memory_error(model: ModelState, budget_for: Callable[[str], float]) -> Rejec
     if model.workers:
         return None  # it fits: it is running
     budget_mb = budget_for(model.device or "cpu")
+    export_mb = model.awaits_export_mb
+    if export_mb is not None and export_mb > budget_mb:
+        return (ErrorCode.INSUFFICIENT_MEMORY,
+                f"model {model.key!r} runs ONNX (execution = \"onnx\") and its export, made "
+                f"before its first worker, peaks at ~{export_mb:.0f} MiB; the budget on "
+                f"{model.device} is {budget_mb:.0f} MiB")
     charge = model.charge()
     if not memory.never_fits(charge, budget_mb):
         return None

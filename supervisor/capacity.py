@@ -77,6 +77,7 @@ def model_load(model: ModelState) -> scaling.ModelLoad:
         blocked_until=max(model.failures.blocked_until, model.deaths.blocked_until),
         failed=model.failed,
         warm=model.warm_target,
+        awaits_export=model.awaits_export_mb is not None,
     )
 
 

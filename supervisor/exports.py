@@ -17,6 +17,11 @@ resident). It never evicts a worker, and it yields to one: while it runs its pea
 charged against the budget (`Capacity.used_mb`, so that it is not taken for outside
 pressure), but the scaling policy plans as if it were free, and a worker start that
 needs that memory stops the export, which waits for room again (make_room).
+
+A model forced to ONNX (execution = "onnx") has no eager PyTorch to serve meanwhile: the
+daemon makes its export the same way and no worker of it starts until the export ends
+(ModelState.awaits_export_mb, which the scaling policy reads), so that no worker makes
+it inside its own load, uncharged.
 """
 
 from __future__ import annotations
@@ -103,15 +108,21 @@ class Exports:
 
     def request(self, model: ModelState, entry: str, model_dir: str) -> None:
         """Make the export in the background, unless it is made or being made. Two model
-        keys may share one (the same files and options)."""
+        keys may share one (the same files and options). A model that must run it
+        (execution = "onnx") starts no worker until it is made."""
         waiting = self.models.setdefault(entry, [])
         if model not in waiting:
             waiting.append(model)
-        if (self.closed or entry in self.outcomes or entry in self.running
-                or entry in self.waiting):
+        if self.closed or entry in self.outcomes:
             return
-        weights = weights_size_mb(Path(model_dir)) or model.charge().weights_mb
-        self.waiting[entry] = Pending(model, Path(model_dir), onnx_cache.export_peak_mb(weights))
+        pending = self.waiting.get(entry) or (
+            self.running[entry][0] if entry in self.running else None)
+        if pending is None:
+            weights = weights_size_mb(Path(model_dir)) or model.charge().weights_mb
+            pending = Pending(model, Path(model_dir), onnx_cache.export_peak_mb(weights))
+            self.waiting[entry] = pending
+        if model.spec.execution == ONNX:  # it cannot serve eager PyTorch meanwhile
+            model.awaits_export_mb = pending.peak_mb
         self.start_next()
 
     def start_next(self) -> None:
@@ -169,8 +180,11 @@ class Exports:
             self.charged_mb = 0.0
         self.outcomes[entry] = outcome
         log.info("model %s: ONNX export done: %s", model.key,
-                 "replacing its eager workers" if outcome == ONNX else outcome)
+                 "its workers run it now" if outcome == ONNX else outcome)
         for waiting in self.models.pop(entry, []):
+            # A forced model's workers may start: they load the export (or, when its
+            # process died before writing one, make it in their load).
+            waiting.awaits_export_mb = None
             self._settle(waiting, entry)
         self.start_next()
 
@@ -192,6 +206,9 @@ class Exports:
         """No more exports; those running are killed (the next start makes them)."""
         self.closed = True
         self.waiting.clear()
+        for waiting in self.models.values():
+            for model in waiting:
+                model.awaits_export_mb = None
         tasks = [task for _, task in self.running.values()]
         for task in tasks:
             task.cancel()

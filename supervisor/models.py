@@ -84,6 +84,9 @@ class ModelState:
     measured_weights_mb: float | None = None  # file-backed weights, reported at Ready
     measured_per_worker_mb: float | None = None  # largest private memory (USS) seen
     waiting_for_memory: bool = False
+    # execution = "onnx" and no export cached: no worker starts until the daemon has made
+    # it within the budget (exports.py); this is its expected peak, None otherwise.
+    awaits_export_mb: float | None = None
     warm_target: int = 0  # workers kept up without traffic, set by `modelpool load`
     batch_timer: asyncio.TimerHandle | None = None
     batch_waited: bool = False
@@ -144,6 +147,8 @@ class ModelState:
             return "loading"
         if processes:
             return "draining"
+        if self.awaits_export_mb is not None:
+            return "exporting"
         if len(self.queue):
             return "waiting-for-memory" if self.waiting_for_memory else "waiting"
         return "cold"
@@ -184,6 +189,8 @@ class ModelState:
             return f"running on worker pid {worker.pid if worker else '?'}"
         if not self.workers and self.deaths.count:
             return f"its workers died while loading: {self.deaths.last_error}"
+        if not self.workers and self.awaits_export_mb is not None:
+            return "waiting for its ONNX export (execution = \"onnx\"), made before its workers"
         if not self.workers:
             return "waiting for memory" if self.waiting_for_memory else "waiting for a worker"
         if not self.has_ready_worker():

@@ -7,7 +7,8 @@ Rules:
 - scale up: +1 when every worker is busy, work is waiting and no start is in flight;
 - scale down: -1 per `cooldown_idle_s` of whole-model idleness, down to 0;
 - `modelpool load` keeps a warm minimum up (and exempt from scale-down) until `unload`;
-- nothing starts while a failed load backs off or after the model is marked failed;
+- nothing starts while a failed load backs off or after the model is marked failed, nor
+  while the ONNX export its workers must load (execution = "onnx") is being made;
 - memory: a start that does not fit the budget evicts idle workers of other models on
   the same device, least recently used first, or else waits for memory;
 - load slots: every waiting model gets one before any model gets a second, even if
@@ -40,6 +41,7 @@ class ModelLoad:
     blocked_until: float = 0.0  # load back-off
     failed: bool = False
     warm: int = 0  # workers kept up even without work (`modelpool load`)
+    awaits_export: bool = False  # its workers load an export still being made
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def cpu_plan(cpus: int, cold_start_workers: int, threads: int, max_workers: int)
 
 def workers_wanted(load: ModelLoad, policy: ScalingPolicy, now: float) -> int:
     """Workers the model would start now if memory and load slots allowed."""
-    if load.failed or now < load.blocked_until:
+    if load.failed or now < load.blocked_until or load.awaits_export:
         return 0
     want = 0
     if load.queued and load.live == 0:

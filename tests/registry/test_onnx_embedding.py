@@ -96,16 +96,17 @@ def test_auto_without_an_export_serves_eager_at_once_and_names_the_export(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_daemon_makes_from_its_start_the_exports_its_auto_models_lack(
+def test_a_daemon_makes_from_its_start_the_exports_its_models_lack(
         tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path))
-    spec = _minilm()
-    others = [_minilm(key="e", execution="eager"), _minilm(key="o", execution="onnx"),
-              _minilm(key="b", options={"dtype": "bfloat16"})]
-    ((found, model_dir, entry),) = exports_to_make([spec, *others])
+    spec, forced = _minilm(), _minilm(key="o", execution="onnx")
+    others = [_minilm(key="e", execution="eager"), _minilm(key="b", options={"dtype": "bfloat16"})]
+    (found, model_dir, entry), (found_forced, _, entry_forced) = exports_to_make(
+        [spec, *others, forced])
     assert found == spec and entry == onnx_cache.entry_dir(spec, model_dir)
+    assert found_forced == forced and entry_forced == entry  # the same files and options
     monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))  # where it is made
-    assert exports_to_make([spec]) == []
+    assert exports_to_make([spec, forced]) == []
 
 
 def test_attention_is_exported_without_sdpas_mask_handling(

@@ -1,5 +1,6 @@
 """Background ONNX exports: made once while eager workers serve, then those workers are
-replaced one at a time; an export that loses leaves them serving, with the reason."""
+replaced one at a time; an export that loses leaves them serving, with the reason. A model
+forced to ONNX starts no worker until its export is made."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from modelpool.protocol.messages import ErrorCode
 from modelpool.registry.loaders import onnx_cache
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.cli import _model_text
@@ -227,3 +229,80 @@ async def test_a_worker_that_needs_the_exports_memory_stops_it_until_there_is_ro
     export.outcome.set_result(ONNX)
     await h.settle()
     assert all(w.outdated for w in h.workers("emb"))
+
+
+def _forced_onnx(make_harness: MakeHarness, **pool: float) -> tuple[Harness, FakeExport]:
+    """A daemon whose "emb" must run ONNX and has no export cached: it asks for the
+    export at its start, as the server does."""
+    models = [ModelSpec(key="emb", capability="text_embedding", path="/nonexistent",
+                        weights_mb=10, per_worker_mb=10, execution="onnx")]
+    h = make_harness(models=models, cold_start_workers=2, **pool)
+    export = FakeExport()
+    h.pool.exports.run = export
+    h.pool.exports.request(h.pool.models["emb"], "/cache/onnx/abc", "/models/emb")
+    return h, export
+
+
+async def test_a_model_forced_to_onnx_starts_its_workers_once_its_export_is_made(
+        make_harness: MakeHarness) -> None:
+    h, export = _forced_onnx(make_harness)
+    await h.settle()
+    sink = h.sink()
+    client_id = h.embed(sink, ["a"])
+    h.pool.tick()
+    await h.settle()
+    # It cannot serve eager PyTorch meanwhile, and a worker exporting in its load would
+    # take the export's memory uncharged: no worker until the export is made.
+    assert len(export.calls) == 1 and h.workers("emb") == []
+    assert sink.finals(client_id) == []
+    text = _status_text(h, "emb")
+    assert " exporting " in text and "its workers start once it is made" in text
+    assert "ONNX export" in h.pool.models["emb"].wait_cause(
+        next(iter(h.pool.models["emb"].queue.jobs())))
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    h.pool.tick()
+    await h.settle()
+    assert len(h.workers("emb")) == 2 and h.pool.models["emb"].awaits_export_mb is None
+    h.ready(h.workers("emb")[0], info={"dim": 2, "execution": "onnx"})
+    (work,) = h.works(h.workers("emb")[0])
+    h.reply_embeddings(h.workers("emb")[0], work.items[0].job_id, 1.0, 2.0)
+    assert len(sink.finals(client_id)) == 1 and sink.errors() == []
+
+
+async def test_a_forced_models_export_that_fails_lets_its_workers_try_in_their_load(
+        make_harness: MakeHarness) -> None:
+    h, export = _forced_onnx(make_harness)
+    await h.settle()
+    h.embed(h.sink(), ["a"])
+    h.pool.tick()
+    await h.settle()
+    assert h.workers("emb") == []
+    assert export.outcome is not None
+    export.outcome.set_result("the ONNX export exited with -9: ")
+    await h.settle()
+    h.pool.tick()
+    await h.settle()
+    assert len(h.workers("emb")) == 2
+
+
+async def test_a_forced_models_export_that_fits_is_made_and_one_that_never_fits_is_refused(
+        make_harness: MakeHarness) -> None:
+    peak = onnx_cache.export_peak_mb(10)
+    h, export = _forced_onnx(make_harness, memory_budget_mb=peak + 10)
+    sink = h.sink()
+    h.embed(sink, ["a"])
+    h.pool.tick()
+    await h.settle()
+    assert len(export.calls) == 1 and h.workers("emb") == []  # it fits the budget: queued
+    assert sink.errors() == []
+
+    small, small_export = _forced_onnx(make_harness, memory_budget_mb=peak - 1)
+    small_sink = small.sink()
+    client_id = small.embed(small_sink, ["a"])
+    error = small_sink.only_error(client_id)
+    assert error.code is ErrorCode.INSUFFICIENT_MEMORY and "ONNX" in error.message
+    assert f"{peak:.0f} MiB" in error.message
+    assert small_export.calls == [] and small.workers("emb") == []
+    assert f"ONNX export waits for ~{peak:.0f} MiB" in _status_text(small, "emb")
