@@ -70,10 +70,13 @@ def serves_with_room(peer: Peer, key: str) -> bool:
 def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads: int,
                   used_mb: float, budget_mb: float) -> bool:
     """Should this node take jobs of a model it has no worker for (and so start one)?
-    Not when a live peer serves it with room, nor without a load slot or memory."""
+    Not when a live peer serves it with room, nor without a load slot or memory, nor
+    while its workers wait for the ONNX export they must run (the jobs stay in the
+    shared queue for a node that can start now)."""
     if any(serves_with_room(peer, model.key) for peer in peers):
         return False
-    if loading >= max_loads or model.failed or model.device is None:
+    if (loading >= max_loads or model.failed or model.device is None
+            or model.awaits_export_mb is not None):
         return False
     return memory.room_for(model.charge(), used_mb, budget_mb) > 0
 

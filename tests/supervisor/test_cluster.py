@@ -45,12 +45,15 @@ def test_a_model_served_elsewhere_with_room_is_not_loaded_here(
                              budget_mb=1000)
 
 
-def test_no_load_without_a_slot_or_memory(make_harness: MakeHarness) -> None:
+def test_no_load_without_a_slot_or_memory_or_the_export_its_workers_need(
+        make_harness: MakeHarness) -> None:
     h = make_harness()
     model = h.pool.models["emb"]  # 10 MiB of weights and 10 a worker
     assert not may_load_here(model, [], loading=2, max_loads=2, used_mb=0, budget_mb=1000)
     assert not may_load_here(model, [], loading=0, max_loads=2, used_mb=990, budget_mb=1000)
     assert may_load_here(model, [], loading=1, max_loads=2, used_mb=980, budget_mb=1000)
+    model.awaits_export_mb = 900.0  # forced to ONNX, its export still being made
+    assert not may_load_here(model, [], loading=0, max_loads=2, used_mb=0, budget_mb=1000)
 
 
 def test_lapsed_leases_are_swept_between_beats_which_keep_a_steady_rate() -> None:
