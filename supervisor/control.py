@@ -38,10 +38,14 @@ def load_model(pool: Pool, name: str, workers: int) -> str:
     model.pin(workers, pool.scheduler.now())
     pool.reconcile(model)
     capped = "" if workers <= model.warm_target else f" ({cap_reason(pool, model, workers)})"
-    fetching = ("; downloading it into the Hugging Face cache first (`modelpool status` "
-                "shows the bytes)" if missing else "")
+    first = ""  # what the workers wait for
+    if missing:
+        first = ("; downloading it into the Hugging Face cache first (`modelpool status` "
+                 "shows the bytes)")
+    if model.awaits_export_mb is not None:
+        first += "; they start once its ONNX export is made (execution = \"onnx\")"
     return (f"{model.key}: keeping {model.warm_target} worker(s) up{capped}; "
-            f"{len(model.live_workers())} live or starting{fetching}")
+            f"{len(model.live_workers())} live or starting{first}")
 
 
 def cap_reason(pool: Pool, model: ModelState, asked: int) -> str:

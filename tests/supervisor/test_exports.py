@@ -14,6 +14,7 @@ import msgspec
 from modelpool.protocol.messages import ErrorCode
 from modelpool.registry.loaders import onnx_cache
 from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor import control
 from modelpool.supervisor.cli import _model_text
 from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE, run_export
 from modelpool.supervisor.status import build_status
@@ -306,3 +307,18 @@ async def test_a_forced_models_export_that_fits_is_made_and_one_that_never_fits_
     assert f"{peak:.0f} MiB" in error.message
     assert small_export.calls == [] and small.workers("emb") == []
     assert f"ONNX export waits for ~{peak:.0f} MiB" in _status_text(small, "emb")
+
+
+async def test_a_forced_model_kept_warm_starts_its_workers_once_its_export_is_made(
+        make_harness: MakeHarness) -> None:
+    h, export = _forced_onnx(make_harness)
+    await h.settle()
+    message = control.load_model(h.pool, "emb", 1)
+    await h.settle()
+    assert "once its ONNX export is made" in message and h.workers("emb") == []
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    h.pool.tick()
+    await h.settle()
+    assert len(h.workers("emb")) == 1
