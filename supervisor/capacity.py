@@ -18,9 +18,9 @@ from modelpool.supervisor.workers import WorkerState
 
 class Capacity:
     def __init__(self, config: PoolConfig, gpus: list[Gpu],
-                 background_mb: Callable[[], float] = lambda: 0.0) -> None:
+                 exports: Callable[[], scaling.ExportView] = scaling.ExportView) -> None:
         self.config = config
-        self.background_mb = background_mb  # CPU memory the pool's own non-workers hold
+        self.exports = exports  # the background exports, whose running one holds memory
         self.budget_mb = (config.memory_budget_mb
                           or config.memory_fraction * memory.read_memory().total_mb)
         self.gpu_budgets_mb = {g.device: config.memory_fraction * g.total_mb for g in gpus}
@@ -40,7 +40,7 @@ class Capacity:
     def used_mb(self, models: Iterable[ModelState], device: str = "cpu") -> float:
         """What the pool holds: its workers, and on the CPU a running export."""
         held = self.workers_mb(models, device)
-        return held + self.background_mb() if device == "cpu" else held
+        return held + (self.exports().running_mb or 0.0) if device == "cpu" else held
 
     @staticmethod
     def workers_mb(models: Iterable[ModelState], device: str = "cpu") -> float:
@@ -59,7 +59,8 @@ class Capacity:
             # Without a running export: it yields its memory to a worker (Pool.apply).
             used_mb={d: self.workers_mb(models, d) for d in devices},
             freeing=frozenset(m.device or "cpu" for m in models for w in m.processes()
-                              if w.state is WorkerState.STOPPING))
+                              if w.state is WorkerState.STOPPING),
+            exports=self.exports())
 
 
 def model_load(model: ModelState) -> scaling.ModelLoad:

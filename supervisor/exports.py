@@ -16,7 +16,7 @@ expected peak (onnx_cache.export_peak_mb: the bundled model's peaked at 780 MiB
 resident). It never evicts a worker, and it yields to one: while it runs its peak is
 charged against the budget (`Capacity.used_mb`, so that it is not taken for outside
 pressure), but the scaling policy plans as if it were free, and a worker start that
-needs that memory stops the export, which waits for room again (make_room).
+needs that memory stops the export, which waits for room again (Plan.stop_export).
 
 A model forced to ONNX (execution = "onnx") has no eager PyTorch to serve meanwhile: the
 daemon makes its export the same way and no worker of it starts until the export ends
@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -39,6 +38,7 @@ import msgspec
 
 from modelpool.registry.loaders import onnx_cache, weights_size_mb
 from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor import scaling
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.workers import WorkerHandle
 
@@ -78,12 +78,13 @@ class Pending(NamedTuple):
 
 
 class Exports:
-    """The background exports of this daemon, and what became of them. `free_mb` says
-    what the CPU memory budget has left (the running export's charge taken)."""
+    """The background exports of this daemon, and what became of them. Which export
+    starts, and when a running one yields its memory, the scaling policy decides
+    (scaling.plan_export, Plan.stop_export); `changed` asks the pool to decide again."""
 
-    def __init__(self, free_mb: Callable[[], float] = lambda: math.inf,
+    def __init__(self, changed: Callable[[], None] = lambda: None,
                  run: RunExport = run_export) -> None:
-        self.free_mb = free_mb
+        self.changed = changed
         self.run = run
         self.outcomes: dict[str, str] = {}  # entry -> ONNX or why eager
         self.waiting: dict[str, Pending] = {}  # entry -> an export not started, oldest first
@@ -92,6 +93,12 @@ class Exports:
         self.models: dict[str, list[ModelState]] = {}  # entry -> the models that wait for it
         self.told: set[str] = set()  # entries whose wait for memory was logged
         self.closed = False
+
+    def view(self) -> scaling.ExportView:
+        return scaling.ExportView(
+            running_mb=self.charged_mb if self.running else None,
+            waiting=tuple((e, p.peak_mb) for e, p in self.waiting.items()
+                          if e not in self.running))
 
     def note_ready(self, model: ModelState, worker: WorkerHandle) -> None:
         """A worker is ready: start the export it names, or act on one that ended."""
@@ -123,36 +130,31 @@ class Exports:
             self.waiting[entry] = pending
         if model.spec.execution == ONNX:  # it cannot serve eager PyTorch meanwhile
             model.awaits_export_mb = pending.peak_mb
-        self.start_next()
+        self.changed()
 
-    def start_next(self) -> None:
-        """Start the oldest waiting export that fits in what the budget has left, unless
-        one runs. The pool calls this again as memory frees (its tick)."""
-        if self.closed or self.running or not self.waiting:
+    def start(self, entry: str) -> None:
+        """Start this waiting export (the policy found room for its peak)."""
+        if self.closed or self.running or entry not in self.waiting:
             return
-        free = self.free_mb()
-        fits = next((e for e, p in self.waiting.items() if p.peak_mb <= free), None)
-        if fits is None:
-            for entry, pending in self.waiting.items():
-                if entry not in self.told:
-                    self.told.add(entry)
-                    log.info("model %s: its ONNX export waits for memory: ~%.0f MiB at its "
-                             "peak, %.0f free in the budget", pending.model.key,
-                             pending.peak_mb, free)
-            return
-        pending = self.waiting.pop(fits)
+        pending = self.waiting.pop(entry)
         log.info("model %s: making its ONNX export in the background (%s, ~%.0f MiB)",
-                 pending.model.key, fits, pending.peak_mb)
+                 pending.model.key, entry, pending.peak_mb)
         self.charged_mb = pending.peak_mb
-        self.running[fits] = pending, asyncio.get_running_loop().create_task(
-            self._export(pending.model, pending.model_dir, fits))
+        self.running[entry] = pending, asyncio.get_running_loop().create_task(
+            self._export(pending.model, pending.model_dir, entry))
 
-    def make_room(self, model: ModelState) -> None:
-        """A worker of this model is about to start: if it needs the running export's
-        memory, the export stops (its process is killed) and waits for room again, first."""
-        if (not self.running or model.device != "cpu"
-                or self.free_mb() >= model.charge().next_worker_mb):
-            return
+    def note_no_room(self, free_mb: float) -> None:
+        """No waiting export fits: each is logged once."""
+        for entry, pending in self.waiting.items():
+            if entry not in self.told and entry not in self.running:
+                self.told.add(entry)
+                log.info("model %s: its ONNX export waits for memory: ~%.0f MiB at its "
+                         "peak, %.0f free in the budget", pending.model.key,
+                         pending.peak_mb, free_mb)
+
+    def stop_running(self) -> None:
+        """The running export yields its memory to a worker: its process is killed and
+        it waits for room again, first."""
         for entry, (pending, task) in self.running.items():
             if entry in self.waiting:  # already stopping for an earlier start
                 continue
@@ -186,7 +188,7 @@ class Exports:
             # process died before writing one, make it in their load).
             waiting.awaits_export_mb = None
             self._settle(waiting, entry)
-        self.start_next()
+        self.changed()
 
     def _settle(self, model: ModelState, entry: str) -> None:
         """Mark the workers that wait for this export: for replacement, or with the

@@ -62,13 +62,12 @@ class Pool:
         self.models = {key: ModelState(spec, ModelSettings.of(spec, config.pool, cpus),
                                        resolve_device(spec.device, self.gpus))
                        for key, spec in registry.specs.items()}
-        self.capacity = Capacity(config.pool, self.gpus, lambda: self.exports.charged_mb)
+        self.capacity = Capacity(config.pool, self.gpus, lambda: self.exports.view())
         self.policy = scaling.ScalingPolicy(config.pool.cold_start_workers,
                                             config.pool.cooldown_idle_s)
         self.book = JobBook(scheduler, self)
         self.shared = SharedImages()
-        self.exports = Exports(lambda: self.capacity.budget_for("cpu")
-                               - self.capacity.used_mb(self.models.values()))
+        self.exports = Exports(lambda: self.plan_export())
         self.dispatcher = Dispatcher(scheduler, self.book, self.shared,
                                      config.pool.max_batch_wait_ms / 1000,
                                      ThreadBudget(cpus, self.models))
@@ -223,9 +222,22 @@ class Pool:
                          f"{why}: {worker.outdated}" if stop.reason == "replaced" else why)
             # A load reads no Shutdown: a preempted one is killed at once.
             self.stop_worker(worker, grace_s=0.0 if stop.reason == "preempted" else None)
+        if plan.stop_export:
+            self.exports.stop_running()
         for start in plan.start:
-            self.exports.make_room(self.models[start.model_key])
             self.start_worker(self.models[start.model_key], holder=start.holder)
+        if plan.start_export is not None:
+            self.exports.start(plan.start_export)
+
+    def plan_export(self) -> None:
+        """Start a waiting background export if the budget has room for it now."""
+        if not self.exports.waiting:
+            return
+        view = self.capacity.view(self.models.values())
+        plan = scaling.plan_export(view)
+        self.apply(plan)
+        if plan.start_export is None and view.exports.running_mb is None:
+            self.exports.note_no_room(view.budget_mb["cpu"] - view.used_mb["cpu"])
 
     def tick(self) -> None:
         """Periodic: retire idle or outdated workers, age waiting work, retry starts."""
@@ -235,7 +247,7 @@ class Pool:
         if not self.shutting_down and any(w.outdated for m in self.models.values()
                                            for w in m.workers.values()):
             self.apply(scaling.plan_replacements(self.capacity.view(self.models.values())))
-        self.exports.start_next()  # one waiting for memory may fit now
+        self.plan_export()  # one waiting for memory may fit now
         every = self.pool_config.priority_aging_s
         for model in self.models.values():
             for rank in model.ageing.starved(model.queue, now, every):

@@ -15,7 +15,10 @@ Rules:
   that means stopping another model's extra load (one that is not its first);
 - a weights holder starts before its model's workers and stops when none is left;
 - an outdated worker (its model's ONNX export became ready) is replaced by a new one,
-  one at a time per model: an idle one, or a busy one while another worker serves.
+  one at a time per model: an idle one, or a busy one while another worker serves;
+- a background ONNX export starts, one at a time, when what the CPU budget leaves holds
+  its expected peak; it never evicts a worker, and it stops (to be made again later)
+  when a worker start needs the memory it holds: serving comes first.
 """
 
 from __future__ import annotations
@@ -60,13 +63,22 @@ class ModelView:
 
 
 @dataclass(frozen=True)
+class ExportView:
+    """The background ONNX exports (on the CPU), as the policy sees them."""
+
+    running_mb: float | None = None  # the running one's expected peak; None: none runs
+    waiting: tuple[tuple[str, float], ...] = ()  # (cache entry, expected peak), oldest first
+
+
+@dataclass(frozen=True)
 class PoolView:
     models: Mapping[str, ModelView]
     loading: int  # processes starting or loading, all models
     max_concurrent_loads: int
     budget_mb: Mapping[str, float]  # by device
-    used_mb: Mapping[str, float]  # by device
+    used_mb: Mapping[str, float]  # by device, workers only (not a running export)
     freeing: frozenset[str] = frozenset()  # devices where a stopping worker frees memory
+    exports: ExportView = ExportView()
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,8 @@ class Plan:
     start: tuple[Start, ...] = ()
     stop: tuple[Stop, ...] = ()
     waiting_for_memory: Mapping[str, bool] = field(default_factory=dict)
+    start_export: str | None = None  # the cache entry of the export to start
+    stop_export: bool = False  # the running export yields its memory to these starts
 
 
 @dataclass(frozen=True)
@@ -152,8 +166,34 @@ def plan_starts(view: PoolView, key: str, policy: ScalingPolicy, now: float) -> 
     if model.uses_holder and model.holder != "holding":
         # Workers start once a holder shares its weights (not one that is stopping).
         holder = (Start(key, holder=True),) if model.holder == "none" else ()
-        return Plan(start=holder, stop=preempt if holder else (), waiting_for_memory=waiting)
-    return Plan(start=(Start(key),) * count, stop=preempt, waiting_for_memory=waiting)
+        return Plan(start=holder, stop=preempt if holder else (), waiting_for_memory=waiting,
+                    stop_export=_export_yields(view, _cpu_need(model, len(holder))))
+    return Plan(start=(Start(key),) * count, stop=preempt, waiting_for_memory=waiting,
+                stop_export=_export_yields(view, _cpu_need(model, count)))
+
+
+def _cpu_need(model: ModelView, starts: int) -> float:
+    """The CPU memory these starts of the model add."""
+    if model.device != "cpu" or starts <= 0:
+        return 0.0
+    return model.charge.next_worker_mb + (starts - 1) * model.charge.per_worker_mb
+
+
+def _export_yields(view: PoolView, need_mb: float) -> bool:
+    """Starts that need need_mb of CPU memory need some that a running export holds."""
+    running = view.exports.running_mb
+    free = view.budget_mb.get("cpu", 0.0) - view.used_mb.get("cpu", 0.0)
+    return running is not None and need_mb > 0 and need_mb > free - running
+
+
+def plan_export(view: PoolView) -> Plan:
+    """The oldest waiting export whose expected peak fits in what the CPU budget leaves,
+    while none runs."""
+    if view.exports.running_mb is not None:
+        return Plan()
+    free = view.budget_mb.get("cpu", 0.0) - view.used_mb.get("cpu", 0.0)
+    return Plan(start_export=next(
+        (entry for entry, peak in view.exports.waiting if peak <= free), None))
 
 
 def _waiting_for_a_first_worker(view: PoolView, key: str, now: float) -> int:
@@ -224,7 +264,8 @@ def plan_replacements(view: PoolView) -> Plan:
         stops.append(Stop(worker_id, model.key, "replaced"))
         starts.append(Start(model.key))
         slots -= 1
-    return Plan(start=tuple(starts), stop=tuple(stops))
+    need = sum(_cpu_need(view.models[start.model_key], 1) for start in starts)
+    return Plan(start=tuple(starts), stop=tuple(stops), stop_export=_export_yields(view, need))
 
 
 def should_stop_one(load: ModelLoad, policy: ScalingPolicy, now: float) -> bool:

@@ -11,6 +11,7 @@ import pytest
 from modelpool.supervisor import scaling
 from modelpool.supervisor.memory import ModelCharge
 from modelpool.supervisor.scaling import (
+    ExportView,
     ModelLoad,
     ModelView,
     Plan,
@@ -18,6 +19,7 @@ from modelpool.supervisor.scaling import (
     ScalingPolicy,
     Start,
     Stop,
+    plan_export,
     plan_scale_down,
     plan_starts,
     should_stop_one,
@@ -97,6 +99,11 @@ def test_no_start_when_failed() -> None:
 def test_a_warm_minimum_starts_without_work() -> None:
     assert workers_wanted(cold(queued=0, warm=2), POLICY, NOW) == 2
     assert workers_wanted(load(warm=2), POLICY, NOW) == 0
+
+
+def test_no_start_while_the_export_its_workers_must_run_is_made() -> None:
+    assert workers_wanted(cold(awaits_export=True), POLICY, NOW) == 0
+    assert workers_wanted(cold(queued=0, warm=1, awaits_export=True), POLICY, NOW) == 0
 
 
 # ---- plan_starts: memory, load slots, eviction, holders -------------------------------
@@ -251,3 +258,32 @@ def test_no_replacement_without_memory_or_a_load_slot_or_outdated_workers() -> N
     two = [outdated((8, True)), dataclasses.replace(outdated((9, True)), key="b")]
     plan = scaling.plan_replacements(view(*two, loading=1))
     assert len(plan.stop) == len(plan.start) == 1  # one slot: one replacement
+
+
+# ---- background exports: they start when their peak fits and yield to workers -------
+
+
+def test_the_oldest_waiting_export_that_fits_starts_while_none_runs() -> None:
+    waiting = ExportView(waiting=(("big", 900.0), ("small", 500.0)))
+    assert plan_export(dataclasses.replace(view(used=200), exports=waiting)) == Plan(
+        start_export="small")
+    assert plan_export(dataclasses.replace(view(used=50), exports=waiting)) == Plan(
+        start_export="big")
+    assert plan_export(dataclasses.replace(view(used=600), exports=waiting)) == Plan()
+    running = ExportView(running_mb=300.0, waiting=waiting.waiting)
+    assert plan_export(dataclasses.replace(view(), exports=running)) == Plan()
+
+
+def test_a_start_that_needs_a_running_exports_memory_stops_it() -> None:
+    # Budget 1000, workers 500, export 300: 200 free. A cold start of two workers needs
+    # 100 + 50 + 50; with 10 more used, the second worker needs the export's memory.
+    running = ExportView(running_mb=300.0)
+    fits = dataclasses.replace(view(model(), used=500), exports=running)
+    assert plan_starts(fits, "a", POLICY, NOW).start == (Start("a"), Start("a"))
+    assert not plan_starts(fits, "a", POLICY, NOW).stop_export
+    short = dataclasses.replace(view(model(), used=510), exports=running)
+    plan = plan_starts(short, "a", POLICY, NOW)
+    assert plan.start == (Start("a"), Start("a")) and plan.stop_export
+    on_gpu = dataclasses.replace(short, models={"a": model(device="cuda:0")},
+                                 budget_mb={"cpu": 1000, "cuda:0": 1000})
+    assert not plan_starts(on_gpu, "a", POLICY, NOW).stop_export
