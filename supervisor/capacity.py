@@ -56,7 +56,7 @@ class Capacity:
             loading=sum(w.state in LOADING for w in processes),
             max_concurrent_loads=self.config.max_concurrent_loads,
             budget_mb={d: self.budget_for(d) for d in devices},
-            # Without a running export: it yields its memory to a worker (Pool.apply).
+            # Without a running export: it yields its memory to workers (Plan.stop_export).
             used_mb={d: self.workers_mb(models, d) for d in devices},
             freeing=frozenset(m.device or "cpu" for m in models for w in m.processes()
                               if w.state is WorkerState.STOPPING),
