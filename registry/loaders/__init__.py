@@ -166,6 +166,10 @@ def _runs_cached_onnx(spec: ModelSpec, local: Path | None) -> bool:
 
 
 def _local_dir(spec: ModelSpec) -> Path | None:
+    """Where the model's files are on this machine now (a hub model: its snapshot in the
+    hub cache, as its worker will find it), without a hub call; None if not here."""
+    from modelpool.registry.sources import cached_snapshot
+
     base: Path | None = None
     if spec.path:
         base = Path(spec.path).expanduser()
@@ -173,6 +177,8 @@ def _local_dir(spec: ModelSpec) -> Path | None:
         found = importlib.util.find_spec(spec.package)
         if found and found.origin:
             base = Path(found.origin).parent
+    elif spec.repo:
+        base = cached_snapshot(spec.repo, spec.revision)
     if base is None:
         return None
     return base / spec.subdir if spec.subdir else base

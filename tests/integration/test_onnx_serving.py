@@ -4,6 +4,7 @@ its workers), and gives eager PyTorch's vectors."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -42,5 +43,28 @@ def test_with_the_export_cached_no_process_of_the_daemon_maps_torch(
     processes = daemon.descendants()
     assert len(processes) >= 3  # the forkserver and two workers (and a resource tracker)
     for process in [psutil.Process(daemon.process.pid), *processes]:
+        maps = {m.path for m in process.memory_maps()}
+        assert not any("libtorch" in path for path in maps), process.cmdline()
+
+
+HUB_MINILM = """
+[pool]
+cold_start_workers = 1
+[[models]]
+key = "org/minilm"
+capability = "text_embedding"
+repo = "org/minilm"
+"""
+
+
+def test_a_hub_model_in_the_hub_cache_runs_its_cached_export_without_torch_too(
+        make_daemon: MakeDaemon, minilm_in_hub_cache: Path) -> None:
+    # The same files as the bundled MiniLM, whose export the run has cached.
+    daemon = make_daemon(HUB_MINILM, env={"HF_HUB_CACHE": str(minilm_in_hub_cache)})
+    with daemon.client() as c:
+        assert np.asarray(c.embed(TEXTS, model="org/minilm")).shape == (3, 384)
+        (model,) = [m for m in c.status()["models"] if m["key"] == "org/minilm"]
+    assert [w["info"]["execution"] for w in model["workers"]] == ["onnx"]
+    for process in [psutil.Process(daemon.process.pid), *daemon.descendants()]:
         maps = {m.path for m in process.memory_maps()}
         assert not any("libtorch" in path for path in maps), process.cmdline()

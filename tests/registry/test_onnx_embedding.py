@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from modelpool.registry.download import resolve_model_dir
 from modelpool.registry.loaders import (
     embedding_exec,
     exports_to_make,
@@ -107,6 +108,24 @@ def test_a_daemon_makes_from_its_start_the_exports_its_models_lack(
     assert found_forced == forced and entry_forced == entry  # the same files and options
     monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))  # where it is made
     assert exports_to_make([spec, forced]) == []
+
+
+def test_a_hub_model_in_the_hub_cache_is_exported_from_the_start_and_runs_without_torch(
+        tmp_path: Path, cache: Path, minilm_in_hub_cache: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(minilm_in_hub_cache))
+    hub = _minilm(key="hub", repo="org/minilm", package=None, subdir="")
+    model_dir = resolve_model_dir(_minilm())
+    assert model_dir is not None
+    forced = msgspec.structs.replace(hub, key="forced", execution="onnx")
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path / "empty"))
+    found = exports_to_make([hub, forced])
+    assert [spec.key for spec, _, _ in found] == ["hub", "forced"]
+    assert all(entry == onnx_cache.entry_dir(_minilm(), model_dir) for _, _, entry in found)
+    assert "modelpool.workers.preload_torch" in preload_modules([hub])
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))  # where it is made
+    assert exports_to_make([hub, forced]) == []
+    assert "modelpool.workers.preload_torch" not in preload_modules([hub, forced])
 
 
 def test_attention_is_exported_without_sdpas_mask_handling(
