@@ -147,7 +147,8 @@ def test_a_model_forced_to_onnx_waits_for_the_export_made_within_the_budget(
         asking.start()
         with daemon.client() as c:
             deadline = time.monotonic() + 30
-            while not _minilm(c)["queued"] and time.monotonic() < deadline:
+            while ((not _minilm(c)["queued"] or not _export_process(daemon))
+                   and time.monotonic() < deadline):
                 time.sleep(0.1)
             model = _minilm(c)
         # No worker exports in its load, uncharged: the daemon's export comes first.
