@@ -282,6 +282,7 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     loading: str | None = None  # while a worker loads: "downloading: N MiB so far" or weights
     export_waits_for_mb: float | None = None  # its ONNX export's expected peak, while the
     # memory budget has no room for it (eager PyTorch serves meanwhile)
+    exporting: bool = False  # its ONNX export is being made in the background
 
 
 class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):

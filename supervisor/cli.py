@@ -169,13 +169,14 @@ def _model_text(model: dict[str, Any]) -> list[str]:
              f"{model['queued']:>6} {model['running']:>7}  {workers}"]
     if model.get("loading"):
         lines.append(f"    {model['loading']}")
-    exporting = model["state"] == "exporting"  # a model forced to ONNX: no eager meanwhile
-    meanwhile = ("its workers start once it is made" if exporting
+    forced = model["state"] == "exporting"  # forced to ONNX: no eager PyTorch meanwhile
+    meanwhile = ("its workers start once it is made" if forced
                  else "eager PyTorch serves meanwhile")
     if model.get("export_waits_for_mb") is not None:
         lines.append(f"    ONNX export waits for ~{model['export_waits_for_mb']:.0f} MiB of the "
                      f"memory budget; {meanwhile}")
-    elif exporting or any("onnx_export" in (w.get("info") or {}) for w in model["workers"]):
+    elif model.get("exporting") or any("onnx_export" in (w.get("info") or {})
+                                       for w in model["workers"]):
         lines.append(f"    ONNX export made in the background; {meanwhile}")
     if model.get("tokens_per_s") is not None:
         lines.append(f"    generating: {model['tokens_per_s']:.1f} tokens/s")

@@ -164,6 +164,10 @@ class Exports:
             self.told.discard(entry)
             task.cancel()
 
+    def making(self, model: ModelState) -> bool:
+        """An export this model waits for is running."""
+        return any(model in self.models.get(entry, ()) for entry in self.running)
+
     def waits_for_memory(self, model: ModelState) -> float | None:
         """The expected peak of an export this model waits for that does not fit yet."""
         peaks = [p.peak_mb for entry, p in self.waiting.items()

@@ -136,6 +136,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
                       if generating else None),
         tokens=sum(w.tokens.total for w in generating),
         export_waits_for_mb=pool.exports.waits_for_memory(model),
+        exporting=pool.exports.making(model),
     )
 
 

@@ -176,6 +176,23 @@ async def test_status_says_while_eager_serves_for_an_export(make_harness: MakeHa
     assert "ONNX export" not in _status_text(h, "emb")
 
 
+async def test_status_says_while_an_export_made_at_the_start_runs_before_any_worker(
+        make_harness: MakeHarness) -> None:
+    h = make_harness()
+    export = FakeExport()
+    h.pool.exports.run = export
+    h.pool.exports.request(h.pool.models["emb"], "/cache/onnx/abc", "/models/emb")
+    await h.settle()
+    status = msgspec.to_builtins(build_status(h.pool, "/s", 0.0))
+    (emb,) = [m for m in status["models"] if m["key"] == "emb"]
+    assert emb["exporting"] and emb["state"] == "cold" and emb["workers"] == []
+    assert "ONNX export made in the background" in _status_text(h, "emb")
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    assert "ONNX export" not in _status_text(h, "emb")
+
+
 async def test_an_export_waits_for_room_in_the_budget_and_is_charged_while_it_runs(
         make_harness: MakeHarness) -> None:
     # Two workers of 10 MiB weights and 10 each hold 30; the export's peak (for 10 MiB
@@ -258,6 +275,7 @@ async def test_a_model_forced_to_onnx_starts_its_workers_once_its_export_is_made
     assert sink.finals(client_id) == []
     text = _status_text(h, "emb")
     assert " exporting " in text and "its workers start once it is made" in text
+    assert "ONNX export made in the background" in text
     assert "ONNX export" in h.pool.models["emb"].wait_cause(
         next(iter(h.pool.models["emb"].queue.jobs())))
     assert export.outcome is not None
