@@ -154,6 +154,14 @@ class LoadFailed(_Msg, frozen=True, kw_only=True, tag="load_failed"):
     cause: str
 
 
+class ExportFirst(_Msg, frozen=True, kw_only=True, tag="export_first"):
+    """The worker's model must run an ONNX export not made yet (execution = "onnx"): it
+    leaves the making to the daemon, within the memory budget, and exits."""
+
+    entry: str  # the export's cache entry
+    model_dir: str  # the model's files
+
+
 class WantWork(_Msg, frozen=True, kw_only=True, tag="want_work"):
     """A grant of `slots` more units of work: a one-at-a-time worker grants 1 each time
     it is free (one Work, whatever its batch); a worker that batches streams grants one
@@ -162,7 +170,7 @@ class WantWork(_Msg, frozen=True, kw_only=True, tag="want_work"):
     slots: int = 1
 
 
-FromWorker = Ready | LoadFailed | WantWork | WorkReply
+FromWorker = Ready | LoadFailed | ExportFirst | WantWork | WorkReply
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

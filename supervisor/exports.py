@@ -21,7 +21,8 @@ needs that memory stops the export, which waits for room again (Plan.stop_export
 A model forced to ONNX (execution = "onnx") has no eager PyTorch to serve meanwhile: the
 daemon makes its export the same way and no worker of it starts until the export ends
 (ModelState.awaits_export_mb, which the scaling policy reads), so that no worker makes
-it inside its own load, uncharged.
+it inside its own load, uncharged. A worker that finds none anyway (a hub model whose
+files it has just downloaded) hands it over (ExportFirst, handed_over) and exits.
 """
 
 from __future__ import annotations
@@ -131,6 +132,21 @@ class Exports:
         if model.spec.execution == ONNX:  # it cannot serve eager PyTorch meanwhile
             model.awaits_export_mb = pending.peak_mb
         self.changed()
+
+    def handed_over(self, model: ModelState, worker: WorkerHandle, entry: str,
+                    model_dir: str) -> None:
+        """A worker of a model forced to ONNX found no export (a hub model downloaded by
+        its load) and exits, leaving it to the daemon. An export already tried and lost
+        makes its exit a load failure instead: its model backs off, not retries."""
+        outcome = self.outcomes.get(entry)
+        if outcome is None:
+            log.info("model %s: its worker leaves the ONNX export to the daemon "
+                     "(execution = \"onnx\")", model.key)
+            self.request(model, entry, model_dir)
+        else:
+            worker.load_error = ("execution = \"onnx\" and no export to load: the daemon's "
+                                 + ("was made, then removed from the cache" if outcome == ONNX
+                                    else f"ended: {outcome}"))
 
     def start(self, entry: str) -> None:
         """Start this waiting export (the policy found room for its peak)."""

@@ -20,6 +20,7 @@ from modelpool.protocol.kinds import STREAMED
 from modelpool.protocol.messages import Error, WorkRequest
 from modelpool.protocol.pipes import (
     Abort,
+    ExportFirst,
     FromWorker,
     Heartbeat,
     LoadFailed,
@@ -127,6 +128,9 @@ class Pool:
                 self.handle_ready(worker, msg)
             case LoadFailed(cause=cause):
                 worker.load_error = cause  # its exit, which follows, is the load failure
+            case ExportFirst(entry=entry, model_dir=model_dir):
+                self.exports.handed_over(self.models[worker.model_key], worker, entry,
+                                         model_dir)
             case _ if isinstance(msg, STREAMED):
                 self.handle_chunk(worker, msg)
             case _:

@@ -115,7 +115,9 @@ class Server:
         self.stop_requested = asyncio.Event()
         self.started_at = time.monotonic()
         registry = config.registry()
-        from modelpool.registry.loaders import exports_to_make, preload_modules
+        from modelpool.registry.loaders import exports_to_make, onnx_cache, preload_modules
+
+        os.environ[onnx_cache.EXPORTS_BY_DAEMON_ENV] = "1"  # before the forkserver: exports.py
 
         specs = list(registry.specs.values())
         ctx = forkserver_context(preload_modules(specs))

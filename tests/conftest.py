@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,11 @@ def minilm_export() -> None:
         embedding_exec.export_in_child(spec, model_dir, entry)
 
 
-@pytest.fixture
-def minilm_in_hub_cache(tmp_path: Path) -> Path:
-    """A hub cache (its directory) holding the bundled MiniLM as the hub repo org/minilm.
-    The snapshot's files link to the package's, as huggingface_hub links them to its
-    blobs: the same files, so the same ONNX cache entry."""
+@pytest.fixture(scope="session")
+def put_minilm_in_hub_cache() -> Callable[[Path], None]:
+    """put(hub): the bundled MiniLM into the hub cache at hub, as the hub repo
+    org/minilm. Its snapshot's files link to the package's, as huggingface_hub links them
+    to its blobs: the same files, so the same ONNX cache entry."""
     from modelpool.registry.download import resolve_model_dir
     from modelpool.registry.spec import Registry, load_catalog
 
@@ -66,14 +67,25 @@ def minilm_in_hub_cache(tmp_path: Path) -> Path:
     model_dir = resolve_model_dir(spec)
     assert model_dir is not None
     commit = "0123456789abcdef0123456789abcdef01234567"
-    folder = tmp_path / "hub" / "models--org--minilm"
-    for path in model_dir.rglob("*"):
-        if path.is_file():
-            link = folder / "snapshots" / commit / path.relative_to(model_dir)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(path)
-    (folder / "refs").mkdir()
-    (folder / "refs" / "main").write_text(commit)
+
+    def put(hub: Path) -> None:
+        folder = hub / "models--org--minilm"
+        for path in model_dir.rglob("*"):
+            if path.is_file():
+                link = folder / "snapshots" / commit / path.relative_to(model_dir)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(path)
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text(commit)
+
+    return put
+
+
+@pytest.fixture
+def minilm_in_hub_cache(tmp_path: Path, put_minilm_in_hub_cache: Callable[[Path], None]
+                        ) -> Path:
+    """A hub cache (its directory) holding the bundled MiniLM as the hub repo org/minilm."""
+    put_minilm_in_hub_cache(tmp_path / "hub")
     return tmp_path / "hub"
 
 

@@ -28,6 +28,7 @@ from modelpool.protocol.kinds import STREAMED, kind_of
 from modelpool.protocol.messages import encoder
 from modelpool.protocol.pipes import (
     Abort,
+    ExportFirst,
     Heartbeat,
     ImagePolicy,
     LoadFailed,
@@ -41,6 +42,7 @@ from modelpool.protocol.pipes import (
     WorkItem,
     to_worker_decoder,
 )
+from modelpool.registry.loaders.onnx_cache import ExportNotMade
 from modelpool.workers import exitcodes, priority
 from modelpool.workers.progress import load_progress
 
@@ -224,6 +226,9 @@ def _load(settings: WorkerSettings, worker: Worker) -> tuple[object, Plan | None
         model, weights_mb, shared = _load_weights(settings)
         if settings.threads:
             set_threads(model, settings.threads)
+    except ExportNotMade as exc:
+        worker.send(ExportFirst(entry=str(exc.entry), model_dir=str(exc.model_dir)))
+        _exit(exitcodes.OK)  # no failure: its model starts again once the export is made
     except BaseException as exc:
         worker.send(LoadFailed(cause=f"{type(exc).__name__}: {exc}"))
         _exit(exitcodes.LOAD_FAILED)

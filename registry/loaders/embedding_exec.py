@@ -5,8 +5,9 @@ export is needed, so a worker serving a cached export never imports torch.
 "auto" runs the cached export when, at export, its vectors matched eager PyTorch's on
 the reference texts and it was faster. With no export cached yet, "auto" serves eager
 PyTorch at once and says so in its info (`onnx_export`): the daemon makes the export in
-the background and replaces the worker (supervisor/exports.py). "onnx" exports at
-load, and runs the export whenever its vectors match (and fails the load otherwise);
+the background and replaces the worker (supervisor/exports.py). "onnx" runs the export
+whenever its vectors match (and fails the load otherwise); with none cached it exports at
+load, except in a daemon's worker, which leaves the export to the daemon (ExportNotMade);
 "eager" never exports. Every load of an export checks it against eager's reference
 vectors again before it serves.
 """
@@ -14,6 +15,7 @@ vectors again before it serves.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -69,6 +71,8 @@ def _load_onnx(spec: ModelSpec, model_dir: Path) -> Any:
     manifest = onnx_cache.read_manifest(entry)
     if manifest is None and spec.execution == "auto":
         return _Missing(entry)  # the first request need not wait for an export
+    if manifest is None and os.environ.get(onnx_cache.EXPORTS_BY_DAEMON_ENV):
+        raise onnx_cache.ExportNotMade(entry, model_dir)  # "onnx": no eager meanwhile
     if manifest is None:
         manifest = export_in_child(spec, model_dir, entry)
     if manifest.choice == "eager" and spec.execution == "auto":

@@ -34,6 +34,9 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 REFERENCE_FILE = "reference.npy"  # eager PyTorch's vectors of REFERENCE_TEXTS
+# Set for a daemon's workers: an export to make is the daemon's (supervisor/exports.py),
+# which charges its peak to the memory budget, not the loading worker's.
+EXPORTS_BY_DAEMON_ENV = "MODELPOOL_EXPORTS_BY_DAEMON"
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +62,14 @@ EXPORT_TIMEOUT_S = 600  # a load's own bound (load_timeout_s) is the same by def
 # this line lies 14-27% above all of them.
 EXPORT_BASE_MB = 600.0
 EXPORT_PER_WEIGHTS_MB = 4.5
+
+
+class ExportNotMade(Exception):
+    """A model that must run its ONNX export has none yet, and a daemon makes it."""
+
+    def __init__(self, entry: Path, model_dir: Path) -> None:
+        super().__init__(f"no ONNX export in {entry} yet: the daemon makes it")
+        self.entry, self.model_dir = entry, model_dir
 
 
 def export_peak_mb(weights_mb: float) -> float:

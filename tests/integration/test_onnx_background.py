@@ -170,3 +170,30 @@ def test_a_model_forced_to_onnx_whose_export_never_fits_is_refused(
         c.embed(TEXTS)
     assert err.value.code is ErrorCode.INSUFFICIENT_MEMORY and "ONNX" in err.value.message
     assert _export_process(daemon) == [] and not list(cache.glob("onnx/*/manifest.json"))
+
+
+def test_a_forced_hub_model_downloaded_after_the_start_has_its_export_made_by_the_daemon(
+        make_daemon: MakeDaemon, tmp_path: Path,
+        put_minilm_in_hub_cache: Callable[[Path], None]) -> None:
+    cache, hub = tmp_path / "empty-cache", tmp_path / "hub"
+    daemon = make_daemon("""
+        [pool]
+        cold_start_workers = 1
+        [[models]]
+        key = "org/minilm"
+        capability = "text_embedding"
+        repo = "org/minilm"
+        execution = "onnx"
+        """, env={"MODELPOOL_CACHE_DIR": str(cache), "HF_HUB_CACHE": str(hub)})
+    # Its files come after the start, as if its first worker had downloaded them: that
+    # worker finds no export and leaves it to the daemon instead of making it in its own
+    # load, uncharged.
+    put_minilm_in_hub_cache(hub)
+    with daemon.client(timeout_s=EXPORT_BOUND_S) as c:
+        assert np.asarray(c.embed(TEXTS, model="org/minilm")).shape == (3, 384)
+        (model,) = [m for m in c.status()["models"] if m["key"] == "org/minilm"]
+    assert [w["info"]["execution"] for w in model["workers"]] == ["onnx"]
+    log = daemon.log()
+    assert "its worker leaves the ONNX export to the daemon" in log
+    assert log.count("making its ONNX export in the background") == 1
+    assert "failed to load" not in log

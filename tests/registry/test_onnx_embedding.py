@@ -97,6 +97,23 @@ def test_auto_without_an_export_serves_eager_at_once_and_names_the_export(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_forced_onnx_in_a_daemons_worker_leaves_the_missing_export_to_the_daemon(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_export(*_: object) -> None:
+        raise AssertionError("exported at load")
+
+    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(onnx_cache.EXPORTS_BY_DAEMON_ENV, "1")
+    monkeypatch.setattr(embedding_exec, "export_in_child", no_export)
+    spec = _minilm(execution="onnx")
+    with pytest.raises(onnx_cache.ExportNotMade) as raised:
+        load_model(spec)
+    model_dir = resolve_model_dir(spec)
+    assert model_dir is not None
+    assert raised.value.entry == onnx_cache.entry_dir(spec, model_dir)
+    assert raised.value.model_dir == model_dir and list(tmp_path.iterdir()) == []
+
+
 def test_a_daemon_makes_from_its_start_the_exports_its_models_lack(
         tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from modelpool.protocol.messages import ErrorCode
+from modelpool.protocol.pipes import ExportFirst
 from modelpool.registry.loaders import onnx_cache
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import control
@@ -340,3 +341,53 @@ async def test_a_forced_model_kept_warm_starts_its_workers_once_its_export_is_ma
     h.pool.tick()
     await h.settle()
     assert len(h.workers("emb")) == 1
+
+
+async def test_a_worker_that_finds_no_export_leaves_it_to_the_daemon_and_exits_unblamed(
+        make_harness: MakeHarness) -> None:
+    # A model forced to ONNX whose files were not here at the start (a hub model that
+    # its first worker downloads): that worker finds no export and hands it over.
+    h = make_harness(models=[ModelSpec(key="emb", capability="text_embedding",
+                                       path="/nonexistent", weights_mb=10, per_worker_mb=10,
+                                       execution="onnx")], cold_start_workers=2)
+    export = FakeExport()
+    h.pool.exports.run = export
+    sink = h.sink()
+    client_id = h.embed(sink, ["a"])
+    await h.settle()
+    first, second = h.workers("emb")
+    for worker in (first, second):
+        h.pool.handle(worker, ExportFirst(entry="/cache/onnx/abc", model_dir="/models/emb"))
+        h.die(worker, 0)
+    h.pool.tick()
+    await h.settle()
+    model = h.pool.models["emb"]
+    assert export.calls == [("emb", Path("/models/emb"), Path("/cache/onnx/abc"))]
+    assert len(h.workers("emb")) == 2 and model.failures.count == model.deaths.count == 0
+    assert sink.finals(client_id) == []  # it waits for the export, not failed
+    assert export.outcome is not None
+    export.outcome.set_result(ONNX)
+    await h.settle()
+    h.pool.tick()
+    await h.settle()
+    assert len(h.workers("emb")) == 4
+
+
+async def test_a_worker_that_finds_no_export_after_the_daemons_failed_fails_its_load(
+        make_harness: MakeHarness) -> None:
+    h, export = _forced_onnx(make_harness)
+    await h.settle()
+    assert export.outcome is not None
+    export.outcome.set_result("the ONNX export exited with -9: ")  # died, wrote nothing
+    await h.settle()
+    sink = h.sink()
+    client_id = h.embed(sink, ["a"])
+    await h.settle()
+    worker = h.workers("emb")[0]
+    h.pool.handle(worker, ExportFirst(entry="/cache/onnx/abc", model_dir="/models/emb"))
+    h.die(worker, 0)
+    model = h.pool.models["emb"]
+    assert model.failures.count == 1 and "exited with -9" in (model.failures.last_error or "")
+    assert len(export.calls) == 1  # not tried again: the model backs off instead
+    h.die(h.workers("emb")[1], 0)
+    assert sink.only_error(client_id).code is ErrorCode.MODEL_LOAD_FAILED
