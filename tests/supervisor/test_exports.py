@@ -41,6 +41,11 @@ class FakeExport:
         self.outcome = asyncio.get_running_loop().create_future()
         return await self.outcome
 
+    def end(self, outcome: str) -> None:
+        """The running export ends: ONNX, or why the model stays eager."""
+        assert self.outcome is not None
+        self.outcome.set_result(outcome)
+
 
 async def _two_eager_workers(make_harness: MakeHarness,
                              **pool: float) -> tuple[Harness, FakeExport]:
@@ -64,8 +69,7 @@ async def test_one_export_for_the_workers_that_name_it_then_each_is_replaced(
     h.pool.tick()
     assert h.launcher.stopped == []  # nothing is replaced before the export is done
 
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
+    export.end(ONNX)
     await h.settle()
     assert first.outdated == second.outdated == REPLACED_BECAUSE
     h.pool.tick()
@@ -90,8 +94,7 @@ async def test_one_export_for_the_workers_that_name_it_then_each_is_replaced(
 async def test_an_export_that_loses_leaves_the_workers_serving_and_says_why(
         make_harness: MakeHarness) -> None:
     h, export = await _two_eager_workers(make_harness)
-    assert export.outcome is not None
-    export.outcome.set_result("timing set in 90 ms against eager PyTorch's 60")
+    export.end("timing set in 90 ms against eager PyTorch's 60")
     await h.settle()
     for worker in h.workers("emb"):
         assert worker.outdated is None and "onnx_export" not in worker.info
@@ -143,8 +146,7 @@ async def test_exports_of_two_models_run_one_after_the_other(
         h.ready(worker, info=other)
     await h.settle()
     assert [call[0] for call in export.calls] == ["emb"]  # the second waits its turn
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
+    export.end(ONNX)
     await h.settle()
     assert [call[0] for call in export.calls] == ["emb", "gen"]
 
@@ -156,8 +158,7 @@ async def test_two_models_that_share_an_export_wait_for_one_and_both_are_replace
     await h.settle()
     for worker in h.workers("gen"):
         h.ready(worker, info=dict(PENDING))  # the same files and options: the same entry
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
+    export.end(ONNX)
     await h.settle()
     assert len(export.calls) == 1
     assert all(w.outdated for w in h.workers("emb") + h.workers("gen"))
@@ -171,8 +172,7 @@ def _status_text(h: Harness, key: str) -> str:
 async def test_status_says_while_eager_serves_for_an_export(make_harness: MakeHarness) -> None:
     h, export = await _two_eager_workers(make_harness)
     assert "ONNX export made in the background" in _status_text(h, "emb")
-    assert export.outcome is not None
-    export.outcome.set_result("the ONNX export exited with 1: MemoryError")
+    export.end("the ONNX export exited with 1: MemoryError")
     await h.settle()
     assert "ONNX export" not in _status_text(h, "emb")
 
@@ -188,8 +188,7 @@ async def test_status_says_while_an_export_made_at_the_start_runs_before_any_wor
     (emb,) = [m for m in status["models"] if m["key"] == "emb"]
     assert emb["exporting"] and emb["state"] == "cold" and emb["workers"] == []
     assert "ONNX export made in the background" in _status_text(h, "emb")
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
+    export.end(ONNX)
     await h.settle()
     assert "ONNX export" not in _status_text(h, "emb")
 
@@ -218,8 +217,7 @@ async def test_an_export_waits_for_room_in_the_budget_and_is_charged_while_it_ru
     assert h.pool.capacity.used_mb(models) == used + peak
     assert h.pool.capacity.view(models).used_mb["cpu"] == used
     assert "ONNX export made in the background" in _status_text(h, "emb")
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
+    export.end(ONNX)
     await h.settle()
     assert h.pool.capacity.used_mb(models) == used
 
@@ -244,22 +242,31 @@ async def test_a_worker_that_needs_the_exports_memory_stops_it_until_there_is_ro
     h.pool.tick()
     await h.settle()
     assert len(export.calls) == 2 and h.pool.exports.charged_mb == peak
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
+    export.end(ONNX)
     await h.settle()
     assert all(w.outdated for w in h.workers("emb"))
 
 
-def _forced_onnx(make_harness: MakeHarness, **pool: float) -> tuple[Harness, FakeExport]:
-    """A daemon whose "emb" must run ONNX and has no export cached: it asks for the
-    export at its start, as the server does."""
+def _forced_onnx(make_harness: MakeHarness, at_start: bool = True,
+                 **pool: float) -> tuple[Harness, FakeExport]:
+    """A daemon whose "emb" must run ONNX and has no export cached. at_start: its files
+    are here, and it asks for the export at its start, as the server does."""
     models = [ModelSpec(key="emb", capability="text_embedding", path="/nonexistent",
                         weights_mb=10, per_worker_mb=10, execution="onnx")]
     h = make_harness(models=models, cold_start_workers=2, **pool)
     export = FakeExport()
     h.pool.exports.run = export
-    h.pool.exports.request(h.pool.models["emb"], "/cache/onnx/abc", "/models/emb")
+    if at_start:
+        h.pool.exports.request(h.pool.models["emb"], "/cache/onnx/abc", "/models/emb")
     return h, export
+
+
+async def _ended(h: Harness, export: FakeExport, outcome: str) -> None:
+    """The running export ends, and the pool's next tick acts on it."""
+    export.end(outcome)
+    await h.settle()
+    h.pool.tick()
+    await h.settle()
 
 
 async def test_a_model_forced_to_onnx_starts_its_workers_once_its_export_is_made(
@@ -279,11 +286,7 @@ async def test_a_model_forced_to_onnx_starts_its_workers_once_its_export_is_made
     assert "ONNX export made in the background" in text
     assert "ONNX export" in h.pool.models["emb"].wait_cause(
         next(iter(h.pool.models["emb"].queue.jobs())))
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
-    await h.settle()
-    h.pool.tick()
-    await h.settle()
+    await _ended(h, export, ONNX)
     assert len(h.workers("emb")) == 2 and h.pool.models["emb"].awaits_export_mb is None
     h.ready(h.workers("emb")[0], info={"dim": 2, "execution": "onnx"})
     (work,) = h.works(h.workers("emb")[0])
@@ -299,11 +302,7 @@ async def test_a_forced_models_export_that_fails_lets_its_workers_try_in_their_l
     h.pool.tick()
     await h.settle()
     assert h.workers("emb") == []
-    assert export.outcome is not None
-    export.outcome.set_result("the ONNX export exited with -9: ")
-    await h.settle()
-    h.pool.tick()
-    await h.settle()
+    await _ended(h, export, "the ONNX export exited with -9: ")
     assert len(h.workers("emb")) == 2
 
 
@@ -335,11 +334,7 @@ async def test_a_forced_model_kept_warm_starts_its_workers_once_its_export_is_ma
     message = control.load_model(h.pool, "emb", 1)
     await h.settle()
     assert "once its ONNX export is made" in message and h.workers("emb") == []
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
-    await h.settle()
-    h.pool.tick()
-    await h.settle()
+    await _ended(h, export, ONNX)
     assert len(h.workers("emb")) == 1
 
 
@@ -347,11 +342,7 @@ async def test_a_worker_that_finds_no_export_leaves_it_to_the_daemon_and_exits_u
         make_harness: MakeHarness) -> None:
     # A model forced to ONNX whose files were not here at the start (a hub model that
     # its first worker downloads): that worker finds no export and hands it over.
-    h = make_harness(models=[ModelSpec(key="emb", capability="text_embedding",
-                                       path="/nonexistent", weights_mb=10, per_worker_mb=10,
-                                       execution="onnx")], cold_start_workers=2)
-    export = FakeExport()
-    h.pool.exports.run = export
+    h, export = _forced_onnx(make_harness, at_start=False)
     sink = h.sink()
     client_id = h.embed(sink, ["a"])
     await h.settle()
@@ -365,11 +356,7 @@ async def test_a_worker_that_finds_no_export_leaves_it_to_the_daemon_and_exits_u
     assert export.calls == [("emb", Path("/models/emb"), Path("/cache/onnx/abc"))]
     assert len(h.workers("emb")) == 2 and model.failures.count == model.deaths.count == 0
     assert sink.finals(client_id) == []  # it waits for the export, not failed
-    assert export.outcome is not None
-    export.outcome.set_result(ONNX)
-    await h.settle()
-    h.pool.tick()
-    await h.settle()
+    await _ended(h, export, ONNX)
     assert len(h.workers("emb")) == 4
 
 
@@ -377,8 +364,7 @@ async def test_a_worker_that_finds_no_export_after_the_daemons_failed_fails_its_
         make_harness: MakeHarness) -> None:
     h, export = _forced_onnx(make_harness)
     await h.settle()
-    assert export.outcome is not None
-    export.outcome.set_result("the ONNX export exited with -9: ")  # died, wrote nothing
+    export.end("the ONNX export exited with -9: ")  # died, wrote nothing
     await h.settle()
     sink = h.sink()
     client_id = h.embed(sink, ["a"])
