@@ -90,10 +90,14 @@ class Exports:
         self.outcomes: dict[str, str] = {}  # entry -> ONNX or why eager
         self.waiting: dict[str, Pending] = {}  # entry -> an export not started, oldest first
         self.running: dict[str, tuple[Pending, asyncio.Task[None]]] = {}  # one at most
-        self.charged_mb = 0.0  # the running export's expected peak
         self.models: dict[str, list[ModelState]] = {}  # entry -> the models that wait for it
         self.told: set[str] = set()  # entries whose wait for memory was logged
         self.closed = False
+
+    @property
+    def charged_mb(self) -> float:
+        """The running export's expected peak (0 when none runs)."""
+        return sum(pending.peak_mb for pending, _ in self.running.values())
 
     def view(self) -> scaling.ExportView:
         return scaling.ExportView(
@@ -144,9 +148,8 @@ class Exports:
                      "(execution = \"onnx\")", model.key)
             self.request(model, entry, model_dir)
         else:
-            worker.load_error = ("execution = \"onnx\" and no export to load: the daemon's "
-                                 + ("was made, then removed from the cache" if outcome == ONNX
-                                    else f"ended: {outcome}"))
+            ended = "was made, then removed from the cache" if outcome == ONNX else outcome
+            worker.load_error = f"execution = \"onnx\" and no export to load: {ended}"
 
     def start(self, entry: str) -> None:
         """Start this waiting export (the policy found room for its peak)."""
@@ -155,7 +158,6 @@ class Exports:
         pending = self.waiting.pop(entry)
         log.info("model %s: making its ONNX export in the background (%s, ~%.0f MiB)",
                  pending.model.key, entry, pending.peak_mb)
-        self.charged_mb = pending.peak_mb
         self.running[entry] = pending, asyncio.get_running_loop().create_task(
             self._export(pending.model, pending.model_dir, entry))
 
@@ -199,7 +201,6 @@ class Exports:
             outcome = f"the ONNX export failed: {type(exc).__name__}: {exc}"
         finally:
             self.running.pop(entry, None)
-            self.charged_mb = 0.0
         self.outcomes[entry] = outcome
         log.info("model %s: ONNX export done: %s", model.key,
                  "its workers run it now" if outcome == ONNX else outcome)

@@ -241,7 +241,7 @@ class Pool:
         plan = scaling.plan_export(view)
         self.apply(plan)
         if plan.start_export is None and view.exports.running_mb is None:
-            self.exports.note_no_room(view.budget_mb["cpu"] - view.used_mb["cpu"])
+            self.exports.note_no_room(scaling.cpu_free_mb(view))
 
     def tick(self) -> None:
         """Periodic: retire idle or outdated workers, age waiting work, retry starts."""

@@ -179,11 +179,15 @@ def _cpu_need(model: ModelView, starts: int) -> float:
     return model.charge.next_worker_mb + (starts - 1) * model.charge.per_worker_mb
 
 
+def cpu_free_mb(view: PoolView) -> float:
+    """What the CPU budget leaves beside the workers, a running export's memory in it."""
+    return view.budget_mb.get("cpu", 0.0) - view.used_mb.get("cpu", 0.0)
+
+
 def _export_yields(view: PoolView, need_mb: float) -> bool:
     """Starts that need need_mb of CPU memory need some that a running export holds."""
     running = view.exports.running_mb
-    free = view.budget_mb.get("cpu", 0.0) - view.used_mb.get("cpu", 0.0)
-    return running is not None and need_mb > 0 and need_mb > free - running
+    return running is not None and need_mb > 0 and need_mb > cpu_free_mb(view) - running
 
 
 def plan_export(view: PoolView) -> Plan:
@@ -191,7 +195,7 @@ def plan_export(view: PoolView) -> Plan:
     while none runs."""
     if view.exports.running_mb is not None:
         return Plan()
-    free = view.budget_mb.get("cpu", 0.0) - view.used_mb.get("cpu", 0.0)
+    free = cpu_free_mb(view)
     return Plan(start_export=next(
         (entry for entry, peak in view.exports.waiting if peak <= free), None))
 
