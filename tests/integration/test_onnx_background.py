@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import psutil
 import pytest
 from conftest import Daemon
 
@@ -197,3 +198,26 @@ def test_a_forced_hub_model_downloaded_after_the_start_has_its_export_made_by_th
     assert "its worker leaves the ONNX export to the daemon" in log
     assert log.count("making its ONNX export in the background") == 1
     assert "failed to load" not in log
+
+
+def test_a_running_export_stops_when_a_worker_start_needs_its_memory(
+        make_daemon: MakeDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # MiniLM's export is expected to peak at ~990 MiB: it fits this budget alone, but
+    # the first request's two workers (charged 90 MiB of weights and 120 each until they
+    # are measured) do not fit beside it.
+    cache = tmp_path / "empty-cache"
+    with _export_held(cache, monkeypatch):  # the export waits: it cannot end meanwhile
+        daemon = make_daemon("[pool]\ncold_start_workers = 2\nmemory_budget_mb = 1250\n",
+                             env={"MODELPOOL_CACHE_DIR": str(cache)})
+        deadline = time.monotonic() + 30
+        while not _export_process(daemon) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (pid,) = _export_process(daemon)
+        export = psutil.Process(pid)
+        with daemon.client(timeout_s=120) as c:
+            assert _minilm(c)["exporting"] and _workers(c) == []  # before any worker
+            assert np.asarray(c.embed(TEXTS)).shape == (3, 384)
+            assert len(_workers(c)) == 2
+        export.wait(30)  # killed: serving comes first
+    log = daemon.log()
+    assert "its ONNX export stops to leave its memory to a worker" in log
