@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,32 @@ def minilm_in_hub_cache(tmp_path: Path, put_minilm_in_hub_cache: Callable[[Path]
     """A hub cache (its directory) holding the bundled MiniLM as the hub repo org/minilm."""
     put_minilm_in_hub_cache(tmp_path / "hub")
     return tmp_path / "hub"
+
+
+@pytest.fixture
+def hold_minilm_export(monkeypatch: pytest.MonkeyPatch
+                       ) -> Callable[[Path], contextlib.AbstractContextManager[None]]:
+    """with hold(cache): holds the lock MiniLM's export takes on its entry in that ONNX
+    cache (and points this process at it), so that an export waits and a daemon's
+    first workers are sure to find none."""
+    from modelpool.registry.download import resolve_model_dir
+    from modelpool.registry.loaders import onnx_cache
+    from modelpool.registry.spec import Registry, load_catalog
+
+    @contextlib.contextmanager
+    def hold(cache: Path) -> Iterator[None]:
+        monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))
+        spec = Registry(load_catalog()).resolve("minilm")
+        assert spec is not None
+        model_dir = resolve_model_dir(spec)
+        assert model_dir is not None
+        entry = onnx_cache.entry_dir(spec, model_dir)
+        entry.parent.mkdir(parents=True)
+        with open(entry.parent / f"{entry.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    return hold
 
 
 DAEMON_TEST_DIRS = ("adversarial", "cluster", "integration")

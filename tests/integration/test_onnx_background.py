@@ -5,12 +5,11 @@ to serve: its requests wait for the export, which is made within the memory budg
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import msgspec
@@ -26,6 +25,7 @@ from modelpool.registry.loaders import onnx_cache, weights_size_mb
 from modelpool.registry.spec import Registry, load_catalog
 
 MakeDaemon = Callable[..., Daemon]
+HoldExport = Callable[[Path], AbstractContextManager[None]]
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
 EXPORT_BOUND_S = 300  # torch's import and MiniLM's export at idle priority on 2 busy cores
 FORCED_ONNX = """
@@ -55,30 +55,14 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-@contextmanager
-def _export_held(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Holds the lock the export takes on its cache entry, so that the export waits and
-    the daemon's first workers are sure to find none."""
-    monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))
-    spec = Registry(load_catalog()).resolve("minilm")
-    assert spec is not None
-    model_dir = resolve_model_dir(spec)
-    assert model_dir is not None
-    entry = onnx_cache.entry_dir(spec, model_dir)
-    entry.parent.mkdir(parents=True)
-    with open(entry.parent / f"{entry.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def _export_process(daemon: Daemon) -> list[int]:
     return [p.pid for p in daemon.descendants() if "onnx_export" in " ".join(p.cmdline())]
 
 
 def test_the_export_is_made_from_the_start_while_eager_serves_then_workers_are_replaced(
-        make_daemon: MakeDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_daemon: MakeDaemon, tmp_path: Path, hold_minilm_export: HoldExport) -> None:
     cache = tmp_path / "empty-cache"
-    with _export_held(cache, monkeypatch):
+    with hold_minilm_export(cache):
         daemon = make_daemon("[pool]\ncold_start_workers = 2\n",
                              env={"MODELPOOL_CACHE_DIR": str(cache)})
         deadline = time.monotonic() + 30
@@ -134,10 +118,10 @@ def test_an_export_that_does_not_fit_the_memory_budget_waits_and_eager_serves(
 
 
 def test_a_model_forced_to_onnx_waits_for_the_export_made_within_the_budget(
-        make_daemon: MakeDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_daemon: MakeDaemon, tmp_path: Path, hold_minilm_export: HoldExport) -> None:
     cache = tmp_path / "empty-cache"
     answers: list[np.ndarray] = []
-    with _export_held(cache, monkeypatch):
+    with hold_minilm_export(cache):
         daemon = make_daemon(FORCED_ONNX.format(pool=""), env={"MODELPOOL_CACHE_DIR": str(cache)})
 
         def embed() -> None:
@@ -201,12 +185,12 @@ def test_a_forced_hub_model_downloaded_after_the_start_has_its_export_made_by_th
 
 
 def test_a_running_export_stops_when_a_worker_start_needs_its_memory(
-        make_daemon: MakeDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_daemon: MakeDaemon, tmp_path: Path, hold_minilm_export: HoldExport) -> None:
     # MiniLM's export is expected to peak at ~990 MiB: it fits this budget alone, but
     # the first request's two workers (charged 90 MiB of weights and 120 each until they
     # are measured) do not fit beside it.
     cache = tmp_path / "empty-cache"
-    with _export_held(cache, monkeypatch):  # the export waits: it cannot end meanwhile
+    with hold_minilm_export(cache):  # the export waits: it cannot end meanwhile
         daemon = make_daemon("[pool]\ncold_start_workers = 2\nmemory_budget_mb = 1250\n",
                              env={"MODELPOOL_CACHE_DIR": str(cache)})
         deadline = time.monotonic() + 30
