@@ -42,7 +42,6 @@ from modelpool.protocol.pipes import (
     WorkItem,
     to_worker_decoder,
 )
-from modelpool.registry.loaders.onnx_cache import ExportNotMade
 from modelpool.workers import exitcodes, priority
 from modelpool.workers.progress import load_progress
 
@@ -219,6 +218,10 @@ def run_worker(settings_bytes: bytes, work_sock: socket.socket, beat_sock: socke
 
 
 def _load(settings: WorkerSettings, worker: Worker) -> tuple[object, Plan | None]:
+    # Here, not at the top: the forkserver imports this module, and only embedding models
+    # need the registry's ONNX cache (their loader imports it anyway).
+    from modelpool.registry.loaders.onnx_cache import ExportNotMade
+
     started = time.perf_counter()
     try:
         if settings.threads and "torch" in sys.modules:  # not imported for ONNX models
