@@ -314,6 +314,8 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     beat_s_ago: float
     models: dict[str, ModelLoad] = {}
     running_jobs: int = 0
+    # The models it could run now (device, files, memory); None: a node that does not say.
+    runnable: list[str] | None = None
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -159,7 +159,7 @@ def _status(args: argparse.Namespace) -> None:
           f"({mem['available_mb']:.0f} MiB available); daemon pid {status['pid']}, "
           f"up {status['uptime_s']:.0f}s")
     if status.get("cluster"):
-        _print_cluster(status["cluster"])
+        _print_cluster(status["cluster"], [m["key"] for m in status["models"]])
 
 
 def _model_text(model: dict[str, Any]) -> list[str]:
@@ -200,14 +200,22 @@ def _worker_text(worker: dict[str, Any]) -> str:
     return text
 
 
-def _print_cluster(cluster: dict[str, Any]) -> None:
+def _print_cluster(cluster: dict[str, Any], keys: list[str]) -> None:
+    """keys: this daemon's models; each node's line names those it cannot run and
+    another node can (their work goes there)."""
     reach = "" if cluster["reachable"] else " (its PostgreSQL is unreachable)"
     print(f"cluster: this node is {cluster['node']}{reach}")
+    runnable = {node["name"]: set(node.get("runnable") or ()) for node in cluster["nodes"]
+                if node.get("runnable") is not None}
     for node in cluster["nodes"]:
         models = ", ".join(f"{key} {m['ready']}/{m['live']} ready, {m['queued']} queued"
                            for key, m in node["models"].items()) or "nothing loaded"
+        mine = runnable.get(node["name"])
+        unable = [key for key in keys if mine is not None and key not in mine
+                  and any(key in theirs for theirs in runnable.values())]
+        cannot = f"; cannot run {', '.join(unable)}, which others can" if unable else ""
         print(f"  {node['name']:<20} beat {node['beat_s_ago']:.1f}s ago, "
-              f"{node['running_jobs']} running: {models}")
+              f"{node['running_jobs']} running: {models}{cannot}")
     waiting = ", ".join(f"{k}: {n}" for k, n in cluster["queued_jobs"].items()) or "none"
     print(f"  jobs waiting in the shared queue: {waiting}")
 

@@ -50,6 +50,9 @@ class Peer:
     models: Mapping[str, ModelLoad]
     running_jobs: int
     stats: PoolStats | None = None
+    # The models it could run now (their device, files and memory are there); None from
+    # a node of a version that does not say.
+    runnable: frozenset[str] | None = None
 
 
 def _peer(row: dict[str, Any]) -> Peer:
@@ -58,7 +61,12 @@ def _peer(row: dict[str, Any]) -> Peer:
     return Peer(row["name"], float(row["ago"]),
                 msgspec.convert(report.get("models", {}), dict[str, ModelLoad]),
                 int(report.get("running_jobs", 0)),
-                msgspec.convert(stats, PoolStats) if stats else None)
+                msgspec.convert(stats, PoolStats) if stats else None,
+                _keys(report.get("runnable")))
+
+
+def _keys(value: Any) -> frozenset[str] | None:
+    return None if value is None else frozenset(msgspec.convert(value, list[str]))
 
 
 def serves_with_room(peer: Peer, key: str) -> bool:
@@ -67,16 +75,23 @@ def serves_with_room(peer: Peer, key: str) -> bool:
     return load is not None and load.ready > 0 and (load.idle > 0 or load.queued < load.ready)
 
 
+def runs(peer: Peer, key: str) -> bool:
+    """The peer serves the model or could start it now."""
+    load = peer.models.get(key)
+    return key in (peer.runnable or ()) or (load is not None and load.ready > 0)
+
+
 def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads: int,
-                  used_mb: float, budget_mb: float) -> bool:
+                  used_mb: float, budget_mb: float, runnable_here: bool) -> bool:
     """Should this node take jobs of a model it has no worker for (and so start one)?
-    Not when a live peer serves it with room, nor without a load slot or memory, nor
-    while its workers wait for the ONNX export they must run (the jobs stay in the
-    shared queue for a node that can start now)."""
-    if any(serves_with_room(peer, model.key) for peer in peers):
+    Not when it cannot run the model at all (its device, its files, a failed load: the
+    job would fail here when another node may run it), nor when a live peer serves it
+    with room, nor without a load slot or memory, nor while its workers wait for the
+    ONNX export they must run (the jobs stay in the shared queue for a node that can
+    start now)."""
+    if not runnable_here or any(serves_with_room(peer, model.key) for peer in peers):
         return False
-    if (loading >= max_loads or model.failed or model.device is None
-            or model.awaits_export_mb is not None):
+    if loading >= max_loads or model.awaits_export_mb is not None:
         return False
     return memory.room_for(model.charge(), used_mb, budget_mb) > 0
 
@@ -100,15 +115,28 @@ class ClusterNode:
         device = model.device or "cpu"
         return may_load_here(model, self.peers, loading, self.pool.config.pool.max_concurrent_loads,
                              self.pool.capacity.used_mb(models, device),
-                             self.pool.capacity.budget_for(device))
+                             self.pool.capacity.budget_for(device),
+                             self.pool.intake.local_refusal(model) is None)
 
     def should_route(self, key: str) -> bool:
         """A direct request for this model: through the shared queue to a peer that has it
-        loaded with room, rather than loading it here?"""
+        loaded with room, rather than loading it here, or to one that can run it when
+        this node cannot?"""
         model = self.pool.models.get(key)
         if model is None or model.live_workers() or not self.reachable:
             return False
-        return any(serves_with_room(peer, key) for peer in self.peers)
+        return (any(serves_with_room(peer, key) for peer in self.peers)
+                or (self.pool.intake.local_refusal(model) is not None
+                    and self.runs_elsewhere(key)))
+
+    def runs_elsewhere(self, key: str) -> bool:
+        """A live peer serves the model or could start it now."""
+        return self.reachable and any(runs(peer, key) for peer in self.peers)
+
+    def runnable(self) -> list[str]:
+        """The models this node could run now, for its peers."""
+        return [key for key, model in self.pool.models.items()
+                if self.pool.intake.local_refusal(model) is None]
 
     def report(self) -> dict[str, ModelLoad]:
         out = {}
@@ -123,7 +151,7 @@ class ClusterNode:
 
     async def beat(self) -> None:
         """Say what this node serves; learn what the others do."""
-        report = {"models": msgspec.to_builtins(self.report()),
+        report = {"models": msgspec.to_builtins(self.report()), "runnable": self.runnable(),
                   "running_jobs": sum(m.running() for m in self.pool.models.values()),
                   "stats": msgspec.to_builtins(self.local_stats())}
         try:
@@ -149,9 +177,11 @@ class ClusterNode:
 
     def status(self) -> ClusterStatus:
         me = NodeStatus(name=self.name, beat_s_ago=0.0, models=self.report(),
-                        running_jobs=sum(m.running() for m in self.pool.models.values()))
+                        running_jobs=sum(m.running() for m in self.pool.models.values()),
+                        runnable=self.runnable())
         others = [NodeStatus(name=p.name, beat_s_ago=round(p.beat_s_ago, 2),
-                             models=dict(p.models), running_jobs=p.running_jobs)
+                             models=dict(p.models), running_jobs=p.running_jobs,
+                             runnable=None if p.runnable is None else sorted(p.runnable))
                   for p in self.peers]
         return ClusterStatus(node=self.name, reachable=self.reachable, nodes=[me, *others],
                              queued_jobs=dict(self.queued))
@@ -173,6 +203,7 @@ def job_service(config: Config, pool: Pool, scheduler: Scheduler,
     service = JobService(pool, backend, backend, jobs, node, shared=True)
     cluster = ClusterNode(node, pool, backend, store, service.local_stats)
     service.may_load, service.peer_stats = cluster.may_load, cluster.peer_stats
+    service.runs_elsewhere = cluster.runs_elsewhere
     return service, cluster
 
 

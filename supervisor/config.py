@@ -131,7 +131,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     postgres: str = ""  # "postgresql://..."; default $MODELPOOL_POSTGRES; "": no cluster
     node_name: str = ""  # default: the host name
     lease_s: Positive = 10.0  # a claim lapses this long after its last renewal
-    route_remote: bool = True  # direct requests for a model served elsewhere go there
+    # Direct requests for a model served, or only runnable, elsewhere go there.
+    route_remote: bool = True
 
     @property
     def dsn(self) -> str:

@@ -74,12 +74,15 @@ class Intake:
         self._queue(model, self.book.new_job(req, kind, request, model.key, key), nbytes)
         return True
 
-    def refusal(self, request: WorkRequest) -> Error | None:
+    def refusal(self, request: WorkRequest,
+                runs_elsewhere: Callable[[str], bool] | None = None) -> Error | None:
         """What submit would refuse this request with whatever the queues hold (unknown
         model, bad field, failed model, ...); nothing is queued. Jobs, which wait in
-        their own queue, are refused with these."""
+        their own queue, are refused with these; in a cluster, not for what keeps only
+        this daemon from running the model when another can (runs_elsewhere)."""
         kind, spec, model, request, deadline_in = self._prepare(request)
-        reject = self._static_refusal(kind, request, spec, deadline_in)
+        here = spec is None or runs_elsewhere is None or not runs_elsewhere(spec.key)
+        reject = self._static_refusal(kind, request, spec, deadline_in, here)
         return self._error(request, model, reject) if reject else None
 
     def _prepare(self, request: WorkRequest) -> tuple[Kind, ModelSpec | None,
@@ -92,19 +95,24 @@ class Intake:
         return kind, spec, self.models[spec.key] if spec else None, request, deadline_in
 
     def _static_refusal(self, kind: Kind, request: WorkRequest, spec: ModelSpec | None,
-                        deadline_in: float | None) -> Rejection | None:
+                        deadline_in: float | None, here: bool = True) -> Rejection | None:
         if self.closed():
             return ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"
         reject = admission.request_error(kind, request, spec, self.config.images)
         if reject is not None or spec is None:
             return reject
-        model = self.models[spec.key]
-        reject = (admission.load_error(model, self.scheduler.now(), self.gpu_count)
-                  or admission.memory_error(model, self.capacity.budget_for)
-                  or self._files_error(model))
+        if here:
+            reject = self.local_refusal(self.models[spec.key])
         if reject is None and deadline_in is not None and deadline_in <= 0:
             reject = ErrorCode.DEADLINE_EXPIRED, "the deadline passed before the daemon got it"
         return reject
+
+    def local_refusal(self, model: ModelState) -> Rejection | None:
+        """Why this daemon cannot run the model now, whatever the request: no such
+        device here, failed or backing off, never fits the budget, files not here."""
+        return (admission.load_error(model, self.scheduler.now(), self.gpu_count)
+                or admission.memory_error(model, self.capacity.budget_for)
+                or self._files_error(model))
 
     def _files_error(self, model: ModelState) -> Rejection | None:
         """A model with no worker whose files are not there fails at once, saying what

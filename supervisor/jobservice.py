@@ -79,6 +79,7 @@ class JobService:
         # Set by the cluster: may this daemon load a model; the other nodes' figures.
         self.may_load: Callable[[str], bool] = lambda key: True
         self.peer_stats: Callable[[], list[PoolStats]] = list
+        self.runs_elsewhere: Callable[[str], bool] = lambda key: False
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         # Results not yet stored (the shared mailbox was unreachable): retried each tick.
@@ -93,10 +94,11 @@ class JobService:
         """Admit a job and return its key. It is refused as a direct request would be
         (unknown model, bad field, ...), except that it waits in the job queue rather
         than the model's: QUEUE_FULL at [jobs] max_queued, OVERLOADED with a full
-        mailbox."""
+        mailbox. In a cluster, a model this daemon cannot run (its files, its device)
+        is not refused while another node can: the job waits for that one."""
         request = msgspec.structs.replace(
             msg.request, id=0, timeout_s=msg.request.timeout_s or self.config.timeout_s)
-        refusal = self.pool.intake.refusal(request)
+        refusal = self.pool.intake.refusal(request, self.runs_elsewhere)
         if refusal is not None:
             raise PoolError(refusal.code, refusal.message, refusal.retry_after_s)
         kind = KIND_OF[type(request)]

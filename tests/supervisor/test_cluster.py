@@ -13,6 +13,7 @@ from modelpool.supervisor.cluster import (
     Peer,
     may_load_here,
     next_round,
+    runs,
     serves_with_room,
 )
 
@@ -40,20 +41,39 @@ def test_a_model_served_elsewhere_with_room_is_not_loaded_here(
     model = h.pool.models["emb"]
     busy = peer(emb=ModelLoad(live=1, ready=1, idle=0, queued=5))
     roomy = peer(emb=ModelLoad(live=1, ready=1, idle=1))
-    assert may_load_here(model, [busy], loading=0, max_loads=2, used_mb=0, budget_mb=1000)
+    assert may_load_here(model, [busy], loading=0, max_loads=2, used_mb=0, budget_mb=1000,
+                         runnable_here=True)
     assert not may_load_here(model, [roomy], loading=0, max_loads=2, used_mb=0,
-                             budget_mb=1000)
+                             budget_mb=1000, runnable_here=True)
 
 
 def test_no_load_without_a_slot_or_memory_or_the_export_its_workers_need(
         make_harness: MakeHarness) -> None:
     h = make_harness()
     model = h.pool.models["emb"]  # 10 MiB of weights and 10 a worker
-    assert not may_load_here(model, [], loading=2, max_loads=2, used_mb=0, budget_mb=1000)
-    assert not may_load_here(model, [], loading=0, max_loads=2, used_mb=990, budget_mb=1000)
-    assert may_load_here(model, [], loading=1, max_loads=2, used_mb=980, budget_mb=1000)
+
+    def may_load(loading: int, used_mb: float) -> bool:
+        return may_load_here(model, [], loading=loading, max_loads=2, used_mb=used_mb,
+                             budget_mb=1000, runnable_here=True)
+
+    assert not may_load(loading=2, used_mb=0)
+    assert not may_load(loading=0, used_mb=990)
+    assert may_load(loading=1, used_mb=980)
     model.awaits_export_mb = 900.0  # forced to ONNX, its export still being made
-    assert not may_load_here(model, [], loading=0, max_loads=2, used_mb=0, budget_mb=1000)
+    assert not may_load(loading=0, used_mb=0)
+
+
+def test_a_model_this_node_cannot_run_is_left_to_the_peers_that_can(
+        make_harness: MakeHarness) -> None:
+    h = make_harness()
+    model = h.pool.models["emb"]
+    assert not may_load_here(model, [], loading=0, max_loads=2, used_mb=0, budget_mb=1000,
+                             runnable_here=False)
+    assert runs(Peer(name="b", beat_s_ago=0.5, models={}, running_jobs=0,
+                     runnable=frozenset({"emb"})), "emb")
+    assert runs(peer(emb=ModelLoad(live=1, ready=1, idle=0, queued=9)), "emb")  # busy
+    assert not runs(peer(emb=ModelLoad(live=1, ready=0)), "emb")  # loading, not runnable
+    assert not runs(peer(), "emb")
 
 
 def test_lapsed_leases_are_swept_between_beats_which_keep_a_steady_rate() -> None:
