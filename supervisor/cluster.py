@@ -105,6 +105,9 @@ class ClusterNode:
         self.store = store
         self.local_stats = local_stats
         self.peers: list[Peer] = []  # the other live nodes, as of the last beat
+        # The models this node could run, as of the last beat: looking at each model's
+        # files for every claim round (every job's end) would cost too much.
+        self.runnable_here: frozenset[str] = frozenset()
         self.reachable = False
         self.queued: dict[str, int] = {}
 
@@ -116,7 +119,7 @@ class ClusterNode:
         return may_load_here(model, self.peers, loading, self.pool.config.pool.max_concurrent_loads,
                              self.pool.capacity.used_mb(models, device),
                              self.pool.capacity.budget_for(device),
-                             self.pool.intake.local_refusal(model) is None)
+                             key in self.runnable_here)
 
     def should_route(self, key: str) -> bool:
         """A direct request for this model: through the shared queue to a peer that has it
@@ -151,7 +154,9 @@ class ClusterNode:
 
     async def beat(self) -> None:
         """Say what this node serves; learn what the others do."""
-        report = {"models": msgspec.to_builtins(self.report()), "runnable": self.runnable(),
+        runnable = self.runnable()
+        self.runnable_here = frozenset(runnable)
+        report = {"models": msgspec.to_builtins(self.report()), "runnable": runnable,
                   "running_jobs": sum(m.running() for m in self.pool.models.values()),
                   "stats": msgspec.to_builtins(self.local_stats())}
         try:
