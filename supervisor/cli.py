@@ -205,7 +205,7 @@ def _print_cluster(cluster: dict[str, Any], keys: list[str]) -> None:
     another node can (their work goes there)."""
     reach = "" if cluster["reachable"] else " (its PostgreSQL is unreachable)"
     print(f"cluster: this node is {cluster['node']}{reach}")
-    runnable = {node["name"]: set(node.get("runnable") or ()) for node in cluster["nodes"]
+    runnable = {node["name"]: set(node["runnable"]) for node in cluster["nodes"]
                 if node.get("runnable") is not None}
     for node in cluster["nodes"]:
         models = ", ".join(f"{key} {m['ready']}/{m['live']} ready, {m['queued']} queued"
