@@ -61,17 +61,17 @@ def start(tmp_path: Path, database: Database, name: str, pulled: bool) -> Daemon
 @pytest.fixture
 def two_nodes(tmp_path: Path, database: Database) -> Iterator[tuple[Daemon, Daemon]]:
     """alpha has m's files, beta has not."""
-    alpha = start(tmp_path, database, "alpha", pulled=True)
-    beta = start(tmp_path, database, "beta", pulled=False)
+    daemons = [start(tmp_path, database, "alpha", pulled=True)]
     try:
-        for daemon in (alpha, beta):
+        daemons.append(start(tmp_path, database, "beta", pulled=False))
+        for daemon in daemons:
             with daemon.client() as c:
                 wait_until(lambda c=c: len(c.status()["cluster"]["nodes"]) == 2, 30,
                            "both nodes see each other")
-        yield alpha, beta
+        yield daemons[0], daemons[1]
     finally:
-        assert alpha.stop() == 0, alpha.log()
-        assert beta.stop() == 0, beta.log()
+        for daemon in daemons:
+            assert daemon.stop() == 0, daemon.log()
 
 
 def expected(text: str) -> list[float]:
