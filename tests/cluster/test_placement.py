@@ -42,7 +42,7 @@ MODEL = """
 
 def hub_cache(path: Path, pulled: bool) -> dict[str, str]:
     """A node's environment naming its own hub cache, with org/m in it if `pulled`."""
-    if pulled:
+    if pulled and not path.exists():
         repo = path / "models--org--m"
         commit = "0123456789abcdef0123456789abcdef01234567"
         (repo / "snapshots" / commit).mkdir(parents=True)
@@ -104,12 +104,44 @@ def test_a_node_without_the_models_files_passes_its_work_to_one_that_has_them(
     nodes = {node["name"]: node for node in status["cluster"]["nodes"]}
     assert "m" in nodes["alpha"]["runnable"] and "m" not in nodes["beta"]["runnable"]
     assert database.query("SELECT DISTINCT node FROM modelpool.jobs") == [("alpha",)]
-    shown = subprocess.run(
-        [sys.executable, "-m", "modelpool.supervisor.cli", "status", "--socket",
-         beta.socket_path], capture_output=True, text=True, timeout=60, check=True).stdout
+    shown = cli_status(beta)
     lines = {line.split()[0]: line for line in shown.splitlines() if line.startswith("  ")}
     assert lines["beta"].endswith("cannot run m, which others can")
     assert "cannot run" not in lines["alpha"]
+
+
+def test_jobs_that_no_live_node_can_run_wait_for_one_and_status_says_so(
+        tmp_path: Path, two_nodes: tuple[Daemon, Daemon], database: Database) -> None:
+    alpha, beta = two_nodes
+    with alpha.client() as c:
+        c.embed("warm", model="m")
+        backlog = [c.submit("embed", f"job {i}", model="m") for i in range(30)]
+    with beta.client() as c:
+        key = c.submit("embed", "from beta", model="m")  # alpha can run it
+    assert alpha.stop() == 0, alpha.log()  # leaves the backlog's rest in the queue
+    with beta.client() as c:
+        wait_until(lambda: len(c.status()["cluster"]["nodes"]) == 1, 30, "alpha is gone")
+        shown = cli_status(beta)
+        assert "no live node can run m: its jobs wait for one" in shown
+        time.sleep(1.5)  # a beat and some claim rounds: beta takes none of them
+        assert database.query("SELECT state FROM modelpool.jobs WHERE key = %s",
+                              (key,)) == [("queued",)]
+        back = start(tmp_path, database, "alpha", pulled=True)
+        try:
+            result = c.retrieve(key, timeout_s=60)
+            assert np.asarray(result).tolist() == expected("from beta")
+            assert [np.asarray(c.retrieve(k, timeout_s=60)).tolist() for k in backlog] == [
+                expected(f"job {i}") for i in range(30)]
+        finally:
+            assert back.stop() == 0, back.log()
+    assert database.query("SELECT DISTINCT node, state FROM modelpool.jobs") == [
+        ("alpha", "done")]
+
+
+def cli_status(daemon: Daemon) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "modelpool.supervisor.cli", "status", "--socket",
+         daemon.socket_path], capture_output=True, text=True, timeout=60, check=True).stdout
 
 
 def test_with_no_node_able_to_run_it_the_model_is_refused_naming_the_cause(
