@@ -102,6 +102,20 @@ def leave(loading: Path | None) -> None:
             loading.rmdir()
 
 
+def to_normal_priority(pid: int) -> None:
+    """The process out of idle priority: into the serving cgroup, and its SCHED_IDLE
+    threads to SCHED_OTHER. Nothing for a process that has gone."""
+    serving, loading = os.environ.get(SERVING_ENV), os.environ.get(LOADING_ENV)
+    if serving and loading:
+        with contextlib.suppress(OSError):
+            Path(serving, "cgroup.procs").write_text(str(pid))
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):  # a thread that has just exited
+                if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                    os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+
+
 def remove_stale(serving: Path) -> None:
     """Loading cgroups of daemons that are gone (a crash leaves its cgroup behind)."""
     for group in serving.iterdir():

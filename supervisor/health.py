@@ -7,6 +7,12 @@ loop is stuck while the heartbeat thread still runs). A load is given load_timeo
 all, and fails sooner if its progress (bytes read, CPU spent) stands still for
 load_stall_s: a stuck download or a wedged file system, which would otherwise hold a
 load slot forever.
+
+A worker that has not beaten once since it was forked is not judged hung at first: it
+starts at idle priority (supervisor/cgroups.py, workers/priority.py), and on a machine
+kept busy by normal work it may get no CPU to start its heartbeat thread, which raises
+itself as its first act. The supervisor raises it instead, and judges it a heartbeat
+timeout later.
 """
 
 from __future__ import annotations
@@ -34,18 +40,28 @@ class WorkerPulse:
     progress_changed_at: float
     busy: bool
     loading: bool = False
+    raised_at: float | None = None  # when the supervisor raised it from idle priority
 
 
 @dataclass(frozen=True)
 class Verdict:
     reason: str
     failed_load: bool  # the load, not the process, is what failed: a load failure
+    raise_priority: bool = False  # not hung yet: silent since its start, at idle priority
 
 
 def hung_reason(pulse: WorkerPulse, now: float, limits: Limits) -> Verdict | None:
-    last_sign = pulse.last_heartbeat if pulse.last_heartbeat is not None else pulse.started_at
+    last_sign = pulse.last_heartbeat
+    if last_sign is None:
+        last_sign = pulse.started_at if pulse.raised_at is None else pulse.raised_at
     if now - last_sign > limits.heartbeat_timeout_s:
-        return Verdict(f"no heartbeat for {now - last_sign:.1f}s", failed_load=False)
+        if pulse.last_heartbeat is not None:
+            return Verdict(f"no heartbeat for {now - last_sign:.1f}s", failed_load=False)
+        if pulse.raised_at is None:
+            return Verdict(f"no heartbeat in the {now - last_sign:.1f}s since its start at "
+                           f"idle priority", failed_load=False, raise_priority=True)
+        return Verdict(f"no heartbeat in the {now - pulse.started_at:.1f}s since its start, "
+                       f"{now - last_sign:.1f}s of them at normal priority", failed_load=False)
     still = now - pulse.progress_changed_at
     if pulse.loading:
         if now - pulse.started_at > limits.load_timeout_s:
@@ -69,7 +85,8 @@ def hung_workers(models: Iterable[ModelState], now: float,
                 continue  # not a process yet: the forkserver may still import torch
             pulse = WorkerPulse(worker.spawned_at, worker.last_heartbeat,
                                 max(worker.progress_changed_at, worker.last_dispatch_at),
-                                bool(worker.jobs), loading=worker.state in LOADING)
+                                bool(worker.jobs), loading=worker.state in LOADING,
+                                raised_at=worker.raised_at)
             own = dataclasses.replace(limits, stall_timeout_s=model.settings.stall_timeout_s)
             verdict = hung_reason(pulse, now, own)
             if verdict:

@@ -264,8 +264,14 @@ class Pool:
         config = self.pool_config
         limits = health.Limits(config.heartbeat_timeout_s, config.stall_timeout_s,
                                config.load_timeout_s, config.load_stall_s)
-        for worker, verdict in list(health.hung_workers(self.models.values(),
-                                                        self.scheduler.now(), limits)):
+        now = self.scheduler.now()
+        for worker, verdict in list(health.hung_workers(self.models.values(), now, limits)):
+            if verdict.raise_priority:
+                log.warning("worker %d (pid %s) of %s: %s: raising it to normal priority",
+                            worker.worker_id, worker.pid, worker.model_key, verdict.reason)
+                worker.raised_at = now
+                self.launcher.raise_priority(worker)
+                continue
             log.warning("worker %d (pid %s) of %s is hung (%s): killing it",
                         worker.worker_id, worker.pid, worker.model_key, verdict.reason)
             if verdict.failed_load:

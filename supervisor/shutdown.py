@@ -15,6 +15,7 @@ import psutil
 
 from modelpool.protocol.cgroups import LOADING_ENV, SERVING_ENV
 from modelpool.protocol.errors import ErrorCode
+from modelpool.supervisor import cgroups
 from modelpool.supervisor.clock import wait_for
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.pool import Pool
@@ -89,8 +90,4 @@ def leave_idle_priority() -> None:
                 with contextlib.suppress(OSError):  # gone meanwhile
                     Path(serving, "cgroup.procs").write_text(pid)
     for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{child.pid}/task"):
-                with contextlib.suppress(OSError):
-                    if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
-                        os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        cgroups.to_normal_priority(child.pid)

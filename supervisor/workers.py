@@ -35,6 +35,7 @@ from modelpool.protocol.pipes import (
     from_worker_decoder,
     heartbeat_decoder,
 )
+from modelpool.supervisor import cgroups
 from modelpool.supervisor.queueing import Job
 from modelpool.supervisor.throughput import TokenRate
 
@@ -89,6 +90,7 @@ class WorkerHandle:
     threads: int = 0  # intra-op threads its current work may use (supervisor/threads.py)
     threads_in_use: int = 0  # what its heartbeats say its forward passes use; 0: unknown
     hung: str | None = None  # why it was judged hung and killed
+    raised_at: float | None = None  # silent since its start: raised from idle priority
     stop_requested: bool = False  # we stopped it: exiting before Ready is no load failure
     outdated: str | None = None  # why a new worker would serve better (supervisor/exports.py)
     uss_mb: float | None = None
@@ -269,6 +271,11 @@ class Launcher:
     def shutdown(self, handle: WorkerHandle) -> bool:
         """Ask the worker to exit after its current work; False if it cannot be told."""
         return handle.send(Shutdown())
+
+    def raise_priority(self, handle: WorkerHandle) -> None:
+        """Out of idle priority: a worker starved of CPU at its start (health.py)."""
+        if handle.pid is not None:
+            cgroups.to_normal_priority(handle.pid)
 
     def kill(self, handle: WorkerHandle) -> None:
         if handle.pid is not None and handle.state is not WorkerState.DEAD:

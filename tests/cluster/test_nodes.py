@@ -169,11 +169,25 @@ def serving_everywhere(daemons: list[Daemon], keys: list[str], workers: int) -> 
             for key in keys:
                 c.load(key, workers=workers)
     for daemon in daemons:
+        for key in keys:
+            _wait_serving(daemon, key, workers)
+
+
+def _wait_serving(daemon: Daemon, key: str, workers: int) -> None:
+    """The model's workers on this node all idle; if not in time, what they were and the
+    end of the node's log."""
+    states: list[str] = []
+
+    def serving() -> bool:
         with daemon.client() as c:
-            for key in keys:
-                wait_until(lambda c=c, key=key: [w["state"] for w in model_status(
-                    c.status(), key)["workers"]] == ["idle"] * workers, 60,
-                           f"{key} serving on every node")
+            states[:] = [w["state"] for w in model_status(c.status(), key)["workers"]]
+        return states == ["idle"] * workers
+
+    try:
+        wait_until(serving, 60, f"{key} serving on every node")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {daemon.socket_path}: {states}\n"
+                             f"{daemon.log()[-3000:]}") from None
 
 
 def _submit_until_held(daemons: list[Daemon], database: Database) -> list[tuple[str, str]]:

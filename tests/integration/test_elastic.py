@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -170,6 +172,30 @@ def test_without_the_idle_cgroup_a_loading_worker_runs_sched_idle(
         assert not cpu_cgroup(slow).endswith("-loading")
         assert SERVING_CGROUP is not None
         assert not loading_cgroup_dir(SERVING_CGROUP, daemon.process.pid).exists()
+
+
+@pytest.mark.skipif(not LOWERED, reason="no right to restore priority: loads are not lowered")
+@pytest.mark.parametrize("idle_cgroup", ["true", "false"])
+def test_a_new_worker_starved_at_idle_priority_is_raised_not_killed_as_hung(
+        make_daemon: MakeDaemon, idle_cgroup: str) -> None:
+    """Every core kept busy by normal work: a worker forked at idle priority gets too
+    little CPU to start the heartbeat thread that would raise it. The supervisor raises
+    it a heartbeat timeout after its start, and it loads and serves."""
+    daemon = make_daemon(f"[daemon]\nidle_cgroup = {idle_cgroup}\n[pool]\n"
+                         "cold_start_workers = 1\nheartbeat_timeout_s = 2\n"
+                         + model_entry("fresh", run_s=0))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 2)]
+    try:
+        with daemon.client(timeout_s=60) as c:
+            assert c.embed(["served"], model="fresh")[0][0] == len("served")
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    log = daemon.log()
+    assert "raising it to normal priority" in log, log
+    assert "is hung" not in log, log
 
 
 FAKE_NVIDIA_SMI = """#!/bin/sh

@@ -137,6 +137,7 @@ class FakeLauncher:
         self.settings: list[Any] = []
         self.stopped: list[WorkerHandle] = []
         self.killed: list[WorkerHandle] = []
+        self.raised: list[WorkerHandle] = []
         self.exit_on_stop = True
         self._pids = itertools.count(4001)
 
@@ -151,6 +152,9 @@ class FakeLauncher:
         if self.exit_on_stop:
             asyncio.get_running_loop().call_soon(self.exit, handle, 0)
         return True
+
+    def raise_priority(self, handle: WorkerHandle) -> None:
+        self.raised.append(handle)
 
     def kill(self, handle: WorkerHandle) -> None:
         """SIGKILL: the process dies on the next loop iteration."""

@@ -33,9 +33,18 @@ def test_silence_past_the_timeout_is_a_hang() -> None:
     assert not verdict.failed_load  # the process is stuck, not its load
 
 
-def test_a_worker_that_never_beat_is_judged_from_its_start() -> None:
+def test_a_worker_silent_since_its_start_is_raised_from_idle_priority_then_judged() -> None:
     assert hung_reason(pulse(None), now=4.0, limits=LIMITS) is None
-    assert hung_reason(pulse(None), now=6.0, limits=LIMITS)
+    starved = hung_reason(pulse(None), now=6.0, limits=LIMITS)
+    assert starved is not None and starved.raise_priority and not starved.failed_load
+    raised = WorkerPulse(started_at=0.0, last_heartbeat=None, progress_changed_at=0.0,
+                         busy=False, loading=True, raised_at=6.0)
+    assert hung_reason(raised, now=10.9, limits=LIMITS) is None
+    hung = hung_reason(raised, now=11.2, limits=LIMITS)
+    assert hung is not None and not hung.raise_priority and "normal priority" in hung.reason
+    # One that has beaten raised its own heartbeat: silence then is a hang at once.
+    silent = hung_reason(pulse(1.0, loading=True), now=6.1, limits=LIMITS)
+    assert silent is not None and not silent.raise_priority
 
 
 def test_stalled_work_is_a_hang_only_while_busy() -> None:
@@ -110,6 +119,10 @@ async def test_a_slow_forkserver_does_not_make_a_new_worker_look_hung(
     await h.settle()
     h.pool.check_health()
     assert h.launcher.killed == []
-    h.clock.advance(6)  # but a spawned worker silent for 6 s is hung
+    h.clock.advance(6)  # a spawned worker silent for 6 s may be starved: raised first
+    h.pool.check_health()
+    assert h.launcher.raised == h.workers("gen") and h.launcher.killed == []
+    h.clock.advance(6)  # silent 6 s more at normal priority: hung
     h.pool.check_health()
     assert h.launcher.killed == h.workers("gen")
+    assert h.launcher.raised == h.workers("gen")  # once
