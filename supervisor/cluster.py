@@ -106,7 +106,8 @@ class ClusterNode:
         self.local_stats = local_stats
         self.peers: list[Peer] = []  # the other live nodes, as of the last beat
         # The models this node could run, as of the last beat: looking at each model's
-        # files for every claim round (every job's end) would cost too much.
+        # files for every claim round (every job's end) or direct request would cost
+        # too much.
         self.runnable_here: frozenset[str] = frozenset()
         self.reachable = False
         self.queued: dict[str, int] = {}
@@ -129,8 +130,7 @@ class ClusterNode:
         if model is None or model.live_workers() or not self.reachable:
             return False
         return (any(serves_with_room(peer, key) for peer in self.peers)
-                or (self.pool.intake.local_refusal(model) is not None
-                    and self.runs_elsewhere(key)))
+                or (key not in self.runnable_here and self.runs_elsewhere(key)))
 
     def runs_elsewhere(self, key: str) -> bool:
         """A live peer serves the model or could start it now."""
@@ -183,7 +183,7 @@ class ClusterNode:
     def status(self) -> ClusterStatus:
         me = NodeStatus(name=self.name, beat_s_ago=0.0, models=self.report(),
                         running_jobs=sum(m.running() for m in self.pool.models.values()),
-                        runnable=self.runnable())
+                        runnable=sorted(self.runnable_here))
         others = [NodeStatus(name=p.name, beat_s_ago=round(p.beat_s_ago, 2),
                              models=dict(p.models), running_jobs=p.running_jobs,
                              runnable=None if p.runnable is None else sorted(p.runnable))
