@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.jobs import ENDED
 from modelpool.protocol.messages import PRIORITIES
 from modelpool.supervisor import pgbatches
@@ -36,6 +37,25 @@ from modelpool.supervisor.tasks import QueueFull
 T = pgbatches.T
 COLUMNS = pgbatches.COLUMNS
 USAGE_TTL_S = 1.0  # the mailbox's size is counted at most this often
+
+# Waiting jobs that end without running (a cancel): the jobs that joined one of them go
+# back to the queue, to run on their own, rather than wait on a leader that never runs.
+END_WAITING = """
+    WITH ended AS (
+        UPDATE {T} SET state = %(state)s, error_code = %(code)s,
+            error_message = 'job ' || key || %(why)s, finished_at = %(now)s,
+            expires_at = now() + make_interval(secs => %(keep)s)
+        WHERE state IN ('queued', 'joined') AND {where}
+        RETURNING key),
+    freed AS (
+        UPDATE {T} SET state = 'queued', leader = NULL
+        WHERE state = 'joined' AND leader IN (SELECT key FROM ended)
+            AND key NOT IN (SELECT key FROM ended)
+        RETURNING model)
+    SELECT key, pg_notify(CASE WHEN key IS NULL THEN 'modelpool_jobs'
+                               ELSE 'modelpool_done' END, coalesce(key, model))
+    FROM (SELECT key, NULL AS model FROM ended
+          UNION ALL SELECT NULL, model FROM freed) AS touched"""
 
 
 class PgJobs:
@@ -278,15 +298,18 @@ class PgJobs:
         return lost
 
     async def cancel(self, key: str) -> bool:
-        rows = await self._fetch(f"""
-            UPDATE {T} SET state = 'cancelled', error_code = 'CANCELLED',
-                error_message = 'job ' || key || ' cancelled', finished_at = %s,
-                expires_at = now() + make_interval(secs => %s)
-            WHERE key = %s AND state IN ('queued', 'joined')
-            RETURNING pg_notify('modelpool_done', key)""", (time.time(), self.retention_s, key))
-        if not rows:  # running somewhere: whoever runs it stops it
+        ended = await self._end_waiting("key = %(key)s", "cancelled", ErrorCode.CANCELLED,
+                                        " cancelled", key=key)
+        if not ended:  # running somewhere: whoever runs it stops it
             await self._fetch("SELECT pg_notify('modelpool_cancel', %s)", (key,))
-        return bool(rows)
+        return bool(ended)
+
+    async def _end_waiting(self, where: str, state: str, code: ErrorCode, why: str,
+                           **params: str) -> list[str]:
+        rows = await self._fetch(END_WAITING.format(T=T, where=where), {
+            **params, "state": state, "code": code.value, "why": why, "now": time.time(),
+            "keep": self.retention_s})
+        return [row["key"] for row in rows if row["key"] is not None]
 
     async def sweep(self) -> int:
         self._hints += 1  # once a tick, every model's queue is looked at again

@@ -153,6 +153,17 @@ async def test_a_cancelled_leaders_joiners_run_on_their_own(database: Database) 
         assert [r.key for r in await a.claim({"m": 5})] == [joiner.key]
 
 
+async def test_a_cancelled_waiting_leaders_joiners_run_on_their_own(
+        database: Database) -> None:
+    async with node(database, "a") as a:
+        leader = await submit(a, record(dedup=b"same"))
+        joiner = await submit(a, record(dedup=b"same"))
+        assert await a.cancel(leader.key)  # cancelled before any node claimed it
+        assert [r.key for r in await a.claim({"m": 5})] == [joiner.key]
+        cancelled = await a.get(leader.key)
+    assert cancelled is not None and cancelled.state == "cancelled"
+
+
 async def test_a_cancel_ends_a_waiting_job_and_wakes_its_retrieve_on_another_node(
         database: Database) -> None:
     async with node(database, "a") as a, node(database, "b") as b:
