@@ -104,12 +104,15 @@ class JobService:
         kind = KIND_OF[type(request)]
         spec = admission.resolve(self.pool.registry, kind, request)
         model = spec.key if spec else request.model
+        now = self.pool.scheduler.wall()
+        deadline_in = admission.deadline_in(request, now)
         record = JobRecord(key=new_key(), uid=uid, op=kind.op,
                            model=model, priority=request.priority,
                            request=encoder.encode(request), single=msg.single,
                            dedup=dedup_key(kind, with_defaults(request, self.pool.config
                                                                .defaults), model),
-                           submitted_at=self.pool.scheduler.wall())
+                           submitted_at=now,
+                           deadline_at=None if deadline_in is None else now + deadline_in)
         # Shared: with a worker free for it here it is claimed as it is written (no other
         # node is woken, no claim follows); else it waits for whichever node is free first.
         claim = self.shared and not self.pool.shutting_down and self._free_now(model)
@@ -325,10 +328,17 @@ class JobService:
             log.info("job %s ended twice; the second result was dropped", record.key)
 
     async def tick(self) -> None:
-        """Periodic: drop expired results; renew the claims of jobs running here (and
-        stop those whose claim lapsed: someone else runs them now); claim what waits."""
+        """Periodic: drop expired results; end waiting jobs whose deadline passed; renew
+        the claims of jobs running here (and stop those whose claim lapsed: someone else
+        runs them now); claim what waits."""
         await self._store_pending()
-        await self.mailbox.expire(self.pool.scheduler.wall())
+        now = self.pool.scheduler.wall()
+        await self.mailbox.expire(now)
+        for record in await self.queue.expire_waiting(now):
+            waited = now - record.submitted_at
+            await self._store(record, Error(id=0, code=ErrorCode.DEADLINE_EXPIRED,
+                                            message=f"job {record.key}: its deadline passed "
+                                            f"after {waited:.1f}s in the job queue"))
         if self._running:
             for key in await self.queue.extend(list(self._running)):
                 self._lost(key)

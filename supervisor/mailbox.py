@@ -38,6 +38,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     error_code: str | None = None
     error_message: str | None = None
     attempt: int = 0  # how many claims it has had: a shared queue's fencing token
+    # When the client's deadline passes (seconds since the epoch, this daemon's clock):
+    # a job still waiting then ends DEADLINE_EXPIRED.
+    deadline_at: float | None = None
 
     @property
     def nbytes(self) -> int:

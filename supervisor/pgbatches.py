@@ -24,9 +24,9 @@ INSERT = f"""
         SELECT * FROM unnest(%(keys)s::text[], %(uids)s::int[], %(ops)s::text[],
             %(models)s::text[], %(priorities)s::smallint[], %(requests)s::bytea[],
             %(singles)s::boolean[], %(dedups)s::bytea[], %(submitted)s::float8[],
-            %(claims)s::boolean[], %(joins)s::text[])
+            %(claims)s::boolean[], %(joins)s::text[], %(deadlines)s::float8[])
         AS b(key, uid, op, model, priority, request, single, dedup, submitted_at, claim,
-             joins)),
+             joins, deadline_in)),
     fated AS MATERIALIZED (
         SELECT b.*, coalesce(lead.key, b.joins) AS leader, CASE
             WHEN coalesce(lead.key, b.joins) IS NOT NULL THEN 'joined'
@@ -40,12 +40,14 @@ INSERT = f"""
         WHERE (SELECT count(*) FROM {T} WHERE state = 'queued') < %(max_queued)s),
     added AS (
         INSERT INTO {T} (key, uid, op, model, priority, request, single, dedup, leader,
-                         submitted_at, state, node, attempt, lease_until, started_at)
+                         submitted_at, state, node, attempt, lease_until, started_at,
+                         deadline_at)
         SELECT key, uid, op, model, priority, request, single, dedup, leader, submitted_at,
                fate, CASE WHEN fate = 'running' THEN %(node)s ELSE '' END,
                CASE WHEN fate = 'running' THEN 1 ELSE 0 END,
                CASE WHEN fate = 'running' THEN now() + make_interval(secs => %(lease)s) END,
-               CASE WHEN fate = 'running' THEN submitted_at END
+               CASE WHEN fate = 'running' THEN submitted_at END,
+               now() + make_interval(secs => deadline_in)  -- the server clock
         FROM fated
         RETURNING key, state, model),
     woken AS (
@@ -109,6 +111,8 @@ def insert_params(records: list[tuple[JobRecord, bool]]) -> dict[str, Any]:
         "requests": [r.request for r in rows], "singles": [r.single for r in rows],
         "dedups": [r.dedup for r in rows], "submitted": [r.submitted_at for r in rows],
         "claims": [claim for _, claim in records], "joins": joins,
+        "deadlines": [None if r.deadline_at is None else r.deadline_at - r.submitted_at
+                      for r in rows],
     }
 
 

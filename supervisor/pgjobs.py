@@ -38,8 +38,9 @@ T = pgbatches.T
 COLUMNS = pgbatches.COLUMNS
 USAGE_TTL_S = 1.0  # the mailbox's size is counted at most this often
 
-# Waiting jobs that end without running (a cancel): the jobs that joined one of them go
-# back to the queue, to run on their own, rather than wait on a leader that never runs.
+# Waiting jobs that end without running (a cancel, a passed deadline): the jobs that
+# joined one of them go back to the queue, to run on their own, rather than wait on a
+# leader that never runs.
 END_WAITING = """
     WITH ended AS (
         UPDATE {T} SET state = %(state)s, error_code = %(code)s,
@@ -303,6 +304,13 @@ class PgJobs:
         if not ended:  # running somewhere: whoever runs it stops it
             await self._fetch("SELECT pg_notify('modelpool_cancel', %s)", (key,))
         return bool(ended)
+
+    async def expire_waiting(self, now: float) -> list[JobRecord]:
+        """Waiting jobs whose deadline passed end here, with their ending stored (by the
+        server's clock, whichever node submitted them): none is left to the caller."""
+        await self._end_waiting("deadline_at < now()", "failed", ErrorCode.DEADLINE_EXPIRED,
+                                ": its deadline passed while it waited in the job queue")
+        return []
 
     async def _end_waiting(self, where: str, state: str, code: ErrorCode, why: str,
                            **params: str) -> list[str]:

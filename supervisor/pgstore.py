@@ -80,6 +80,13 @@ MIGRATIONS: tuple[str, ...] = (
         report jsonb NOT NULL DEFAULT '{}'
     );
     """,
+    # Jobs end at their deadline while they wait (the server's clock, whichever node
+    # submitted them).
+    """
+    ALTER TABLE modelpool.jobs ADD COLUMN deadline_at timestamptz;
+    CREATE INDEX jobs_deadlines ON modelpool.jobs (deadline_at)
+        WHERE state IN ('queued', 'joined') AND deadline_at IS NOT NULL;
+    """,
 )
 
 

@@ -52,6 +52,10 @@ class TaskQueue(Protocol):
     async def cancel(self, key: str) -> bool:
         """Take a waiting job out (True), or ask whoever runs it to stop."""
 
+    async def expire_waiting(self, now: float) -> list[JobRecord]:
+        """Take out the waiting jobs whose deadline has passed; returns those whose
+        ending the caller stores (a shared queue stores them itself)."""
+
     async def sweep(self) -> int:
         """Put jobs whose claims lapsed back in the queue; returns how many."""
 
@@ -65,16 +69,31 @@ class MemoryTaskQueue:
         self.max_queued = max_queued
         self._heaps: dict[str, list[tuple[int, int, JobRecord]]] = collections.defaultdict(list)
         self._order = itertools.count()
-        self._cancelled: set[str] = set()
+        # The jobs waiting, by key: one taken out otherwise than by a claim (cancelled,
+        # expired) stays in its heap until it reaches the top, and is dropped there.
+        self._waiting: dict[str, JobRecord] = {}
+        self._deadlines: list[tuple[float, int, JobRecord]] = []
         self._count: collections.Counter[str] = collections.Counter()
 
     async def put(self, record: JobRecord) -> None:
-        if sum(self._count.values()) >= self.max_queued:
+        if len(self._waiting) >= self.max_queued:
             raise QueueFull(f"{self.max_queued} jobs are waiting ([jobs] max_queued)")
-        rank = PRIORITY_RANK[record.priority]  # type: ignore[index]
-        heapq.heappush(self._heaps[record.model], (rank, next(self._order), record))
-        self._count[record.model] += 1
+        self._push(record, next(self._order))
         self.ready.set()
+
+    def _push(self, record: JobRecord, order: int) -> None:
+        rank = PRIORITY_RANK[record.priority]  # type: ignore[index]
+        heapq.heappush(self._heaps[record.model], (rank, order, record))
+        if record.deadline_at is not None:
+            heapq.heappush(self._deadlines, (record.deadline_at, order, record))
+        self._waiting[record.key] = record
+        self._count[record.model] += 1
+
+    def _take(self, key: str) -> JobRecord | None:
+        record = self._waiting.pop(key, None)
+        if record is not None:
+            self._count[record.model] -= 1
+        return record
 
     async def waiting(self) -> dict[str, int]:
         return {model: n for model, n in self._count.items() if n}
@@ -85,35 +104,35 @@ class MemoryTaskQueue:
             heap, taken = self._heaps.get(model, []), 0
             while heap and taken < limit:
                 record = heapq.heappop(heap)[2]
-                if record.key in self._cancelled:
-                    self._cancelled.discard(record.key)
-                    continue
-                self._count[model] -= 1
-                claimed.append(record)
-                taken += 1
+                if self._waiting.get(record.key) is record:
+                    self._take(record.key)
+                    claimed.append(record)
+                    taken += 1
         return claimed
 
     async def complete(self, key: str) -> bool:
         return True  # nothing else could have taken it
 
     async def release(self, record: JobRecord) -> None:
-        rank = PRIORITY_RANK[record.priority]  # type: ignore[index]
-        heapq.heappush(self._heaps[record.model], (rank, -next(self._order), record))
-        self._count[record.model] += 1
+        self._push(record, -next(self._order))  # ahead of its equals: it waited longest
 
     async def extend(self, keys: list[str]) -> list[str]:
         return []  # claims in memory never lapse
 
     async def cancel(self, key: str) -> bool:
-        for model, heap in self._heaps.items():
-            if any(r.key == key for _, _, r in heap) and key not in self._cancelled:
-                self._cancelled.add(key)  # dropped when it reaches the top
-                self._count[model] -= 1
-                return True
-        return False
+        return self._take(key) is not None
+
+    async def expire_waiting(self, now: float) -> list[JobRecord]:
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            record = heapq.heappop(self._deadlines)[2]
+            if self._waiting.get(record.key) is record:
+                self._take(record.key)
+                expired.append(record)
+        return expired
 
     async def sweep(self) -> int:
         return 0
 
     async def length(self) -> int:
-        return sum(self._count.values())
+        return len(self._waiting)

@@ -22,10 +22,11 @@ KEYS = iter(range(10**6))
 
 
 def record(model: str = "m", priority: str = "normal", dedup: bytes | None = None,
-           at: float | None = None) -> JobRecord:
+           at: float | None = None, deadline_in: float | None = None) -> JobRecord:
+    submitted = at if at is not None else time.time()
     return JobRecord(key=f"k{next(KEYS)}", uid=1000, op="embed", model=model,
-                     priority=priority, request=b"\x80", dedup=dedup,
-                     submitted_at=at if at is not None else time.time())
+                     priority=priority, request=b"\x80", dedup=dedup, submitted_at=submitted,
+                     deadline_at=None if deadline_in is None else submitted + deadline_in)
 
 
 def done(rec: JobRecord, result: bytes) -> JobRecord:
@@ -162,6 +163,23 @@ async def test_a_cancelled_waiting_leaders_joiners_run_on_their_own(
         assert [r.key for r in await a.claim({"m": 5})] == [joiner.key]
         cancelled = await a.get(leader.key)
     assert cancelled is not None and cancelled.state == "cancelled"
+
+
+async def test_a_waiting_job_ends_at_its_deadline_and_its_joiners_run_on_their_own(
+        database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        late = await submit(a, record(deadline_in=0.3, dedup=b"same"))
+        joiner = await submit(a, record(dedup=b"same"))  # no deadline of its own
+        later = await submit(a, record(model="n", deadline_in=60))
+        waiting = asyncio.create_task(b.wait(late.key, 10, 1000))
+        assert await b.expire_waiting(time.time()) == []  # not yet
+        await asyncio.sleep(0.5)
+        assert await b.expire_waiting(time.time()) == []  # stored by the statement itself
+        ended = await asyncio.wait_for(waiting, 5)
+        assert [r.key for r in await a.claim({"m": 5, "n": 5})] == [joiner.key, later.key]
+    assert ended is not None and (ended.state, ended.error_code) == (
+        "failed", "DEADLINE_EXPIRED")
+    assert "deadline passed while it waited" in (ended.error_message or "")
 
 
 async def test_a_cancel_ends_a_waiting_job_and_wakes_its_retrieve_on_another_node(

@@ -229,6 +229,30 @@ async def test_jobs_wait_in_their_own_queue_in_priority_order(
     assert (await jobs.info(ME, keys[0])).state == "done"
 
 
+async def test_a_job_waiting_in_the_job_queue_ends_at_its_deadline_unstarted(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+    for i in range(8):  # the backlog for one worker, in the pool: the next ones wait
+        await jobs.submit(ME, embed(f"t{i}"), 1)
+    late = await jobs.submit(ME, embed("late", deadline_s=5.0), 1)
+    patient = await jobs.submit(ME, embed("patient", deadline_s=60.0), 1)
+    waiting = asyncio.ensure_future(jobs.retrieve(ME, late, 30.0, rid=1))
+    h.clock.advance(4.9)
+    await jobs.tick()
+    assert (await jobs.stats()).queued_jobs == 10
+    h.clock.advance(0.2)
+    await jobs.tick()
+    with pytest.raises(PoolError) as err:
+        await waiting
+    assert err.value.code is ErrorCode.DEADLINE_EXPIRED
+    assert "after 5.1s in the job queue" in err.value.message
+    info = await jobs.info(ME, late)
+    assert info.state == "failed" and info.started_at is None
+    assert (await jobs.info(ME, patient)).state == "queued"
+    assert (await jobs.stats()).queued_jobs == 9
+
+
 async def test_a_streaming_model_takes_what_its_workers_can_start_and_one_more(
         make_harness: MakeHarness) -> None:
     """A stream holds its worker for its whole length: a deep backlog beside one worker
