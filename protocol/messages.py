@@ -323,6 +323,9 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
     reachable: bool  # its PostgreSQL answers
     nodes: list[NodeStatus] = []  # the live ones
     queued_jobs: dict[str, int] = {}  # waiting in the shared queue, by model
+    # Models with jobs waiting that no live node can run: seconds until those jobs end
+    # (None: they wait for such a node however long).
+    stranded: dict[str, float | None] = {}
 
 
 class ClientsStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -218,11 +218,9 @@ def _print_cluster(cluster: dict[str, Any], keys: list[str]) -> None:
               f"{node['running_jobs']} running: {models}{cannot}")
     waiting = ", ".join(f"{k}: {n}" for k, n in cluster["queued_jobs"].items()) or "none"
     print(f"  jobs waiting in the shared queue: {waiting}")
-    if len(runnable) == len(cluster["nodes"]):  # every node says what it can run
-        stranded = [k for k in cluster["queued_jobs"]
-                    if not any(k in theirs for theirs in runnable.values())]
-        if stranded:
-            print(f"  no live node can run {', '.join(stranded)}: its jobs wait for one")
+    for key, ends_in in cluster.get("stranded", {}).items():
+        fate = "wait for one" if ends_in is None else f"end in {ends_in:.0f}s unless one comes"
+        print(f"  no live node can run {key}: its jobs {fate}")
 
 
 def _models(args: argparse.Namespace) -> None:

@@ -2,7 +2,9 @@
 it has loaded and how busy it is, and keeps the other live nodes' beats, from which it
 decides whether to take jobs of a model it has not loaded (not when another node has
 that model loaded with room to spare: a job never waits behind a load here that it
-need not) and whether a direct request is better sent through the shared queue.
+need not) and whether a direct request is better sent through the shared queue; and it
+ends the waiting jobs of a model that no live node has been able to run for
+stranded_timeout_s, so that every accepted job gets an ending.
 """
 
 from __future__ import annotations
@@ -96,6 +98,16 @@ def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads:
     return memory.room_for(model.charge(), used_mb, budget_mb) > 0
 
 
+def stranded_since(waiting: Mapping[str, int], runnable_here: frozenset[str],
+                   peers: list[Peer], since: Mapping[str, float],
+                   now: float) -> dict[str, float]:
+    """Since when each model with jobs waiting has had no live node, this one included,
+    that could run it; a node too old to say what it can run might run anything."""
+    return {key: since.get(key, now) for key, n in waiting.items()
+            if n and key not in runnable_here
+            and not any(peer.runnable is None or runs(peer, key) for peer in peers)}
+
+
 class ClusterNode:
     def __init__(self, name: str, pool: Pool, jobs: PgJobs, store: PgStore,
                  local_stats: Callable[[], PoolStats]) -> None:
@@ -111,6 +123,8 @@ class ClusterNode:
         self.runnable_here: frozenset[str] = frozenset()
         self.reachable = False
         self.queued: dict[str, int] = {}
+        # Models whose waiting jobs no live node can run, since when (scheduler time).
+        self.stranded: dict[str, float] = {}
 
     def may_load(self, key: str) -> bool:
         model = self.pool.models[key]
@@ -176,6 +190,28 @@ class ClusterNode:
             return
         self.reachable = True
         self.peers = [_peer(row) for row in rows]
+        self.stranded = stranded_since(self.queued, self.runnable_here, self.peers,
+                                       self.stranded, self.pool.scheduler.now())
+
+    async def end_stranded(self) -> None:
+        """End the waiting jobs of models that no live node has been able to run for
+        stranded_timeout_s: every accepted job gets an ending."""
+        limit = self.pool.config.cluster.stranded_timeout_s
+        now = self.pool.scheduler.now()
+        for key, since in list(self.stranded.items()):
+            if limit and now - since >= limit:
+                ended = await self.jobs.end_stranded(
+                    key, f": no live node could run model {key!r} for {limit:g}s "
+                    "(stranded_timeout_s)")
+                log.warning("%d waiting jobs of %s ended: no live node could run it for "
+                            "%gs", ended, key, limit)
+                del self.stranded[key]
+
+    def stranded_ends_in(self) -> dict[str, float | None]:
+        limit = self.pool.config.cluster.stranded_timeout_s
+        now = self.pool.scheduler.now()
+        return {key: round(max(0.0, since + limit - now), 1) if limit else None
+                for key, since in self.stranded.items()}
 
     def peer_stats(self) -> list[PoolStats]:
         return [peer.stats for peer in self.peers if peer.stats is not None]
@@ -189,7 +225,7 @@ class ClusterNode:
                              runnable=None if p.runnable is None else sorted(p.runnable))
                   for p in self.peers]
         return ClusterStatus(node=self.name, reachable=self.reachable, nodes=[me, *others],
-                             queued_jobs=dict(self.queued))
+                             queued_jobs=dict(self.queued), stranded=self.stranded_ends_in())
 
 
 def job_service(config: Config, pool: Pool, scheduler: Scheduler,
@@ -231,6 +267,9 @@ async def keep_in_touch(cluster: ClusterNode, jobs: JobService) -> None:
         beat, next_beat, wake_at = next_round(loop.time(), next_beat)
         if beat:
             await cluster.beat()
+            if cluster.reachable:
+                with contextlib.suppress(PoolError):  # the next beat logs it
+                    await cluster.end_stranded()
         if cluster.reachable:
             with contextlib.suppress(PoolError):  # the beat logs it once
                 # Between beats only the sweep: what it puts back is announced to every

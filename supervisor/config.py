@@ -133,6 +133,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     lease_s: Positive = 10.0  # a claim lapses this long after its last renewal
     # Direct requests for a model served, or only runnable, elsewhere go there.
     route_remote: bool = True
+    # Jobs waiting for a model that no live node can run end (MODEL_LOAD_FAILED) after
+    # this long; 0: they wait for such a node however long.
+    stranded_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0
 
     @property
     def dsn(self) -> str:

@@ -38,9 +38,9 @@ T = pgbatches.T
 COLUMNS = pgbatches.COLUMNS
 USAGE_TTL_S = 1.0  # the mailbox's size is counted at most this often
 
-# Waiting jobs that end without running (a cancel, a passed deadline): the jobs that
-# joined one of them go back to the queue, to run on their own, rather than wait on a
-# leader that never runs.
+# Waiting jobs that end without running (a cancel, a passed deadline, a model no node
+# can run): the jobs that joined one of them go back to the queue, to run on their own,
+# rather than wait on a leader that never runs.
 END_WAITING = """
     WITH ended AS (
         UPDATE {T} SET state = %(state)s, error_code = %(code)s,
@@ -311,6 +311,12 @@ class PgJobs:
         await self._end_waiting("deadline_at < now()", "failed", ErrorCode.DEADLINE_EXPIRED,
                                 ": its deadline passed while it waited in the job queue")
         return []
+
+    async def end_stranded(self, model: str, why: str) -> int:
+        """End every waiting job of a model that no live node can run (MODEL_LOAD_FAILED,
+        why); returns how many."""
+        return len(await self._end_waiting("model = %(model)s", "failed",
+                                           ErrorCode.MODEL_LOAD_FAILED, why, model=model))
 
     async def _end_waiting(self, where: str, state: str, code: ErrorCode, why: str,
                            **params: str) -> list[str]:

@@ -182,6 +182,22 @@ async def test_a_waiting_job_ends_at_its_deadline_and_its_joiners_run_on_their_o
     assert "deadline passed while it waited" in (ended.error_message or "")
 
 
+async def test_the_waiting_jobs_of_a_stranded_model_end_and_no_other(
+        database: Database) -> None:
+    async with node(database, "a") as a:
+        running = await submit(a, record())
+        await a.claim({"m": 1})
+        waiting = [await submit(a, record()) for _ in range(3)]
+        other = await submit(a, record(model="n"))
+        assert await a.end_stranded("m", ": no node") == 3
+        ended = [await a.get(r.key) for r in waiting]
+        assert {(r.state, r.error_code) for r in ended if r} == {
+            ("failed", "MODEL_LOAD_FAILED")}
+        assert (await a.waiting()) == {"n": 1} and other.state == "queued"
+        still = await a.get(running.key)
+    assert still is not None and still.state == "running"
+
+
 async def test_a_cancel_ends_a_waiting_job_and_wakes_its_retrieve_on_another_node(
         database: Database) -> None:
     async with node(database, "a") as a, node(database, "b") as b:

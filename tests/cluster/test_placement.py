@@ -4,6 +4,7 @@ requests sent to it run on the node that can."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -53,17 +54,27 @@ def hub_cache(path: Path, pulled: bool) -> dict[str, str]:
     return {"HF_HUB_CACHE": str(path)}
 
 
-def start(tmp_path: Path, database: Database, name: str, pulled: bool) -> Daemon:
-    return start_node(tmp_path / name, node_config(database.dsn, name, MODEL),
+def start(tmp_path: Path, database: Database, name: str, pulled: bool,
+          cluster_extra: str = "") -> Daemon:
+    return start_node(tmp_path / name, node_config(database.dsn, name, MODEL,
+                                                   cluster_extra=cluster_extra),
                       env=hub_cache(tmp_path / f"{name}-hub", pulled))
 
 
 @pytest.fixture
-def two_nodes(tmp_path: Path, database: Database) -> Iterator[tuple[Daemon, Daemon]]:
+def beta_extra() -> str:
+    """beta's [cluster] line, if any (a test overrides this fixture)."""
+    return ""
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, database: Database,
+              beta_extra: str) -> Iterator[tuple[Daemon, Daemon]]:
     """alpha has m's files, beta has not."""
     daemons = [start(tmp_path, database, "alpha", pulled=True)]
     try:
-        daemons.append(start(tmp_path, database, "beta", pulled=False))
+        daemons.append(start(tmp_path, database, "beta", pulled=False,
+                             cluster_extra=beta_extra))
         for daemon in daemons:
             with daemon.client() as c:
                 wait_until(lambda c=c: len(c.status()["cluster"]["nodes"]) == 2, 30,
@@ -122,7 +133,8 @@ def test_jobs_that_no_live_node_can_run_wait_for_one_and_status_says_so(
     with beta.client() as c:
         wait_until(lambda: len(c.status()["cluster"]["nodes"]) == 1, 30, "alpha is gone")
         shown = cli_status(beta)
-        assert "no live node can run m: its jobs wait for one" in shown
+        assert re.search(r"no live node can run m: its jobs end in \d+s unless one comes",
+                         shown), shown
         time.sleep(1.5)  # a beat and some claim rounds: beta takes none of them
         assert database.query("SELECT state FROM modelpool.jobs WHERE key = %s",
                               (key,)) == [("queued",)]
@@ -136,6 +148,34 @@ def test_jobs_that_no_live_node_can_run_wait_for_one_and_status_says_so(
             assert back.stop() == 0, back.log()
     assert database.query("SELECT DISTINCT node, state FROM modelpool.jobs") == [
         ("alpha", "done")]
+
+
+@pytest.mark.parametrize("beta_extra", ["stranded_timeout_s = 2"])
+def test_a_waiting_job_ends_at_its_deadline_or_when_no_node_could_run_it_for_long(
+        two_nodes: tuple[Daemon, Daemon], database: Database) -> None:
+    alpha, beta = two_nodes
+    with alpha.client() as c:
+        c.embed("warm", model="m")
+        for i in range(30):  # 3 s of work: beta's jobs wait behind it
+            c.submit("embed", f"job {i}", model="m")
+    with beta.client() as c:
+        late = c.submit("embed", "late", model="m", deadline_s=0.5)
+        stranded = c.submit("embed", "stranded", model="m")
+        with pytest.raises(PoolError) as expired:
+            c.retrieve(late, timeout_s=30)
+        assert expired.value.code is ErrorCode.DEADLINE_EXPIRED
+        assert "while it waited in the job queue" in expired.value.message
+        assert c.job(late)["started_at"] is None  # never claimed
+        assert alpha.stop() == 0, alpha.log()
+        started = time.monotonic()
+        with pytest.raises(PoolError) as ended:
+            c.retrieve(stranded, timeout_s=30)
+        waited_s = time.monotonic() - started
+    assert ended.value.code is ErrorCode.MODEL_LOAD_FAILED
+    assert "no live node could run model 'm' for 2s" in ended.value.message
+    assert waited_s < 20  # alpha's last beat goes stale within 3 s, then 2 s
+    assert database.query("SELECT count(*) FROM modelpool.jobs WHERE state = 'queued'") == [
+        (0,)]
 
 
 def cli_status(daemon: Daemon) -> str:

@@ -15,6 +15,7 @@ from modelpool.supervisor.cluster import (
     next_round,
     runs,
     serves_with_room,
+    stranded_since,
 )
 
 if TYPE_CHECKING:
@@ -92,3 +93,17 @@ def test_after_an_outage_beats_resume_without_a_burst() -> None:
     assert beat and next_beat == 110.0 + RESCUE_S and wake_at == next_beat
     beat, next_beat, _ = next_round(now=wake_at, next_beat=next_beat)
     assert beat  # the next one half a second later, not nine at once
+
+
+def test_jobs_are_stranded_from_when_no_live_node_can_run_their_model() -> None:
+    able = Peer(name="b", beat_s_ago=0.5, models={}, running_jobs=0, runnable=frozenset({"m"}))
+    unable = Peer(name="c", beat_s_ago=0.5, models={}, running_jobs=0, runnable=frozenset())
+    old = Peer(name="d", beat_s_ago=0.5, models={}, running_jobs=0)  # does not say
+    waiting = {"m": 3, "n": 1, "idle": 0}
+    assert stranded_since(waiting, frozenset(), [able, unable], {}, now=10.0) == {"n": 10.0}
+    assert stranded_since(waiting, frozenset({"n"}), [able], {}, now=10.0) == {}
+    # Since the first beat that saw it so, kept while it stays so, forgotten once not.
+    since = stranded_since(waiting, frozenset(), [unable], {"n": 4.0}, now=10.0)
+    assert since == {"m": 10.0, "n": 4.0}
+    assert stranded_since(waiting, frozenset(), [able], since, now=11.0) == {"n": 4.0}
+    assert stranded_since(waiting, frozenset(), [old], since, now=11.0) == {}
