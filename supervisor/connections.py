@@ -210,6 +210,12 @@ class Connection(asyncio.Protocol):
     def close(self, abort: bool = False) -> None:
         if not abort:
             self.flush()  # what was said before closing still goes
+        else:
+            # Let go of the replies not yet written now, not when the last reference to
+            # this connection goes: within one turn a result shared by many joined
+            # requests would otherwise keep every dropped client's share alive at once.
+            self.pending.clear()
+            self.pending_bytes = 0
         if not self.closed:
             self.closed = True
             if abort:

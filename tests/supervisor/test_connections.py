@@ -115,10 +115,11 @@ def table(scheduler: FakeScheduler, **daemon: Any) -> ConnectionTable:
 
 def connect(t: ConnectionTable, greeted: bool = True, reads: bool = False,
             handler: FakeHandler | None = None, limit: int = 64 * KB,
-            policy: AccessPolicy = POLICY) -> tuple[Connection, FakeTransport]:
+            policy: AccessPolicy = POLICY,
+            defer: Any = None) -> tuple[Connection, FakeTransport]:
     transport = FakeTransport(reads)
     assert t.reserve()
-    conn = Connection(t, policy, ME, handler or FakeHandler(), limit)
+    conn = Connection(t, policy, ME, handler or FakeHandler(), limit, defer=defer)
     conn.connection_made(transport)  # type: ignore[arg-type]
     if greeted:
         conn.greeted, conn.frame_started = True, None
@@ -149,6 +150,26 @@ def test_over_the_total_the_client_holding_most_is_dropped() -> None:
     c.send(reply_of(30 * KB))  # 110 KiB in all: b holds the most, though c went over
     assert b.closed and not a.closed and not c.closed
     assert t.unsent_total <= 100 * KB
+
+
+def test_a_dropped_clients_replies_not_yet_written_are_let_go_at_once() -> None:
+    """As the daemon runs: a turn's replies wait to be written together at its end."""
+    t = table(FakeScheduler())
+    turn_end: list[Any] = []
+    (hog, hog_writer), (other, _) = (connect(t, defer=turn_end.append),
+                                     connect(t, defer=turn_end.append))
+    for _ in range(3):  # the hog goes over its own cap at its second
+        hog.send(reply_of(40 * KB))
+        other.send(reply_of(10 * KB))
+    assert hog.closed and not other.closed
+    assert hog.pending == [] and hog.pending_bytes == 0  # not held until hog is freed
+    for flush in turn_end:
+        flush()
+    assert hog_writer.frames == [] and t.unsent_total == other.unsent() == 3 * other_frame()
+
+
+def other_frame() -> int:
+    return len(frame(msgspec.msgpack.encode(reply_of(10 * KB))))
 
 
 def test_replies_a_client_has_read_are_not_held_against_anyone() -> None:
