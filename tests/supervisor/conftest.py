@@ -49,6 +49,9 @@ from modelpool.supervisor.queueing import Job
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
 ASYNC_TEST_TIMEOUT_S = 5.0
+# A real process (the ONNX export imports torch and transformers first: 4-5 s here when
+# the machine is busy) is not bounded like the fake clock's tests.
+REAL_PROCESS_TIMEOUT_S = 120.0
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -58,7 +61,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     names = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in names}
-    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**kwargs), ASYNC_TEST_TIMEOUT_S))
+    real = pyfuncitem.get_closest_marker("real_process") is not None
+    timeout_s = REAL_PROCESS_TIMEOUT_S if real else ASYNC_TEST_TIMEOUT_S
+    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**kwargs), timeout_s))
     return True
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
+import pytest
 
 from modelpool.protocol.messages import ErrorCode
 from modelpool.protocol.pipes import ExportFirst
@@ -128,6 +129,7 @@ async def test_a_failed_export_is_not_retried_and_stopping_kills_a_running_one(
     assert len(export2.calls) == 1  # none after close
 
 
+@pytest.mark.real_process
 async def test_a_real_export_process_that_fails_says_why(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     spec = ModelSpec(key="broken", capability="text_embedding", path=str(missing))
