@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
 
+import msgspec
+
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import Kind
 from modelpool.protocol.messages import WorkRequest
@@ -17,6 +19,14 @@ from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.queueing import user_of
 
 Rejection = tuple[ErrorCode, str]
+
+
+class RemoteModel(msgspec.Struct, frozen=True):
+    """A model this daemon's config does not name that another live node of its
+    cluster can run: what a request for it is checked against here."""
+
+    key: str
+    capability: str
 
 
 def resolve(registry: Registry, kind: Kind, request: WorkRequest) -> ModelSpec | None:
@@ -35,7 +45,7 @@ def deadline_in(request: WorkRequest, wall_now: float) -> float | None:
     return request.deadline_s - in_transit
 
 
-def request_error(kind: Kind, request: WorkRequest, spec: ModelSpec | None,
+def request_error(kind: Kind, request: WorkRequest, spec: ModelSpec | RemoteModel | None,
                   images: ImagePolicy) -> Rejection | None:
     """Is there a model that does this, and is the request well formed?"""
     if spec is None:

@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -23,6 +23,7 @@ from modelpool.protocol.errors import PoolError
 from modelpool.protocol.jobs import PoolStats
 from modelpool.protocol.messages import ClusterStatus, ModelLoad, NodeStatus
 from modelpool.supervisor import memory
+from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
 from modelpool.supervisor.jobservice import JobService
@@ -55,6 +56,11 @@ class Peer:
     # The models it could run now (their device, files and memory are there); None from
     # a node of a version that does not say.
     runnable: frozenset[str] | None = None
+    # Each model of its config: its capability, and the names (key and aliases, lower
+    # case) it goes by: nodes whose config does not name one accept requests for it
+    # while this node runs it or could.
+    capabilities: Mapping[str, str] = field(default_factory=dict)
+    names: Mapping[str, str] = field(default_factory=dict)
 
 
 def _peer(row: dict[str, Any]) -> Peer:
@@ -64,7 +70,9 @@ def _peer(row: dict[str, Any]) -> Peer:
                 msgspec.convert(report.get("models", {}), dict[str, ModelLoad]),
                 int(report.get("running_jobs", 0)),
                 msgspec.convert(stats, PoolStats) if stats else None,
-                _keys(report.get("runnable")))
+                _keys(report.get("runnable")),
+                msgspec.convert(report.get("capabilities", {}), dict[str, str]),
+                msgspec.convert(report.get("names", {}), dict[str, str]))
 
 
 def _keys(value: Any) -> frozenset[str] | None:
@@ -96,6 +104,15 @@ def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads:
     if loading >= max_loads or model.awaits_export_mb is not None:
         return False
     return memory.room_for(model.charge(), used_mb, budget_mb) > 0
+
+
+def model_elsewhere(name: str, peers: list[Peer]) -> RemoteModel | None:
+    """The model a live peer that can run it knows by this name (its key or an alias)."""
+    for peer in peers:
+        key = peer.names.get(name.lower())
+        if key is not None and runs(peer, key) and key in peer.capabilities:
+            return RemoteModel(key, peer.capabilities[key])
+    return None
 
 
 def stranded_since(waiting: Mapping[str, int], runnable_here: frozenset[str],
@@ -150,6 +167,10 @@ class ClusterNode:
         """A live peer serves the model or could start it now."""
         return self.reachable and any(runs(peer, key) for peer in self.peers)
 
+    def elsewhere(self, name: str) -> RemoteModel | None:
+        """A model this node's config does not name that a live peer can run."""
+        return model_elsewhere(name, self.peers) if self.reachable else None
+
     def runnable(self) -> list[str]:
         """The models this node could run now, for its peers."""
         return [key for key, model in self.pool.models.items()
@@ -170,7 +191,11 @@ class ClusterNode:
         """Say what this node serves; learn what the others do."""
         runnable = self.runnable()
         self.runnable_here = frozenset(runnable)
+        specs = [model.spec for model in self.pool.models.values()]
         report = {"models": msgspec.to_builtins(self.report()), "runnable": runnable,
+                  "capabilities": {spec.key: spec.capability for spec in specs},
+                  "names": {name.lower(): spec.key for spec in specs
+                            for name in (spec.key, *spec.aliases)},
                   "running_jobs": sum(m.running() for m in self.pool.models.values()),
                   "stats": msgspec.to_builtins(self.local_stats())}
         try:
@@ -244,7 +269,7 @@ def job_service(config: Config, pool: Pool, scheduler: Scheduler,
     service = JobService(pool, backend, backend, jobs, node, shared=True)
     cluster = ClusterNode(node, pool, backend, store, service.local_stats)
     service.may_load, service.peer_stats = cluster.may_load, cluster.peer_stats
-    service.runs_elsewhere = cluster.runs_elsewhere
+    service.runs_elsewhere, service.elsewhere = cluster.runs_elsewhere, cluster.elsewhere
     return service, cluster
 
 

@@ -71,11 +71,14 @@ class FrontDoor:
 
     def _served_elsewhere(self, request: Any) -> bool:
         """In a cluster: a model not loaded here, loaded with room on another daemon,
-        is asked there through the shared queue rather than loaded here too."""
+        is asked there through the shared queue rather than loaded here too; so is one
+        that only another daemon's config names."""
         if self.cluster is None or not self.config.cluster.route_remote:
             return False
         spec = admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
-        return spec is not None and self.cluster.should_route(spec.key)
+        if spec is None:
+            return bool(request.model) and self.cluster.elsewhere(request.model) is not None
+        return self.cluster.should_route(spec.key)
 
     def _answer_later(self, conn: Connection, rid: int, reply: Coroutine[Any, Any, Any]) -> None:
         """Send what the coroutine returns, without holding up this connection's other

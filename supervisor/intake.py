@@ -17,7 +17,7 @@ from modelpool.protocol.messages import Error, WorkRequest
 from modelpool.registry.sources import Missing
 from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import admission
-from modelpool.supervisor.admission import Rejection
+from modelpool.supervisor.admission import Rejection, RemoteModel
 from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
@@ -75,14 +75,16 @@ class Intake:
         return True
 
     def refusal(self, request: WorkRequest,
-                runs_elsewhere: Callable[[str], bool] | None = None) -> Error | None:
+                runs_elsewhere: Callable[[str], bool] | None = None,
+                remote: RemoteModel | None = None) -> Error | None:
         """What submit would refuse this request with whatever the queues hold (unknown
         model, bad field, failed model, ...); nothing is queued. Jobs, which wait in
         their own queue, are refused with these; in a cluster, not for what keeps only
-        this daemon from running the model when another can (runs_elsewhere)."""
+        this daemon from running the model when another can (runs_elsewhere), and a
+        model only another node names (remote) is checked against what it says."""
         kind, spec, model, request, deadline_in = self._prepare(request)
-        here = spec is None or runs_elsewhere is None or not runs_elsewhere(spec.key)
-        reject = self._static_refusal(kind, request, spec, deadline_in, here)
+        here = spec is not None and (runs_elsewhere is None or not runs_elsewhere(spec.key))
+        reject = self._static_refusal(kind, request, spec or remote, deadline_in, here)
         return self._error(request, model, reject) if reject else None
 
     def _prepare(self, request: WorkRequest) -> tuple[Kind, ModelSpec | None,
@@ -94,8 +96,9 @@ class Intake:
         deadline_in = admission.deadline_in(request, self.scheduler.wall())
         return kind, spec, self.models[spec.key] if spec else None, request, deadline_in
 
-    def _static_refusal(self, kind: Kind, request: WorkRequest, spec: ModelSpec | None,
-                        deadline_in: float | None, here: bool = True) -> Rejection | None:
+    def _static_refusal(self, kind: Kind, request: WorkRequest,
+                        spec: ModelSpec | RemoteModel | None, deadline_in: float | None,
+                        here: bool = True) -> Rejection | None:
         if self.closed():
             return ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"
         reject = admission.request_error(kind, request, spec, self.config.images)

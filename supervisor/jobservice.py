@@ -39,6 +39,7 @@ from modelpool.protocol.messages import (
     encoder,
 )
 from modelpool.supervisor import admission, pool_stats
+from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.jobsink import MailboxSink
 from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
@@ -80,6 +81,7 @@ class JobService:
         self.may_load: Callable[[str], bool] = lambda key: True
         self.peer_stats: Callable[[], list[PoolStats]] = list
         self.runs_elsewhere: Callable[[str], bool] = lambda key: False
+        self.elsewhere: Callable[[str], RemoteModel | None] = lambda name: None
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         # Results not yet stored (the shared mailbox was unreachable): retried each tick.
@@ -98,12 +100,13 @@ class JobService:
         is not refused while another node can: the job waits for that one."""
         request = msgspec.structs.replace(
             msg.request, id=0, timeout_s=msg.request.timeout_s or self.config.timeout_s)
-        refusal = self.pool.intake.refusal(request, self.runs_elsewhere)
-        if refusal is not None:
-            raise PoolError(refusal.code, refusal.message, refusal.retry_after_s)
         kind = KIND_OF[type(request)]
         spec = admission.resolve(self.pool.registry, kind, request)
-        model = spec.key if spec else request.model
+        remote = self.elsewhere(request.model) if spec is None and request.model else None
+        refusal = self.pool.intake.refusal(request, self.runs_elsewhere, remote)
+        if refusal is not None:
+            raise PoolError(refusal.code, refusal.message, refusal.retry_after_s)
+        model = spec.key if spec else remote.key if remote else request.model
         now = self.pool.scheduler.wall()
         deadline_in = admission.deadline_in(request, now)
         record = JobRecord(key=new_key(), uid=uid, op=kind.op,

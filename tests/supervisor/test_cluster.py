@@ -12,6 +12,7 @@ from modelpool.supervisor.cluster import (
     RESCUE_S,
     Peer,
     may_load_here,
+    model_elsewhere,
     next_round,
     runs,
     serves_with_room,
@@ -107,3 +108,16 @@ def test_jobs_are_stranded_from_when_no_live_node_can_run_their_model() -> None:
     assert since == {"m": 10.0, "n": 4.0}
     assert stranded_since(waiting, frozenset(), [able], since, now=11.0) == {"n": 4.0}
     assert stranded_since(waiting, frozenset(), [old], since, now=11.0) == {}
+
+
+def test_a_model_another_node_names_is_found_by_key_or_alias_while_it_can_run_it() -> None:
+    def knows(runnable: set[str], served: dict[str, ModelLoad] | None = None) -> Peer:
+        return Peer(name="b", beat_s_ago=0.5, models=served or {}, running_jobs=0,
+                    runnable=frozenset(runnable), capabilities={"m": "text_embedding"},
+                    names={"m": "m", "em": "m"})
+
+    found = model_elsewhere("EM", [knows({"m"})])
+    assert found is not None and (found.key, found.capability) == ("m", "text_embedding")
+    assert model_elsewhere("m", [knows(set())]) is None  # it could not run it now
+    assert model_elsewhere("m", [knows(set(), {"m": ModelLoad(live=1, ready=1)})])
+    assert model_elsewhere("other", [knows({"m"})]) is None

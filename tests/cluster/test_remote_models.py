@@ -1,0 +1,94 @@
+"""Two daemons on one PostgreSQL whose configs name different models: a request that
+reaches either, directly or as a job, for a model only the other names (by its key or
+an alias) runs on the other."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cluster_helpers import (
+    Daemon,
+    Database,
+    model_status,
+    node_config,
+    start_node,
+    wait_until,
+)
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+
+DIM = 8
+
+
+def embedder(key: str, mark: int, aliases: str = "[]") -> str:
+    return f"""
+    [[models]]
+    key = "{key}"
+    aliases = {aliases}
+    capability = "text_embedding"
+    loader = "mp_test_loaders:slow_embedder"
+    options = {{ mark = {mark} }}
+    max_workers = 1
+"""
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, database: Database) -> Iterator[tuple[Daemon, Daemon]]:
+    """alpha names m (alias em), beta names only n."""
+    daemons = [start_node(tmp_path / "alpha", node_config(
+        database.dsn, "alpha", embedder("m", 1, '["em"]')))]
+    try:
+        daemons.append(start_node(tmp_path / "beta", node_config(
+            database.dsn, "beta", embedder("n", 2))))
+        for daemon in daemons:
+            with daemon.client() as c:
+                wait_until(lambda c=c: len(c.status()["cluster"]["nodes"]) == 2, 30,
+                           "both nodes see each other")
+        yield daemons[0], daemons[1]
+    finally:
+        for daemon in daemons:
+            if daemon.process.poll() is None:
+                assert daemon.stop() == 0, daemon.log()
+
+
+def vector(text: str, mark: int) -> list[float]:
+    return [float(len(text)), *map(float, range(1, DIM - 1)), float(mark)]
+
+
+def test_a_model_only_another_node_names_is_served_there_by_key_or_alias(
+        two_nodes: tuple[Daemon, Daemon], database: Database) -> None:
+    alpha, beta = two_nodes
+    with beta.client() as c:
+        assert np.asarray(c.embed("direct", model="m")).tolist() == vector("direct", 1)
+        assert np.asarray(c.embed("alias", model="EM")).tolist() == vector("alias", 1)
+        key = c.submit("embed", "a job", model="em")
+        assert np.asarray(c.retrieve(key, timeout_s=60)).tolist() == vector("a job", 1)
+        assert c.job(key)["model"] == "m"  # the name it goes by on the node that runs it
+        assert np.asarray(c.embed("local", model="n")).tolist() == vector("local", 2)
+        status = c.status()
+    assert "m" not in {m["key"] for m in status["models"]}  # nothing of it here
+    assert database.query("SELECT DISTINCT node, model FROM modelpool.jobs") == [
+        ("alpha", "m")]
+    with alpha.client() as c:
+        assert model_status(c.status(), "m")["workers"]  # it ran there
+
+
+def test_a_request_for_another_nodes_model_is_checked_as_that_node_would(
+        two_nodes: tuple[Daemon, Daemon]) -> None:
+    alpha, beta = two_nodes
+    with beta.client() as c:
+        for call, code in ((lambda: list(c.generate("x", model="m")), ErrorCode.WRONG_CAPABILITY),
+                           (lambda: c.submit("embed", [], model="m"), ErrorCode.BAD_REQUEST),
+                           (lambda: c.embed("x", model="nobody"), ErrorCode.UNKNOWN_MODEL)):
+            with pytest.raises(PoolError) as refused:
+                call()
+            assert refused.value.code is code, refused.value
+    assert alpha.stop() == 0, alpha.log()
+    with beta.client() as c:
+        wait_until(lambda: len(c.status()["cluster"]["nodes"]) == 1, 30, "alpha is gone")
+        with pytest.raises(PoolError) as gone:
+            c.embed("x", model="m")  # no live node names it now
+    assert gone.value.code is ErrorCode.UNKNOWN_MODEL
