@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ import msgspec
 
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.jobs import PoolStats
-from modelpool.protocol.messages import ClusterStatus, ModelLoad, NodeStatus
+from modelpool.protocol.messages import ClusterStatus, ModelInfo, ModelLoad, NodeStatus
 from modelpool.supervisor import memory
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.clock import Scheduler
@@ -115,6 +115,22 @@ def model_elsewhere(name: str, peers: list[Peer]) -> RemoteModel | None:
     return None
 
 
+def models_elsewhere(peers: list[Peer], here: Collection[str]) -> list[ModelInfo]:
+    """The models live peers run or could, that this node's config does not name (here):
+    listed beside its own, since requests for them are served through it."""
+    found: dict[str, ModelInfo] = {}
+    for peer in peers:
+        for key, capability in peer.capabilities.items():
+            if key in here or key in found or not runs(peer, key):
+                continue
+            aliases = sorted(name for name, named in peer.names.items()
+                             if named == key and name != key.lower())
+            found[key] = ModelInfo(key=key, capability=capability,  # type: ignore[arg-type]
+                                   aliases=aliases, source=f"node {peer.name}",
+                                   default=False, state="elsewhere")
+    return list(found.values())
+
+
 def stranded_since(waiting: Mapping[str, int], runnable_here: frozenset[str],
                    peers: list[Peer], since: Mapping[str, float],
                    now: float) -> dict[str, float]:
@@ -166,6 +182,9 @@ class ClusterNode:
     def runs_elsewhere(self, key: str) -> bool:
         """A live peer serves the model or could start it now."""
         return self.reachable and any(runs(peer, key) for peer in self.peers)
+
+    def models_elsewhere(self) -> list[ModelInfo]:
+        return models_elsewhere(self.peers, self.pool.models) if self.reachable else []
 
     def elsewhere(self, name: str) -> RemoteModel | None:
         """A model this node's config does not name that a live peer can run."""

@@ -169,7 +169,8 @@ class FrontDoor:
             case GetStatus(id=rid):
                 conn.send(StatusReply(id=rid, status=self.status_report()))
             case ListModels(id=rid):
-                conn.send(ModelsReply(id=rid, models=status.models_info(self.pool)))
+                elsewhere = self.cluster.models_elsewhere() if self.cluster else []
+                conn.send(ModelsReply(id=rid, models=status.models_info(self.pool) + elsewhere))
             case LoadModel(id=rid, model=name, workers=count):
                 conn.send(Ack(id=rid, message=control.load_model(self.pool, name, count)))
             case UnloadModel(id=rid, model=name):

@@ -69,6 +69,10 @@ def test_a_model_only_another_node_names_is_served_there_by_key_or_alias(
         assert c.job(key)["model"] == "m"  # the name it goes by on the node that runs it
         assert np.asarray(c.embed("local", model="n")).tolist() == vector("local", 2)
         status = c.status()
+        listed = {m["key"]: m for m in c.models()}
+    assert (listed["m"]["state"], listed["m"]["aliases"], listed["m"]["source"]) == (
+        "elsewhere", ["em"], "node alpha")
+    assert listed["n"]["state"] != "elsewhere"
     assert "m" not in {m["key"] for m in status["models"]}  # nothing of it here
     assert database.query("SELECT DISTINCT node, model FROM modelpool.jobs") == [
         ("alpha", "m")]

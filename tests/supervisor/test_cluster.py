@@ -13,6 +13,7 @@ from modelpool.supervisor.cluster import (
     Peer,
     may_load_here,
     model_elsewhere,
+    models_elsewhere,
     next_round,
     runs,
     serves_with_room,
@@ -121,3 +122,16 @@ def test_a_model_another_node_names_is_found_by_key_or_alias_while_it_can_run_it
     assert model_elsewhere("m", [knows(set())]) is None  # it could not run it now
     assert model_elsewhere("m", [knows(set(), {"m": ModelLoad(live=1, ready=1)})])
     assert model_elsewhere("other", [knows({"m"})]) is None
+
+
+def test_models_peers_run_are_listed_once_beside_this_nodes_own() -> None:
+    def knows(name: str, runnable: set[str]) -> Peer:
+        return Peer(name=name, beat_s_ago=0.5, models={}, running_jobs=0,
+                    runnable=frozenset(runnable),
+                    capabilities={"m": "text_embedding", "own": "text_embedding",
+                                  "idle": "text_to_text"},
+                    names={"m": "m", "em": "m", "own": "own", "idle": "idle"})
+
+    listed = models_elsewhere([knows("b", {"m", "own"}), knows("c", {"m"})], here={"own"})
+    assert [(m.key, m.aliases, m.source, m.state) for m in listed] == [
+        ("m", ["em"], "node b", "elsewhere")]  # not "idle": no node can run it now
