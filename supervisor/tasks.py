@@ -72,7 +72,8 @@ class MemoryTaskQueue:
         # The jobs waiting, by key: one taken out otherwise than by a claim (cancelled,
         # expired) stays in its heap until it reaches the top, and is dropped there.
         self._waiting: dict[str, JobRecord] = {}
-        self._deadlines: list[tuple[float, int, JobRecord]] = []
+        # Keys, not records: a job that ran keeps no request alive until its deadline.
+        self._deadlines: list[tuple[float, int, str]] = []
         self._count: collections.Counter[str] = collections.Counter()
 
     async def put(self, record: JobRecord) -> None:
@@ -85,7 +86,7 @@ class MemoryTaskQueue:
         rank = PRIORITY_RANK[record.priority]  # type: ignore[index]
         heapq.heappush(self._heaps[record.model], (rank, order, record))
         if record.deadline_at is not None:
-            heapq.heappush(self._deadlines, (record.deadline_at, order, record))
+            heapq.heappush(self._deadlines, (record.deadline_at, order, record.key))
         self._waiting[record.key] = record
         self._count[record.model] += 1
 
@@ -125,9 +126,8 @@ class MemoryTaskQueue:
     async def expire_waiting(self, now: float) -> list[JobRecord]:
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            record = heapq.heappop(self._deadlines)[2]
-            if self._waiting.get(record.key) is record:
-                self._take(record.key)
+            record = self._take(heapq.heappop(self._deadlines)[2])
+            if record is not None:
                 expired.append(record)
         return expired
 
