@@ -9,6 +9,7 @@ this module by its unique name.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import sys
@@ -81,6 +82,24 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s}s: {what}")
         time.sleep(interval_s)
+
+
+@contextlib.contextmanager
+def nodes_seeing_each_other(*starts: Callable[[], Any]) -> Iterator[list[Any]]:
+    """Nodes started in turn, given once each sees all the others; every one started is
+    stopped after (exit status 0), the first ones too when a later one fails to start."""
+    daemons: list[Any] = []
+    try:
+        for start in starts:
+            daemons.append(start())
+        for daemon in daemons:
+            with daemon.client() as c:
+                wait_until(lambda c=c: len(c.status()["cluster"]["nodes"]) == len(starts),
+                           30, "the nodes see each other")
+        yield daemons
+    finally:
+        for daemon in daemons:
+            assert daemon.stop() == 0, daemon.log()
 
 
 def model_status(status: dict[str, Any], key: str) -> dict[str, Any]:

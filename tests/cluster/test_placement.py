@@ -18,6 +18,7 @@ from cluster_helpers import (
     Database,
     model_status,
     node_config,
+    nodes_seeing_each_other,
     start_node,
     wait_until,
 )
@@ -71,18 +72,11 @@ def beta_extra() -> str:
 def two_nodes(tmp_path: Path, database: Database,
               beta_extra: str) -> Iterator[tuple[Daemon, Daemon]]:
     """alpha has m's files, beta has not."""
-    daemons = [start(tmp_path, database, "alpha", pulled=True)]
-    try:
-        daemons.append(start(tmp_path, database, "beta", pulled=False,
-                             cluster_extra=beta_extra))
-        for daemon in daemons:
-            with daemon.client() as c:
-                wait_until(lambda c=c: len(c.status()["cluster"]["nodes"]) == 2, 30,
-                           "both nodes see each other")
-        yield daemons[0], daemons[1]
-    finally:
-        for daemon in daemons:
-            assert daemon.stop() == 0, daemon.log()
+    with nodes_seeing_each_other(
+            lambda: start(tmp_path, database, "alpha", pulled=True),
+            lambda: start(tmp_path, database, "beta", pulled=False,
+                          cluster_extra=beta_extra)) as (alpha, beta):
+        yield alpha, beta
 
 
 def expected(text: str) -> list[float]:

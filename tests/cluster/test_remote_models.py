@@ -14,6 +14,7 @@ from cluster_helpers import (
     Database,
     model_status,
     node_config,
+    nodes_seeing_each_other,
     start_node,
     wait_until,
 )
@@ -38,20 +39,12 @@ def embedder(key: str, mark: int, aliases: str = "[]") -> str:
 @pytest.fixture
 def two_nodes(tmp_path: Path, database: Database) -> Iterator[tuple[Daemon, Daemon]]:
     """alpha names m (alias em), beta names only n."""
-    daemons = [start_node(tmp_path / "alpha", node_config(
-        database.dsn, "alpha", embedder("m", 1, '["em"]')))]
-    try:
-        daemons.append(start_node(tmp_path / "beta", node_config(
-            database.dsn, "beta", embedder("n", 2))))
-        for daemon in daemons:
-            with daemon.client() as c:
-                wait_until(lambda c=c: len(c.status()["cluster"]["nodes"]) == 2, 30,
-                           "both nodes see each other")
-        yield daemons[0], daemons[1]
-    finally:
-        for daemon in daemons:
-            if daemon.process.poll() is None:
-                assert daemon.stop() == 0, daemon.log()
+    with nodes_seeing_each_other(
+            lambda: start_node(tmp_path / "alpha", node_config(
+                database.dsn, "alpha", embedder("m", 1, '["em"]'))),
+            lambda: start_node(tmp_path / "beta", node_config(
+                database.dsn, "beta", embedder("n", 2)))) as (alpha, beta):
+        yield alpha, beta
 
 
 def vector(text: str, mark: int) -> list[float]:
