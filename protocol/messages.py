@@ -326,6 +326,9 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
     # Models with jobs waiting that no live node can run: seconds until those jobs end
     # (None: they wait for such a node however long).
     stranded: dict[str, float | None] = {}
+    # Models that live nodes configure otherwise than this one (source, loader, options):
+    # by key, those nodes.
+    differs: dict[str, list[str]] = {}
 
 
 class ClientsStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,6 +22,7 @@ import msgspec
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.jobs import PoolStats
 from modelpool.protocol.messages import ClusterStatus, ModelInfo, ModelLoad, NodeStatus
+from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import memory
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.clock import Scheduler
@@ -61,6 +62,8 @@ class Peer:
     # while this node runs it or could.
     capabilities: Mapping[str, str] = field(default_factory=dict)
     names: Mapping[str, str] = field(default_factory=dict)
+    # Each model of its config: what decides its outputs (model_identity).
+    identities: Mapping[str, str] = field(default_factory=dict)
 
 
 def _peer(row: dict[str, Any]) -> Peer:
@@ -72,7 +75,8 @@ def _peer(row: dict[str, Any]) -> Peer:
                 msgspec.convert(stats, PoolStats) if stats else None,
                 _keys(report.get("runnable")),
                 msgspec.convert(report.get("capabilities", {}), dict[str, str]),
-                msgspec.convert(report.get("names", {}), dict[str, str]))
+                msgspec.convert(report.get("names", {}), dict[str, str]),
+                msgspec.convert(report.get("identities", {}), dict[str, str]))
 
 
 def _keys(value: Any) -> frozenset[str] | None:
@@ -104,6 +108,24 @@ def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads:
     if loading >= max_loads or model.awaits_export_mb is not None:
         return False
     return memory.room_for(model.charge(), used_mb, budget_mb) > 0
+
+
+def model_identity(spec: ModelSpec) -> str:
+    """What decides a model's outputs: two nodes whose configs give one key different
+    identities serve different models under one name."""
+    return json.dumps([spec.capability, spec.source, spec.subdir, spec.loader, spec.options],
+                      sort_keys=True, default=str)
+
+
+def differing(identities: Mapping[str, str], peers: list[Peer]) -> dict[str, list[str]]:
+    """The models this node and live peers both name but configure differently (source,
+    loader, options): by key, those peers' names."""
+    found: dict[str, list[str]] = {}
+    for peer in peers:
+        for key, theirs in peer.identities.items():
+            if key in identities and theirs != identities[key]:
+                found.setdefault(key, []).append(peer.name)
+    return found
 
 
 def model_elsewhere(name: str, peers: list[Peer]) -> RemoteModel | None:
@@ -158,6 +180,9 @@ class ClusterNode:
         self.queued: dict[str, int] = {}
         # Models whose waiting jobs no live node can run, since when (scheduler time).
         self.stranded: dict[str, float] = {}
+        self.identities = {key: model_identity(m.spec) for key, m in pool.models.items()}
+        # Models some live peers configure otherwise than this node, and who they are.
+        self.differs: dict[str, list[str]] = {}
 
     def may_load(self, key: str) -> bool:
         model = self.pool.models[key]
@@ -215,6 +240,7 @@ class ClusterNode:
                   "capabilities": {spec.key: spec.capability for spec in specs},
                   "names": {name.lower(): spec.key for spec in specs
                             for name in (spec.key, *spec.aliases)},
+                  "identities": self.identities,
                   "running_jobs": sum(m.running() for m in self.pool.models.values()),
                   "stats": msgspec.to_builtins(self.local_stats())}
         try:
@@ -236,6 +262,18 @@ class ClusterNode:
         self.peers = [_peer(row) for row in rows]
         self.stranded = stranded_since(self.queued, self.runnable_here, self.peers,
                                        self.stranded, self.pool.scheduler.now())
+        self._note_differences(differing(self.identities, self.peers))
+
+    def _note_differences(self, differs: dict[str, list[str]]) -> None:
+        """Said once in the log when it starts: their jobs and routed requests may run
+        on either configuration, with different outputs."""
+        for key, names in differs.items():
+            new = sorted(set(names) - set(self.differs.get(key, [])))
+            if new:
+                log.warning("model %s is configured otherwise on %s than here (source, "
+                            "loader or options): its jobs may run on either", key,
+                            ", ".join(new))
+        self.differs = differs
 
     async def end_stranded(self) -> None:
         """End the waiting jobs of models that no live node has been able to run for
@@ -269,7 +307,8 @@ class ClusterNode:
                              runnable=None if p.runnable is None else sorted(p.runnable))
                   for p in self.peers]
         return ClusterStatus(node=self.name, reachable=self.reachable, nodes=[me, *others],
-                             queued_jobs=dict(self.queued), stranded=self.stranded_ends_in())
+                             queued_jobs=dict(self.queued), stranded=self.stranded_ends_in(),
+                             differs=self.differs)
 
 
 def job_service(config: Config, pool: Pool, scheduler: Scheduler,

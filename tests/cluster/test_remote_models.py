@@ -1,9 +1,11 @@
 """Two daemons on one PostgreSQL whose configs name different models: a request that
 reaches either, directly or as a job, for a model only the other names (by its key or
-an alias) runs on the other."""
+an alias) runs on the other; a key both name but configure otherwise is pointed out."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,12 +40,12 @@ def embedder(key: str, mark: int, aliases: str = "[]") -> str:
 
 @pytest.fixture
 def two_nodes(tmp_path: Path, database: Database) -> Iterator[tuple[Daemon, Daemon]]:
-    """alpha names m (alias em), beta names only n."""
+    """alpha names m (alias em), beta n; both name s, with other options."""
     with nodes_seeing_each_other(
             lambda: start_node(tmp_path / "alpha", node_config(
-                database.dsn, "alpha", embedder("m", 1, '["em"]'))),
+                database.dsn, "alpha", embedder("m", 1, '["em"]') + embedder("s", 1))),
             lambda: start_node(tmp_path / "beta", node_config(
-                database.dsn, "beta", embedder("n", 2)))) as (alpha, beta):
+                database.dsn, "beta", embedder("n", 2) + embedder("s", 2)))) as (alpha, beta):
         yield alpha, beta
 
 
@@ -89,3 +91,18 @@ def test_a_request_for_another_nodes_model_is_checked_as_that_node_would(
         with pytest.raises(PoolError) as gone:
             c.embed("x", model="m")  # no live node names it now
     assert gone.value.code is ErrorCode.UNKNOWN_MODEL
+
+
+def test_a_key_two_nodes_configure_otherwise_is_pointed_out(
+        two_nodes: tuple[Daemon, Daemon]) -> None:
+    alpha, beta = two_nodes
+    with beta.client() as c:
+        wait_until(lambda: c.status()["cluster"]["differs"] == {"s": ["alpha"]}, 10,
+                   "beta sees that alpha's s is not its s")
+    shown = subprocess.run(
+        [sys.executable, "-m", "modelpool.supervisor.cli", "status", "--socket",
+         beta.socket_path], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "s is configured otherwise on alpha than here" in shown
+    assert "model s is configured otherwise on alpha than here" in beta.log()
+    with alpha.client() as c:
+        assert c.status()["cluster"]["differs"] == {"s": ["beta"]}

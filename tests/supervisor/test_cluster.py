@@ -7,12 +7,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from modelpool.protocol.messages import ModelLoad
+from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.cluster import (
     BEAT_S,
     RESCUE_S,
     Peer,
+    differing,
     may_load_here,
     model_elsewhere,
+    model_identity,
     models_elsewhere,
     next_round,
     runs,
@@ -135,3 +138,24 @@ def test_models_peers_run_are_listed_once_beside_this_nodes_own() -> None:
     listed = models_elsewhere([knows("b", {"m", "own"}), knows("c", {"m"})], here={"own"})
     assert [(m.key, m.aliases, m.source, m.state) for m in listed] == [
         ("m", ["em"], "node b", "elsewhere")]  # not "idle": no node can run it now
+
+
+def test_a_model_one_key_names_differently_on_two_nodes_is_found() -> None:
+    base = ModelSpec(key="m", capability="text_embedding", repo="org/m")
+    same = model_identity(ModelSpec(key="m", capability="text_embedding", repo="org/m",
+                                    aliases=["em"], max_workers=4, device="cpu"))
+    assert same == model_identity(base)  # names and how it runs: the same outputs
+    for other in (ModelSpec(key="m", capability="text_embedding", repo="org/m",
+                            revision="v2"),
+                  ModelSpec(key="m", capability="text_embedding", repo="org/m",
+                            options={"pooling": "cls"}),
+                  ModelSpec(key="m", capability="text_embedding", path="/models/m")):
+        assert model_identity(other) != model_identity(base)
+
+    def configures(name: str, **identities: str) -> Peer:
+        return Peer(name=name, beat_s_ago=0.5, models={}, running_jobs=0,
+                    identities=identities)
+
+    here = {"m": "a", "n": "b"}
+    peers = [configures("p", m="a", n="c"), configures("q", n="d", o="e")]
+    assert differing(here, peers) == {"n": ["p", "q"]}
