@@ -1,15 +1,19 @@
 """Two daemons on one PostgreSQL whose configs name different models: a request that
 reaches either, directly or as a job, for a model only the other names (by its key or
-an alias) runs on the other; a key both name but configure otherwise is pointed out."""
+an alias) runs on the other, through the socket and the OpenAI HTTP API; a key both
+name but configure otherwise is pointed out."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 from cluster_helpers import (
     Daemon,
@@ -39,13 +43,25 @@ def embedder(key: str, mark: int, aliases: str = "[]") -> str:
 
 
 @pytest.fixture
-def two_nodes(tmp_path: Path, database: Database) -> Iterator[tuple[Daemon, Daemon]]:
-    """alpha names m (alias em), beta n; both name s, with other options."""
+def beta_http() -> str:
+    """The base URL of beta's HTTP API, on a free loopback port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, database: Database,
+              beta_http: str) -> Iterator[tuple[Daemon, Daemon]]:
+    """alpha names m (alias em), beta n; both name s, with other options. beta also
+    serves the HTTP API (open: loopback only)."""
+    http = f'\n[http]\nlisten = "{beta_http.removeprefix("http://")}"\n'
     with nodes_seeing_each_other(
             lambda: start_node(tmp_path / "alpha", node_config(
                 database.dsn, "alpha", embedder("m", 1, '["em"]') + embedder("s", 1))),
             lambda: start_node(tmp_path / "beta", node_config(
-                database.dsn, "beta", embedder("n", 2) + embedder("s", 2)))) as (alpha, beta):
+                database.dsn, "beta", embedder("n", 2) + embedder("s", 2)) + http),
+    ) as (alpha, beta):
         yield alpha, beta
 
 
@@ -73,6 +89,24 @@ def test_a_model_only_another_node_names_is_served_there_by_key_or_alias(
         ("alpha", "m")]
     with alpha.client() as c:
         assert model_status(c.status(), "m")["workers"]  # it ran there
+
+
+def test_an_openai_client_of_one_node_reaches_the_other_nodes_model(
+        two_nodes: tuple[Daemon, Daemon], beta_http: str) -> None:
+    sdk = openai.OpenAI(base_url=f"{beta_http}/v1", api_key="unused", max_retries=0,
+                        timeout=60)
+
+    def answers() -> bool:
+        with contextlib.suppress(openai.APIConnectionError):
+            return bool(sdk.models.list().data)
+        return False
+
+    wait_until(answers, 30, "beta's HTTP API answers")
+    got = sdk.embeddings.create(model="em", input=["over http"])
+    assert got.data[0].embedding == vector("over http", 1)
+    assert {"m", "n"} <= {model.id for model in sdk.models.list()}
+    with pytest.raises(openai.NotFoundError):
+        sdk.embeddings.create(model="nobody", input=["x"])
 
 
 def test_a_request_for_another_nodes_model_is_checked_as_that_node_would(
