@@ -180,7 +180,13 @@ class ClusterNode:
         self.queued: dict[str, int] = {}
         # Models whose waiting jobs no live node can run, since when (scheduler time).
         self.stranded: dict[str, float] = {}
-        self.identities = {key: model_identity(m.spec) for key, m in pool.models.items()}
+        specs = [model.spec for model in pool.models.values()]
+        # What the beat says of this node's config, which does not change: made once.
+        self.identities = {spec.key: model_identity(spec) for spec in specs}
+        self.catalog = {"capabilities": {spec.key: spec.capability for spec in specs},
+                        "names": {name.lower(): spec.key for spec in specs
+                                  for name in (spec.key, *spec.aliases)},
+                        "identities": self.identities}
         # Models some live peers configure otherwise than this node, and who they are.
         self.differs: dict[str, list[str]] = {}
 
@@ -235,12 +241,8 @@ class ClusterNode:
         """Say what this node serves; learn what the others do."""
         runnable = self.runnable()
         self.runnable_here = frozenset(runnable)
-        specs = [model.spec for model in self.pool.models.values()]
         report = {"models": msgspec.to_builtins(self.report()), "runnable": runnable,
-                  "capabilities": {spec.key: spec.capability for spec in specs},
-                  "names": {name.lower(): spec.key for spec in specs
-                            for name in (spec.key, *spec.aliases)},
-                  "identities": self.identities,
+                  **self.catalog,
                   "running_jobs": sum(m.running() for m in self.pool.models.values()),
                   "stats": msgspec.to_builtins(self.local_stats())}
         try:
