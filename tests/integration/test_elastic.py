@@ -176,11 +176,13 @@ def test_without_the_idle_cgroup_a_loading_worker_runs_sched_idle(
 
 @pytest.mark.skipif(not LOWERED, reason="no right to restore priority: loads are not lowered")
 @pytest.mark.parametrize("idle_cgroup", ["true", "false"])
-def test_a_new_worker_starved_at_idle_priority_is_raised_not_killed_as_hung(
+def test_a_new_worker_at_idle_priority_on_busy_cores_is_never_killed_as_hung(
         make_daemon: MakeDaemon, idle_cgroup: str) -> None:
-    """Every core kept busy by normal work: a worker forked at idle priority gets too
-    little CPU to start the heartbeat thread that would raise it. The supervisor raises
-    it a heartbeat timeout after its start, and it loads and serves."""
+    """Every core kept busy by normal work: a worker forked at idle priority may get too
+    little CPU to start the heartbeat thread that would raise it. Then the supervisor
+    raises it a heartbeat timeout after its start; either way it loads and serves, and
+    is never killed as hung. (Whether it starves is up to the kernel: an idle cgroup
+    still gets a sliver, and on some runs that is enough to beat within the timeout.)"""
     daemon = make_daemon(f"[daemon]\nidle_cgroup = {idle_cgroup}\n[pool]\n"
                          "cold_start_workers = 1\nheartbeat_timeout_s = 2\n"
                          + model_entry("fresh", run_s=0))
@@ -194,8 +196,8 @@ def test_a_new_worker_starved_at_idle_priority_is_raised_not_killed_as_hung(
             hog.kill()
             hog.wait()
     log = daemon.log()
-    assert "raising it to normal priority" in log, log
     assert "is hung" not in log, log
+    assert "killing it" not in log, log
 
 
 FAKE_NVIDIA_SMI = """#!/bin/sh
