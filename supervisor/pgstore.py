@@ -133,9 +133,11 @@ class PgStore:
                 await cur.execute(sql)
                 log.info("cluster schema migrated to version %d", number)
             await cur.execute(f"DELETE FROM {SCHEMA}.meta")
-            await cur.execute(f"INSERT INTO {SCHEMA}.meta VALUES (%s)", (len(MIGRATIONS),))
+            # A newer node may have migrated further: its version stays.
+            version = max(version, len(MIGRATIONS))
+            await cur.execute(f"INSERT INTO {SCHEMA}.meta VALUES (%s)", (version,))
         self.migrated = True
-        return len(MIGRATIONS)
+        return version
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[psycopg.AsyncCursor[Any]]:

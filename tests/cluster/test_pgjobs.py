@@ -69,6 +69,20 @@ async def test_the_schema_is_created_once_when_several_daemons_start_together(
     assert database.query("SELECT count(*) FROM modelpool.jobs") == [(0,)]
 
 
+async def test_a_schema_a_newer_node_migrated_further_is_left_at_its_version(
+        database: Database) -> None:
+    store = PgStore(database.dsn, lambda c, p: None, lambda: None)
+    await store.pool.open(wait=False)
+    try:
+        await store.migrate()
+        database.query(f"UPDATE modelpool.meta SET version = {len(MIGRATIONS) + 1} "
+                       "RETURNING version")
+        assert await store.migrate() == len(MIGRATIONS) + 1
+    finally:
+        await store.pool.close()
+    assert database.query("SELECT version FROM modelpool.meta") == [(len(MIGRATIONS) + 1,)]
+
+
 async def test_a_claim_is_a_lease_and_only_its_holder_completes_the_job(
         database: Database) -> None:
     async with node(database, "a", lease_s=0.5) as a, node(database, "b", lease_s=0.5) as b:
