@@ -1,10 +1,10 @@
 """This daemon as a node of a cluster: it registers itself, beats once a second with what
 it has loaded and how busy it is, and keeps the other live nodes' beats, from which it
-decides whether to take jobs of a model it has not loaded (not when another node has
-that model loaded with room to spare: a job never waits behind a load here that it
-need not) and whether a direct request is better sent through the shared queue; and it
-ends the waiting jobs of a model that no live node has been able to run for
-stranded_timeout_s, so that every accepted job gets an ending.
+decides (supervisor/peers.py) whether to take jobs of a model it has not loaded (not
+when another node has that model loaded with room to spare: a job never waits behind a
+load here that it need not) and whether a direct request is better sent through the
+shared queue; and it ends the waiting jobs of a model that no live node has been able
+to run for stranded_timeout_s, so that every accepted job gets an ending.
 """
 
 from __future__ import annotations
@@ -13,23 +13,35 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.jobs import PoolStats
 from modelpool.protocol.messages import ClusterStatus, ModelInfo, ModelLoad, NodeStatus
-from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor import memory
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
 from modelpool.supervisor.jobservice import JobService
 from modelpool.supervisor.mailbox import MemoryMailbox
-from modelpool.supervisor.models import LOADING, ModelState
+from modelpool.supervisor.models import LOADING
+from modelpool.supervisor.peers import (
+    Peer,
+    Waiting,
+    alike,
+    differing,
+    may_load_here,
+    model_elsewhere,
+    model_identity,
+    models_elsewhere,
+    peer_from_row,
+    runs,
+    serves_with_room,
+    stranded_since,
+    variant_of,
+)
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.tasks import MemoryTaskQueue
 from modelpool.supervisor.workers import WorkerState
@@ -47,122 +59,6 @@ BEAT_S = 1.0
 RESCUE_S = 0.5
 
 
-@dataclass(frozen=True)
-class Peer:
-    name: str
-    beat_s_ago: float
-    models: Mapping[str, ModelLoad]
-    running_jobs: int
-    stats: PoolStats | None = None
-    # The models it could run now (their device, files and memory are there); None from
-    # a node of a version that does not say.
-    runnable: frozenset[str] | None = None
-    # Each model of its config: its capability, and the names (key and aliases, lower
-    # case) it goes by: nodes whose config does not name one accept requests for it
-    # while this node runs it or could.
-    capabilities: Mapping[str, str] = field(default_factory=dict)
-    names: Mapping[str, str] = field(default_factory=dict)
-    # Each model of its config: what decides its outputs (model_identity).
-    identities: Mapping[str, str] = field(default_factory=dict)
-
-
-def _peer(row: dict[str, Any]) -> Peer:
-    report = row["report"]
-    stats = report.get("stats")
-    return Peer(row["name"], float(row["ago"]),
-                msgspec.convert(report.get("models", {}), dict[str, ModelLoad]),
-                int(report.get("running_jobs", 0)),
-                msgspec.convert(stats, PoolStats) if stats else None,
-                _keys(report.get("runnable")),
-                msgspec.convert(report.get("capabilities", {}), dict[str, str]),
-                msgspec.convert(report.get("names", {}), dict[str, str]),
-                msgspec.convert(report.get("identities", {}), dict[str, str]))
-
-
-def _keys(value: Any) -> frozenset[str] | None:
-    return None if value is None else frozenset(msgspec.convert(value, list[str]))
-
-
-def serves_with_room(peer: Peer, key: str) -> bool:
-    """The peer has the model loaded and could take more of its work now."""
-    load = peer.models.get(key)
-    return load is not None and load.ready > 0 and (load.idle > 0 or load.queued < load.ready)
-
-
-def runs(peer: Peer, key: str) -> bool:
-    """The peer serves the model or could start it now."""
-    load = peer.models.get(key)
-    return key in (peer.runnable or ()) or (load is not None and load.ready > 0)
-
-
-def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads: int,
-                  used_mb: float, budget_mb: float, runnable_here: bool) -> bool:
-    """Should this node take jobs of a model it has no worker for (and so start one)?
-    Not when it cannot run the model at all (its device, its files, a failed load: the
-    job would fail here when another node may run it), nor when a live peer serves it
-    with room, nor without a load slot or memory, nor while its workers wait for the
-    ONNX export they must run (the jobs stay in the shared queue for a node that can
-    start now)."""
-    if not runnable_here or any(serves_with_room(peer, model.key) for peer in peers):
-        return False
-    if loading >= max_loads or model.awaits_export_mb is not None:
-        return False
-    return memory.room_for(model.charge(), used_mb, budget_mb) > 0
-
-
-def model_identity(spec: ModelSpec) -> str:
-    """What decides a model's outputs: two nodes whose configs give one key different
-    identities serve different models under one name."""
-    return json.dumps([spec.capability, spec.source, spec.subdir, spec.loader, spec.options],
-                      sort_keys=True, default=str)
-
-
-def differing(identities: Mapping[str, str], peers: list[Peer]) -> dict[str, list[str]]:
-    """The models this node and live peers both name but configure differently (source,
-    loader, options): by key, those peers' names."""
-    found: dict[str, list[str]] = {}
-    for peer in peers:
-        for key, theirs in peer.identities.items():
-            if key in identities and theirs != identities[key]:
-                found.setdefault(key, []).append(peer.name)
-    return found
-
-
-def model_elsewhere(name: str, peers: list[Peer]) -> RemoteModel | None:
-    """The model a live peer that can run it knows by this name (its key or an alias)."""
-    for peer in peers:
-        key = peer.names.get(name.lower())
-        if key is not None and runs(peer, key) and key in peer.capabilities:
-            return RemoteModel(key, peer.capabilities[key])
-    return None
-
-
-def models_elsewhere(peers: list[Peer], here: Collection[str]) -> list[ModelInfo]:
-    """The models live peers run or could, that this node's config does not name (here):
-    listed beside its own, since requests for them are served through it."""
-    found: dict[str, ModelInfo] = {}
-    for peer in peers:
-        for key, capability in peer.capabilities.items():
-            if key in here or key in found or not runs(peer, key):
-                continue
-            aliases = sorted(name for name, named in peer.names.items()
-                             if named == key and name != key.lower())
-            found[key] = ModelInfo(key=key, capability=capability,  # type: ignore[arg-type]
-                                   aliases=aliases, source=f"node {peer.name}",
-                                   default=False, state="elsewhere")
-    return list(found.values())
-
-
-def stranded_since(waiting: Mapping[str, int], runnable_here: frozenset[str],
-                   peers: list[Peer], since: Mapping[str, float],
-                   now: float) -> dict[str, float]:
-    """Since when each model with jobs waiting has had no live node, this one included,
-    that could run it; a node too old to say what it can run might run anything."""
-    return {key: since.get(key, now) for key, n in waiting.items()
-            if n and key not in runnable_here
-            and not any(peer.runnable is None or runs(peer, key) for peer in peers)}
-
-
 class ClusterNode:
     def __init__(self, name: str, pool: Pool, jobs: PgJobs, store: PgStore,
                  local_stats: Callable[[], PoolStats]) -> None:
@@ -177,12 +73,16 @@ class ClusterNode:
         # too much.
         self.runnable_here: frozenset[str] = frozenset()
         self.reachable = False
-        self.queued: dict[str, int] = {}
-        # Models whose waiting jobs no live node can run, since when (scheduler time).
-        self.stranded: dict[str, float] = {}
+        self.queued: dict[Waiting, int] = {}
+        # Models (and variants) whose waiting jobs no live node can run, since when
+        # (scheduler time).
+        self.stranded: dict[Waiting, float] = {}
         specs = [model.spec for model in pool.models.values()]
         # What the beat says of this node's config, which does not change: made once.
         self.identities = {spec.key: model_identity(spec) for spec in specs}
+        # The variant of each model as configured here: its jobs carry it, and only
+        # nodes configured alike claim them.
+        self.variants = {key: variant_of(identity) for key, identity in self.identities.items()}
         self.catalog = {"capabilities": {spec.key: spec.capability for spec in specs},
                         "names": {name.lower(): spec.key for spec in specs
                                   for name in (spec.key, *spec.aliases)},
@@ -195,7 +95,8 @@ class ClusterNode:
         models = list(self.pool.models.values())
         loading = sum(w.state in LOADING for m in models for w in m.processes())
         device = model.device or "cpu"
-        return may_load_here(model, self.peers, loading, self.pool.config.pool.max_concurrent_loads,
+        return may_load_here(model, self.alike(key), loading,
+                             self.pool.config.pool.max_concurrent_loads,
                              self.pool.capacity.used_mb(models, device),
                              self.pool.capacity.budget_for(device),
                              key in self.runnable_here)
@@ -207,12 +108,17 @@ class ClusterNode:
         model = self.pool.models.get(key)
         if model is None or model.live_workers() or not self.reachable:
             return False
-        return (any(serves_with_room(peer, key) for peer in self.peers)
+        return (any(serves_with_room(peer, key) for peer in self.alike(key))
                 or (key not in self.runnable_here and self.runs_elsewhere(key)))
 
+    def alike(self, key: str) -> list[Peer]:
+        """The live peers that configure this node's model alike: the only ones that run
+        its jobs."""
+        return alike(self.peers, key, self.variants.get(key))
+
     def runs_elsewhere(self, key: str) -> bool:
-        """A live peer serves the model or could start it now."""
-        return self.reachable and any(runs(peer, key) for peer in self.peers)
+        """A live peer configured alike serves the model or could start it now."""
+        return self.reachable and any(runs(peer, key) for peer in self.alike(key))
 
     def models_elsewhere(self) -> list[ModelInfo]:
         return models_elsewhere(self.peers, self.pool.models) if self.reachable else []
@@ -261,9 +167,10 @@ class ClusterNode:
             self.reachable, self.peers = False, []
             return
         self.reachable = True
-        self.peers = [_peer(row) for row in rows]
-        self.stranded = stranded_since(self.queued, self.runnable_here, self.peers,
-                                       self.stranded, self.pool.scheduler.now())
+        self.peers = [peer_from_row(row) for row in rows]
+        self.stranded = stranded_since(
+            self.queued, {key: self.variants[key] for key in self.runnable_here}, self.peers,
+            self.stranded, self.pool.scheduler.now())
         self._note_differences(differing(self.identities, self.peers))
 
     def _note_differences(self, differs: dict[str, list[str]]) -> None:
@@ -273,7 +180,7 @@ class ClusterNode:
             new = sorted(set(names) - set(self.differs.get(key, [])))
             if new:
                 log.warning("model %s is configured otherwise on %s than here (source, "
-                            "loader or options): its jobs may run on either", key,
+                            "loader or options): each runs only its own jobs of it", key,
                             ", ".join(new))
         self.differs = differs
 
@@ -282,20 +189,33 @@ class ClusterNode:
         stranded_timeout_s: every accepted job gets an ending."""
         limit = self.pool.config.cluster.stranded_timeout_s
         now = self.pool.scheduler.now()
-        for key, since in list(self.stranded.items()):
+        for (key, variant), since in list(self.stranded.items()):
             if limit and now - since >= limit:
                 ended = await self.jobs.end_stranded(
-                    key, f": no live node could run model {key!r} for {limit:g}s "
+                    key, variant, f": no live node could run model {key!r} for {limit:g}s "
                     "(stranded_timeout_s)")
                 log.warning("%d waiting jobs of %s ended: no live node could run it for "
-                            "%gs", ended, key, limit)
-                del self.stranded[key]
+                            "%gs", ended, self.shown(key, variant), limit)
+                del self.stranded[key, variant]
+
+    def shown(self, key: str, variant: str | None) -> str:
+        """A model's name, and when its jobs are of another configuration than this
+        node's, which."""
+        if variant is None or variant == self.variants.get(key):
+            return key
+        return f"{key} (as configured elsewhere, variant {variant})"
 
     def stranded_ends_in(self) -> dict[str, float | None]:
         limit = self.pool.config.cluster.stranded_timeout_s
         now = self.pool.scheduler.now()
-        return {key: round(max(0.0, since + limit - now), 1) if limit else None
-                for key, since in self.stranded.items()}
+        return {self.shown(key, variant): round(max(0.0, since + limit - now), 1)
+                if limit else None for (key, variant), since in self.stranded.items()}
+
+    def queued_jobs(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for (key, _), n in self.queued.items():
+            counts[key] = counts.get(key, 0) + n
+        return counts
 
     def peer_stats(self) -> list[PoolStats]:
         return [peer.stats for peer in self.peers if peer.stats is not None]
@@ -309,7 +229,7 @@ class ClusterNode:
                              runnable=None if p.runnable is None else sorted(p.runnable))
                   for p in self.peers]
         return ClusterStatus(node=self.name, reachable=self.reachable, nodes=[me, *others],
-                             queued_jobs=dict(self.queued), stranded=self.stranded_ends_in(),
+                             queued_jobs=self.queued_jobs(), stranded=self.stranded_ends_in(),
                              differs=self.differs)
 
 
@@ -330,6 +250,7 @@ def job_service(config: Config, pool: Pool, scheduler: Scheduler,
     cluster = ClusterNode(node, pool, backend, store, service.local_stats)
     service.may_load, service.peer_stats = cluster.may_load, cluster.peer_stats
     service.runs_elsewhere, service.elsewhere = cluster.runs_elsewhere, cluster.elsewhere
+    service.variants = backend.variants = cluster.variants
     return service, cluster
 
 

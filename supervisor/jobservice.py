@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -82,6 +82,7 @@ class JobService:
         self.peer_stats: Callable[[], list[PoolStats]] = list
         self.runs_elsewhere: Callable[[str], bool] = lambda key: False
         self.elsewhere: Callable[[str], RemoteModel | None] = lambda name: None
+        self.variants: Mapping[str, str] = {}  # of this node's models (peers.variant_of)
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         # Results not yet stored (the shared mailbox was unreachable): retried each tick.
@@ -107,14 +108,16 @@ class JobService:
         if refusal is not None:
             raise PoolError(refusal.code, refusal.message, refusal.retry_after_s)
         model = spec.key if spec else remote.key if remote else request.model
+        # Only nodes configured alike run it, and only its like joins it.
+        variant = remote.variant if remote else self.variants.get(model)
+        dedup = dedup_key(kind, with_defaults(request, self.pool.config.defaults), model)
         now = self.pool.scheduler.wall()
         deadline_in = admission.deadline_in(request, now)
         record = JobRecord(key=new_key(), uid=uid, op=kind.op,
                            model=model, priority=request.priority,
                            request=encoder.encode(request), single=msg.single,
-                           dedup=dedup_key(kind, with_defaults(request, self.pool.config
-                                                               .defaults), model),
-                           submitted_at=now,
+                           dedup=dedup + variant.encode() if dedup and variant else dedup,
+                           variant=variant, submitted_at=now,
                            deadline_at=None if deadline_in is None else now + deadline_in)
         # Shared: with a worker free for it here it is claimed as it is written (no other
         # node is woken, no claim follows); else it waits for whichever node is free first.

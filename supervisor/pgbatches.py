@@ -15,8 +15,8 @@ T = "modelpool.jobs"
 COLUMNS = ("key, uid, op, model, priority, request, single, submitted_at, state, started_at, "
            "finished_at, node, result, error_code, error_message, attempt")
 
-# Claimed at once (the caller can start it, and nothing of its model waits at its
-# priority or above: priorities hold across nodes) a job wakes no other node; queued, it
+# Claimed at once (the caller can start it, and nothing of its model and variant waits at
+# its priority or above: priorities hold across nodes) a job wakes no other node; queued, it
 # wakes them all. Identical work joins the job already waiting or running, or the first
 # of its batch (`joins`). The bound on waiting jobs is checked once per batch.
 INSERT = f"""
@@ -24,15 +24,17 @@ INSERT = f"""
         SELECT * FROM unnest(%(keys)s::text[], %(uids)s::int[], %(ops)s::text[],
             %(models)s::text[], %(priorities)s::smallint[], %(requests)s::bytea[],
             %(singles)s::boolean[], %(dedups)s::bytea[], %(submitted)s::float8[],
-            %(claims)s::boolean[], %(joins)s::text[], %(deadlines)s::float8[])
+            %(claims)s::boolean[], %(joins)s::text[], %(deadlines)s::float8[],
+            %(variants)s::text[])
         AS b(key, uid, op, model, priority, request, single, dedup, submitted_at, claim,
-             joins, deadline_in)),
+             joins, deadline_in, variant)),
     fated AS MATERIALIZED (
         SELECT b.*, coalesce(lead.key, b.joins) AS leader, CASE
             WHEN coalesce(lead.key, b.joins) IS NOT NULL THEN 'joined'
             WHEN b.claim AND NOT EXISTS (
                 SELECT 1 FROM {T} WHERE state = 'queued' AND model = b.model
-                    AND priority <= b.priority) THEN 'running'
+                    AND priority <= b.priority
+                    AND (variant IS NULL OR variant = b.variant)) THEN 'running'
             ELSE 'queued' END AS fate
         FROM batch b LEFT JOIN LATERAL (
             SELECT key FROM {T} WHERE b.dedup IS NOT NULL AND dedup = b.dedup
@@ -41,13 +43,14 @@ INSERT = f"""
     added AS (
         INSERT INTO {T} (key, uid, op, model, priority, request, single, dedup, leader,
                          submitted_at, state, node, attempt, lease_until, started_at,
-                         deadline_at)
+                         deadline_at, variant)
         SELECT key, uid, op, model, priority, request, single, dedup, leader, submitted_at,
                fate, CASE WHEN fate = 'running' THEN %(node)s ELSE '' END,
                CASE WHEN fate = 'running' THEN 1 ELSE 0 END,
                CASE WHEN fate = 'running' THEN now() + make_interval(secs => %(lease)s) END,
                CASE WHEN fate = 'running' THEN submitted_at END,
-               now() + make_interval(secs => deadline_in)  -- the server clock
+               now() + make_interval(secs => deadline_in),  -- the server clock
+               variant
         FROM fated
         RETURNING key, state, model),
     woken AS (
@@ -113,6 +116,7 @@ def insert_params(records: list[tuple[JobRecord, bool]]) -> dict[str, Any]:
         "claims": [claim for _, claim in records], "joins": joins,
         "deadlines": [None if r.deadline_at is None else r.deadline_at - r.submitted_at
                       for r in rows],
+        "variants": [r.variant for r in rows],
     }
 
 

@@ -86,6 +86,9 @@ class PgJobs:
         self._hints = 0
         self._storing: dict[str, bool] = {}  # results being stored -> ended meanwhile?
         self._drained: dict[str, int] = {}  # model -> _hints when found empty
+        # The variant of each model as this node configures it (set by the cluster): it
+        # claims only jobs of that variant (or of none).
+        self.variants: Mapping[str, str] = {}
 
     def connect(self, dsn: str) -> PgStore:
         self.store = PgStore(dsn, self.notified, self.reconnected)
@@ -242,10 +245,11 @@ class PgJobs:
     async def put(self, record: JobRecord) -> None:
         return None  # add() queued it and woke the claimers
 
-    async def waiting(self) -> dict[str, int]:
-        rows = await self._fetch(f"SELECT model, count(*) AS n FROM {T} WHERE state = 'queued' "
-                                 "GROUP BY model")
-        return {row["model"]: row["n"] for row in rows}
+    async def waiting(self) -> dict[tuple[str, str | None], int]:
+        """How many jobs wait, by model and variant."""
+        rows = await self._fetch(f"SELECT model, variant, count(*) AS n FROM {T} "
+                                 "WHERE state = 'queued' GROUP BY model, variant")
+        return {(row["model"], row["variant"]): row["n"] for row in rows}
 
     async def claim(self, rooms: Mapping[str, int]) -> list[JobRecord]:
         hints = self._hints
@@ -258,13 +262,16 @@ class PgJobs:
                 started_at = coalesce(started_at, %(now)s)
             WHERE key IN (
                 SELECT picked.key
-                FROM unnest(%(models)s::text[], %(limits)s::int[]) AS room(model, n)
+                FROM unnest(%(models)s::text[], %(variants)s::text[], %(limits)s::int[])
+                    AS room(model, variant, n)
                 CROSS JOIN LATERAL (
-                    SELECT key FROM {T} WHERE state = 'queued' AND model = room.model
+                    SELECT key FROM {T} AS j WHERE state = 'queued' AND model = room.model
+                        AND (j.variant IS NULL OR j.variant = room.variant)
                     ORDER BY priority, submitted_at LIMIT room.n
                     FOR UPDATE SKIP LOCKED) AS picked)
             RETURNING {COLUMNS}""",
             {"node": self.node, "lease": self.lease_s, "models": list(rooms),
+             "variants": [self.variants.get(model) for model in rooms],
              "limits": list(rooms.values()), "now": time.time()})
         records = sorted((_record(row) for row in rows),
                          key=lambda r: (PRIORITY_RANK[r.priority], r.submitted_at))
@@ -312,14 +319,15 @@ class PgJobs:
                                 ": its deadline passed while it waited in the job queue")
         return []
 
-    async def end_stranded(self, model: str, why: str) -> int:
-        """End every waiting job of a model that no live node can run (MODEL_LOAD_FAILED,
-        why); returns how many."""
-        return len(await self._end_waiting("model = %(model)s", "failed",
-                                           ErrorCode.MODEL_LOAD_FAILED, why, model=model))
+    async def end_stranded(self, model: str, variant: str | None, why: str) -> int:
+        """End every waiting job of a model and variant that no live node can run
+        (MODEL_LOAD_FAILED, why); returns how many."""
+        return len(await self._end_waiting(
+            "model = %(model)s AND variant IS NOT DISTINCT FROM %(variant)s", "failed",
+            ErrorCode.MODEL_LOAD_FAILED, why, model=model, variant=variant))
 
     async def _end_waiting(self, where: str, state: str, code: ErrorCode, why: str,
-                           **params: str) -> list[str]:
+                           **params: str | None) -> list[str]:
         rows = await self._fetch(END_WAITING.format(T=T, where=where), {
             **params, "state": state, "code": code.value, "why": why, "now": time.time(),
             "keep": self.retention_s})

@@ -32,9 +32,6 @@ class TaskQueue(Protocol):
     async def put(self, record: JobRecord) -> None:
         """Queue an admitted job; QueueFull at the queue's bound."""
 
-    async def waiting(self) -> dict[str, int]:
-        """Jobs waiting to be claimed, by model."""
-
     async def claim(self, rooms: Mapping[str, int]) -> list[JobRecord]:
         """For each model, up to its room of its best waiting jobs, now this daemon's to
         run (in one go: a shared queue claims for every model in one statement)."""
@@ -74,7 +71,6 @@ class MemoryTaskQueue:
         self._waiting: dict[str, JobRecord] = {}
         # Keys, not records: a job that ran keeps no request alive until its deadline.
         self._deadlines: list[tuple[float, int, str]] = []
-        self._count: collections.Counter[str] = collections.Counter()
 
     async def put(self, record: JobRecord) -> None:
         if len(self._waiting) >= self.max_queued:
@@ -88,16 +84,9 @@ class MemoryTaskQueue:
         if record.deadline_at is not None:
             heapq.heappush(self._deadlines, (record.deadline_at, order, record.key))
         self._waiting[record.key] = record
-        self._count[record.model] += 1
 
     def _take(self, key: str) -> JobRecord | None:
-        record = self._waiting.pop(key, None)
-        if record is not None:
-            self._count[record.model] -= 1
-        return record
-
-    async def waiting(self) -> dict[str, int]:
-        return {model: n for model, n in self._count.items() if n}
+        return self._waiting.pop(key, None)
 
     async def claim(self, rooms: Mapping[str, int]) -> list[JobRecord]:
         claimed = []

@@ -41,9 +41,13 @@ def test_modelpool_postgres_makes_a_node_named_after_its_host(
 
 def test_with_route_remote_off_a_direct_request_loads_here_while_another_node_serves(
         tmp_path: Path, database: Database) -> None:
-    b = start_node(tmp_path / "b", node_config(database.dsn, "b", model_entry("warm", mark=2)))
-    a = start_node(tmp_path / "a", node_config(database.dsn, "a", model_entry("warm", mark=1),
-                                                cluster_extra="route_remote = false"))
+    # One config of warm on both (a would not route to b's otherwise); the vectors' last
+    # element says which daemon computed them.
+    b = start_node(tmp_path / "b", node_config(database.dsn, "b", model_entry("warm")),
+                   env={"MP_TEST_MARK": "2"})
+    a = start_node(tmp_path / "a", node_config(database.dsn, "a", model_entry("warm"),
+                                                cluster_extra="route_remote = false"),
+                   env={"MP_TEST_MARK": "1"})
     try:
         with b.client() as cb:
             assert np.asarray(cb.embed("warm up", model="warm")).tolist()[-1] == 2

@@ -47,7 +47,10 @@ class Hosts:
               extra: str = "") -> Daemon:
         dsn = database.dsn_at(self.spaces.host_address(index))
         config = node_config(dsn, f"n{index}", models, lease_s=LEASE_S, extra=extra)
-        daemon = start_node(workdir / f"n{index}", config, self.spaces.command(index, []))
+        # Host i's vectors end with i + 1: one config everywhere, so every node runs
+        # every node's jobs.
+        daemon = start_node(workdir / f"n{index}", config, self.spaces.command(index, []),
+                            env={"MP_TEST_MARK": str(index + 1)})
         self.daemons.append(daemon)
         return daemon
 
@@ -85,8 +88,8 @@ def cluster(hosts: Hosts) -> Iterator[tuple[Hosts, Database]]:
         hosts.spaces.links_up()
 
 
-def embedders(mark: float, run_s: float, max_workers: int = 1) -> str:
-    return "".join(model_entry(key, run_s=run_s, mark=mark, max_workers=max_workers)
+def embedders(run_s: float, max_workers: int = 1) -> str:
+    return "".join(model_entry(key, run_s=run_s, max_workers=max_workers)
                    for key in ("m1", "m2"))
 
 
@@ -110,7 +113,7 @@ def ended_elsewhere(database: Database, keys: list[str], node: str) -> bool:
 def test_three_nodes_give_every_one_of_2000_jobs_exactly_one_result(
         cluster: tuple[Hosts, Database], tmp_path: Path) -> None:
     hosts, database = cluster
-    daemons = [hosts.start(tmp_path, database, i, embedders(mark=i + 1, run_s=0.002) +
+    daemons = [hosts.start(tmp_path, database, i, embedders(run_s=0.002) +
                            model_entry("gen", "counting_generator", "text_to_text",
                                        step_s=0.001))
                for i in range(3)]
@@ -154,8 +157,7 @@ def _start_three(hosts: Hosts, database: Database, tmp_path: Path) -> list[Daemo
     """Three nodes with m1 serving on each: what the reclaim tests time is the lease and
     the sweep, not a survivor's first worker start (seconds while three forkservers
     import at once on two cores)."""
-    daemons = [hosts.start(tmp_path, database, i, embedders(mark=i + 1, run_s=0.3,
-                                                            max_workers=2))
+    daemons = [hosts.start(tmp_path, database, i, embedders(run_s=0.3, max_workers=2))
                for i in range(3)]
     serving_everywhere(daemons, ["m1"], workers=2)
     return daemons
@@ -252,11 +254,9 @@ def test_a_model_loaded_on_one_node_serves_while_another_node_loads(
         cluster: tuple[Hosts, Database], tmp_path: Path) -> None:
     hosts, database = cluster
 
-    def models(mark: float) -> str:
-        return (model_entry("warm", run_s=0.05, mark=mark)
-                + model_entry("cold", load_s=8, mark=mark))
-    a = hosts.start(tmp_path, database, 0, models(1))
-    b = hosts.start(tmp_path, database, 1, models(2))
+    models = model_entry("warm", run_s=0.05) + model_entry("cold", load_s=8)
+    a = hosts.start(tmp_path, database, 0, models)  # its vectors end with 1
+    b = hosts.start(tmp_path, database, 1, models)  # and b's with 2
     with b.client() as cb:
         assert np.asarray(cb.embed("warm up", model="warm")).tolist()[-1] == 2
     with a.client() as ca:
@@ -324,9 +324,9 @@ class Feed:
 OUTAGE_S = 4.0  # longer than a submit's wait for a connection (3 s) and than LEASE_S
 
 
-def one_job_at_a_time(mark: float) -> str:
+def one_job_at_a_time() -> str:
     """m1 and m2, one worker each, one job per batch: a backlog builds up as jobs come."""
-    return "".join(model_entry(key, run_s=0.04, mark=mark, max_workers=1).rstrip()
+    return "".join(model_entry(key, run_s=0.04, max_workers=1).rstrip()
                    + "\n        max_batch = 1\n" for key in ("m1", "m2"))
 
 
@@ -339,7 +339,7 @@ def test_a_postgres_crash_mid_run_loses_no_accepted_job(
         cluster: tuple[Hosts, Database], tmp_path: Path) -> None:
     hosts, database = cluster
     database.durable_commits()
-    daemons = [hosts.start(tmp_path, database, i, one_job_at_a_time(mark=i + 1))
+    daemons = [hosts.start(tmp_path, database, i, one_job_at_a_time())
                for i in range(3)]
     serving_everywhere(daemons, ["m1", "m2"], workers=1)
     feed = Feed(daemons)

@@ -22,11 +22,13 @@ KEYS = iter(range(10**6))
 
 
 def record(model: str = "m", priority: str = "normal", dedup: bytes | None = None,
-           at: float | None = None, deadline_in: float | None = None) -> JobRecord:
+           at: float | None = None, deadline_in: float | None = None,
+           variant: str | None = None) -> JobRecord:
     submitted = at if at is not None else time.time()
     return JobRecord(key=f"k{next(KEYS)}", uid=1000, op="embed", model=model,
                      priority=priority, request=b"\x80", dedup=dedup, submitted_at=submitted,
-                     deadline_at=None if deadline_in is None else submitted + deadline_in)
+                     deadline_at=None if deadline_in is None else submitted + deadline_in,
+                     variant=variant)
 
 
 def done(rec: JobRecord, result: bytes) -> JobRecord:
@@ -135,7 +137,7 @@ async def test_claims_take_priority_then_age_and_skip_what_others_hold(
         second = await b.claim({"m": 2})
         assert [r.key for r in first] == [urgent.key, normal.key]
         assert [r.key for r in second] == [old.key]
-        assert await a.waiting() == {"n": 1} and other.state == "queued"
+        assert await a.waiting() == {("n", None): 1} and other.state == "queued"
         third = await submit(a, record(model="n"))
         both = await a.claim({"m": 5, "n": 5})  # every model in one statement
         assert {r.key for r in both} == {other.key, third.key}
@@ -203,11 +205,11 @@ async def test_the_waiting_jobs_of_a_stranded_model_end_and_no_other(
         await a.claim({"m": 1})
         waiting = [await submit(a, record()) for _ in range(3)]
         other = await submit(a, record(model="n"))
-        assert await a.end_stranded("m", ": no node") == 3
+        assert await a.end_stranded("m", None, ": no node") == 3
         ended = [await a.get(r.key) for r in waiting]
         assert {(r.state, r.error_code) for r in ended if r} == {
             ("failed", "MODEL_LOAD_FAILED")}
-        assert (await a.waiting()) == {"n": 1} and other.state == "queued"
+        assert (await a.waiting()) == {("n", None): 1} and other.state == "queued"
         still = await a.get(running.key)
     assert still is not None and still.state == "running"
 
@@ -400,3 +402,23 @@ async def test_the_statements_run_as_generic_plans(database: Database) -> None:
         assert a.store is not None
         rows = await a.store.fetch("SHOW plan_cache_mode")
     assert rows == [{"plan_cache_mode": "force_generic_plan"}]  # planned once, not per call
+
+
+async def test_a_job_is_claimed_only_by_nodes_that_configure_its_model_alike(
+        database: Database) -> None:
+    async with node(database, "a") as a, node(database, "b") as b:
+        a.variants, b.variants = {"m": "va"}, {"m": "vb"}
+        theirs = await submit(a, record(variant="vb", priority="critical"))
+        ours = await submit(a, record(variant="va"))
+        older = await submit(a, record())  # of a node that does not say: anyone's
+        assert await a.waiting() == {("m", "vb"): 1, ("m", "va"): 1, ("m", None): 1}
+        assert [r.key for r in await a.claim({"m": 5})] == [ours.key, older.key]
+        assert [r.key for r in await b.claim({"m": 5})] == [theirs.key]
+        # b's waiting job of higher priority does not stop a from claiming at once.
+        await submit(a, record(variant="vb", priority="critical"))
+        mine = record(variant="va")
+        await a.add(mine, claim=True)
+        assert mine.state == "running"
+        # Each variant's stranded jobs end apart.
+        assert await a.end_stranded("m", "vb", ": no node like b") == 1
+        assert await a.waiting() == {}

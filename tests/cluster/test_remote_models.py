@@ -1,7 +1,7 @@
 """Two daemons on one PostgreSQL whose configs name different models: a request that
 reaches either, directly or as a job, for a model only the other names (by its key or
 an alias) runs on the other, through the socket and the OpenAI HTTP API; a key both
-name but configure otherwise is pointed out."""
+name but configure otherwise is pointed out, and each runs only its own work of it."""
 
 from __future__ import annotations
 
@@ -30,15 +30,17 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 DIM = 8
 
 
-def embedder(key: str, mark: int, aliases: str = "[]") -> str:
+def embedder(key: str, mark: int, aliases: str = "[]", run_s: float = 0,
+             device: str = "auto") -> str:
     return f"""
     [[models]]
     key = "{key}"
     aliases = {aliases}
     capability = "text_embedding"
     loader = "mp_test_loaders:slow_embedder"
-    options = {{ mark = {mark} }}
+    options = {{ mark = {mark}, run_s = {run_s} }}
     max_workers = 1
+    device = "{device}"
 """
 
 
@@ -53,14 +55,17 @@ def beta_http() -> str:
 @pytest.fixture
 def two_nodes(tmp_path: Path, database: Database,
               beta_http: str) -> Iterator[tuple[Daemon, Daemon]]:
-    """alpha names m (alias em), beta n; both name s, with other options. beta also
-    serves the HTTP API (open: loopback only)."""
+    """alpha names m (alias em), beta n; both name s (a pass of 0.1 s) and t, with other
+    options, and beta cannot run its t (no GPU). beta also serves the HTTP API (open:
+    loopback only)."""
     http = f'\n[http]\nlisten = "{beta_http.removeprefix("http://")}"\n'
     with nodes_seeing_each_other(
             lambda: start_node(tmp_path / "alpha", node_config(
-                database.dsn, "alpha", embedder("m", 1, '["em"]') + embedder("s", 1))),
+                database.dsn, "alpha", embedder("m", 1, '["em"]') + embedder("s", 1, run_s=0.1)
+                + embedder("t", 1))),
             lambda: start_node(tmp_path / "beta", node_config(
-                database.dsn, "beta", embedder("n", 2) + embedder("s", 2)) + http),
+                database.dsn, "beta", embedder("n", 2) + embedder("s", 2, run_s=0.1)
+                + embedder("t", 2, device="cuda")) + http),
     ) as (alpha, beta):
         yield alpha, beta
 
@@ -131,12 +136,35 @@ def test_a_key_two_nodes_configure_otherwise_is_pointed_out(
         two_nodes: tuple[Daemon, Daemon]) -> None:
     alpha, beta = two_nodes
     with beta.client() as c:
-        wait_until(lambda: c.status()["cluster"]["differs"] == {"s": ["alpha"]}, 10,
-                   "beta sees that alpha's s is not its s")
+        wait_until(lambda: c.status()["cluster"]["differs"] == {"s": ["alpha"],
+                                                                 "t": ["alpha"]}, 10,
+                   "beta sees that alpha's s and t are not its own")
     shown = subprocess.run(
         [sys.executable, "-m", "modelpool.supervisor.cli", "status", "--socket",
          beta.socket_path], capture_output=True, text=True, timeout=60, check=True).stdout
     assert "s is configured otherwise on alpha than here" in shown
     assert "model s is configured otherwise on alpha than here" in beta.log()
     with alpha.client() as c:
-        assert c.status()["cluster"]["differs"] == {"s": ["beta"]}
+        assert c.status()["cluster"]["differs"] == {"s": ["beta"], "t": ["beta"]}
+
+
+def test_each_node_runs_only_its_own_work_of_a_key_they_configure_otherwise(
+        two_nodes: tuple[Daemon, Daemon], database: Database) -> None:
+    """alpha's s loaded and idle: without its own variant on each job, beta's queued
+    jobs of s, and its direct request while it has no worker of s, would run there."""
+    alpha, beta = two_nodes
+    with alpha.client() as c:
+        assert np.asarray(c.embed("warm", model="s")).tolist() == vector("warm", 1)
+    with beta.client() as c:
+        wait_until(lambda: "s" in c.status()["cluster"]["differs"] and any(
+            node["name"] == "alpha" and node["models"].get("s", {}).get("idle")
+            for node in c.status()["cluster"]["nodes"]), 10, "beta sees alpha's s idle")
+        assert np.asarray(c.embed("direct", model="s")).tolist() == vector("direct", 2)
+        keys = [c.submit("embed", f"job {i}", model="s") for i in range(24)]
+        results = [np.asarray(c.retrieve(key, timeout_s=60)).tolist() for key in keys]
+        with pytest.raises(PoolError) as refused:
+            c.submit("embed", "x", model="t")  # only alpha can run a t, and not beta's
+    assert results == [vector(f"job {i}", 2) for i in range(24)]
+    assert database.query("SELECT DISTINCT node FROM modelpool.jobs WHERE model = 's'") == [
+        ("beta",)]
+    assert refused.value.code is ErrorCode.MODEL_LOAD_FAILED and "GPU" in refused.value.message

@@ -67,9 +67,13 @@ class CountingGenerator:
 
 
 def slow_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowEmbedder:
+    """Its vectors end with a mark: its `mark` option, or $MP_TEST_MARK, which tells
+    which daemon of a cluster computed one without configuring the model otherwise
+    there (a model configured otherwise is another model: no other node runs its jobs)."""
     time.sleep(float(spec.options.get("load_s", 0)))
+    mark = spec.options.get("mark", os.environ.get("MP_TEST_MARK", DIM - 1))
     return SlowEmbedder(float(spec.options.get("run_s", 0)), spec.options.get("log"),
-                        float(spec.options.get("mark", DIM - 1)))
+                        float(mark))
 
 
 def counting_generator(spec: ModelSpec, model_dir: Path | None) -> CountingGenerator:
