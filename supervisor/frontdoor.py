@@ -80,6 +80,19 @@ class FrontDoor:
             return bool(request.model) and self.cluster.elsewhere(request.model) is not None
         return self.cluster.should_route(spec.key)
 
+    def _not_routed(self, request: Any) -> Error | None:
+        """With route_remote off, a direct request for a model only another node names
+        cannot run here: say so and what to do, not that no such model exists."""
+        if self.cluster is None or self.config.cluster.route_remote or not request.model:
+            return None
+        if (admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
+                or self.cluster.elsewhere(request.model) is None):
+            return None
+        return Error(id=request.id, code=ErrorCode.UNKNOWN_MODEL, message=(
+            f"model {request.model!r} is not configured on this node; another node of the "
+            "cluster runs it, but [cluster] route_remote = false keeps direct requests "
+            "here: submit it as a job, or ask that node"))
+
     def _answer_later(self, conn: Connection, rid: int, reply: Coroutine[Any, Any, Any]) -> None:
         """Send what the coroutine returns, without holding up this connection's other
         requests; a bounded number at a time per connection."""
@@ -160,6 +173,8 @@ class FrontDoor:
         match msg:
             case _ if type(msg) in KIND_OF and self._served_elsewhere(msg):
                 self._answer_later(conn, msg.id, self.jobs.relay(conn.peer.uid, msg))
+            case _ if type(msg) in KIND_OF and (refused := self._not_routed(msg)):
+                conn.send(refused)
             case _ if type(msg) in KIND_OF:
                 self.pool.submit(conn, msg, nbytes)
             case _ if isinstance(msg, JOB_REQUESTS):

@@ -1,5 +1,7 @@
 """The [cluster] settings as a daemon acts on them: $MODELPOOL_POSTGRES in place of
-`postgres`, the host name as the default `node_name`, and `route_remote = false`."""
+`postgres`, the host name as the default `node_name`, and `route_remote = false` (a
+direct request stays here; one for a model only another node names is refused saying
+so, and runs there as a job)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import socket
 from pathlib import Path
 
 import numpy as np
+import pytest
 from cluster_helpers import (
     Database,
     model_entry,
@@ -16,6 +19,8 @@ from cluster_helpers import (
     start_node,
     wait_until,
 )
+
+from modelpool.protocol.errors import ErrorCode, PoolError
 
 
 def test_modelpool_postgres_makes_a_node_named_after_its_host(
@@ -43,7 +48,8 @@ def test_with_route_remote_off_a_direct_request_loads_here_while_another_node_se
         tmp_path: Path, database: Database) -> None:
     # One config of warm on both (a would not route to b's otherwise); the vectors' last
     # element says which daemon computed them.
-    b = start_node(tmp_path / "b", node_config(database.dsn, "b", model_entry("warm")),
+    b = start_node(tmp_path / "b", node_config(database.dsn, "b", model_entry("warm")
+                                               + model_entry("only_b")),
                    env={"MP_TEST_MARK": "2"})
     a = start_node(tmp_path / "a", node_config(database.dsn, "a", model_entry("warm"),
                                                 cluster_extra="route_remote = false"),
@@ -57,9 +63,16 @@ def test_with_route_remote_off_a_direct_request_loads_here_while_another_node_se
             assert model_status(ca.status(), "warm")["workers"] == []
             vector = np.asarray(ca.embed("asked of a", model="warm")).tolist()
             workers = model_status(ca.status(), "warm")["workers"]
+            with pytest.raises(PoolError) as kept:  # a model only b's config names
+                ca.embed("x", model="only_b")
+            job = ca.submit("embed", "as a job", model="only_b")  # which b runs
+            assert np.asarray(ca.retrieve(job, 60)).tolist()[-1] == 2
     finally:
         for daemon in (a, b):
             assert daemon.stop() == 0, daemon.log()
     assert vector[0] == len("asked of a")
     assert vector[-1] == 1  # a ran it (routed, b's worker would have: 2)
     assert [w["state"] for w in workers] == ["idle"]  # a loaded the model for it
+    assert kept.value.code is ErrorCode.UNKNOWN_MODEL
+    assert "route_remote = false" in kept.value.message and "submit it as a job" in \
+        kept.value.message
