@@ -27,7 +27,7 @@ class RemoteModel(msgspec.Struct, frozen=True):
 
     key: str
     capability: str
-    variant: str | None = None  # of that node's config (peers.variant_of)
+    variant: str | None = None  # of that node's config (cluster_view.variant_of)
 
 
 def resolve(registry: Registry, kind: Kind, request: WorkRequest) -> ModelSpec | None:

@@ -1,10 +1,10 @@
 """This daemon as a node of a cluster: it registers itself, beats once a second with what
 it has loaded and how busy it is, and keeps the other live nodes' beats, from which it
-decides (supervisor/peers.py) whether to take jobs of a model it has not loaded (not
-when another node has that model loaded with room to spare: a job never waits behind a
-load here that it need not) and whether a direct request is better sent through the
-shared queue; and it ends the waiting jobs of a model that no live node has been able
-to run for stranded_timeout_s, so that every accepted job gets an ending.
+decides (cluster_view.py) whether to take jobs of a model it has not loaded (not when
+another node has that model loaded with room to spare: a job never waits behind a load
+here that it need not) and whether a direct request is better sent through the shared
+queue; and it ends the waiting jobs of a model that no live node has been able to run
+for stranded_timeout_s, so that every accepted job gets an ending.
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ from modelpool.protocol.jobs import PoolStats
 from modelpool.protocol.messages import ClusterStatus, ModelInfo, ModelLoad, NodeStatus
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.clock import Scheduler
-from modelpool.supervisor.config import Config
-from modelpool.supervisor.jobservice import JobService
-from modelpool.supervisor.mailbox import MemoryMailbox
-from modelpool.supervisor.models import LOADING
-from modelpool.supervisor.peers import (
+from modelpool.supervisor.cluster_view import (
     Peer,
     Waiting,
     alike,
@@ -42,6 +38,10 @@ from modelpool.supervisor.peers import (
     stranded_since,
     variant_of,
 )
+from modelpool.supervisor.config import Config
+from modelpool.supervisor.jobservice import JobService
+from modelpool.supervisor.mailbox import MemoryMailbox
+from modelpool.supervisor.models import LOADING
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.tasks import MemoryTaskQueue
 from modelpool.supervisor.workers import WorkerState

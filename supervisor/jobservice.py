@@ -82,7 +82,7 @@ class JobService:
         self.peer_stats: Callable[[], list[PoolStats]] = list
         self.runs_elsewhere: Callable[[str], bool] = lambda key: False
         self.elsewhere: Callable[[str], RemoteModel | None] = lambda name: None
-        self.variants: Mapping[str, str] = {}  # of this node's models (peers.variant_of)
+        self.variants: Mapping[str, str] = {}  # of this node's models (cluster_view.py)
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         # Results not yet stored (the shared mailbox was unreachable): retried each tick.

@@ -29,8 +29,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     request: bytes  # the WorkRequest, msgpack
     single: bool = False
     dedup: bytes | None = None  # identical work has the same key (None: may differ)
-    # In a cluster: the variant of the model's config that accepted it (peers.py); only
-    # nodes that configure the model alike claim it. None: any node may.
+    # In a cluster: the variant of the model's config that accepted it (cluster_view.py);
+    # only nodes that configure the model alike claim it. None: any node may.
     variant: str | None = None
     submitted_at: float  # seconds since the epoch, as every time here
     state: str = "queued"

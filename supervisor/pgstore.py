@@ -88,7 +88,7 @@ MIGRATIONS: tuple[str, ...] = (
         WHERE state IN ('queued', 'joined') AND deadline_at IS NOT NULL;
     """,
     # A job is claimed only by nodes that configure its model as the node that accepted
-    # it does (supervisor/peers.py); NULL: by any (a job of an older node).
+    # it does (supervisor/cluster_view.py); NULL: by any (a job of an older node).
     "ALTER TABLE modelpool.jobs ADD COLUMN IF NOT EXISTS variant text;",
 )
 

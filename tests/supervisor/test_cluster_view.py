@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from modelpool.protocol.messages import ModelLoad
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor.peers import (
+from modelpool.supervisor.cluster_view import (
     Peer,
     alike,
     differing,
