@@ -69,29 +69,25 @@ class FrontDoor:
         self.status_report = status_report
         self.stop = stop
 
-    def _served_elsewhere(self, request: Any) -> bool:
-        """In a cluster: a model not loaded here, loaded with room on another daemon,
-        is asked there through the shared queue rather than loaded here too; so is one
-        that only another daemon's config names."""
-        if self.cluster is None or not self.config.cluster.route_remote:
-            return False
+    def _work(self, conn: Connection, request: Any, nbytes: int, cluster: ClusterNode) -> None:
+        """A direct request in a cluster: a model not loaded here, loaded with room on
+        another daemon, is asked there through the shared queue rather than loaded here
+        too; so is one that only another daemon's config names. With route_remote off,
+        the latter is refused saying so, not as if no node had it."""
         spec = admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
-        if spec is None:
-            return bool(request.model) and self.cluster.elsewhere(request.model) is not None
-        return self.cluster.should_route(spec.key)
-
-    def _not_routed(self, request: Any) -> Error | None:
-        """With route_remote off, a direct request for a model only another node names
-        cannot run here: say so and what to do, not that no such model exists."""
-        if self.cluster is None or self.config.cluster.route_remote or not request.model:
-            return None
-        if (admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
-                or self.cluster.elsewhere(request.model) is None):
-            return None
-        return Error(id=request.id, code=ErrorCode.UNKNOWN_MODEL, message=(
-            f"model {request.model!r} is not configured on this node; another node of the "
-            "cluster runs it, but [cluster] route_remote = false keeps direct requests "
-            "here: submit it as a job, or ask that node"))
+        if spec is None and request.model and cluster.elsewhere(request.model) is not None:
+            if self.config.cluster.route_remote:
+                self._answer_later(conn, request.id, self.jobs.relay(conn.peer.uid, request))
+            else:
+                conn.send(Error(id=request.id, code=ErrorCode.UNKNOWN_MODEL, message=(
+                    f"model {request.model!r} is not configured on this node; another node "
+                    "of the cluster runs it, but [cluster] route_remote = false keeps "
+                    "direct requests here: submit it as a job, or ask that node")))
+        elif spec is not None and self.config.cluster.route_remote \
+                and cluster.should_route(spec.key):
+            self._answer_later(conn, request.id, self.jobs.relay(conn.peer.uid, request))
+        else:
+            self.pool.submit(conn, request, nbytes)
 
     def _answer_later(self, conn: Connection, rid: int, reply: Coroutine[Any, Any, Any]) -> None:
         """Send what the coroutine returns, without holding up this connection's other
@@ -171,12 +167,10 @@ class FrontDoor:
             conn.send(refusal)
             return
         match msg:
-            case _ if type(msg) in KIND_OF and self._served_elsewhere(msg):
-                self._answer_later(conn, msg.id, self.jobs.relay(conn.peer.uid, msg))
-            case _ if type(msg) in KIND_OF and (refused := self._not_routed(msg)):
-                conn.send(refused)
-            case _ if type(msg) in KIND_OF:
+            case _ if type(msg) in KIND_OF and self.cluster is None:
                 self.pool.submit(conn, msg, nbytes)
+            case _ if type(msg) in KIND_OF:
+                self._work(conn, msg, nbytes, self.cluster)
             case _ if isinstance(msg, JOB_REQUESTS):
                 self._answer_later(conn, msg.id, self._job(conn.peer.uid, msg, nbytes))
             case Cancel(id=client_id):
