@@ -28,6 +28,7 @@ from modelpool.supervisor.cluster_view import (
     Waiting,
     alike,
     differing,
+    jobs_of,
     may_load_here,
     model_elsewhere,
     model_identity,
@@ -195,20 +196,13 @@ class ClusterNode:
                     key, variant, f": no live node could run model {key!r} for {limit:g}s "
                     "(stranded_timeout_s)")
                 log.warning("%d waiting jobs of %s ended: no live node could run it for "
-                            "%gs", ended, self.shown(key, variant), limit)
+                            "%gs", ended, jobs_of(key, variant, self.variants), limit)
                 del self.stranded[key, variant]
-
-    def shown(self, key: str, variant: str | None) -> str:
-        """A model's name, and when its jobs are of another configuration than this
-        node's, which."""
-        if variant is None or variant == self.variants.get(key):
-            return key
-        return f"{key} (as configured elsewhere, variant {variant})"
 
     def stranded_ends_in(self) -> dict[str, float | None]:
         limit = self.pool.config.cluster.stranded_timeout_s
         now = self.pool.scheduler.now()
-        return {self.shown(key, variant): round(max(0.0, since + limit - now), 1)
+        return {jobs_of(key, variant, self.variants): round(max(0.0, since + limit - now), 1)
                 if limit else None for (key, variant), since in self.stranded.items()}
 
     def queued_jobs(self) -> dict[str, int]:

@@ -155,6 +155,14 @@ def models_elsewhere(peers: list[Peer], here: Collection[str]) -> list[ModelInfo
 Waiting = tuple[str, str | None]  # the jobs of a model and variant
 
 
+def jobs_of(key: str, variant: str | None, variants: Mapping[str, str]) -> str:
+    """The model whose jobs these are, as this node (its variants) says it: by its key,
+    and when it configures that key otherwise than they were accepted, which variant."""
+    if variant is None or variants.get(key, variant) == variant:
+        return key
+    return f"{key} (as configured elsewhere, variant {variant})"
+
+
 def stranded_since(waiting: Mapping[Waiting, int], runnable_here: Mapping[str, str],
                    peers: list[Peer], since: Mapping[Waiting, float],
                    now: float) -> dict[Waiting, float]:

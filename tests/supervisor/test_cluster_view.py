@@ -14,6 +14,7 @@ from modelpool.supervisor.cluster_view import (
     Peer,
     alike,
     differing,
+    jobs_of,
     may_load_here,
     model_elsewhere,
     model_identity,
@@ -167,3 +168,7 @@ def test_a_job_runs_only_where_its_model_is_configured_as_where_it_was_accepted(
     assert stranded_since(waiting, {"m": mine}, [unlike], {}, now=5.0) == {}
     assert stranded_since(waiting, {"m": mine}, [], {}, now=5.0) == {("m", other): 5.0}
     assert stranded_since(waiting, {}, [like], {}, now=5.0) == {("m", other): 5.0}
+    # Named so in status: another node's configuration of a key this node names.
+    assert jobs_of("m", mine, {"m": mine}) == jobs_of("m", None, {"m": mine}) == "m"
+    assert jobs_of("m", other, {"m": mine}) == f"m (as configured elsewhere, variant {other})"
+    assert jobs_of("m", other, {}) == "m"  # a model only other nodes name
