@@ -1,59 +1,22 @@
 """The shared queue and mailbox on a real PostgreSQL, driven in-process as two or more
 daemons would: the schema, leases and their fencing, joins, cancels, bounds, and waiting
-by LISTEN/NOTIFY."""
+by LISTEN/NOTIFY (how few statements it takes: test_pgjobs_statements.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from cluster_helpers import Database
+from pgjobs_helpers import done, node, record, submit
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.supervisor.mailbox import JobRecord
 from modelpool.supervisor.pgjobs import PgJobs
 from modelpool.supervisor.pgstore import MIGRATIONS, PgStore
 from modelpool.supervisor.tasks import QueueFull
-
-KEYS = iter(range(10**6))
-
-
-def record(model: str = "m", priority: str = "normal", dedup: bytes | None = None,
-           at: float | None = None, deadline_in: float | None = None,
-           variant: str | None = None) -> JobRecord:
-    submitted = at if at is not None else time.time()
-    return JobRecord(key=f"k{next(KEYS)}", uid=1000, op="embed", model=model,
-                     priority=priority, request=b"\x80", dedup=dedup, submitted_at=submitted,
-                     deadline_at=None if deadline_in is None else submitted + deadline_in,
-                     variant=variant)
-
-
-def done(rec: JobRecord, result: bytes) -> JobRecord:
-    return JobRecord(key=rec.key, uid=rec.uid, op=rec.op, model=rec.model,
-                     priority=rec.priority, request=b"", submitted_at=rec.submitted_at,
-                     state="done", finished_at=time.time(), result=result)
-
-
-@contextlib.asynccontextmanager
-async def node(database: Database, name: str, lease_s: float = 10.0,
-               max_queued: int = 10_000) -> AsyncIterator[PgJobs]:
-    jobs = PgJobs(name, lease_s, retention_s=60, max_bytes=1 << 30, max_queued=max_queued)
-    store = jobs.connect(database.dsn)
-    await store.start()
-    await asyncio.wait_for(store.listening.wait(), 10)
-    try:
-        yield jobs
-    finally:
-        await store.close()
-
-
-async def submit(jobs: PgJobs, rec: JobRecord) -> JobRecord:
-    await jobs.add(rec)
-    await jobs.put(rec)
-    return rec
 
 
 async def test_the_schema_is_created_once_when_several_daemons_start_together(
@@ -320,88 +283,6 @@ async def test_nodes_claiming_at_once_never_claim_the_same_job(database: Databas
     every = [key for claimed in claims for key in claimed]
     assert sorted(every) == sorted(keys)  # each exactly once
     assert sum(bool(claimed) for claimed in claims) >= 2  # they did claim side by side
-
-
-def count_statements(jobs: PgJobs) -> list[str]:
-    """Every statement the node sends from now on."""
-    sent: list[str] = []
-    fetch = jobs._fetch
-
-    async def counted(sql: str, params: object = ()) -> list[dict[str, object]]:
-        sent.append(" ".join(sql.split()))
-        return await fetch(sql, params)
-
-    jobs._fetch = counted  # type: ignore[method-assign]
-    return sent
-
-
-async def test_jobs_written_together_share_statements_and_identical_ones_join_the_first(
-        database: Database) -> None:
-    async with node(database, "a") as a, node(database, "b") as b:
-        await a.usage()  # the mailbox's size is counted: not among the statements below
-        sent = count_statements(a)
-        plain = [record() for _ in range(30)]
-        same = [record(dedup=b"same") for _ in range(10)]
-        await asyncio.gather(*(a.add(r) for r in [*plain, *same]))
-        inserts = [s for s in sent if "INSERT INTO" in s]
-        assert 1 <= len(inserts) <= 2  # the first alone, the rest in the next
-        assert {r.state for r in plain} == {"queued"}
-        assert [r.state for r in same].count("queued") == 1  # one leader, nine joined it
-        claimed = await b.claim({"m": 100})
-        assert len(claimed) == 31
-        leader = next(r for r in claimed if r.key in {s.key for s in same})
-        waits = [asyncio.create_task(a.wait(r.key, 10, 1000)) for r in same]
-        results = [done(r, b"r" + r.key.encode()) for r in claimed]
-        stored = await asyncio.gather(*(b.finish(r.key, res)
-                                        for r, res in zip(claimed, results, strict=True)))
-        assert all(stored)
-        ended = await asyncio.wait_for(asyncio.gather(*waits), 5)
-    assert {(e.state, e.result) for e in ended if e is not None} == \
-        {("done", b"r" + leader.key.encode())}
-    assert len(ended) == 10
-
-
-async def test_a_retrieve_on_the_node_that_stored_the_result_does_not_read_it_back(
-        database: Database) -> None:
-    async with node(database, "a") as a:
-        rec = await submit(a, record())
-        [claimed] = await a.claim({"m": 1})
-        sent = count_statements(a)
-        waiting = asyncio.create_task(a.wait(rec.key, 10, 1000))
-        await asyncio.sleep(0.1)  # it has read the job once: running
-        assert await a.finish(rec.key, done(claimed, b"here"))
-        ended = await asyncio.wait_for(waiting, 5)
-    assert ended is not None and (ended.state, ended.result, ended.node) == \
-        ("done", b"here", "a")
-    assert len(sent) == 2, sent  # the read, then the UPDATE
-    assert "WHERE key = ANY" in sent[0] and "UPDATE" in sent[1]
-
-
-async def test_a_claim_that_found_nothing_is_not_repeated_until_jobs_may_wait_again(
-        database: Database) -> None:
-    async with node(database, "a") as a, node(database, "b") as b:
-        assert await a.claim({"m": 4}) == []
-        sent = count_statements(a)
-        assert await a.claim({"m": 4}) == []
-        assert sent == []  # nothing new was announced: no statement
-        rec = await submit(b, record())  # its notification reaches a
-        deadline = time.monotonic() + 5
-        claimed: list[JobRecord] = []
-        while not claimed and time.monotonic() < deadline:
-            claimed = await a.claim({"m": 4})
-            await asyncio.sleep(0.01)
-        assert [r.key for r in claimed] == [rec.key]
-        assert await a.claim({"m": 4}) == []
-        before = len(sent)
-        await a.sweep()  # each tick looks again, notification or not
-        assert await a.claim({"m": 4}) == [] and len(sent) == before + 2
-
-
-async def test_the_statements_run_as_generic_plans(database: Database) -> None:
-    async with node(database, "a") as a:
-        assert a.store is not None
-        rows = await a.store.fetch("SHOW plan_cache_mode")
-    assert rows == [{"plan_cache_mode": "force_generic_plan"}]  # planned once, not per call
 
 
 async def test_a_job_is_claimed_only_by_nodes_that_configure_its_model_alike(
