@@ -175,8 +175,8 @@ class ClusterNode:
         self._note_differences(differing(self.identities, self.peers))
 
     def _note_differences(self, differs: dict[str, list[str]]) -> None:
-        """Said once in the log when it starts: their jobs and routed requests may run
-        on either configuration, with different outputs."""
+        """Said once in the log when it starts: from then on the two configurations do
+        not share work of that key (each runs only its own jobs of it)."""
         for key, names in differs.items():
             new = sorted(set(names) - set(self.differs.get(key, [])))
             if new:

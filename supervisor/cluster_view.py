@@ -15,6 +15,7 @@ import hashlib
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import msgspec
@@ -45,11 +46,15 @@ class Peer:
     # Each model of its config: what decides its outputs (model_identity).
     identities: Mapping[str, str] = field(default_factory=dict)
 
+    @cached_property
+    def variants(self) -> dict[str, str]:
+        """Each model of its config: its variant (made once per beat, not per look)."""
+        return {key: variant_of(identity) for key, identity in self.identities.items()}
+
     def variant(self, key: str) -> str | None:
         """The variant of the model it configures under this key (None: it names no
         such model, or is of a version that does not say)."""
-        identity = self.identities.get(key)
-        return None if identity is None else variant_of(identity)
+        return self.variants.get(key)
 
 
 def peer_from_row(row: dict[str, Any]) -> Peer:

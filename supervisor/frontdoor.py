@@ -75,16 +75,15 @@ class FrontDoor:
         too; so is one that only another daemon's config names. With route_remote off,
         the latter is refused saying so, not as if no node had it."""
         spec = admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
-        if spec is None and request.model and cluster.elsewhere(request.model) is not None:
-            if self.config.cluster.route_remote:
-                self._answer_later(conn, request.id, self.jobs.relay(conn.peer.uid, request))
-            else:
-                conn.send(Error(id=request.id, code=ErrorCode.UNKNOWN_MODEL, message=(
-                    f"model {request.model!r} is not configured on this node; another node "
-                    "of the cluster runs it, but [cluster] route_remote = false keeps "
-                    "direct requests here: submit it as a job, or ask that node")))
-        elif spec is not None and self.config.cluster.route_remote \
-                and cluster.should_route(spec.key):
+        route_remote = self.config.cluster.route_remote
+        remote = (spec is None and bool(request.model)
+                  and cluster.elsewhere(request.model) is not None)
+        if remote and not route_remote:
+            conn.send(Error(id=request.id, code=ErrorCode.UNKNOWN_MODEL, message=(
+                f"model {request.model!r} is not configured on this node; another node of "
+                "the cluster runs it, but [cluster] route_remote = false keeps direct "
+                "requests here: submit it as a job, or ask that node")))
+        elif remote or (spec is not None and route_remote and cluster.should_route(spec.key)):
             self._answer_later(conn, request.id, self.jobs.relay(conn.peer.uid, request))
         else:
             self.pool.submit(conn, request, nbytes)
