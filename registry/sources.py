@@ -58,6 +58,23 @@ def cached_snapshot(repo: str, revision: str, cache: Path | None = None) -> Path
     return snapshot if snapshot.is_dir() else None
 
 
+def local_dir(spec: ModelSpec) -> Path | None:
+    """Where the model's files are on this machine now (a hub model: its snapshot in the
+    hub cache, as its worker will find it), without a hub call; None if not here."""
+    base: Path | None = None
+    if spec.path:
+        base = Path(spec.path).expanduser()
+    elif spec.package:
+        found = importlib.util.find_spec(spec.package)
+        if found and found.origin:
+            base = Path(found.origin).parent
+    elif spec.repo:
+        base = cached_snapshot(spec.repo, spec.revision)
+    if base is None:
+        return None
+    return base / spec.subdir if spec.subdir else base
+
+
 def pull_hint(spec: ModelSpec) -> str:
     revision = f" --revision {spec.revision}" if spec.revision != "main" else ""
     return f"run `modelpool pull {spec.key}{revision}`"

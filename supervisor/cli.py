@@ -219,8 +219,8 @@ def _print_cluster(cluster: dict[str, Any], keys: list[str]) -> None:
     waiting = ", ".join(f"{k}: {n}" for k, n in cluster["queued_jobs"].items()) or "none"
     print(f"  jobs waiting in the shared queue: {waiting}")
     for key, nodes in cluster.get("differs", {}).items():
-        print(f"  {key} is configured otherwise on {', '.join(nodes)} than here (source, "
-              "loader or options): each runs only its own jobs of it")
+        print(f"  {key} is configured otherwise on {', '.join(nodes)} than here (its files, "
+              "source, loader or options): each runs only its own jobs of it")
     for key, ends_in in cluster.get("stranded", {}).items():
         fate = "wait for one" if ends_in is None else f"end in {ends_in:.0f}s unless one comes"
         print(f"  no live node can run {key}: its jobs {fate}")

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -21,6 +22,7 @@ import msgspec
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.jobs import PoolStats
 from modelpool.protocol.messages import ClusterStatus, ModelInfo, ModelLoad, NodeStatus
+from modelpool.registry.content import content_digests
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.cluster_view import (
@@ -78,9 +80,16 @@ class ClusterNode:
         # Models (and variants) whose waiting jobs no live node can run, since when
         # (scheduler time).
         self.stranded: dict[Waiting, float] = {}
-        specs = [model.spec for model in pool.models.values()]
-        # What the beat says of this node's config, which does not change: made once.
-        self.identities = {spec.key: model_identity(spec) for spec in specs}
+        self._identify({})
+        # Models some live peers configure otherwise than this node, and who they are.
+        self.differs: dict[str, list[str]] = {}
+
+    def _identify(self, contents: Mapping[str, str]) -> None:
+        """What the beat says of this node's config (made once, when the node joins: it
+        does not change), with its models' files by their content where known."""
+        specs = [model.spec for model in self.pool.models.values()]
+        self.identities = {spec.key: model_identity(spec, contents.get(spec.key))
+                           for spec in specs}
         # The variant of each model as configured here: its jobs carry it, and only
         # nodes configured alike claim them.
         self.variants = {key: variant_of(identity) for key, identity in self.identities.items()}
@@ -88,8 +97,19 @@ class ClusterNode:
                         "names": {name.lower(): spec.key for spec in specs
                                   for name in (spec.key, *spec.aliases)},
                         "identities": self.identities}
-        # Models some live peers configure otherwise than this node, and who they are.
-        self.differs: dict[str, list[str]] = {}
+
+    async def identify(self) -> None:
+        """Read this node's model files (in a thread: the first time, gigabytes may be
+        hashed), before it joins: until then it takes no jobs."""
+        specs = [model.spec for model in self.pool.models.values()]
+        started = time.monotonic()
+        contents = await asyncio.to_thread(content_digests, specs)
+        self._identify(contents)
+        log.info("cluster node %s: the files of %d local model(s) identified in %.1fs",
+                 self.name, len(contents), time.monotonic() - started)
+
+    def variant(self, key: str) -> str | None:
+        return self.variants.get(key)
 
     def may_load(self, key: str) -> bool:
         model = self.pool.models[key]
@@ -180,8 +200,8 @@ class ClusterNode:
         for key, names in differs.items():
             new = sorted(set(names) - set(self.differs.get(key, [])))
             if new:
-                log.warning("model %s is configured otherwise on %s than here (source, "
-                            "loader or options): each runs only its own jobs of it", key,
+                log.warning("model %s is configured otherwise on %s than here (its files, "
+                            "source, loader or options): each runs only its own jobs of it", key,
                             ", ".join(new))
         self.differs = differs
 
@@ -244,13 +264,14 @@ def job_service(config: Config, pool: Pool, scheduler: Scheduler,
     cluster = ClusterNode(node, pool, backend, store, service.local_stats)
     service.may_load, service.peer_stats = cluster.may_load, cluster.peer_stats
     service.runs_elsewhere, service.elsewhere = cluster.runs_elsewhere, cluster.elsewhere
-    service.variants = backend.variants = cluster.variants
+    service.variant = backend.variant = cluster.variant
     return service, cluster
 
 
 async def keep_in_touch(cluster: ClusterNode, jobs: JobService) -> None:
     """Connect (and migrate the schema), then beat and tick once a second; a PostgreSQL
     that is down only delays this, with back-off, while the daemon serves on."""
+    await cluster.identify()
     backoff = 0.5
     while True:
         try:

@@ -113,10 +113,13 @@ def may_load_here(model: ModelState, peers: list[Peer], loading: int, max_loads:
     return memory.room_for(model.charge(), used_mb, budget_mb) > 0
 
 
-def model_identity(spec: ModelSpec) -> str:
+def model_identity(spec: ModelSpec, content: str | None = None) -> str:
     """What decides a model's outputs: two nodes whose configs give one key different
-    identities serve different models under one name."""
-    return json.dumps([spec.capability, spec.source, spec.subdir, spec.loader, spec.options],
+    identities serve different models under one name. Its files by their content where
+    this node has it (registry/content.py: a path or a package, at any place), else
+    where they come from (a hub repo and revision, a custom loader)."""
+    files = [f"content:{content}", ""] if content else [spec.source, spec.subdir]
+    return json.dumps([spec.capability, *files, spec.loader, spec.options],
                       sort_keys=True, default=str)
 
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -82,7 +82,7 @@ class JobService:
         self.peer_stats: Callable[[], list[PoolStats]] = list
         self.runs_elsewhere: Callable[[str], bool] = lambda key: False
         self.elsewhere: Callable[[str], RemoteModel | None] = lambda name: None
-        self.variants: Mapping[str, str] = {}  # of this node's models (cluster_view.py)
+        self.variant: Callable[[str], str | None] = lambda key: None  # cluster_view.py
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         # Results not yet stored (the shared mailbox was unreachable): retried each tick.
@@ -109,7 +109,7 @@ class JobService:
             raise PoolError(refusal.code, refusal.message, refusal.retry_after_s)
         model = spec.key if spec else remote.key if remote else request.model
         # Only nodes configured alike run it, and only its like joins it.
-        variant = remote.variant if remote else self.variants.get(model)
+        variant = remote.variant if remote else self.variant(model)
         dedup = dedup_key(kind, with_defaults(request, self.pool.config.defaults), model)
         now = self.pool.scheduler.wall()
         deadline_in = admission.deadline_in(request, now)

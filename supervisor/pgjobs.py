@@ -88,7 +88,7 @@ class PgJobs:
         self._drained: dict[str, int] = {}  # model -> _hints when found empty
         # The variant of each model as this node configures it (set by the cluster): it
         # claims only jobs of that variant (or of none).
-        self.variants: Mapping[str, str] = {}
+        self.variant: Callable[[str], str | None] = lambda model: None
 
     def connect(self, dsn: str) -> PgStore:
         self.store = PgStore(dsn, self.notified, self.reconnected)
@@ -271,7 +271,7 @@ class PgJobs:
                     FOR UPDATE SKIP LOCKED) AS picked)
             RETURNING {COLUMNS}""",
             {"node": self.node, "lease": self.lease_s, "models": list(rooms),
-             "variants": [self.variants.get(model) for model in rooms],
+             "variants": [self.variant(model) for model in rooms],
              "limits": list(rooms.values()), "now": time.time()})
         records = sorted((_record(row) for row in rows),
                          key=lambda r: (PRIORITY_RANK[r.priority], r.submitted_at))

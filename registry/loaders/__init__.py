@@ -6,7 +6,6 @@ Runs in the worker process only (imports torch through the loaders it picks).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpool.registry.download import check_intact, resolve_model_dir
+from modelpool.registry.sources import local_dir
 from modelpool.registry.spec import ModelSpec
 
 Loader = Callable[[ModelSpec, Path | None], Any]
@@ -105,7 +105,7 @@ def preload_modules(specs: list[ModelSpec]) -> list[str]:
     modules: set[str] = set()
     for spec in specs:
         default = LOADERS.get(spec.capability)
-        local = _local_dir(spec)
+        local = local_dir(spec)
         if _runs_cached_onnx(spec, local):
             modules.update((default.loader.partition(":")[0], *ONNX_MODULES) if default
                            else ONNX_MODULES)  # and no torch for this one
@@ -140,7 +140,7 @@ def exports_to_make(specs: list[ModelSpec]) -> list[tuple[ModelSpec, Path, Path]
 
     found = []
     for spec in specs:
-        local = _local_dir(spec)
+        local = local_dir(spec)
         if (local is None or not _may_run_onnx(spec)
                 or onnx_cache.unsupported(spec) is not None or not local.is_dir()):
             continue
@@ -163,25 +163,6 @@ def _runs_cached_onnx(spec: ModelSpec, local: Path | None) -> bool:
     if not _may_run_onnx(spec) or local is None:
         return False
     return onnx_cache.cached_choice(spec, local) == "onnx"
-
-
-def _local_dir(spec: ModelSpec) -> Path | None:
-    """Where the model's files are on this machine now (a hub model: its snapshot in the
-    hub cache, as its worker will find it), without a hub call; None if not here."""
-    from modelpool.registry.sources import cached_snapshot
-
-    base: Path | None = None
-    if spec.path:
-        base = Path(spec.path).expanduser()
-    elif spec.package:
-        found = importlib.util.find_spec(spec.package)
-        if found and found.origin:
-            base = Path(found.origin).parent
-    elif spec.repo:
-        base = cached_snapshot(spec.repo, spec.revision)
-    if base is None:
-        return None
-    return base / spec.subdir if spec.subdir else base
 
 
 def _local_config(model_dir: Path | None) -> dict[str, Any] | None:

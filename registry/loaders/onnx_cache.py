@@ -26,6 +26,7 @@ from typing import Literal
 
 import msgspec
 
+from modelpool.registry.content import cache_dir
 from modelpool.registry.spec import ModelSpec
 
 FORMAT = "3"  # bump when the export or the manifest changes
@@ -78,12 +79,8 @@ def export_peak_mb(weights_mb: float) -> float:
 
 
 def cache_root() -> Path:
-    """$MODELPOOL_CACHE_DIR, else $XDG_CACHE_HOME/modelpool, else ~/.cache/modelpool."""
-    explicit = os.environ.get("MODELPOOL_CACHE_DIR")
-    if explicit:
-        return Path(explicit) / "onnx"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "modelpool" / "onnx"
+    """The exports' place in modelpool's cache directory (registry/content.py)."""
+    return cache_dir() / "onnx"
 
 
 def entry_key(spec: ModelSpec, model_dir: Path) -> str:

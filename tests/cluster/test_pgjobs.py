@@ -288,7 +288,7 @@ async def test_nodes_claiming_at_once_never_claim_the_same_job(database: Databas
 async def test_a_job_is_claimed_only_by_nodes_that_configure_its_model_alike(
         database: Database) -> None:
     async with node(database, "a") as a, node(database, "b") as b:
-        a.variants, b.variants = {"m": "va"}, {"m": "vb"}
+        a.variant, b.variant = {"m": "va"}.get, {"m": "vb"}.get
         theirs = await submit(a, record(variant="vb", priority="critical"))
         ours = await submit(a, record(variant="va"))
         older = await submit(a, record())  # of a node that does not say: anyone's

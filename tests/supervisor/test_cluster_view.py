@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from modelpool.protocol.messages import ModelLoad
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.cluster_view import (
@@ -145,6 +147,20 @@ def test_a_model_one_key_names_differently_on_two_nodes_is_found() -> None:
     here = {"m": "a", "n": "b"}
     peers = [configures("p", m="a", n="c"), configures("q", n="d", o="e")]
     assert differing(here, peers) == {"n": ["p", "q"]}
+
+
+def test_local_files_are_known_by_their_content_and_the_rest_as_before() -> None:
+    at_one = ModelSpec(key="m", capability="text_embedding", path="/srv/models/m")
+    at_another = ModelSpec(key="m", capability="text_embedding", path="/data/m", aliases=["x"])
+    assert model_identity(at_one, "c0ffee") == model_identity(at_another, "c0ffee")
+    assert model_identity(at_one, "c0ffee") != model_identity(at_one, "decaf")
+    assert model_identity(at_one, "c0ffee") != model_identity(  # how it is loaded still counts
+        msgspec.structs.replace(at_one, options={"pooling": "cls"}), "c0ffee")
+    # Without local files, as a node of the previous version says it: they stay alike.
+    hub = ModelSpec(key="m", capability="text_embedding", repo="org/m",
+                    options={"pooling": "cls"})
+    assert model_identity(hub) == (
+        '["text_embedding", "hub:org/m@main", "", null, {"pooling": "cls"}]')
 
 
 def test_a_job_runs_only_where_its_model_is_configured_as_where_it_was_accepted() -> None:
