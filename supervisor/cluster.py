@@ -265,6 +265,7 @@ def job_service(config: Config, pool: Pool, scheduler: Scheduler,
     service.may_load, service.peer_stats = cluster.may_load, cluster.peer_stats
     service.runs_elsewhere, service.elsewhere = cluster.runs_elsewhere, cluster.elsewhere
     service.variant = backend.variant = cluster.variant
+    service.streams = backend.streams
     return service, cluster
 
 

@@ -71,6 +71,7 @@ class Connection(asyncio.Protocol):
         self.owner = (self.peer.uid, next(_serials))  # a turn within its user's, in the queues
         self.jobs: dict[int, Any] = {}
         self.tasks: set[asyncio.Task[Any]] = set()  # replies being worked out (job API)
+        self.relays: dict[int, asyncio.Task[Any]] = {}  # of those, direct requests run elsewhere
         self.closed = False
         self.counted = 0  # this connection's unread reply bytes when the table last looked
         self.last_active = table.now()

@@ -52,6 +52,7 @@ from modelpool.supervisor.config import Config
 from modelpool.supervisor.connections import Connection
 from modelpool.supervisor.jobservice import JobService
 from modelpool.supervisor.pool import Pool
+from modelpool.supervisor.relay import relay
 
 log = logging.getLogger("modelpool.server")
 
@@ -84,11 +85,17 @@ class FrontDoor:
                 "the cluster runs it, but [cluster] route_remote = false keeps direct "
                 "requests here: submit it as a job, or ask that node")))
         elif remote or (spec is not None and route_remote and cluster.should_route(spec.key)):
-            self._answer_later(conn, request.id, self.jobs.relay(conn.peer.uid, request))
+            task = self._answer_later(conn, request.id,
+                                      relay(self.jobs, conn.peer.uid, request, conn.send))
+            if task is not None:  # a Cancel of it stops it (and its job)
+                conn.relays[request.id] = task
+                task.add_done_callback(lambda done, rid=request.id: conn.relays.pop(rid)
+                                       if conn.relays.get(rid) is done else None)
         else:
             self.pool.submit(conn, request, nbytes)
 
-    def _answer_later(self, conn: Connection, rid: int, reply: Coroutine[Any, Any, Any]) -> None:
+    def _answer_later(self, conn: Connection, rid: int,
+                      reply: Coroutine[Any, Any, Any]) -> asyncio.Task[None] | None:
         """Send what the coroutine returns, without holding up this connection's other
         requests; a bounded number at a time per connection."""
         if len(conn.tasks) >= MAX_PENDING_REPLIES:
@@ -96,7 +103,7 @@ class FrontDoor:
             conn.send(Error(id=rid, code=ErrorCode.OVERLOADED, retry_after_s=1.0,
                             message=f"{MAX_PENDING_REPLIES} job requests of this connection "
                                     "are still being answered"))
-            return
+            return None
 
         async def answer() -> None:
             try:
@@ -111,6 +118,7 @@ class FrontDoor:
         task = asyncio.get_running_loop().create_task(answer())
         conn.tasks.add(task)
         task.add_done_callback(conn.tasks.discard)
+        return task
 
     def greet(self, conn: Connection, payload: bytes | bytearray) -> bool:
         """The client's first frame, which must be its hello: welcome it, or say why
@@ -173,7 +181,13 @@ class FrontDoor:
             case _ if isinstance(msg, JOB_REQUESTS):
                 self._answer_later(conn, msg.id, self._job(conn.peer.uid, msg, nbytes))
             case Cancel(id=client_id):
-                self.pool.cancel(conn, client_id)
+                relayed = conn.relays.pop(client_id, None)
+                if relayed is None or relayed.done():  # (done: its final reply is sent)
+                    self.pool.cancel(conn, client_id)
+                else:
+                    relayed.cancel()
+                    conn.send(Error(id=client_id, code=ErrorCode.CANCELLED,
+                                    message=f"request {client_id} cancelled"))
             case GetStatus(id=rid):
                 conn.send(StatusReply(id=rid, status=self.status_report()))
             case ListModels(id=rid):

@@ -29,9 +29,7 @@ from modelpool.protocol.jobs import (
 )
 from modelpool.protocol.kinds import KIND_OF, with_defaults
 from modelpool.protocol.messages import (
-    Chunk,
     Embeddings,
-    End,
     Error,
     Image,
     Scores,
@@ -43,6 +41,7 @@ from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.jobsink import MailboxSink
 from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
+from modelpool.supervisor.pgstreams import RelayedStreams, StreamPiece
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.queueing import dedup_key
 from modelpool.supervisor.tasks import QueueFull, TaskQueue
@@ -83,6 +82,7 @@ class JobService:
         self.runs_elsewhere: Callable[[str], bool] = lambda key: False
         self.elsewhere: Callable[[str], RemoteModel | None] = lambda name: None
         self.variant: Callable[[str], str | None] = lambda key: None  # cluster_view.py
+        self.streams: RelayedStreams | None = None  # relayed streams' text (pgstreams.py)
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         # Results not yet stored (the shared mailbox was unreachable): retried each tick.
@@ -93,7 +93,8 @@ class JobService:
 
     # ---- what clients ask --------------------------------------------------------------
 
-    async def submit(self, uid: int, msg: Submit, nbytes: int) -> str:
+    async def submit(self, uid: int, msg: Submit, nbytes: int, *, key: str | None = None,
+                     stream_to: str | None = None) -> str:
         """Admit a job and return its key. It is refused as a direct request would be
         (unknown model, bad field, ...), except that it waits in the job queue rather
         than the model's: QUEUE_FULL at [jobs] max_queued, OVERLOADED with a full
@@ -113,7 +114,7 @@ class JobService:
         dedup = dedup_key(kind, with_defaults(request, self.pool.config.defaults), model)
         now = self.pool.scheduler.wall()
         deadline_in = admission.deadline_in(request, now)
-        record = JobRecord(key=new_key(), uid=uid, op=kind.op,
+        record = JobRecord(key=key or new_key(), uid=uid, op=kind.op, stream_to=stream_to,
                            model=model, priority=request.priority,
                            request=encoder.encode(request), single=msg.single,
                            dedup=dedup + variant.encode() if dedup and variant else dedup,
@@ -186,34 +187,6 @@ class JobService:
         stored, nbytes = await self.mailbox.usage()
         return pool_stats.added_up([self.local_stats(), *self.peer_stats()], stored, nbytes,
                                    await self.queue.length())
-
-    async def relay(self, uid: int, request: WorkRequest) -> list[Any]:
-        """A direct request run by another daemon through the shared queue; its replies
-        as the direct path sends them (a stream arrives as one chunk and its end)."""
-        timeout = request.timeout_s or self.pool.config.pool.timeout_s
-        try:
-            key = await self.submit(uid, Submit(id=request.id, request=request), 0)
-        except PoolError as exc:
-            return [Error(id=request.id, code=exc.code, message=exc.message,
-                          retry_after_s=exc.retry_after_s)]
-        try:
-            result = await self.retrieve(uid, key, timeout, request.id)
-        except PoolError as exc:
-            if exc.code is ErrorCode.TIMEOUT:
-                await self.cancel(uid, key)
-            return [Error(id=request.id, code=exc.code, message=exc.message)]
-        except asyncio.CancelledError:  # the client went away: so does its request
-            await self.cancel(uid, key)
-            raise
-        finally:
-            await self.mailbox.remove(key)
-        reply = result.result
-        if isinstance(reply, Completion):
-            return [Chunk(id=request.id, seq=0, text=reply.text),
-                    End(id=request.id, finish_reason=reply.finish_reason,
-                        prompt_tokens=reply.prompt_tokens,
-                        completion_tokens=reply.completion_tokens, model=reply.model)]
-        return [msgspec.structs.replace(reply, id=request.id)]
 
     # ---- running jobs ------------------------------------------------------------------
 
@@ -288,6 +261,12 @@ class JobService:
         sink = self._running.get(key)
         if sink is not None:
             self.pool.cancel(sink, 0)
+
+    def stream_piece(self, record: JobRecord, offset: int, text: str) -> None:
+        """A relayed stream's text as it is made, for the node its client is on."""
+        if self.streams is not None and record.stream_to is not None:
+            self.streams.publisher.publish(record.stream_to, StreamPiece(
+                record.key, record.attempt, offset, text))
 
     def ended(self, sink: MailboxSink, result: Any) -> None:
         """The pool's final reply for a job (called in the pool's call stack)."""

@@ -40,6 +40,7 @@ class MailboxSink:
         self.lost = False  # its claim lapsed: another daemon's result counts, not ours
         self.refusal: Error | None = None  # the pool refused to queue it
         self._text: list[str] = []
+        self._chars = 0  # of text so far
 
     @property
     def running(self) -> bool:
@@ -51,7 +52,10 @@ class MailboxSink:
             return
         match msg:
             case Chunk(text=text):
+                if self.record.stream_to is not None:  # a relayed stream: sent on as made
+                    self.service.stream_piece(self.record, self._chars, text)
                 self._text.append(text)
+                self._chars += len(text)
             case End():
                 self.service.ended(self, Completion(
                     text="".join(self._text), finish_reason=msg.finish_reason,

@@ -32,6 +32,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     # In a cluster: the variant of the model's config that accepted it (cluster_view.py);
     # only nodes that configure the model alike claim it. None: any node may.
     variant: str | None = None
+    # A relayed stream: the channel its text goes to as it is made (pgstreams.py).
+    stream_to: str | None = None
     submitted_at: float  # seconds since the epoch, as every time here
     state: str = "queued"
     started_at: float | None = None

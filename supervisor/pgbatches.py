@@ -13,7 +13,7 @@ from modelpool.supervisor.queueing import PRIORITY_RANK
 
 T = "modelpool.jobs"
 COLUMNS = ("key, uid, op, model, priority, request, single, submitted_at, state, started_at, "
-           "finished_at, node, result, error_code, error_message, attempt")
+           "finished_at, node, result, error_code, error_message, attempt, stream_to")
 
 # Claimed at once (the caller can start it, and nothing of its model and variant waits at
 # its priority or above: priorities hold across nodes) a job wakes no other node; queued, it
@@ -25,9 +25,9 @@ INSERT = f"""
             %(models)s::text[], %(priorities)s::smallint[], %(requests)s::bytea[],
             %(singles)s::boolean[], %(dedups)s::bytea[], %(submitted)s::float8[],
             %(claims)s::boolean[], %(joins)s::text[], %(deadlines)s::float8[],
-            %(variants)s::text[])
+            %(variants)s::text[], %(streams)s::text[])
         AS b(key, uid, op, model, priority, request, single, dedup, submitted_at, claim,
-             joins, deadline_in, variant)),
+             joins, deadline_in, variant, stream_to)),
     fated AS MATERIALIZED (
         SELECT b.*, coalesce(lead.key, b.joins) AS leader, CASE
             WHEN coalesce(lead.key, b.joins) IS NOT NULL THEN 'joined'
@@ -43,14 +43,14 @@ INSERT = f"""
     added AS (
         INSERT INTO {T} (key, uid, op, model, priority, request, single, dedup, leader,
                          submitted_at, state, node, attempt, lease_until, started_at,
-                         deadline_at, variant)
+                         deadline_at, variant, stream_to)
         SELECT key, uid, op, model, priority, request, single, dedup, leader, submitted_at,
                fate, CASE WHEN fate = 'running' THEN %(node)s ELSE '' END,
                CASE WHEN fate = 'running' THEN 1 ELSE 0 END,
                CASE WHEN fate = 'running' THEN now() + make_interval(secs => %(lease)s) END,
                CASE WHEN fate = 'running' THEN submitted_at END,
                now() + make_interval(secs => deadline_in),  -- the server clock
-               variant
+               variant, stream_to
         FROM fated
         RETURNING key, state, model),
     woken AS (
@@ -116,7 +116,7 @@ def insert_params(records: list[tuple[JobRecord, bool]]) -> dict[str, Any]:
         "claims": [claim for _, claim in records], "joins": joins,
         "deadlines": [None if r.deadline_at is None else r.deadline_at - r.submitted_at
                       for r in rows],
-        "variants": [r.variant for r in rows],
+        "variants": [r.variant for r in rows], "streams": [r.stream_to for r in rows],
     }
 
 

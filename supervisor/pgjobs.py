@@ -30,7 +30,13 @@ from modelpool.protocol.messages import PRIORITIES
 from modelpool.supervisor import pgbatches
 from modelpool.supervisor.groupcommit import GroupCommit
 from modelpool.supervisor.mailbox import JobRecord, MailboxFull
-from modelpool.supervisor.pgstore import PgStore
+from modelpool.supervisor.pgstore import CHANNELS, PgStore
+from modelpool.supervisor.pgstreams import (
+    RelayedStreams,
+    StreamFollowers,
+    StreamPublisher,
+    stream_channel,
+)
 from modelpool.supervisor.queueing import PRIORITY_RANK
 from modelpool.supervisor.tasks import QueueFull
 
@@ -89,9 +95,14 @@ class PgJobs:
         # The variant of each model as this node configures it (set by the cluster): it
         # claims only jobs of that variant (or of none).
         self.variant: Callable[[str], str | None] = lambda model: None
+        # Relayed streams: this node's clients' pieces arrive on its channel; pieces of
+        # the streams it runs for other nodes' clients leave through the publisher.
+        self.streams = RelayedStreams(stream_channel(node), StreamFollowers(),
+                                      StreamPublisher(self._fetch))
 
     def connect(self, dsn: str) -> PgStore:
-        self.store = PgStore(dsn, self.notified, self.reconnected)
+        self.store = PgStore(dsn, self.notified, self.reconnected,
+                             (*CHANNELS, self.streams.channel))
         return self.store
 
     async def _fetch(self, sql: str, params: Any = ()) -> list[dict[str, Any]]:
@@ -101,6 +112,7 @@ class PgJobs:
     # ---- notifications ------------------------------------------------------------------
 
     def notified(self, channel: str, key: str) -> None:
+        """`key`: the payload (a job's key, a model; on the streams' channel a piece)."""
         if channel == "modelpool_jobs":
             self._hints += 1
             self.ready.set()
@@ -111,6 +123,8 @@ class PgJobs:
                 self._wake(key)
         elif channel == "modelpool_cancel" and key in self._held and self.on_cancel:
             self.on_cancel(key)
+        elif channel == self.streams.channel:
+            self.streams.followers.notified(key)
 
     def reconnected(self) -> None:
         self._hints += 1
@@ -356,4 +370,4 @@ def _record(row: dict[str, Any]) -> JobRecord:
         finished_at=row["finished_at"], node=row["node"],
         result=bytes(row["result"]) if row["result"] is not None else None,
         error_code=row["error_code"], error_message=row["error_message"],
-        attempt=row["attempt"])
+        attempt=row["attempt"], stream_to=row["stream_to"])

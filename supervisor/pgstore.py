@@ -90,6 +90,8 @@ MIGRATIONS: tuple[str, ...] = (
     # A job is claimed only by nodes that configure its model as the node that accepted
     # it does (supervisor/cluster_view.py); NULL: by any (a job of an older node).
     "ALTER TABLE modelpool.jobs ADD COLUMN IF NOT EXISTS variant text;",
+    # A relayed stream's text goes to this channel as it is made (supervisor/pgstreams.py).
+    "ALTER TABLE modelpool.jobs ADD COLUMN IF NOT EXISTS stream_to text;",
 )
 
 
@@ -100,8 +102,9 @@ def unavailable(exc: BaseException) -> PoolError:
 
 class PgStore:
     def __init__(self, dsn: str, on_notify: Callable[[str, str], None],
-                 on_reconnect: Callable[[], None]) -> None:
+                 on_reconnect: Callable[[], None], channels: tuple[str, ...] = CHANNELS) -> None:
         self.dsn = dsn
+        self.channels = channels
         self.on_notify = on_notify  # (channel, payload), on the event loop
         self.on_reconnect = on_reconnect  # notifications may have been missed meanwhile
         # A server that is down fails each operation within CONNECT_TIMEOUT_S rather than
@@ -178,7 +181,7 @@ class PgStore:
             try:
                 async with await psycopg.AsyncConnection.connect(
                         self.dsn, **CONNECTION_OPTIONS) as conn:
-                    for channel in CHANNELS:
+                    for channel in self.channels:
                         await conn.execute(f"LISTEN {channel}")
                     self.listening.set()
                     backoff = 0.5

@@ -1,0 +1,98 @@
+"""A direct request that another node of the cluster runs: submitted to the shared queue
+as a job and answered from it as the direct path answers. A stream's text reaches the
+client as the other node makes it (pgstreams.py), the rest from the job's result."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.jobs import Completion, JobResult, Submit
+from modelpool.protocol.kinds import KIND_OF
+from modelpool.protocol.messages import Chunk, End, Error, WorkRequest
+from modelpool.supervisor.jobservice import new_key
+from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece
+
+if TYPE_CHECKING:
+    from modelpool.supervisor.jobservice import JobService
+
+# The job is cancelled when its client gives up on it.
+GIVEN_UP = (ErrorCode.TIMEOUT, ErrorCode.WORKER_DIED)
+
+
+async def relay(jobs: JobService, uid: int, request: WorkRequest,
+                send: Callable[[Any], None]) -> list[Any]:
+    """The final replies; a stream's chunks go to `send` as they come."""
+    rid, key = request.id, new_key()
+    streams = jobs.streams if KIND_OF[type(request)].streaming else None
+    assembly = StreamAssembly()
+    try:
+        pieces = streams.followers.follow(key) if streams else None
+        await jobs.submit(uid, Submit(id=rid, request=request), 0, key=key,
+                          stream_to=streams.channel if streams else None)
+        try:
+            timeout = request.timeout_s or jobs.pool.config.pool.timeout_s
+            result = await _follow(jobs.retrieve(uid, key, timeout, rid), pieces, assembly,
+                                   lambda text: send(Chunk(id=rid, seq=assembly.chunks - 1,
+                                                           text=text)))
+        except PoolError as exc:
+            if exc.code in GIVEN_UP:
+                await jobs.cancel(uid, key)
+            raise
+        except asyncio.CancelledError:  # the client went away or cancelled: so does its job
+            with contextlib.suppress(PoolError):  # its one reply is the cancellation's
+                await jobs.cancel(uid, key)
+            raise
+        finally:
+            with contextlib.suppress(PoolError):  # else it expires with the others
+                await jobs.mailbox.remove(key)
+    except PoolError as exc:
+        return [Error(id=rid, code=exc.code, message=exc.message,
+                      retry_after_s=exc.retry_after_s)]
+    finally:
+        if streams:
+            streams.followers.forget(key)
+    return _answer(rid, result, assembly)
+
+
+async def _follow(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
+                  assembly: StreamAssembly, send_text: Callable[[str], None]) -> JobResult:
+    """The job's result; meanwhile its stream's text, sent on as it comes in order."""
+    result = asyncio.ensure_future(retrieve)
+    try:
+        while pieces is not None and not result.done():
+            piece = asyncio.ensure_future(pieces.get())
+            await asyncio.wait({result, piece}, return_when=asyncio.FIRST_COMPLETED)
+            if not piece.done():
+                piece.cancel()
+                break
+            text = assembly.take(piece.result())
+            if text is None:
+                raise PoolError(ErrorCode.WORKER_DIED, "the node running this stream went "
+                                "away after sending part of it; it is being run again")
+            if text:
+                send_text(text)
+        return await result
+    finally:
+        if not result.done():
+            result.cancel()
+            with contextlib.suppress(asyncio.CancelledError, PoolError):
+                await result
+
+
+def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
+    reply = result.result
+    if not isinstance(reply, Completion):
+        return [msgspec.structs.replace(reply, id=rid)]
+    rest = assembly.rest(reply.text)
+    if rest is None:
+        return [Error(id=rid, code=ErrorCode.WORKER_DIED, message="the node running this "
+                      "stream went away after sending part of it; it was run again")]
+    end = End(id=rid, finish_reason=reply.finish_reason, prompt_tokens=reply.prompt_tokens,
+              completion_tokens=reply.completion_tokens, model=reply.model)
+    return [Chunk(id=rid, seq=assembly.chunks, text=rest), end] if rest else [end]

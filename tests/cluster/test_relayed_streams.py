@@ -1,0 +1,102 @@
+"""A stream a node relays to another through the shared queue reaches its client as it is
+made: the pieces through PostgreSQL on the client's node's channel, whole and in order;
+through two real daemons, a client of one streams a model only the other runs, and its
+cancel stops the generation there."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from cluster_helpers import (
+    Daemon,
+    Database,
+    model_entry,
+    model_status,
+    node_config,
+    nodes_seeing_each_other,
+    start_node,
+    wait_until,
+)
+from pgjobs_helpers import node, record, submit
+
+from modelpool.supervisor.pgstreams import StreamPiece
+
+
+async def test_a_streams_pieces_reach_the_node_it_was_asked_of_whole_and_in_order(
+        database: Database) -> None:
+    async with node(database, "runs") as runs, node(database, "asks") as asks:
+        channel = asks.streams.channel
+        asked = await submit(asks, msgspec.structs.replace(record(), stream_to=channel))
+        pieces = asks.streams.followers.follow(asked.key)
+        [claimed] = await runs.claim({"m": 1})
+        assert (claimed.key, claimed.stream_to, claimed.attempt) == (asked.key, channel, 1)
+        texts = [f"tok{i} " for i in range(300)] + ["é" * 20_000]  # ~40 KB in one piece
+        offset = 0
+        for text in texts:
+            runs.streams.publisher.publish(claimed.stream_to, StreamPiece(
+                claimed.key, claimed.attempt, offset, text))
+            offset += len(text)
+        got = ""
+        while len(got) < offset:
+            piece = await asyncio.wait_for(pieces.get(), 10)
+            assert (piece.key, piece.attempt, piece.offset) == (asked.key, 1, len(got))
+            got += piece.text
+        assert got == "".join(texts)
+        assert pieces.empty()
+        assert runs.streams.followers.follow("other").empty()  # only the asking node's
+
+
+GENERATOR = model_entry("gen", loader="counting_generator", capability="text_to_text",
+                        step_s=0.1)
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, database: Database) -> Iterator[tuple[Daemon, Daemon]]:
+    """alpha runs gen; beta's config does not name it, so beta relays it to alpha."""
+    with nodes_seeing_each_other(
+            lambda: start_node(tmp_path / "alpha", node_config(database.dsn, "alpha",
+                                                               GENERATOR)),
+            lambda: start_node(tmp_path / "beta", node_config(database.dsn, "beta", "")),
+    ) as (alpha, beta):
+        yield alpha, beta
+
+
+def test_a_client_of_one_node_streams_a_model_another_node_runs_as_it_is_made(
+        two_nodes: tuple[Daemon, Daemon]) -> None:
+    _, beta = two_nodes
+    with beta.client() as c:
+        wait_until(lambda: any(m["key"] == "gen" for m in c.models()), 20, "beta knows gen")
+        got, arrived = [], []
+        for part in c.generate("hello", model="gen", max_tokens=12):
+            got.append(part)
+            arrived.append(time.monotonic())
+    assert (got[-1].finish_reason, got[-1].completion_tokens) == ("length", 12)
+    assert "".join(part.text for part in got) == "".join(f"tok{i} " for i in range(12))
+    # As made, a token each 0.1 s: not one chunk at the end (as before), and the first
+    # long before the last.
+    assert len([part for part in got if part.text]) >= 4
+    assert arrived[-1] - arrived[0] > 0.5
+
+
+def test_a_cancelled_relayed_stream_stops_on_the_node_that_runs_it(
+        two_nodes: tuple[Daemon, Daemon]) -> None:
+    alpha, beta = two_nodes
+    with beta.client() as c:
+        wait_until(lambda: any(m["key"] == "gen" for m in c.models()), 20, "beta knows gen")
+        stream = c.generate("hello", model="gen", max_tokens=600)  # a minute of tokens
+        first = next(stream)
+        stream.close()  # sends the request's Cancel; the connection stays open
+        started = time.monotonic()
+        with alpha.client() as a:
+            wait_until(lambda: all(w["state"] == "idle"
+                                   for w in model_status(a.status(), "gen")["workers"]),
+                       20, "alpha's generation stopped")
+        stopped_in = time.monotonic() - started
+        assert c.embed("the connection still serves", model="all-MiniLM-L6-v2") is not None
+    assert first.text == "tok0 "
+    assert stopped_in < 20  # not the minute the whole stream takes
