@@ -6,11 +6,13 @@ cancel stops the generation there."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import openai
 import pytest
 from cluster_helpers import (
     Daemon,
@@ -56,14 +58,31 @@ GENERATOR = model_entry("gen", loader="counting_generator", capability="text_to_
 
 
 @pytest.fixture
-def two_nodes(tmp_path: Path, database: Database) -> Iterator[tuple[Daemon, Daemon]]:
-    """alpha runs gen; beta's config does not name it, so beta relays it to alpha."""
+def beta_http() -> str:
+    """The base URL of beta's HTTP API, on a free loopback port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, database: Database,
+              beta_http: str) -> Iterator[tuple[Daemon, Daemon]]:
+    """alpha runs gen; beta's config does not name it, so beta relays it to alpha. beta
+    also serves the HTTP API (open: loopback only)."""
+    http = f'\n[http]\nlisten = "{beta_http.removeprefix("http://")}"\n'
     with nodes_seeing_each_other(
             lambda: start_node(tmp_path / "alpha", node_config(database.dsn, "alpha",
                                                                GENERATOR)),
-            lambda: start_node(tmp_path / "beta", node_config(database.dsn, "beta", "")),
+            lambda: start_node(tmp_path / "beta", node_config(database.dsn, "beta", "")
+                               + http),
     ) as (alpha, beta):
         yield alpha, beta
+
+
+def generating(alpha: Daemon) -> bool:
+    with alpha.client() as a:
+        return any(w["state"] != "idle" for w in model_status(a.status(), "gen")["workers"])
 
 
 def test_a_client_of_one_node_streams_a_model_another_node_runs_as_it_is_made(
@@ -92,11 +111,25 @@ def test_a_cancelled_relayed_stream_stops_on_the_node_that_runs_it(
         first = next(stream)
         stream.close()  # sends the request's Cancel; the connection stays open
         started = time.monotonic()
-        with alpha.client() as a:
-            wait_until(lambda: all(w["state"] == "idle"
-                                   for w in model_status(a.status(), "gen")["workers"]),
-                       20, "alpha's generation stopped")
+        wait_until(lambda: not generating(alpha), 20, "alpha's generation stopped")
         stopped_in = time.monotonic() - started
         assert c.embed("the connection still serves", model="all-MiniLM-L6-v2") is not None
     assert first.text == "tok0 "
     assert stopped_in < 20  # not the minute the whole stream takes
+
+
+def test_an_openai_client_of_one_node_streams_another_nodes_model_and_can_leave(
+        two_nodes: tuple[Daemon, Daemon], beta_http: str) -> None:
+    alpha, _ = two_nodes
+    sdk = openai.OpenAI(base_url=f"{beta_http}/v1", api_key="unused", max_retries=0,
+                        timeout=60)
+    wait_until(lambda: "gen" in {m.id for m in sdk.models.list()}, 30, "beta lists gen")
+    texts = [part.choices[0].text for part in sdk.completions.create(
+        model="gen", prompt="count", max_tokens=8, stream=True)]
+    assert "".join(texts) == "".join(f"tok{i} " for i in range(8))
+    assert len([text for text in texts if text]) >= 4  # as made, not at the end
+    with sdk.completions.create(model="gen", prompt="count", max_tokens=600,
+                                stream=True) as endless:
+        assert next(iter(endless)).choices[0].text == "tok0 "
+    # The HTTP client left: beta's front door cancels its request, so alpha stops.
+    wait_until(lambda: not generating(alpha), 20, "alpha's generation stopped")
