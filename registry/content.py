@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from modelpool.registry.sources import local_dir
 from modelpool.registry.spec import ModelSpec
 
 REMEMBERED = "file-digests.json"
+CHUNK = 1 << 20
 Remembered = dict[str, list[int | str]]  # resolved path -> [size, mtime_ns, sha256]
 
 
@@ -35,26 +37,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modelpool"
 
 
-def content_digests(specs: Iterable[ModelSpec]) -> dict[str, str]:
+def content_digests(specs: Iterable[ModelSpec],
+                    stop: threading.Event | None = None) -> dict[str, str]:
     """By key, the content digest of each model named by a path or a package whose files
-    are on this machine (the others are known by their source alone)."""
+    are on this machine (the others are known by their source alone). Once `stop` is
+    set (the daemon is stopping), hashing ends within a megabyte, with what it has."""
     remembered = _read_remembered()
     found = {}
     for spec in specs:
         directory = local_dir(spec) if spec.path or spec.package else None
         if directory is None or not directory.is_dir():
             continue
-        with contextlib.suppress(OSError):  # unreadable: its load will say why
-            found[spec.key] = directory_digest(directory, remembered)
+        with contextlib.suppress(OSError):  # unreadable (or stopped): its load will say
+            found[spec.key] = directory_digest(directory, remembered, stop)
     _write_remembered(remembered)
     return found
 
 
-def directory_digest(directory: Path, remembered: Remembered) -> str:
+def directory_digest(directory: Path, remembered: Remembered,
+                     stop: threading.Event | None = None) -> str:
     digest = hashlib.sha256()
     for path in model_files(directory):
         name = path.relative_to(directory).as_posix()
-        digest.update(f"{name} {file_digest(path, remembered)}\n".encode())
+        digest.update(f"{name} {file_digest(path, remembered, stop)}\n".encode())
     return digest.hexdigest()
 
 
@@ -64,17 +69,22 @@ def model_files(directory: Path) -> list[Path]:
         for part in path.relative_to(directory).parts))
 
 
-def file_digest(path: Path, remembered: Remembered) -> str:
+def file_digest(path: Path, remembered: Remembered,
+                stop: threading.Event | None = None) -> str:
     resolved = str(path.resolve())
     stat = os.stat(resolved)
     mark: list[int | str] = [stat.st_size, stat.st_mtime_ns]
     known = remembered.get(resolved)
     if known is not None and known[:2] == mark:
         return str(known[2])
+    digest = hashlib.sha256()
     with open(resolved, "rb") as handle:
-        sha256 = hashlib.file_digest(handle, "sha256").hexdigest()
-    remembered[resolved] = [*mark, sha256]
-    return sha256
+        while chunk := handle.read(CHUNK):
+            if stop is not None and stop.is_set():
+                raise InterruptedError(f"stopped while hashing {resolved}")
+            digest.update(chunk)
+    remembered[resolved] = [*mark, digest.hexdigest()]
+    return digest.hexdigest()
 
 
 def _read_remembered() -> Remembered:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -103,7 +104,12 @@ class ClusterNode:
         hashed), before it joins: until then it takes no jobs."""
         specs = [model.spec for model in self.pool.models.values()]
         started = time.monotonic()
-        contents = await asyncio.to_thread(content_digests, specs)
+        stop = threading.Event()
+        try:
+            contents = await asyncio.to_thread(content_digests, specs, stop)
+        except asyncio.CancelledError:  # the daemon stops: so does the hashing, soon
+            stop.set()
+            raise
         self._identify(contents)
         log.info("cluster node %s: the files of %d local model(s) identified in %.1fs",
                  self.name, len(contents), time.monotonic() - started)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -90,4 +91,13 @@ def test_an_unwritable_cache_only_costs_hashing_again(
     monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(blocked))
     files = model_dir(tmp_path / "m")
     spec = ModelSpec(key="m", capability="text_embedding", path=str(files))
+    assert content_digests([spec]) == {"m": directory_digest(files, {})}
+
+
+def test_hashing_ends_once_told_to_stop(tmp_path: Path, cache: Path) -> None:
+    files = model_dir(tmp_path / "m", weights=b"\x01" * (3 << 20))
+    spec = ModelSpec(key="m", capability="text_embedding", path=str(files))
+    stop = threading.Event()
+    stop.set()
+    assert content_digests([spec], stop) == {}
     assert content_digests([spec]) == {"m": directory_digest(files, {})}
