@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import socket
 import sys
 import textwrap
 import time
@@ -163,3 +164,11 @@ def database(pg_server: pg.PgServer) -> Database:
 
 def fresh_database(server: pg.PgServer) -> Database:
     return Database(server, server.create_database(f"t{next(_databases)}"))
+
+
+@pytest.fixture
+def beta_http() -> str:
+    """The base URL of beta's HTTP API, on a free loopback port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"

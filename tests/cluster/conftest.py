@@ -7,9 +7,9 @@ import asyncio
 import inspect
 
 import pytest
-from cluster_helpers import database, pg_server
+from cluster_helpers import beta_http, database, pg_server
 
-__all__ = ["database", "pg_server"]
+__all__ = ["beta_http", "database", "pg_server"]
 
 ASYNC_TEST_TIMEOUT_S = 60.0
 

@@ -6,7 +6,6 @@ cancel stops the generation there."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,14 +54,6 @@ async def test_a_streams_pieces_reach_the_node_it_was_asked_of_whole_and_in_orde
 
 GENERATOR = model_entry("gen", loader="counting_generator", capability="text_to_text",
                         step_s=0.1)
-
-
-@pytest.fixture
-def beta_http() -> str:
-    """The base URL of beta's HTTP API, on a free loopback port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{probe.getsockname()[1]}"
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ name but configure otherwise is pointed out, and each runs only its own work of 
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -42,14 +41,6 @@ def embedder(key: str, mark: int, aliases: str = "[]", run_s: float = 0,
     max_workers = 1
     device = "{device}"
 """
-
-
-@pytest.fixture
-def beta_http() -> str:
-    """The base URL of beta's HTTP API, on a free loopback port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{probe.getsockname()[1]}"
 
 
 @pytest.fixture
