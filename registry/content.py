@@ -21,11 +21,11 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from modelpool.registry.integrity import file_hash
 from modelpool.registry.sources import local_dir
 from modelpool.registry.spec import ModelSpec
 
 REMEMBERED = "file-digests.json"
-CHUNK = 1 << 20
 Remembered = dict[str, list[int | str]]  # resolved path -> [size, mtime_ns, sha256]
 
 
@@ -77,14 +77,9 @@ def file_digest(path: Path, remembered: Remembered,
     known = remembered.get(resolved)
     if known is not None and known[:2] == mark:
         return str(known[2])
-    digest = hashlib.sha256()
-    with open(resolved, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            if stop is not None and stop.is_set():
-                raise InterruptedError(f"stopped while hashing {resolved}")
-            digest.update(chunk)
-    remembered[resolved] = [*mark, digest.hexdigest()]
-    return digest.hexdigest()
+    sha256 = file_hash(Path(resolved), hashlib.sha256(), stop)
+    remembered[resolved] = [*mark, sha256]
+    return sha256
 
 
 def _read_remembered() -> Remembered:

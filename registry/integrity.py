@@ -17,8 +17,10 @@ import json
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HASHED = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 VERIFIED_FILE = "modelpool-verified.json"
@@ -42,12 +44,19 @@ class Report:
 def blob_digest(path: Path, name_length: int) -> str:
     """The hash a cache blob is named by: sha256 (64 hex) or the git blob sha1 (40)."""
     if name_length == 64:
-        digest = hashlib.sha256()
-    else:
-        digest = hashlib.sha1(usedforsecurity=False)
-        digest.update(b"blob %d\0" % path.stat().st_size)
+        return file_hash(path, hashlib.sha256())
+    digest = hashlib.sha1(usedforsecurity=False)
+    digest.update(b"blob %d\0" % path.stat().st_size)
+    return file_hash(path, digest)
+
+
+def file_hash(path: Path, digest: Any, stop: threading.Event | None = None) -> str:
+    """The file's content through the hash, a megabyte at a time; once `stop` is set
+    (the daemon is stopping), InterruptedError instead."""
     with path.open("rb") as handle:
         while chunk := handle.read(CHUNK):
+            if stop is not None and stop.is_set():
+                raise InterruptedError(f"stopped while hashing {path}")
             digest.update(chunk)
     return digest.hexdigest()
 

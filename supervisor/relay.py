@@ -63,9 +63,11 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
 async def _follow(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
                   assembly: StreamAssembly, send_text: Callable[[str], None]) -> JobResult:
     """The job's result; meanwhile its stream's text, sent on as it comes in order."""
+    if pieces is None:
+        return await retrieve
     result = asyncio.ensure_future(retrieve)
     try:
-        while pieces is not None and not result.done():
+        while not result.done():
             piece = asyncio.ensure_future(pieces.get())
             await asyncio.wait({result, piece}, return_when=asyncio.FIRST_COMPLETED)
             if not piece.done():
