@@ -39,6 +39,7 @@ from modelpool.protocol.messages import (
     Hello,
     ListModels,
     LoadModel,
+    ReloadConfig,
     StopDaemon,
     UnloadModel,
     Welcome,
@@ -212,6 +213,10 @@ class AsyncClient:
 
     async def stop(self) -> str:
         return check_reply(await self._final(StopDaemon(id=next(self._ids)))).message
+
+    async def reload(self) -> str:
+        """Have the daemon read its config again and apply its models: what changed."""
+        return check_reply(await self._final(ReloadConfig(id=next(self._ids)))).message
 
     # ---- jobs: as Client's ------------------------------------------------------------
 

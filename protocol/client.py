@@ -58,6 +58,7 @@ from modelpool.protocol.messages import (
     Hello,
     ListModels,
     LoadModel,
+    ReloadConfig,
     StopDaemon,
     UnloadModel,
     Welcome,
@@ -212,6 +213,10 @@ class Client:
 
     def stop(self) -> str:
         return check_reply(self._final(StopDaemon(id=next(self._ids)))).message
+
+    def reload(self) -> str:
+        """Have the daemon read its config again and apply its models: what changed."""
+        return check_reply(self._final(ReloadConfig(id=next(self._ids)))).message
 
     # ---- jobs: hand work over now, collect the result later, from any connection -------
 

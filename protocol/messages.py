@@ -154,10 +154,17 @@ class StopDaemon(_Msg, frozen=True, kw_only=True, tag="stop"):
     id: int
 
 
+class ReloadConfig(_Msg, frozen=True, kw_only=True, tag="reload"):
+    """Read the config file again and apply its models (supervisor/reload.py)."""
+
+    id: int
+
+
 WorkRequest = Embed | Generate | EmbedImage | Describe | GenerateImage | Rerank
 # The control messages beside the work requests; every message a client may send is in
 # protocol/wire.py's ClientMessage.
-ControlRequest = Cancel | GetStatus | ListModels | LoadModel | UnloadModel | StopDaemon
+ControlRequest = (Cancel | GetStatus | ListModels | LoadModel | UnloadModel | StopDaemon
+                  | ReloadConfig)
 
 
 # ---- daemon -> client -------------------------------------------------------------

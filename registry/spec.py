@@ -96,6 +96,11 @@ class Registry:
     """The known models: the catalogue, overridden and extended by the config."""
 
     def __init__(self, specs: list[ModelSpec]) -> None:
+        self.update(specs)
+
+    def update(self, specs: list[ModelSpec]) -> None:
+        """Know these models instead (a reload): in place, so that whatever holds this
+        registry resolves names against the new set."""
         self.specs: dict[str, ModelSpec] = {}
         self._names: dict[str, str] = {}
         for spec in specs:

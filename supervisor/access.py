@@ -25,6 +25,7 @@ from modelpool.protocol.messages import (
     Error,
     LoadModel,
     Priority,
+    ReloadConfig,
     StopDaemon,
     UnloadModel,
 )
@@ -33,7 +34,8 @@ from modelpool.supervisor.config import AccessConfig, gid_of
 
 log = logging.getLogger("modelpool.access")
 
-ADMIN_ONLY: Mapping[type, str] = {StopDaemon: "stop", LoadModel: "load", UnloadModel: "unload"}
+ADMIN_ONLY: Mapping[type, str] = {StopDaemon: "stop", LoadModel: "load", UnloadModel: "unload",
+                                  ReloadConfig: "reload"}
 REFUSED_HELLO_BYTES = 64 * 1024  # read at most this much of a refused client's hello ...
 REFUSED_HELLO_S = 1.0  # ... for at most this long, so that its reply is the refusal
 

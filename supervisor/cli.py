@@ -84,6 +84,8 @@ def _admin_commands(sub: SubParsers) -> None:
     unload.add_argument("model")
     unload.add_argument("--json", action="store_true")
     unload.set_defaults(func=lambda a: _ack(a, lambda c: c.unload(a.model)))
+    reload = sub.add_parser("reload", help="read the config again and apply its models")
+    reload.set_defaults(func=lambda a: _ack(a, lambda c: c.reload()))
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.set_defaults(func=lambda a: _ack(a, lambda c: c.stop()))
 
@@ -113,29 +115,34 @@ def _serve(args: argparse.Namespace) -> int:
     from modelpool.protocol import logs
     from modelpool.supervisor import eventloop
     from modelpool.supervisor.activation import ActivationError
-    from modelpool.supervisor.config import ConfigError, load_config
+    from modelpool.supervisor.config import Config, ConfigError, load_config
     from modelpool.supervisor.server import AlreadyRunning, serve
     from modelpool.supervisor.socket_dir import UnsafeSocketDir
     from modelpool.supervisor.startcheck import check_models
 
-    try:
+    def read_config() -> tuple[Config, list[str]]:
+        """At start, and again at each reload: the file with the command line's say."""
         config = load_config(args.config)
         warnings = check_models(config)
+        if args.socket:
+            config = msgspec.structs.replace(
+                config, daemon=msgspec.structs.replace(config.daemon, socket=args.socket))
+        if args.http:
+            config = msgspec.structs.replace(
+                config, http=msgspec.structs.replace(config.http, listen=args.http))
+        return config, warnings
+
+    try:
+        config, warnings = read_config()
     except ConfigError as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 2
-    if args.socket:
-        config = msgspec.structs.replace(
-            config, daemon=msgspec.structs.replace(config.daemon, socket=args.socket))
-    if args.http:
-        config = msgspec.structs.replace(
-            config, http=msgspec.structs.replace(config.http, listen=args.http))
     logs.configure(config.daemon.log_level.upper(), config.daemon.log_format)
     logs.hand_down(config.daemon.log_level.upper(), config.daemon.log_format)  # to workers
     for warning in warnings:
         logging.getLogger("modelpool.config").warning("%s", warning)
     try:
-        eventloop.run(serve(config), config.daemon.event_loop)
+        eventloop.run(serve(config, read_config), config.daemon.event_loop)
     except ConfigError as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 2

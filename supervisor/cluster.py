@@ -24,6 +24,7 @@ from modelpool.protocol.errors import PoolError
 from modelpool.protocol.jobs import PoolStats
 from modelpool.protocol.messages import ClusterStatus, ModelInfo, ModelLoad, NodeStatus
 from modelpool.registry.content import content_digests
+from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.cluster_view import (
@@ -86,9 +87,10 @@ class ClusterNode:
         self.differs: dict[str, list[str]] = {}
 
     def _identify(self, contents: Mapping[str, str]) -> None:
-        """What the beat says of this node's config (made once, when the node joins: it
-        does not change), with its models' files by their content where known."""
-        specs = [model.spec for model in self.pool.models.values()]
+        """What the beat says of this node's config (made when the node joins and after
+        a reload), with its models' files by their content where known."""
+        specs = self._specs()
+        self.contents = dict(contents)
         self.identities = {spec.key: model_identity(spec, contents.get(spec.key))
                            for spec in specs}
         # The variant of each model as configured here: its jobs carry it, and only
@@ -98,11 +100,24 @@ class ClusterNode:
                         "names": {name.lower(): spec.key for spec in specs
                                   for name in (spec.key, *spec.aliases)},
                         "identities": self.identities}
+        self.runnable_here &= frozenset(self.identities)  # (a reload removed some)
+
+    def _specs(self) -> list[ModelSpec]:
+        return [model.spec for model in self.pool.models.values() if not model.retiring]
 
     async def identify(self) -> None:
-        """Read this node's model files (in a thread: the first time, gigabytes may be
-        hashed), before it joins: until then it takes no jobs."""
-        specs = [model.spec for model in self.pool.models.values()]
+        """Before the node joins (until then it takes no jobs)."""
+        self._identify(await self.digests(self._specs()))
+
+    def reidentify(self, specs: list[ModelSpec], contents: Mapping[str, str]) -> None:
+        """After a reload: these models by their new files, the others as they were."""
+        keys = {spec.key for spec in specs}
+        self._identify({**{key: digest for key, digest in self.contents.items()
+                           if key not in keys}, **contents})
+
+    async def digests(self, specs: list[ModelSpec]) -> dict[str, str]:
+        """The content of these models' local files, read in a thread: the first time,
+        gigabytes may be hashed."""
         started = time.monotonic()
         stop = threading.Event()
         try:
@@ -110,9 +125,9 @@ class ClusterNode:
         except asyncio.CancelledError:  # the daemon stops: so does the hashing, soon
             stop.set()
             raise
-        self._identify(contents)
         log.info("cluster node %s: the files of %d local model(s) identified in %.1fs",
                  self.name, len(contents), time.monotonic() - started)
+        return contents
 
     def variant(self, key: str) -> str | None:
         return self.variants.get(key)
@@ -157,7 +172,7 @@ class ClusterNode:
     def runnable(self) -> list[str]:
         """The models this node could run now, for its peers."""
         return [key for key, model in self.pool.models.items()
-                if self.pool.intake.local_refusal(model) is None]
+                if not model.retiring and self.pool.intake.local_refusal(model) is None]
 
     def report(self) -> dict[str, ModelLoad]:
         out = {}

@@ -49,6 +49,8 @@ def worker_exited(pool: Pool, worker: WorkerHandle, exitcode: int | None) -> Non
         pool.dispatcher.take_all_back(worker)
         pool.retire_unneeded_holder(model)
     pool.changed.set()
+    if model.retiring:
+        pool.retire_removed()  # its last process gone: so is the model
     pool.reconcile_waiting()  # its memory and maybe its load slot are free again
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -40,6 +40,7 @@ from modelpool.protocol.messages import (
     LoadModel,
     ModelsReply,
     PoolStatus,
+    ReloadConfig,
     StatusReply,
     StopDaemon,
     UnloadModel,
@@ -48,7 +49,7 @@ from modelpool.protocol.messages import (
 from modelpool.protocol.wire import client_decoder
 from modelpool.supervisor import admission, control, status
 from modelpool.supervisor.cluster import ClusterNode
-from modelpool.supervisor.config import Config
+from modelpool.supervisor.config import Config, ConfigError
 from modelpool.supervisor.connections import Connection
 from modelpool.supervisor.jobservice import JobService
 from modelpool.supervisor.pool import Pool
@@ -62,13 +63,14 @@ MAX_PENDING_REPLIES = 1024  # job requests (a retrieve waits) being answered per
 class FrontDoor:
     def __init__(self, config: Config, pool: Pool, jobs: JobService,
                  cluster: ClusterNode | None, status_report: Callable[[], PoolStatus],
-                 stop: asyncio.Event) -> None:
+                 stop: asyncio.Event, reload: Callable[[], Awaitable[str]]) -> None:
         self.config = config
         self.pool = pool
         self.jobs = jobs
         self.cluster = cluster
         self.status_report = status_report
         self.stop = stop
+        self.reload = reload
 
     def _work(self, conn: Connection, request: Any, nbytes: int, cluster: ClusterNode) -> None:
         """A direct request in a cluster: a model not loaded here, loaded with room on
@@ -197,6 +199,8 @@ class FrontDoor:
                 conn.send(Ack(id=rid, message=control.load_model(self.pool, name, count)))
             case UnloadModel(id=rid, model=name):
                 conn.send(Ack(id=rid, message=control.unload_model(self.pool, name)))
+            case ReloadConfig(id=rid):
+                self._answer_later(conn, rid, self._reload(rid))
             case StopDaemon(id=rid):
                 conn.send(Ack(id=rid, message="stopping"))
                 self.stop.set()
@@ -206,6 +210,13 @@ class FrontDoor:
                 conn.send(Error(id=getattr(msg, "id", None), code=ErrorCode.BAD_REQUEST,
                                 message=f"unsupported request {type(msg).__name__}"))
 
+
+    async def _reload(self, rid: int) -> Ack | Error:
+        try:
+            return Ack(id=rid, message=await self.reload())
+        except ConfigError as exc:
+            return Error(id=rid, code=ErrorCode.BAD_REQUEST,
+                         message=f"{exc}; the daemon goes on with the config it has")
 
     async def _job(self, uid: int, msg: JobRequest, nbytes: int) -> Any:
         """The reply to one job API message from user uid (an Error for a PoolError)."""

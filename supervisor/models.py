@@ -90,6 +90,8 @@ class ModelState:
     warm_target: int = 0  # workers kept up without traffic, set by `modelpool load`
     batch_timer: asyncio.TimerHandle | None = None
     batch_waited: bool = False
+    # A reload removed it: it serves what it has, then its workers stop (reload.py).
+    retiring: bool = False
 
     @property
     def key(self) -> str:
@@ -138,6 +140,8 @@ class ModelState:
         return now < self.failures.blocked_until and not self.has_live_worker()
 
     def state_name(self) -> str:
+        if self.retiring:
+            return "removing"
         if self.failed:
             return "failed"
         if self.has_ready_worker():

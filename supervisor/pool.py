@@ -28,7 +28,7 @@ from modelpool.protocol.pipes import (
     WantWork,
     WorkerSettings,
 )
-from modelpool.registry.spec import Registry
+from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import capacity, exits, health, pressure, scaling
 from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
@@ -60,9 +60,8 @@ class Pool:
         self.launcher = launcher
         self.scheduler = scheduler
         self.gpus = gpus or []
-        self.models = {key: ModelState(spec, ModelSettings.of(spec, config.pool, cpus),
-                                       resolve_device(spec.device, self.gpus))
-                       for key, spec in registry.specs.items()}
+        self.cpus = cpus
+        self.models = {key: self.model_state(spec) for key, spec in registry.specs.items()}
         self.capacity = Capacity(config.pool, self.gpus, lambda: self.exports.view())
         self.policy = scaling.ScalingPolicy(config.pool.cold_start_workers,
                                             config.pool.cooldown_idle_s)
@@ -79,6 +78,10 @@ class Pool:
         self._worker_ids = itertools.count(1)
         self.changed = asyncio.Event()  # set whenever a request ends or a worker exits
         self.oom = pressure.OomCounter()  # the server gives it the daemon's cgroup
+
+    def model_state(self, spec: ModelSpec) -> ModelState:
+        return ModelState(spec, ModelSettings.of(spec, self.pool_config, self.cpus),
+                          resolve_device(spec.device, self.gpus))
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -256,7 +259,19 @@ class Pool:
         for model in self.models.values():
             for rank in model.ageing.starved(model.queue, now, every):
                 model.queue.lift(rank)
+        self.retire_removed()
         self.reconcile_waiting()
+
+    def retire_removed(self) -> None:
+        """Models a reload removed: their workers stop once nothing of theirs waits or
+        runs, and the model is forgotten once its processes have exited."""
+        for model in [m for m in self.models.values() if m.retiring]:
+            if len(model.queue) or model.running():
+                continue
+            for worker in model.processes():
+                self.stop_worker(worker)
+            if not model.processes():
+                del self.models[model.key]
 
     def check_health(self) -> None:
         """Kill hung workers; their exit re-queues their work like any other death. A

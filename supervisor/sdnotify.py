@@ -10,6 +10,7 @@ What the daemon says, and when (`ServiceNotifier`):
 - `WATCHDOG=1` every half of $WATCHDOG_USEC (WatchdogSec=), from a timer on the event
   loop itself: a loop that is wedged sends nothing, and systemd kills and restarts the
   daemon. Only when $WATCHDOG_PID is unset or this process's pid;
+- `RELOADING=1` when a reload (SIGHUP) starts and `READY=1` when it is done;
 - `STOPPING=1` when the drain starts, then `EXTEND_TIMEOUT_USEC=` every EXTEND_EVERY_S
   while it runs, so a drain longer than TimeoutStopSec= is not cut short, but a stop
   whose loop has wedged still is, EXTEND_BY_S later.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, MutableMapping
 
 from modelpool.supervisor.clock import Scheduler, Timer
@@ -131,6 +133,18 @@ class ServiceNotifier:
             log.info("systemd watchdog: pinging every %.3gs", self.watchdog_s)
             self._watchdog()
         self._arm("status", STATUS_EVERY_S, self._status)
+
+    def reloading(self) -> None:
+        """A reload (SIGHUP) has begun; reloaded() when it is done. MONOTONIC_USEC is
+        what Type=notify-reload asks with it (systemd 253); Type=notify takes it too."""
+        if self.notifier.enabled and not self._closed:
+            now_us = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+            self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={now_us}",
+                               "STATUS=reloading the config")
+
+    def reloaded(self) -> None:
+        if self.notifier.enabled and not self._closed:
+            self.notifier.send("READY=1", f"STATUS={self.status()}")
 
     def stopping(self, drain_s: float) -> None:
         """The drain has started and ends within drain_s: extensions are sent until

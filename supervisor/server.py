@@ -13,6 +13,7 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -36,13 +37,14 @@ from modelpool.supervisor import (
     memory,
     pressure,
     realtime,
+    reload,
     sdnotify,
     shm,
     status,
 )
 from modelpool.supervisor.acceptor import Acceptor, auto_max_connections, raise_fd_limit
 from modelpool.supervisor.clock import LoopScheduler
-from modelpool.supervisor.config import Config, gid_of
+from modelpool.supervisor.config import Config, ConfigError, gid_of
 from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.http_front import HttpFront
@@ -101,14 +103,19 @@ def bind_unix_socket(path: str, group: str | None) -> socket.socket:
     return sock
 
 
+ReadConfig = Callable[[], tuple[Config, list[str]]]  # the config again, and its warnings
+
+
 class Server:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, read_config: ReadConfig | None = None) -> None:
         # systemd's variables, taken out of the environment before any child is started.
         self.inherited = activation.take_listening_socket()
         self.service = sdnotify.ServiceNotifier.from_environ(LoopScheduler(),
                                                              self._service_status)
         fd_limit = raise_fd_limit()  # before any child is started: they inherit it
         self.config = config
+        self.read_config = read_config or (lambda: (config, []))
+        self._reloading = asyncio.Lock()  # one reload at a time
         self.socket_path = os.path.abspath(config.daemon.socket)
         # First: a bad [http] section or a taken port stops the start before anything.
         self.http = HttpFront(config, self.socket_path) if config.http.listen else None
@@ -145,7 +152,7 @@ class Server:
         self.connections = ConnectionTable(config.daemon, max_connections,
                                            self.pool.scheduler.now)
         self.front = FrontDoor(config, self.pool, self.jobs, self.cluster, self.status_report,
-                               self.stop_requested)
+                               self.stop_requested, self.reload)
         self._client_tasks: set[asyncio.Task[None]] = set()
 
     def status_report(self) -> PoolStatus:
@@ -171,6 +178,7 @@ class Server:
                 log.info("removed %d shared-memory segment(s) left by a dead daemon", removed)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop_requested.set)
+            loop.add_signal_handler(signal.SIGHUP, self._reload_on_signal)
             acceptor = Acceptor(sock, self.pool.scheduler, self._accepted, self._refusal)
             acceptor.start()
             tasks = self._background(loop)
@@ -206,6 +214,48 @@ class Server:
             if acceptor is not None:
                 acceptor.close()
             sock.close()
+
+    async def reload(self) -> str:
+        """Read the config again and apply its models (reload.py): what changed. A
+        config that would not start raises ConfigError, and nothing changes."""
+        async with self._reloading:
+            self.service.reloading()
+            try:
+                new, warnings = self.read_config()
+                for warning in warnings:
+                    log.warning("%s", warning)
+                pool = self.pool
+                plan = reload.plan_reload(
+                    pool.registry.specs, new.registry().specs, self.config, new,
+                    frozenset(m.key for m in pool.models.values() if m.holder is not None))
+                loading = plan.loading()
+                # In a cluster, the new models' identities need their files' content:
+                # read before anything changes, so no job sees them half-known.
+                contents = await self.cluster.digests(loading) if self.cluster else {}
+                reload.apply_reload(pool, plan)
+                if self.cluster is not None:
+                    self.cluster.reidentify(loading, contents)
+                from modelpool.registry.loaders import exports_to_make
+
+                for spec, model_dir, entry in exports_to_make(loading):
+                    pool.exports.request(pool.models[spec.key], str(entry), str(model_dir))
+            finally:
+                self.service.reloaded()
+        log.info("config reloaded: %s", plan.summary())
+        return plan.summary()
+
+    def _reload_on_signal(self) -> None:
+        async def run() -> None:
+            try:
+                await self.reload()
+            except ConfigError as exc:
+                log.error("reload refused, the daemon goes on with the config it has: %s", exc)
+            except Exception:
+                log.exception("internal error reloading the config")
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._client_tasks.add(task)  # (a strong reference until it is done)
+        task.add_done_callback(self._client_tasks.discard)
 
     def _background(self, loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[None]]:
         work = [self.launcher.warm_up(), self._scale_ticker(), self._health_ticker(),
@@ -316,5 +366,5 @@ class Server:
             sock.close()
 
 
-async def serve(config: Config) -> None:
-    await Server(config).run()
+async def serve(config: Config, read_config: ReadConfig | None = None) -> None:
+    await Server(config, read_config).run()

@@ -181,7 +181,7 @@ def models_info(pool: Pool) -> list[ModelInfo]:
         ModelInfo(key=m.spec.key, capability=m.spec.capability, aliases=list(m.spec.aliases),
                   source=m.spec.source, default=m.spec.key in defaults,
                   state=m.state_name())
-        for m in pool.models.values()
+        for m in pool.models.values() if not m.retiring  # a reload removed it
     ]
 
 

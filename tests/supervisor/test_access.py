@@ -12,7 +12,15 @@ import msgspec
 import pytest
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import Cancel, Embed, GetStatus, LoadModel, StopDaemon, UnloadModel
+from modelpool.protocol.messages import (
+    Cancel,
+    Embed,
+    GetStatus,
+    LoadModel,
+    ReloadConfig,
+    StopDaemon,
+    UnloadModel,
+)
 from modelpool.protocol.peers import Peer
 from modelpool.supervisor.access import AccessPolicy, ConnectionAccess
 from modelpool.supervisor.config import AccessConfig, ConfigError, load_config
@@ -64,7 +72,7 @@ def test_admins_may_connect_without_being_listed_again() -> None:
 
 
 @pytest.mark.parametrize("msg", [StopDaemon(id=1), LoadModel(id=1, model="m"),
-                                 UnloadModel(id=1, model="m")])
+                                 UnloadModel(id=1, model="m"), ReloadConfig(id=1)])
 def test_management_commands_are_for_the_daemons_user_root_and_admins(msg: object) -> None:
     p = policy(allow_users=[2000, 2001], admin_users=[2001])
     assert p.request_refusal(peer(DAEMON), msg) is None

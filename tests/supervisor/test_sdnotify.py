@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -167,6 +168,20 @@ def test_stopping_then_extensions_while_the_drain_runs(listener: Listener) -> No
     later = advance_and_read(clock, listener, 60)
     assert later.count(extend) == sdnotify.EXTEND_BY_S / sdnotify.EXTEND_EVERY_S - 1
     assert set(later) == {extend, "STATUS=2 model(s) loaded"}  # status goes on
+
+
+def test_reloading_then_ready_again(listener: Listener) -> None:
+    notifier = service(listener, FakeScheduler(), watchdog_s=None)
+    notifier.ready()
+    listener.messages()
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    notifier.reloading()
+    notifier.reloaded()
+    reloading, ready = listener.messages()
+    first, stamp, status = reloading.split("\n")
+    assert (first, status) == ("RELOADING=1", "STATUS=reloading the config")
+    assert stamp.startswith("MONOTONIC_USEC=") and int(stamp.split("=")[1]) >= before
+    assert ready == "READY=1\nSTATUS=2 model(s) loaded"
 
 
 def test_close_stops_every_timer(listener: Listener) -> None:

@@ -1,0 +1,136 @@
+"""`modelpool reload` and SIGHUP: the config read again and its models applied to the
+running daemon, without a restart and without losing work.
+
+- A model the config adds is known at once and loads on first use, as at start.
+- A removed model takes no new requests (UNKNOWN_MODEL); what it had queued or running
+  is served, then its workers stop and it is gone (`status`: `removing` until then).
+- A model whose files, loader or options change (what it loads) keeps serving on its
+  workers, which are then replaced one at a time (the scaling policy's replacements,
+  as when an ONNX export becomes ready); new workers load it as now configured.
+- Any other change of a model (aliases, default, limits, estimates) applies at once.
+- A change of capability, or of what a model loads while a weights holder shares its
+  weights, and changes outside [[models]], wait for a restart: the reload says which.
+
+`plan_reload` is pure: what the running registry and the new config differ in.
+`apply_reload` makes the pool so; the server reads the file and, in a cluster, has the
+new models' files identified before it applies (supervisor/server.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.config import Config
+from modelpool.supervisor.gpus import resolve_device
+from modelpool.supervisor.models import LoadFailures, ModelSettings
+
+if TYPE_CHECKING:
+    from modelpool.supervisor.pool import Pool
+
+# What a worker loads: a change of any of these needs new workers.
+LOAD_FIELDS = ("path", "package", "repo", "revision", "subdir", "loader", "options",
+               "allow_pickle", "trust_remote_code", "device", "weights_holder",
+               "execution", "max_active_sequences")
+REPLACED_BECAUSE = "its model's config changed (reload)"
+
+
+@dataclass(frozen=True)
+class ReloadPlan:
+    specs: tuple[ModelSpec, ...]  # the registry after the reload, in the config's order
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    replaced: tuple[str, ...] = ()  # what it loads changed: its workers are replaced
+    retuned: tuple[str, ...] = ()  # other settings changed: applied as they are
+    kept: tuple[tuple[str, str], ...] = ()  # (key, why) changes that wait for a restart
+    restart_for: tuple[str, ...] = ()  # config sections whose changes wait for a restart
+
+    def loading(self) -> list[ModelSpec]:
+        """The models whose workers will load something new."""
+        changed = {*self.added, *self.replaced}
+        return [spec for spec in self.specs if spec.key in changed]
+
+    def summary(self) -> str:
+        parts = [f"{what}: {', '.join(keys)}" for what, keys in (
+            ("added", self.added), ("removed (serving what it has, then stopping)",
+                                    self.removed),
+            ("replaced (its workers, one at a time)", self.replaced),
+            ("updated", self.retuned)) if keys]
+        parts += [f"{key} not changed: {why}" for key, why in self.kept]
+        if self.restart_for:
+            parts.append(f"changes of {', '.join(self.restart_for)} apply at the next start")
+        return "; ".join(parts) if parts else "no change"
+
+
+def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
+                running_config: Config, new_config: Config,
+                shared: frozenset[str] = frozenset()) -> ReloadPlan:
+    """What to change, from the running registry's specs to the new config's; `shared`
+    are the models whose weights a live holder process shares."""
+    added, replaced, retuned, kept = [], [], [], []
+    specs = []
+    for key, spec in new.items():
+        old = running.get(key)
+        why = _kept_because(old, spec, key in shared) if old is not None else None
+        specs.append(old if why and old is not None else spec)
+        if old is None:
+            added.append(key)
+        elif why:
+            kept.append((key, why))
+        elif any(getattr(old, f) != getattr(spec, f) for f in LOAD_FIELDS):
+            replaced.append(key)
+        elif old != spec:
+            retuned.append(key)
+    removed = [key for key in running if key not in new]
+    sections = [f"[{name}]" for name in Config.__struct_fields__
+                if name != "models" and getattr(running_config, name) != getattr(new_config,
+                                                                                 name)]
+    return ReloadPlan(tuple(specs), tuple(added), tuple(removed), tuple(replaced),
+                      tuple(retuned), tuple(kept), tuple(sections))
+
+
+def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:
+    if old.capability != new.capability:
+        return (f"its capability changed ({old.capability} to {new.capability}): what it "
+                "has queued could not run on the new model; a restart applies it")
+    if shared and any(getattr(old, f) != getattr(new, f) for f in LOAD_FIELDS):
+        return ("its workers map the weights a holder process shares; a restart applies "
+                "the change of what it loads")
+    return None
+
+
+def apply_reload(pool: Pool, plan: ReloadPlan) -> None:
+    """Make the pool serve the plan's models."""
+    pool.registry.update(list(plan.specs))
+    for spec in plan.specs:
+        if spec.key in plan.added and spec.key not in pool.models:
+            pool.models[spec.key] = pool.model_state(spec)
+        elif spec.key in (*plan.added, *plan.replaced, *plan.retuned):
+            _adopt(pool, spec)
+    for key in plan.removed:
+        model = pool.models[key]
+        model.retiring = True
+        model.unpin()
+    pool.retire_removed()
+    for model in list(pool.models.values()):
+        pool.reconcile(model)
+
+
+def _adopt(pool: Pool, spec: ModelSpec) -> None:
+    """A model that stays (or comes back while its removal drains) takes its new spec;
+    workers loaded as before are replaced when what it loads changed."""
+    model = pool.models[spec.key]
+    old, model.retiring = model.spec, False
+    model.spec = spec
+    model.settings = ModelSettings.of(spec, pool.pool_config, pool.cpus)
+    if any(getattr(old, f) != getattr(spec, f) for f in LOAD_FIELDS):
+        model.device = resolve_device(spec.device, pool.gpus)
+        model.failures, model.deaths = LoadFailures(), LoadFailures()
+        model.measured_weights_mb = model.measured_per_worker_mb = None
+        for worker in model.live_workers():
+            worker.outdated = REPLACED_BECAUSE
+    if model.warm_target:
+        model.warm_target = min(model.warm_target, model.settings.max_workers)
+

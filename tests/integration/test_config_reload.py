@@ -1,0 +1,121 @@
+"""`modelpool reload` and SIGHUP on a real daemon: models added, removed and changed
+while requests run, and a bad config that changes nothing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, Daemon, daemon_env, model_entry
+
+from modelpool.protocol.client import Client
+from modelpool.protocol.errors import ErrorCode, PoolError
+
+MakeDaemon = Callable[..., Daemon]
+
+
+def rewrite(daemon: Daemon, config_toml: str) -> None:
+    (daemon.log_path.parent / "modelpool.toml").write_text(textwrap.dedent(config_toml))
+
+
+def model_state(c: Client, key: str) -> str | None:
+    return next((m["state"] for m in c.status()["models"] if m["key"] == key), None)
+
+
+def worker_pids(c: Client, key: str) -> list[int]:
+    model = next(m for m in c.status()["models"] if m["key"] == key)
+    return [w["pid"] for w in model["workers"]]
+
+
+def model_counts(c: Client, key: str) -> tuple[int, int] | None:
+    """(running, queued)"""
+    model = next((m for m in c.status()["models"] if m["key"] == key), None)
+    return (model["running"], model["queued"]) if model else None
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout_s: float = 30) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout_s}s: {what}")
+
+
+def test_reload_adds_removes_and_replaces_models_without_losing_work(
+        make_daemon: MakeDaemon) -> None:
+    one_at_a_time = model_entry("gone", max_workers=1, run_s=1.5).replace(
+        "max_workers = 1", "max_workers = 1\n        max_batch = 1")
+    before = (model_entry("keep") + one_at_a_time
+              + model_entry("changed", max_workers=1, mark=1))
+    daemon = make_daemon(before)
+    with daemon.client() as c:
+        assert c.embed(["x"], model="changed")[0][-1] == 1.0
+        (old,) = worker_pids(c, "changed")
+        results: list[Any] = []
+
+        def slow(text: str) -> None:
+            with daemon.client() as other:
+                results.append(other.embed([text], model="gone"))
+
+        threads = [threading.Thread(target=slow, args=(t,)) for t in ("running", "queued")]
+        for thread in threads:
+            thread.start()
+        wait_until("one request of gone runs and one waits",
+                   lambda: model_counts(c, "gone") == (1, 1))
+        rewrite(daemon, model_entry("keep", max_workers=1)
+                + model_entry("changed", max_workers=1, mark=2) + model_entry("added", mark=3))
+        message = c.reload()
+        assert message == ("added: added; removed (serving what it has, then stopping): "
+                           "gone; replaced (its workers, one at a time): changed; "
+                           "updated: keep")
+        with pytest.raises(PoolError) as refused:
+            c.embed(["late"], model="gone")
+        assert refused.value.code is ErrorCode.UNKNOWN_MODEL
+        assert c.embed(["new"], model="added")[0][-1] == 3.0
+        assert "gone" not in [m["key"] for m in c.models()]
+        for thread in threads:
+            thread.join(30)
+        assert [len(r) for r in results] == [1, 1]  # both answered, by the removed model
+        wait_until("gone has left the status", lambda: model_state(c, "gone") is None)
+        # The changed model's worker is replaced; until then the old one serves.
+        wait_until("changed runs its new options",
+                   lambda: c.embed(["y"], model="changed")[0][-1] == 2.0)
+        wait_until("its old worker stopped", lambda: old not in worker_pids(c, "changed"))
+    assert "config reloaded: added: added" in daemon.log()
+
+
+def test_a_bad_config_changes_nothing_and_sighup_reloads(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon(model_entry("a"))
+    with daemon.client() as c:
+        rewrite(daemon, "[[models]]\nkey = 'b'\ncapability = 'no_such_thing'\n")
+        with pytest.raises(PoolError) as bad:
+            c.reload()
+        assert bad.value.code is ErrorCode.BAD_REQUEST
+        assert "no_such_thing" in bad.value.message
+        assert "goes on with the config it has" in bad.value.message
+        assert len(c.embed(["still"], model="a")) == 1
+
+        rewrite(daemon, model_entry("a") + model_entry("b") + "\n[pool]\nmax_batch = 4\n")
+        daemon.process.send_signal(signal.SIGHUP)
+        wait_until("b is known", lambda: "b" in [m["key"] for m in c.models()])
+        assert len(c.embed(["new"], model="b")) == 1
+    assert "changes of [pool] apply at the next start" in daemon.log()
+
+
+def test_the_reload_command(make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    daemon = make_daemon(model_entry("a"))
+    rewrite(daemon, model_entry("a") + model_entry("b"))
+    done = subprocess.run([sys.executable, "-m", "modelpool.supervisor.cli", "reload"],
+                          cwd=ROOT, env=daemon_env(daemon.socket_path), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "added: b"

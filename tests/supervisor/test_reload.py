@@ -1,0 +1,183 @@
+"""A reload's plan (pure) and what applying it does to a pool of fake workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.messages import Embeddings
+from modelpool.registry.spec import ModelSpec, Registry
+from modelpool.supervisor import control
+from modelpool.supervisor.config import Config, PoolConfig
+from modelpool.supervisor.reload import REPLACED_BECAUSE, apply_reload, plan_reload
+from modelpool.supervisor.workers import WorkerState
+
+if TYPE_CHECKING:
+    from conftest import Harness
+
+MakeHarness = Callable[..., "Harness"]
+
+
+def spec(key: str, capability: str = "text_embedding", **fields: Any) -> ModelSpec:
+    fields.setdefault("path", f"/models/{key}")
+    return ModelSpec(key=key, capability=capability, weights_mb=10, per_worker_mb=10, **fields)
+
+
+def specs(*models: ModelSpec) -> dict[str, ModelSpec]:
+    return Registry(list(models)).specs
+
+
+# ---- the plan ---------------------------------------------------------------------------
+
+
+def test_plan_sorts_each_model_by_what_changed() -> None:
+    running = specs(spec("same"), spec("gone"), spec("files"), spec("limits"), spec("opts"))
+    new = specs(spec("same"), spec("files", path="/elsewhere"), spec("limits", max_queue=5),
+                spec("opts", options={"mark": 2}), spec("new"))
+    plan = plan_reload(running, new, Config(), Config())
+    assert plan.added == ("new",)
+    assert plan.removed == ("gone",)
+    assert plan.replaced == ("files", "opts")
+    assert plan.retuned == ("limits",)
+    assert plan.kept == () and plan.restart_for == ()
+    assert [s.key for s in plan.specs] == ["same", "files", "limits", "opts", "new"]
+    assert [s.key for s in plan.loading()] == ["files", "opts", "new"]
+    assert plan.summary() == ("added: new; removed (serving what it has, then stopping): "
+                              "gone; replaced (its workers, one at a time): files, opts; "
+                              "updated: limits")
+
+
+def test_plan_of_the_same_config_changes_nothing() -> None:
+    running = specs(spec("a"), spec("b", aliases=["bee"]))
+    plan = plan_reload(running, specs(spec("a"), spec("b", aliases=["bee"])), Config(), Config())
+    assert (plan.added, plan.removed, plan.replaced, plan.retuned) == ((), (), (), ())
+    assert plan.summary() == "no change"
+
+
+def test_a_new_capability_or_what_a_shared_holder_loads_waits_for_a_restart() -> None:
+    running = specs(spec("cap"), spec("held"), spec("held_limits"))
+    new = specs(spec("cap", capability="text_to_text"), spec("held", path="/other"),
+                spec("held_limits", max_batch=4))
+    plan = plan_reload(running, new, Config(), Config(),
+                       shared=frozenset({"held", "held_limits"}))
+    assert [key for key, _ in plan.kept] == ["cap", "held"]
+    assert "capability changed (text_embedding to text_to_text)" in plan.kept[0][1]
+    assert plan.retuned == ("held_limits",)  # its holder shares the same weights still
+    kept = {s.key: s for s in plan.specs}
+    assert kept["cap"] == running["cap"] and kept["held"] == running["held"]
+
+
+def test_changes_outside_models_are_named_for_the_next_start() -> None:
+    new = Config(pool=PoolConfig(max_batch=8))
+    plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
+    assert plan.restart_for == ("[pool]",)
+    assert plan.summary() == "changes of [pool] apply at the next start"
+
+
+# ---- applied to a pool ------------------------------------------------------------------
+
+
+def reload(h: Harness, *models: ModelSpec) -> str:
+    """The harness's config with these models instead (the catalogue's stay)."""
+    new = msgspec.structs.replace(h.pool.config, models=list(models))
+    plan = plan_reload(h.pool.registry.specs, new.registry().specs, h.pool.config, new)
+    apply_reload(h.pool, plan)
+    return plan.summary()
+
+
+async def test_a_removed_model_serves_what_it_has_then_goes(make_harness: MakeHarness) -> None:
+    h = make_harness(models=[spec("a", max_workers=1), spec("b")])
+    sink = h.sink()
+    running, queued = h.embed(sink, ["x"], model="a"), h.embed(sink, ["y"], model="a")
+    await h.settle()
+    (worker,) = h.workers("a")
+    h.ready(worker)
+    reload(h, spec("b"))
+
+    late = h.embed(sink, ["z"], model="a")
+    assert sink.only_error(late).code is ErrorCode.UNKNOWN_MODEL
+    assert h.pool.models["a"].state_name() == "removing"
+    h.pool.tick()
+    assert h.launcher.stopped == []  # work is still there
+    h.reply_embeddings(worker, next(iter(worker.jobs)), 1.0)
+    h.want_work(worker)
+    h.reply_embeddings(worker, next(iter(worker.jobs)), 2.0)
+    assert all(isinstance(m, Embeddings) for m in sink.finals(running) + sink.finals(queued))
+    h.want_work(worker)
+    h.pool.tick()
+    assert h.launcher.stopped == [worker]
+    await h.settle()
+    assert "a" not in h.pool.models
+    assert "b" in h.pool.models
+
+
+async def test_a_removed_idle_model_stops_at_once_and_can_come_back(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(models=[spec("a"), spec("b")])
+    control.load_model(h.pool, "a", 1)
+    await h.settle()
+    (worker,) = h.workers("a")
+    h.ready(worker)
+    reload(h, spec("b"))
+    assert h.launcher.stopped == [worker]  # not kept up by `load` any more
+    assert h.pool.models["a"].warm_target == 0
+    reload(h, spec("a"), spec("b"))  # back before its worker has gone: it stays
+    await h.settle()
+    assert not h.pool.models["a"].retiring
+    sink = h.sink()
+    ok = h.embed(sink, ["x"], model="a")
+    await h.settle()
+    new = h.workers("a")[1]  # (the model is cold again: it starts its cold-start workers)
+    h.ready(new)
+    h.reply_embeddings(new, next(iter(new.jobs)), 1.0)
+    assert isinstance(sink.finals(ok)[0], Embeddings)
+
+
+async def test_a_model_loading_something_else_has_its_workers_replaced(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(models=[spec("a", max_workers=1)])
+    sink = h.sink()
+    h.embed(sink, ["x"], model="a")
+    await h.settle()
+    (old,) = h.workers("a")
+    h.ready(old)
+    h.reply_embeddings(old, next(iter(old.jobs)), 1.0)
+    h.want_work(old)
+
+    summary = reload(h, spec("a", max_workers=1, options={"mark": 2}))
+    assert summary == "replaced (its workers, one at a time): a"
+    assert old.outdated == REPLACED_BECAUSE
+    h.pool.tick()
+    await h.settle()
+    assert h.launcher.stopped == [old]
+    (new,) = h.workers("a")[1:]
+    assert h.launcher.settings[-1].spec.options == {"mark": 2}
+    assert new.outdated is None
+
+
+async def test_new_limits_apply_at_once(make_harness: MakeHarness) -> None:
+    h = make_harness(models=[spec("a")])
+    assert reload(h, spec("a", max_queue=1, aliases=["alpha"])) == "updated: a"
+    model = h.pool.models["a"]
+    assert model.settings.max_queue == 1
+    sink = h.sink()
+    h.embed(sink, ["x"], model="ALPHA", timeout_s=100)
+    refused = h.embed(sink, ["y"], model="alpha", timeout_s=100)
+    assert sink.only_error(refused).code is ErrorCode.QUEUE_FULL
+
+
+async def test_an_added_model_is_served(make_harness: MakeHarness) -> None:
+    h = make_harness(models=[spec("a")])
+    reload(h, spec("a"), msgspec.structs.replace(spec("b"), default=True))
+    assert h.pool.registry.defaults["text_embedding"] == "b"
+    sink = h.sink()
+    ok = h.embed(sink, ["x"], model="b")
+    await h.settle()
+    (worker,) = h.workers("b")[:1]
+    assert worker.state is WorkerState.LOADING
+    h.ready(worker)
+    h.reply_embeddings(worker, next(iter(worker.jobs)), 1.0)
+    assert isinstance(sink.finals(ok)[0], Embeddings)
