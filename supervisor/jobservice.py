@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -171,6 +172,16 @@ class JobService:
             await self._store(record, Error(id=0, code=ErrorCode.CANCELLED,
                                             message=f"job {key} cancelled"))
 
+    async def end_removed(self, models: Sequence[str]) -> None:
+        """Jobs still waiting for models a reload removed. In a cluster other nodes may
+        run them (jobs no node can run end as stranded); here nothing else would."""
+        if self.shared or not models:
+            return
+        for record in await self.queue.claim(dict.fromkeys(models, sys.maxsize)):
+            await self._store(record, Error(id=0, code=ErrorCode.UNKNOWN_MODEL, message=(
+                f"model {record.model!r} was removed from the daemon's config (reload) "
+                "before this job ran")))
+
     async def forget(self, uid: int, key: str) -> None:
         await self.cancel(uid, key)
         await self.mailbox.remove(key)
@@ -236,7 +247,7 @@ class JobService:
         the ones a first job starts) can start now and a backlog that keeps them busy,
         and no more, so that the rest wait in the job queue, in priority order."""
         model = self.pool.models.get(key)
-        if model is None:
+        if model is None or model.retiring:
             return 0
         live = model.live_workers()
         if not live and not self.may_load(key):

@@ -233,6 +233,7 @@ class Server:
                 # read before anything changes, so no job sees them half-known.
                 contents = await self.cluster.digests(loading) if self.cluster else {}
                 reload.apply_reload(pool, plan)
+                await self.jobs.end_removed(plan.removed)
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
                 from modelpool.registry.loaders import exports_to_make

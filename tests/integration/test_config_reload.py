@@ -26,6 +26,11 @@ def rewrite(daemon: Daemon, config_toml: str) -> None:
     (daemon.log_path.parent / "modelpool.toml").write_text(textwrap.dedent(config_toml))
 
 
+def one_at_a_time(key: str, run_s: float) -> str:
+    return model_entry(key, max_workers=1, run_s=run_s).replace(
+        "max_workers = 1", "max_workers = 1\n        max_batch = 1")
+
+
 def model_state(c: Client, key: str) -> str | None:
     return next((m["state"] for m in c.status()["models"] if m["key"] == key), None)
 
@@ -52,9 +57,7 @@ def wait_until(what: str, check: Callable[[], Any], timeout_s: float = 30) -> An
 
 def test_reload_adds_removes_and_replaces_models_without_losing_work(
         make_daemon: MakeDaemon) -> None:
-    one_at_a_time = model_entry("gone", max_workers=1, run_s=1.5).replace(
-        "max_workers = 1", "max_workers = 1\n        max_batch = 1")
-    before = (model_entry("keep") + one_at_a_time
+    before = (model_entry("keep") + one_at_a_time("gone", run_s=1.5)
               + model_entry("changed", max_workers=1, mark=1))
     daemon = make_daemon(before)
     with daemon.client() as c:
@@ -119,3 +122,25 @@ def test_the_reload_command(make_daemon: MakeDaemon, tmp_path: Path) -> None:
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "added: b"
+
+
+def test_jobs_waiting_for_a_removed_model_end_saying_so(make_daemon: MakeDaemon) -> None:
+    """Those already in the model's queue are served; those still in the job queue,
+    which nothing here would run any more, end at once with UNKNOWN_MODEL."""
+    daemon = make_daemon(one_at_a_time("j", run_s=0.3) + model_entry("other"))
+    with daemon.client() as c:
+        keys = [c.submit("embed", [f"t{i}"], model="j") for i in range(14)]
+        wait_until("j runs", lambda: (model_counts(c, "j") or (0, 0))[0] == 1)
+        rewrite(daemon, model_entry("other"))
+        assert c.reload().startswith("removed")
+        served, ended = 0, []
+        for key in keys:
+            try:
+                c.retrieve(key, timeout_s=30)
+                served += 1
+            except PoolError as exc:
+                ended.append(exc)
+    assert served >= 1 and len(ended) >= 1 and served + len(ended) == 14
+    for exc in ended:
+        assert exc.code is ErrorCode.UNKNOWN_MODEL
+        assert "removed from the daemon's config (reload)" in exc.message

@@ -1,0 +1,63 @@
+"""A reload on one node of a cluster: the model it adds, known by its files' content, is
+run there for the other node's clients; the model it removes is no longer run there."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cluster_helpers import Database, node_config, nodes_seeing_each_other, start_node, wait_until
+
+from modelpool.protocol.client import Client
+from modelpool.protocol.errors import ErrorCode, PoolError
+
+
+def at_path(key: str, path: Path) -> str:
+    return f"""
+    [[models]]
+    key = "{key}"
+    capability = "text_embedding"
+    path = "{path}"
+    loader = "mp_test_loaders:slow_embedder"
+    max_workers = 1
+"""
+
+
+def embeds_on_alpha(c: Client, key: str) -> bool:
+    """Beta, which does not configure the model, has alpha run it (the vector's mark)."""
+    try:
+        return np.asarray(c.embed("asked of beta", model=key)).tolist()[-1] == 1
+    except PoolError as exc:
+        assert exc.code is ErrorCode.UNKNOWN_MODEL  # not yet known to beta
+        return False
+
+
+def test_a_model_added_by_reload_serves_the_cluster_and_a_removed_one_stops(
+        tmp_path: Path, database: Database) -> None:
+    files = tmp_path / "models" / "fresh"
+    files.mkdir(parents=True)
+    (files / "config.json").write_text('{"hidden_size": 8}')
+    old = at_path("old", files.parent)
+    with nodes_seeing_each_other(
+            lambda: start_node(tmp_path / "alpha", node_config(database.dsn, "alpha", old),
+                               env={"MP_TEST_MARK": "1"}),
+            lambda: start_node(tmp_path / "beta", node_config(database.dsn, "beta", ""),
+                               env={"MP_TEST_MARK": "2"}),
+    ) as (alpha, beta):
+        with beta.client() as c:
+            wait_until(lambda: embeds_on_alpha(c, "old"), 20, "beta's old runs on alpha")
+        config = tmp_path / "alpha" / "modelpool.toml"
+        config.write_text(textwrap.dedent(node_config(database.dsn, "alpha",
+                                                      at_path("fresh", files))))
+        with alpha.client() as c:
+            assert c.reload() == "added: fresh; removed (serving what it has, then stopping): old"
+        with beta.client() as c:
+            wait_until(lambda: embeds_on_alpha(c, "fresh"), 20, "beta's fresh runs on alpha")
+            with pytest.raises(PoolError) as gone:
+                wait_until(lambda: not embeds_on_alpha(c, "old"), 20, "old is gone")
+                c.embed("again", model="old")
+            assert gone.value.code is ErrorCode.UNKNOWN_MODEL
+        # Its files were read for the reload (at the start: old's and the catalogue's MiniLM).
+        assert "the files of 1 local model(s) identified" in alpha.log()
