@@ -10,7 +10,6 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,7 +113,7 @@ def test_a_bad_config_changes_nothing_and_sighup_reloads(make_daemon: MakeDaemon
     assert "changes of [pool] apply at the next start" in daemon.log()
 
 
-def test_the_reload_command(make_daemon: MakeDaemon, tmp_path: Path) -> None:
+def test_the_reload_command(make_daemon: MakeDaemon) -> None:
     daemon = make_daemon(model_entry("a"))
     rewrite(daemon, model_entry("a") + model_entry("b"))
     done = subprocess.run([sys.executable, "-m", "modelpool.supervisor.cli", "reload"],
@@ -122,6 +121,12 @@ def test_the_reload_command(make_daemon: MakeDaemon, tmp_path: Path) -> None:
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "added: b"
+    rewrite(daemon, "[pool]\nno_such_knob = 1\n")
+    bad = subprocess.run([sys.executable, "-m", "modelpool.supervisor.cli", "reload"],
+                         cwd=ROOT, env=daemon_env(daemon.socket_path), capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 5
+    assert "no_such_knob" in bad.stderr and "goes on with the config it has" in bad.stderr
 
 
 def test_jobs_waiting_for_a_removed_model_end_saying_so(make_daemon: MakeDaemon) -> None:

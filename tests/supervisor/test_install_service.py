@@ -42,7 +42,7 @@ def test_units_point_at_this_installation(scope: str, tmp_path: Path,
     assert os.access(program, os.X_OK) and Path(program).parent == Path(sys.executable).parent
     assert "@EXEC@" not in service  # every placeholder filled
     for setting in ("Type=notify", "NotifyAccess=main", "WatchdogSec=", "KillMode=mixed",
-                    "OOMPolicy=continue", "LimitNOFILE="):
+                    "OOMPolicy=continue", "LimitNOFILE=", "ExecReload=/bin/kill -HUP $MAINPID"):
         assert f"\n{setting}" in service
     settings = [line for line in service.splitlines() if not line.startswith("#")]
     assert not [line for line in settings if "network.target" in line]
