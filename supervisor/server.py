@@ -37,7 +37,6 @@ from modelpool.supervisor import (
     memory,
     pressure,
     realtime,
-    reload,
     sdnotify,
     shm,
     status,
@@ -49,6 +48,7 @@ from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.http_front import HttpFront
 from modelpool.supervisor.pool import Pool
+from modelpool.supervisor.reload import apply_reload, plan_reload
 from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
 from modelpool.supervisor.socket_dir import secure_socket_dir
 from modelpool.supervisor.workers import Launcher, forkserver_context
@@ -225,17 +225,18 @@ class Server:
                 for warning in warnings:
                     log.warning("%s", warning)
                 pool = self.pool
-                plan = reload.plan_reload(
+                plan = plan_reload(
                     pool.registry.specs, new.registry().specs, self.config, new,
                     frozenset(m.key for m in pool.models.values() if m.holder is not None))
                 loading = plan.loading()
                 # In a cluster, the new models' identities need their files' content:
                 # read before anything changes, so no job sees them half-known.
                 contents = await self.cluster.digests(loading) if self.cluster else {}
-                reload.apply_reload(pool, plan)
-                await self.jobs.end_removed(plan.removed)
+                apply_reload(pool, plan)
+                # No await in between: no beat sees a model without its identity.
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
+                await self.jobs.end_removed(plan.removed)
                 from modelpool.registry.loaders import exports_to_make
 
                 for spec, model_dir, entry in exports_to_make(loading):
