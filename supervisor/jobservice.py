@@ -56,6 +56,8 @@ KEY_BYTES = 16  # 128 random bits: keys cannot be guessed
 # a worker first.
 JOB_BACKLOG = 8
 UNBATCHED_BACKLOG = 1
+# What keeps the pool from taking a claimed job now, not the job from ever running.
+WAITS_AGAIN = (ErrorCode.QUEUE_FULL, ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
 
 
 def new_key() -> str:
@@ -235,9 +237,9 @@ class JobService:
             await self.mailbox.start(record.key, self.node, self.pool.scheduler.wall())
             return True
         self._running.pop(record.key)
-        if sink.refusal is not None and sink.refusal.code in (ErrorCode.QUEUE_FULL,
-                                                              ErrorCode.OVERLOADED):
-            await self.queue.release(record)  # it waits again
+        if sink.refusal is not None and sink.refusal.code in WAITS_AGAIN:
+            # It waits again (claimed as this daemon began to stop: for another node).
+            await self.queue.release(record)
         else:  # it cannot run at all (its deadline passed, its model failed): say why
             await self._store(record, sink.refusal)
         return False

@@ -325,3 +325,29 @@ async def test_a_stored_result_is_not_stored_again_when_the_next_claim_fails(
     await jobs.tick()  # stores whatever waits to be stored: nothing should
     assert jobs.duplicates == 0
     assert isinstance((await jobs.retrieve(ME, key, 0, rid=1)).result, Embeddings)
+
+
+class ClaimsAsTheDaemonStops(MemoryTaskQueue):
+    """The daemon begins to stop while a claim is on its way (to PostgreSQL and back)."""
+
+    pool: Any = None
+
+    async def claim(self, rooms: Any) -> list[Any]:
+        claimed = await super().claim(rooms)
+        self.pool.shutting_down = True
+        return claimed
+
+
+async def test_a_job_claimed_as_the_daemon_stops_waits_again_for_another(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    config = JobsConfig()
+    queue = ClaimsAsTheDaemonStops(config.max_queued)
+    queue.pool = h.pool
+    mailbox = MemoryMailbox(h.clock, config.result_retention_s, config.max_mailbox_bytes)
+    jobs = JobService(h.pool, queue, mailbox, config, "node-a")
+    key = await jobs.submit(ME, embed("hello"), 100)
+    await h.settle()
+    assert (await jobs.info(ME, key)).state == "queued"
+    assert await queue.length() == 1  # back in the queue, not failed SHUTTING_DOWN
+    assert (await jobs.stats()).failed == 0
