@@ -1,7 +1,8 @@
 """The daemon as systemd runs it, with real processes: the notify protocol on a real
 datagram socket (READY once the socket accepts, WATCHDOG at its rate and none while the
-loop is stopped, STOPPING on SIGTERM), socket activation with a passed fd 3, journald
-and JSON log lines, and a stop without the resource tracker's warning."""
+loop is stopped, RELOADING then READY on SIGHUP, STOPPING on SIGTERM), socket activation
+with a passed fd 3, journald and JSON log lines, and a stop without the resource
+tracker's warning."""
 
 from __future__ import annotations
 
@@ -162,6 +163,13 @@ def test_ready_watchdog_and_stopping_as_systemd_sees_them(workdir: Path) -> None
         os.kill(process.pid, signal.SIGCONT)
         assert listener.times("WATCHDOG=1", stopped_at + 0.1, resumed_at) == []
         assert listener.wait_for("WATCHDOG=1", 5, since=resumed_at) - resumed_at < 5
+        # systemctl reload (ExecReload: SIGHUP): RELOADING=1, then READY=1 once applied.
+        reload_at = time.monotonic()
+        os.kill(process.pid, signal.SIGHUP)
+        reloaded_at = listener.wait_for("READY=1", 30, since=reload_at)
+        assert listener.times("RELOADING=1", reload_at, reloaded_at)
+        assert any(f.startswith("MONOTONIC_USEC=")
+                   for f in listener.fields(reload_at, reloaded_at))
         # Nothing of systemd's reaches the forkserver and the workers.
         environs = children_environments(process.pid)
         assert environs and not [e for e in environs if "NOTIFY_SOCKET" in e
@@ -176,6 +184,7 @@ def test_ready_watchdog_and_stopping_as_systemd_sees_them(workdir: Path) -> None
         listener.close()
     lines = log_path.read_text().splitlines()
     assert "<6>INFO modelpool.server: stopping: refusing new work, draining" in lines
+    assert "<6>INFO modelpool.server: config reloaded: no change" in lines
     assert all(re.match(r"<[0-7]>", line) for line in lines), lines  # journald priorities
     assert not [line for line in lines if re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", line)]
 
