@@ -252,6 +252,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     max_sequences: int | None = None
     tokens_per_s: float | None = None  # generated, over the last seconds
     threads: int | None = None  # intra-op threads its forward passes use now (heartbeats)
+    replacing: str | None = None  # why a new worker takes its place once one has loaded
     info: dict[str, Any] = {}  # what its loaded model says of itself (dim, execution, ...)
 
 

@@ -185,6 +185,10 @@ def _model_text(model: dict[str, Any]) -> list[str]:
     elif model.get("exporting") or any("onnx_export" in (w.get("info") or {})
                                        for w in model["workers"]):
         lines.append(f"    ONNX export made in the background; {meanwhile}")
+    replacing = [w for w in model["workers"] if w.get("replacing")]
+    if replacing:
+        lines.append(f"    replacing {len(replacing)} worker(s), one at a time as memory "
+                     f"allows: {replacing[0]['replacing']}")
     if model.get("tokens_per_s") is not None:
         lines.append(f"    generating: {model['tokens_per_s']:.1f} tokens/s")
     if model["health"] != "ok":

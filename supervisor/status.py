@@ -114,6 +114,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
             load_s=w.load_s,
             holds_weights=w is model.holder,
             threads=w.threads_in_use or None,
+            replacing=w.outdated,
             **_generation(w, now),
             info=w.info,
         )

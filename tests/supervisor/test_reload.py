@@ -11,8 +11,10 @@ from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embeddings
 from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import control
+from modelpool.supervisor.cli import _model_text
 from modelpool.supervisor.config import Config, PoolConfig
 from modelpool.supervisor.reload import REPLACED_BECAUSE, apply_reload, plan_reload
+from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -150,6 +152,10 @@ async def test_a_model_loading_something_else_has_its_workers_replaced(
     summary = reload(h, spec("a", max_workers=1, options={"mark": 2}))
     assert summary == "replaced (its workers, one at a time): a"
     assert old.outdated == REPLACED_BECAUSE
+    shown = msgspec.to_builtins(build_status(h.pool, "/s", 0.0))
+    assert ("replacing 1 worker(s), one at a time as memory allows: its model's config "
+            "changed (reload)") in "\n".join(_model_text(next(
+                m for m in shown["models"] if m["key"] == "a")))
     h.pool.tick()
     await h.settle()
     assert h.launcher.stopped == [old]
