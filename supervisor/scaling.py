@@ -251,17 +251,20 @@ def plan_scale_down(view: PoolView, policy: ScalingPolicy, now: float) -> Plan:
 def plan_replacements(view: PoolView) -> Plan:
     """For each model with outdated workers and none loading: one of them stopped (it
     finishes its work first) and a new worker started, if memory and a load slot allow.
-    Busy ones only while another worker of the model serves."""
+    Busy ones only while another worker of the model serves. Without memory for one
+    more worker, an idle outdated one stops alone: its successor starts in its room
+    when work asks for it (else an outdated worker could serve on forever)."""
     slots = view.max_concurrent_loads - view.loading
     stops, starts = [], []
     for model in view.models.values():
         load = model.load
         if not model.outdated_workers or load.starting or slots <= 0:
             continue
+        idle = [worker_id for worker_id, is_idle in model.outdated_workers if is_idle]
         if memory.room_for(model.charge, view.used_mb.get(model.device, 0.0),
                            view.budget_mb.get(model.device, 0.0)) == 0:
+            stops.extend(Stop(worker_id, model.key, "replaced") for worker_id in idle[:1])
             continue
-        idle = [worker_id for worker_id, is_idle in model.outdated_workers if is_idle]
         if not idle and load.live - load.starting < 2:
             continue
         worker_id = idle[0] if idle else model.outdated_workers[0][0]

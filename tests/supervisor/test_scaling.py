@@ -250,9 +250,15 @@ def test_a_busy_outdated_worker_is_replaced_only_while_another_serves() -> None:
     assert scaling.plan_replacements(view(alone_idle)).stop == (Stop(7, "a", "replaced"),)
 
 
-def test_no_replacement_without_memory_or_a_load_slot_or_outdated_workers() -> None:
-    # 951 of 1000 used: less than one more worker's 50 left.
-    assert scaling.plan_replacements(view(outdated((8, True)), used=951)) == Plan()
+def test_without_memory_for_one_more_an_idle_outdated_worker_stops_alone() -> None:
+    # 951 of 1000 used: less than one more worker's 50 left. Its successor starts in its
+    # room when work asks for one.
+    assert scaling.plan_replacements(view(outdated((8, True)), used=951)) == Plan(
+        stop=(Stop(8, "a", "replaced"),))
+    assert scaling.plan_replacements(view(outdated((7, False)), used=951)) == Plan()
+
+
+def test_no_replacement_without_a_load_slot_or_outdated_workers() -> None:
     assert scaling.plan_replacements(view(outdated((8, True)), loading=2)) == Plan()
     assert scaling.plan_replacements(view(outdated())) == Plan()
     two = [outdated((8, True)), dataclasses.replace(outdated((9, True)), key="b")]
