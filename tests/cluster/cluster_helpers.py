@@ -65,6 +65,18 @@ def node_config(dsn: str, name: str, models: str, lease_s: float = LEASE_S,
     """) + textwrap.dedent(models)
 
 
+def model_at_path(key: str, path: Path) -> str:
+    """A [[models]] entry of a model named by its files' path (a test loader's)."""
+    return f"""
+    [[models]]
+    key = "{key}"
+    capability = "text_embedding"
+    path = "{path}"
+    loader = "mp_test_loaders:slow_embedder"
+    max_workers = 1
+"""
+
+
 def start_node(workdir: Path, config: str, prefix: list[str] | None = None,
                env: dict[str, str] | None = None) -> Any:
     """A daemon as a cluster node, in its own directory (config, log); `env` is added to

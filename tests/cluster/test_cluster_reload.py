@@ -8,21 +8,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_helpers import Database, node_config, nodes_seeing_each_other, start_node, wait_until
+from cluster_helpers import (
+    Database,
+    model_at_path,
+    node_config,
+    nodes_seeing_each_other,
+    start_node,
+    wait_until,
+)
 
 from modelpool.protocol.client import Client
 from modelpool.protocol.errors import ErrorCode, PoolError
-
-
-def at_path(key: str, path: Path) -> str:
-    return f"""
-    [[models]]
-    key = "{key}"
-    capability = "text_embedding"
-    path = "{path}"
-    loader = "mp_test_loaders:slow_embedder"
-    max_workers = 1
-"""
 
 
 def embeds_on_alpha(c: Client, key: str) -> bool:
@@ -39,7 +35,7 @@ def test_a_model_added_by_reload_serves_the_cluster_and_a_removed_one_stops(
     files = tmp_path / "models" / "fresh"
     files.mkdir(parents=True)
     (files / "config.json").write_text('{"hidden_size": 8}')
-    old = at_path("old", files.parent)
+    old = model_at_path("old", files.parent)
     with nodes_seeing_each_other(
             lambda: start_node(tmp_path / "alpha", node_config(database.dsn, "alpha", old),
                                env={"MP_TEST_MARK": "1"}),
@@ -50,7 +46,7 @@ def test_a_model_added_by_reload_serves_the_cluster_and_a_removed_one_stops(
             wait_until(lambda: embeds_on_alpha(c, "old"), 20, "beta's old runs on alpha")
         config = tmp_path / "alpha" / "modelpool.toml"
         config.write_text(textwrap.dedent(node_config(database.dsn, "alpha",
-                                                      at_path("fresh", files))))
+                                                      model_at_path("fresh", files))))
         with alpha.client() as c:
             assert c.reload() == "added: fresh; removed (serving what it has, then stopping): old"
         with beta.client() as c:

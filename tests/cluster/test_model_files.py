@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from cluster_helpers import (
     Database,
+    model_at_path,
     model_status,
     node_config,
     nodes_seeing_each_other,
@@ -26,17 +27,6 @@ def model_files(root: Path, weights: bytes = b"\x01" * 64) -> Path:
     return root
 
 
-def at_path(key: str, path: Path) -> str:
-    return f"""
-    [[models]]
-    key = "{key}"
-    capability = "text_embedding"
-    path = "{path}"
-    loader = "mp_test_loaders:slow_embedder"
-    max_workers = 1
-"""
-
-
 def test_a_model_at_another_path_is_the_same_model_exactly_when_its_files_are(
         tmp_path: Path, database: Database) -> None:
     s_alpha = model_files(tmp_path / "alpha-models" / "s")
@@ -47,10 +37,10 @@ def test_a_model_at_another_path_is_the_same_model_exactly_when_its_files_are(
     # The vectors' last element says which daemon computed them.
     with nodes_seeing_each_other(
             lambda: start_node(tmp_path / "alpha", node_config(
-                database.dsn, "alpha", at_path("s", s_alpha) + at_path("u", u_alpha)),
+                database.dsn, "alpha", model_at_path("s", s_alpha) + model_at_path("u", u_alpha)),
                 env={"MP_TEST_MARK": "1"}),
             lambda: start_node(tmp_path / "beta", node_config(
-                database.dsn, "beta", at_path("s", s_beta) + at_path("u", u_beta)),
+                database.dsn, "beta", model_at_path("s", s_beta) + model_at_path("u", u_beta)),
                 env={"MP_TEST_MARK": "2"}),
     ) as (alpha, beta):
         with alpha.client() as c:
