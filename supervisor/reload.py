@@ -66,19 +66,25 @@ class ReloadPlan:
 
 def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
                 running_config: Config, new_config: Config,
-                shared: frozenset[str] = frozenset()) -> ReloadPlan:
+                shared: frozenset[str] = frozenset(),
+                draining: Mapping[str, ModelSpec] | None = None) -> ReloadPlan:
     """What to change, from the running registry's specs to the new config's; `shared`
-    are the models whose weights a live holder process shares."""
+    are the models whose weights a live holder process shares, `draining` those an
+    earlier reload removed that still serve what they had."""
     added, replaced, retuned, kept = [], [], [], []
     specs = []
     for key, spec in new.items():
         old = running.get(key)
-        why = _kept_because(old, spec, key in shared) if old is not None else None
-        specs.append(old if why and old is not None else spec)
+        was = old or (draining or {}).get(key)
+        why = _kept_because(was, spec, key in shared) if was is not None else None
+        if why:
+            kept.append((key, why))
+            if old is not None:
+                specs.append(old)
+            continue
+        specs.append(spec)
         if old is None:
             added.append(key)
-        elif why:
-            kept.append((key, why))
         elif any(getattr(old, f) != getattr(spec, f) for f in LOAD_FIELDS):
             replaced.append(key)
         elif old != spec:
@@ -94,7 +100,8 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
 def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:
     if old.capability != new.capability:
         return (f"its capability changed ({old.capability} to {new.capability}): what it "
-                "has queued could not run on the new model; a restart applies it")
+                "has queued could not run on the new model; a restart applies it (or a "
+                "reload once a removed model has gone)")
     if shared and any(getattr(old, f) != getattr(new, f) for f in LOAD_FIELDS):
         return ("its workers map the weights a holder process shares; a restart applies "
                 "the change of what it loads")

@@ -227,7 +227,8 @@ class Server:
                 pool = self.pool
                 plan = plan_reload(
                     pool.registry.specs, new.registry().specs, self.config, new,
-                    frozenset(m.key for m in pool.models.values() if m.holder is not None))
+                    frozenset(m.key for m in pool.models.values() if m.holder is not None),
+                    {m.key: m.spec for m in pool.models.values() if m.retiring})
                 loading = plan.loading()
                 # In a cluster, the new models' identities need their files' content:
                 # read before anything changes, so no job sees them half-known.

@@ -72,6 +72,15 @@ def test_a_new_capability_or_what_a_shared_holder_loads_waits_for_a_restart() ->
     assert kept["cap"] == running["cap"] and kept["held"] == running["held"]
 
 
+def test_a_removed_model_that_still_drains_comes_back_only_as_what_it_was() -> None:
+    draining = specs(spec("back"), spec("other"))
+    new = specs(spec("back", path="/elsewhere"), spec("other", capability="text_to_text"))
+    plan = plan_reload({}, new, Config(), Config(), draining=draining)
+    assert plan.added == ("back",)  # new to the registry; its workers are replaced
+    assert [key for key, _ in plan.kept] == ["other"]  # its queue holds embeddings
+    assert [s.key for s in plan.specs] == ["back"]
+
+
 def test_changes_outside_models_are_named_for_the_next_start() -> None:
     new = Config(pool=PoolConfig(max_batch=8))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
