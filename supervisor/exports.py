@@ -182,6 +182,17 @@ class Exports:
             self.told.discard(entry)
             task.cancel()
 
+    def forget(self, model: ModelState) -> None:
+        """A reload removed the model or changed what it loads: an export that only it
+        waited for and that has not started is not made (it is of the old config); one
+        that runs finishes, for whoever may use its entry later."""
+        for entry in [e for e, waiting in self.models.items() if model in waiting]:
+            self.models[entry].remove(model)
+            if not self.models[entry]:
+                del self.models[entry]
+                self.waiting.pop(entry, None)
+        model.awaits_export_mb = None
+
     def making(self, model: ModelState) -> bool:
         """An export this model waits for is running."""
         return any(model in self.models.get(entry, ()) for entry in self.running)

@@ -120,6 +120,7 @@ def apply_reload(pool: Pool, plan: ReloadPlan) -> None:
         model = pool.models[key]
         model.retiring = True
         model.unpin()
+        pool.exports.forget(model)
     pool.retire_removed()
     for model in list(pool.models.values()):
         pool.reconcile(model)
@@ -136,6 +137,7 @@ def _adopt(pool: Pool, spec: ModelSpec) -> None:
         model.device = resolve_device(spec.device, pool.gpus)
         model.failures, model.deaths = LoadFailures(), LoadFailures()
         model.measured_weights_mb = model.measured_per_worker_mb = None
+        pool.exports.forget(model)  # the server asks for the new files' export
         for worker in model.live_workers():
             worker.outdated = REPLACED_BECAUSE
     if model.warm_target:

@@ -224,6 +224,23 @@ async def test_an_export_waits_for_room_in_the_budget_and_is_charged_while_it_ru
     assert h.pool.capacity.used_mb(models) == used
 
 
+async def test_an_export_waiting_for_a_model_a_reload_removes_is_not_made(
+        make_harness: MakeHarness) -> None:
+    from modelpool.supervisor.reload import apply_reload, plan_reload
+
+    peak = onnx_cache.export_peak_mb(10)
+    h, export = await _two_eager_workers(make_harness, memory_budget_mb=30 + peak - 10)
+    assert h.pool.exports.waits_for_memory(h.pool.models["emb"]) == peak
+    new = msgspec.structs.replace(h.pool.config, models=[
+        m for m in h.pool.config.models if m.key != "emb"])
+    apply_reload(h.pool, plan_reload(h.pool.registry.specs, new.registry().specs,
+                                     h.pool.config, new))
+    h.pool.capacity.budget_mb = 30 + peak + 10  # room: it would start now
+    h.pool.tick()
+    await h.settle()
+    assert export.calls == [] and h.pool.exports.view().waiting == ()
+
+
 async def test_a_worker_that_needs_the_exports_memory_stops_it_until_there_is_room(
         make_harness: MakeHarness) -> None:
     peak = onnx_cache.export_peak_mb(10)
