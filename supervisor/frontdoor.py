@@ -215,8 +215,7 @@ class FrontDoor:
         try:
             return Ack(id=rid, message=await self.reload())
         except ConfigError as exc:
-            return Error(id=rid, code=ErrorCode.BAD_REQUEST,
-                         message=f"{exc}; the daemon goes on with the config it has")
+            return Error(id=rid, code=ErrorCode.BAD_REQUEST, message=str(exc))
 
     async def _job(self, uid: int, msg: JobRequest, nbytes: int) -> Any:
         """The reply to one job API message from user uid (an Error for a PoolError)."""

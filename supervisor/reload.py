@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING
 
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.config import Config
-from modelpool.supervisor.gpus import resolve_device
-from modelpool.supervisor.models import LoadFailures, ModelSettings
 
 if TYPE_CHECKING:
     from modelpool.supervisor.pool import Pool
@@ -129,13 +127,12 @@ def apply_reload(pool: Pool, plan: ReloadPlan) -> None:
 def _adopt(pool: Pool, spec: ModelSpec) -> None:
     """A model that stays (or comes back while its removal drains) takes its new spec;
     workers loaded as before are replaced when what it loads changed."""
-    model = pool.models[spec.key]
+    model, fresh = pool.models[spec.key], pool.model_state(spec)
     old, model.retiring = model.spec, False
-    model.spec = spec
-    model.settings = ModelSettings.of(spec, pool.pool_config, pool.cpus)
+    model.spec, model.settings = spec, fresh.settings
     if any(getattr(old, f) != getattr(spec, f) for f in LOAD_FIELDS):
-        model.device = resolve_device(spec.device, pool.gpus)
-        model.failures, model.deaths = LoadFailures(), LoadFailures()
+        model.device = fresh.device
+        model.clear_failures()
         model.measured_weights_mb = model.measured_per_worker_mb = None
         pool.exports.forget(model)  # the server asks for the new files' export
         for worker in model.live_workers():

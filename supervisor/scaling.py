@@ -263,7 +263,8 @@ def plan_replacements(view: PoolView) -> Plan:
         idle = [worker_id for worker_id, is_idle in model.outdated_workers if is_idle]
         if memory.room_for(model.charge, view.used_mb.get(model.device, 0.0),
                            view.budget_mb.get(model.device, 0.0)) == 0:
-            stops.extend(Stop(worker_id, model.key, "replaced") for worker_id in idle[:1])
+            if idle:
+                stops.append(Stop(idle[0], model.key, "replaced"))
             continue
         if not idle and load.live - load.starting < 2:
             continue

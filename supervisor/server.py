@@ -221,7 +221,7 @@ class Server:
         async with self._reloading:
             self.service.reloading()
             try:
-                new, warnings = self.read_config()
+                new, warnings = self._read_config_again()
                 for warning in warnings:
                     log.warning("%s", warning)
                 pool = self.pool
@@ -244,15 +244,24 @@ class Server:
                     pool.exports.request(pool.models[spec.key], str(entry), str(model_dir))
             finally:
                 self.service.reloaded()
-        log.info("config reloaded: %s", plan.summary())
-        return plan.summary()
+        summary = plan.summary()
+        log.info("config reloaded: %s", summary)
+        return summary
+
+    def _read_config_again(self) -> tuple[Config, list[str]]:
+        try:
+            return self.read_config()
+        except ConfigError as exc:
+            refused = f"{exc}; the daemon goes on with the config it has"
+            log.error("reload refused: %s", refused)
+            raise ConfigError(refused) from exc
 
     def _reload_on_signal(self) -> None:
         async def run() -> None:
             try:
                 await self.reload()
-            except ConfigError as exc:
-                log.error("reload refused, the daemon goes on with the config it has: %s", exc)
+            except ConfigError:
+                pass  # logged by reload
             except Exception:
                 log.exception("internal error reloading the config")
 
