@@ -8,11 +8,15 @@ all, and fails sooner if its progress (bytes read, CPU spent) stands still for
 load_stall_s: a stuck download or a wedged file system, which would otherwise hold a
 load slot forever.
 
-A worker that has not beaten once since it was forked is not judged hung at first: it
-starts at idle priority (supervisor/cgroups.py, workers/priority.py), and on a machine
-kept busy by normal work it may get no CPU to start its heartbeat thread, which raises
-itself as its first act. The supervisor raises it instead, and judges it a heartbeat
-timeout later.
+A worker that has not beaten once since it was forked, or that falls silent while it
+loads, is not judged hung at first: it loads at idle priority (supervisor/cgroups.py,
+workers/priority.py), and on a machine kept busy by normal work it may get no CPU to
+start its heartbeat thread, which raises itself as its first act. A heartbeat thread
+that has raised itself still needs the GIL, which the loading thread holds through long
+C calls (importing torch, a dlopen): starved at idle priority, that thread keeps the
+heartbeat waiting (a priority inversion), and the heartbeat's own raise of every thread
+after idle_load_s waits too. The supervisor raises the whole process instead, and judges
+it a heartbeat timeout later.
 """
 
 from __future__ import annotations
@@ -51,17 +55,10 @@ class Verdict:
 
 
 def hung_reason(pulse: WorkerPulse, now: float, limits: Limits) -> Verdict | None:
-    last_sign = pulse.last_heartbeat
-    if last_sign is None:
-        last_sign = pulse.started_at if pulse.raised_at is None else pulse.raised_at
+    signs = (pulse.last_heartbeat, pulse.raised_at, pulse.started_at)
+    last_sign = max(sign for sign in signs if sign is not None)
     if now - last_sign > limits.heartbeat_timeout_s:
-        if pulse.last_heartbeat is not None:
-            return Verdict(f"no heartbeat for {now - last_sign:.1f}s", failed_load=False)
-        if pulse.raised_at is None:
-            return Verdict(f"no heartbeat in the {now - last_sign:.1f}s since its start at "
-                           f"idle priority", failed_load=False, raise_priority=True)
-        return Verdict(f"no heartbeat in the {now - pulse.started_at:.1f}s since its start, "
-                       f"{now - last_sign:.1f}s of them at normal priority", failed_load=False)
+        return _silence(pulse, now, last_sign)
     still = now - pulse.progress_changed_at
     if pulse.loading:
         if now - pulse.started_at > limits.load_timeout_s:
@@ -73,6 +70,20 @@ def hung_reason(pulse: WorkerPulse, now: float, limits: Limits) -> Verdict | Non
     if pulse.busy and still > limits.stall_timeout_s:
         return Verdict(f"no progress on its work for {still:.1f}s", failed_load=False)
     return None
+
+
+def _silence(pulse: WorkerPulse, now: float, last_sign: float) -> Verdict:
+    """Silent past the heartbeat timeout: raised from idle priority first where it may
+    be starved there (since its start, or while it loads), else hung."""
+    since = ("its start" if pulse.last_heartbeat is None
+             else f"its last heartbeat {now - pulse.last_heartbeat:.1f}s ago")
+    if pulse.raised_at is None and (pulse.last_heartbeat is None or pulse.loading):
+        return Verdict(f"no heartbeat since {since}, at idle priority", failed_load=False,
+                       raise_priority=True)
+    if pulse.raised_at == last_sign:
+        return Verdict(f"no heartbeat since {since}, {now - last_sign:.1f}s of it at normal "
+                       f"priority", failed_load=False)
+    return Verdict(f"no heartbeat for {now - last_sign:.1f}s", failed_load=False)
 
 
 def hung_workers(models: Iterable[ModelState], now: float,

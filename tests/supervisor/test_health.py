@@ -42,9 +42,29 @@ def test_a_worker_silent_since_its_start_is_raised_from_idle_priority_then_judge
     assert hung_reason(raised, now=10.9, limits=LIMITS) is None
     hung = hung_reason(raised, now=11.2, limits=LIMITS)
     assert hung is not None and not hung.raise_priority and "normal priority" in hung.reason
-    # One that has beaten raised its own heartbeat: silence then is a hang at once.
-    silent = hung_reason(pulse(1.0, loading=True), now=6.1, limits=LIMITS)
-    assert silent is not None and not silent.raise_priority
+
+
+def test_a_worker_silent_while_it_loads_is_raised_then_judged() -> None:
+    """Its heartbeat thread raised itself, but waits for the GIL that the loading
+    thread, starved at idle priority, holds through a long C call: a priority inversion
+    that only raising the whole process ends."""
+    starved = hung_reason(pulse(1.0, loading=True), now=6.1, limits=LIMITS)
+    assert starved is not None and starved.raise_priority and not starved.failed_load
+    assert "last heartbeat 5.1s ago" in starved.reason
+    raised = WorkerPulse(started_at=0.0, last_heartbeat=1.0, progress_changed_at=0.0,
+                         busy=False, loading=True, raised_at=6.1)
+    assert hung_reason(raised, now=11.0, limits=LIMITS) is None
+    hung = hung_reason(raised, now=11.2, limits=LIMITS)
+    assert hung is not None and not hung.raise_priority and "normal priority" in hung.reason
+    # Beating again after the raise: a later silence counts from the last beat.
+    recovered = WorkerPulse(started_at=0.0, last_heartbeat=20.0, progress_changed_at=0.0,
+                            busy=False, loading=False, raised_at=6.1)
+    assert hung_reason(recovered, now=24.9, limits=LIMITS) is None
+    late = hung_reason(recovered, now=25.1, limits=LIMITS)
+    assert late is not None and late.reason == "no heartbeat for 5.1s"
+    # A loaded worker at serving priority has no idle priority to be starved at.
+    serving = hung_reason(pulse(1.0), now=6.1, limits=LIMITS)
+    assert serving is not None and not serving.raise_priority
 
 
 def test_stalled_work_is_a_hang_only_while_busy() -> None:
