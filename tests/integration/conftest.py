@@ -4,6 +4,8 @@ config written per test module, the real socket, real worker processes."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -72,10 +74,14 @@ class Daemon:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout_s)
+            code = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             raise
+        directory = Path(self.socket_path).parent
+        if FRESH_SOCKET_DIR.fullmatch(directory.name):  # made for this daemon alone
+            shutil.rmtree(directory, ignore_errors=True)
+        return code
 
 
 def wait_for_socket(daemon: Daemon, timeout_s: float) -> None:
@@ -100,8 +106,12 @@ def daemon_env(socket_path: str) -> dict[str, str]:
     return env
 
 
+FRESH_SOCKET_DIR = re.compile(r"mpt-\d+-\d+")
+
+
 def fresh_socket_path() -> str:
     # Unix socket paths are limited to ~107 bytes: keep it short, outside pytest's tmp tree.
+    # The daemon makes the directory; Daemon.stop removes it.
     return f"/tmp/mpt-{os.getpid()}-{time.monotonic_ns() % 10**9}/mp.sock"
 
 
