@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -127,7 +128,8 @@ class Daemon:
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
-        self.process.wait(30)
+        if self.process.wait(30) == 0:  # else its log stays, to see why
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 async def latency_through(sock: str, texts: list[str]) -> dict[str, float]:
