@@ -113,7 +113,25 @@ class Client:
         try:
             send_frame(self._sock, payload)
         except OSError as exc:
-            raise unavailable(self.socket_path, exc) from exc
+            raise self._parting_words() or unavailable(self.socket_path, exc) from exc
+
+    def _parting_words(self) -> PoolError | None:
+        """Why the daemon closed this connection (its last word, an error for no request:
+        an idle timeout, access revoked by a reload), read from what is already here
+        when a send finds the connection closed."""
+        timeout = self._sock.gettimeout()
+        self._sock.settimeout(0.0)
+        try:
+            while True:
+                msg = server_decoder.decode(recv_frame(self._sock, MAX_FRAME_BYTES))
+                if isinstance(msg, Error) and msg.id is None:
+                    return PoolError(msg.code, msg.message, msg.retry_after_s)
+                if (mid := getattr(msg, "id", None)) is not None:
+                    self._inbox[mid].append(msg)  # a reply before it: kept, as _next does
+        except (OSError, EOFError, msgspec.DecodeError):
+            return None
+        finally:
+            self._sock.settimeout(timeout)
 
     def _recv(self) -> Any:
         try:

@@ -8,6 +8,7 @@ import struct
 import time
 from pathlib import Path
 
+import pytest
 from adversarial_helpers import (
     closed_within,
     greeted,
@@ -18,7 +19,7 @@ from adversarial_helpers import (
     send_msg,
 )
 
-from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import HEADER
 from modelpool.protocol.messages import Embed, Embeddings, Error, GetStatus, StatusReply
 
@@ -43,6 +44,18 @@ def test_idle_connections_are_closed_but_never_one_with_work_in_flight(tmp_path:
         assert isinstance(answer, Embeddings) and answer.id == 1
         _, seconds = closed_within(busy, 5)
         assert seconds is not None  # and then, idle, it goes too
+
+
+def test_a_client_closed_while_idle_says_why_at_its_next_call(tmp_path: Path) -> None:
+    """The blocking client finds the connection closed when it sends; it reports the
+    daemon's last word, not the broken pipe."""
+    with running_daemon(tmp_path, CONFIG) as daemon, daemon.client() as c:
+        c.embed("warm", model="slow")
+        time.sleep(2.5)  # idle_timeout_s is 1; the sweep runs every 0.25 s
+        with pytest.raises(PoolError) as raised:
+            c.embed("late", model="slow")
+        assert raised.value.code is ErrorCode.UNAVAILABLE
+        assert "idle_timeout_s" in raised.value.message, raised.value.message
 
 
 def test_a_frame_that_trickles_in_is_cut_off(tmp_path: Path) -> None:
