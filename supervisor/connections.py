@@ -169,6 +169,17 @@ class Connection(asyncio.Protocol):
             if not self.greeted:
                 self.close()  # after a bad hello nothing more is read
 
+    def reaccess(self, policy: AccessPolicy) -> None:
+        """A reloaded [access]: its caps apply to the requests that come next; a client
+        it no longer admits is told why and closed (its requests in flight are
+        cancelled, as when a client hangs up)."""
+        if self.refused or self.closed:
+            return
+        self.access = ConnectionAccess(policy, self.peer)
+        if refusal := self.access.refusal():
+            self.goodbye(ErrorCode.PERMISSION_DENIED,
+                         f"{refusal.message} (the daemon's config was reloaded)")
+
     def turn_away(self, refusal: Error) -> None:
         """Answer the client's hello with the refusal, then hang up. The client speaks
         first; waiting for its hello (bounded in bytes and time) makes the refusal the

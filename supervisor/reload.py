@@ -8,8 +8,10 @@ running daemon, without a restart and without losing work.
   workers, which are then replaced one at a time (the scaling policy's replacements,
   as when an ONNX export becomes ready); new workers load it as now configured.
 - Any other change of a model (aliases, default, limits, estimates) applies at once.
+- A change of [access] applies at once: to new connections, to the requests that come
+  next on open ones, and a connection whose user it no longer admits is closed.
 - A change of capability, or of what a model loads while a weights holder shares its
-  weights, and changes outside [[models]], wait for a restart: the reload says which.
+  weights, and changes of other sections, wait for a restart: the reload says which.
 
 `plan_reload` is pure: what the running registry and the new config differ in.
 `apply_reload` makes the pool so; the server reads the file and, in a cluster, has the
@@ -33,6 +35,7 @@ LOAD_FIELDS = ("path", "package", "repo", "revision", "subdir", "loader", "optio
                "allow_pickle", "trust_remote_code", "device", "weights_holder",
                "execution", "max_active_sequences")
 REPLACED_BECAUSE = "its model's config changed (reload)"
+LIVE_SECTIONS = ("models", "access")  # applied by a reload; the others at the next start
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class ReloadPlan:
     retuned: tuple[str, ...] = ()  # other settings changed: applied as they are
     kept: tuple[tuple[str, str], ...] = ()  # (key, why) changes that wait for a restart
     restart_for: tuple[str, ...] = ()  # config sections whose changes wait for a restart
+    access: bool = False  # [access] changed: applied at once (the server's policy)
 
     def loading(self) -> list[ModelSpec]:
         """The models whose workers will load something new."""
@@ -56,6 +60,8 @@ class ReloadPlan:
                                     self.removed),
             ("replaced (its workers, one at a time)", self.replaced),
             ("updated", self.retuned)) if keys]
+        if self.access:
+            parts.append("[access] applied")
         parts += [f"{key} not changed: {why}" for key, why in self.kept]
         if self.restart_for:
             parts.append(f"changes of {', '.join(self.restart_for)} apply at the next start")
@@ -89,10 +95,11 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
             retuned.append(key)
     removed = [key for key in running if key not in new]
     sections = [f"[{name}]" for name in Config.__struct_fields__
-                if name != "models" and getattr(running_config, name) != getattr(new_config,
-                                                                                 name)]
+                if name not in LIVE_SECTIONS
+                and getattr(running_config, name) != getattr(new_config, name)]
     return ReloadPlan(tuple(specs), tuple(added), tuple(removed), tuple(replaced),
-                      tuple(retuned), tuple(kept), tuple(sections))
+                      tuple(retuned), tuple(kept), tuple(sections),
+                      access=running_config.access != new_config.access)
 
 
 def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:

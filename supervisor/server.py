@@ -237,6 +237,8 @@ class Server:
                 # No await in between: no beat sees a model without its identity.
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
+                if plan.access:
+                    self._apply_access(new)
                 await self.jobs.end_removed(plan.removed)
                 from modelpool.registry.loaders import exports_to_make
 
@@ -247,6 +249,15 @@ class Server:
         summary = plan.summary()
         log.info("config reloaded: %s", summary)
         return summary
+
+    def _apply_access(self, new: Config) -> None:
+        """The reloaded [access], for every connection from now on and every open one."""
+        self.access = access.AccessPolicy.from_config(new.access, os.geteuid())
+        self.config = msgspec.structs.replace(self.config, access=new.access)
+        if warning := self.access.unreachable_group_warning(self.config.daemon.socket_group):
+            log.warning("%s", warning)
+        for conn in list(self.connections.live):
+            conn.reaccess(self.access)
 
     def _read_config_again(self) -> tuple[Config, list[str]]:
         try:

@@ -12,7 +12,7 @@ from modelpool.protocol.messages import Embeddings
 from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import control
 from modelpool.supervisor.cli import _model_text
-from modelpool.supervisor.config import Config, PoolConfig
+from modelpool.supervisor.config import AccessConfig, Config, PoolConfig
 from modelpool.supervisor.reload import REPLACED_BECAUSE, apply_reload, plan_reload
 from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
@@ -86,6 +86,15 @@ def test_changes_outside_models_are_named_for_the_next_start() -> None:
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
     assert plan.restart_for == ("[pool]",)
     assert plan.summary() == "changes of [pool] apply at the next start"
+
+
+def test_a_change_of_access_is_applied_not_left_for_a_restart() -> None:
+    new = Config(access=AccessConfig(allow_users=["root"], max_priority="normal"),
+                 pool=PoolConfig(max_batch=8))
+    plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
+    assert plan.access and plan.restart_for == ("[pool]",)
+    assert plan.summary() == "[access] applied; changes of [pool] apply at the next start"
+    assert not plan_reload(specs(spec("a")), specs(spec("a")), new, new).access
 
 
 # ---- applied to a pool ------------------------------------------------------------------
