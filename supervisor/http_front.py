@@ -17,11 +17,15 @@ import logging
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from modelpool.supervisor.config import Config, ConfigError, HttpConfig
 from modelpool.supervisor.httpapi.settings import HttpSettings
+
+if TYPE_CHECKING:
+    from modelpool.supervisor.httpapi.app import Api
 
 log = logging.getLogger("modelpool.http")
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
@@ -93,6 +97,7 @@ class HttpFront:
         self.settings = settings_of(config, socket_path)
         self.sock = bind(self.config.listen)
         self.process: asyncio.subprocess.Process | None = None
+        self.api: Api | None = None  # in_loop: the front door's own, in this process
         self.stopping = False
 
     @property
@@ -105,9 +110,11 @@ class HttpFront:
         may have passed another than the config's)."""
         self.settings = msgspec.structs.replace(self.settings, socket_path=socket_path)
         if self.config.in_loop:
+            from modelpool.supervisor.httpapi.app import Api
             from modelpool.supervisor.httpapi.serve import serve_in_loop
 
-            await serve_in_loop(self.sock, self.settings, self.config.max_clients)
+            self.api = Api(self.settings)
+            await serve_in_loop(self.sock, self.api, self.config.max_clients)
             return
         failures = 0
         while not self.stopping:
@@ -119,6 +126,27 @@ class HttpFront:
             log.warning("the HTTP front door exited (%s); starting it again in %.1fs",
                         code, delay)
             await asyncio.sleep(delay)
+
+    def settings_for(self, config: Config) -> HttpSettings:
+        """What a reload's [http] makes of the settings: its keys (api_key_file read
+        again) and the limits of a request; the rest stays as started. Checked as the
+        config would start, and against the address served now: no keys beyond
+        loopback is a ConfigError either way."""
+        settings_of(config, self.settings.socket_path)
+        now = msgspec.structs.replace(config, http=msgspec.structs.replace(
+            config.http, listen=self.config.listen))
+        return msgspec.structs.replace(settings_of(now, self.settings.socket_path),
+                                       connections=self.settings.connections,
+                                       body_timeout_s=self.settings.body_timeout_s)
+
+    def apply(self, settings: HttpSettings) -> None:
+        """At once, for the next request; a front door started again starts with them."""
+        self.settings = settings
+        if self.api is not None:
+            self.api.settings = settings
+        elif self.process is not None and self.process.returncode is None:
+            assert self.process.stdin is not None
+            self.process.stdin.write(msgspec.json.encode(settings) + b"\n")
 
     async def _run_process(self) -> int:
         from modelpool.supervisor.httpapi.serve import Launch

@@ -9,7 +9,8 @@ running daemon, without a restart and without losing work.
   as when an ONNX export becomes ready); new workers load it as now configured.
 - Any other change of a model (aliases, default, limits, estimates) applies at once.
 - A change of [access] applies at once: to new connections, to the requests that come
-  next on open ones, and a connection whose user it no longer admits is closed.
+  next on open ones, and a connection whose user it no longer admits is closed. So do
+  the HTTP front door's keys (api_key_file read again) and request limits.
 - A change of capability, or of what a model loads while a weights holder shares its
   weights, and changes of other sections, wait for a restart: the reload says which.
 
@@ -35,7 +36,8 @@ LOAD_FIELDS = ("path", "package", "repo", "revision", "subdir", "loader", "optio
                "allow_pickle", "trust_remote_code", "device", "weights_holder",
                "execution", "max_active_sequences")
 REPLACED_BECAUSE = "its model's config changed (reload)"
-LIVE_SECTIONS = ("models", "access")  # applied by a reload; the others at the next start
+# [http]'s fields that wait for a restart; its keys and request limits are applied.
+HTTP_AT_START = ("listen", "connections", "max_clients", "in_loop", "body_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class ReloadPlan:
     kept: tuple[tuple[str, str], ...] = ()  # (key, why) changes that wait for a restart
     restart_for: tuple[str, ...] = ()  # config sections whose changes wait for a restart
     access: bool = False  # [access] changed: applied at once (the server's policy)
+    http: bool = False  # the HTTP front door's keys or request limits changed: applied
 
     def loading(self) -> list[ModelSpec]:
         """The models whose workers will load something new."""
@@ -60,8 +63,8 @@ class ReloadPlan:
                                     self.removed),
             ("replaced (its workers, one at a time)", self.replaced),
             ("updated", self.retuned)) if keys]
-        if self.access:
-            parts.append("[access] applied")
+        parts += [f"[{name}] applied" for name, changed in (("access", self.access),
+                                                            ("http", self.http)) if changed]
         parts += [f"{key} not changed: {why}" for key, why in self.kept]
         if self.restart_for:
             parts.append(f"changes of {', '.join(self.restart_for)} apply at the next start")
@@ -71,10 +74,12 @@ class ReloadPlan:
 def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
                 running_config: Config, new_config: Config,
                 shared: frozenset[str] = frozenset(),
-                draining: Mapping[str, ModelSpec] | None = None) -> ReloadPlan:
+                draining: Mapping[str, ModelSpec] | None = None,
+                http: bool = False) -> ReloadPlan:
     """What to change, from the running registry's specs to the new config's; `shared`
     are the models whose weights a live holder process shares, `draining` those an
-    earlier reload removed that still serve what they had."""
+    earlier reload removed that still serve what they had; `http`: the HTTP front
+    door's settings (keys, with api_key_file's, and request limits) changed."""
     added, replaced, retuned, kept = [], [], [], []
     specs = []
     for key, spec in new.items():
@@ -95,11 +100,18 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
             retuned.append(key)
     removed = [key for key in running if key not in new]
     sections = [f"[{name}]" for name in Config.__struct_fields__
-                if name not in LIVE_SECTIONS
-                and getattr(running_config, name) != getattr(new_config, name)]
+                if _waits_for_restart(name, running_config, new_config)]
     return ReloadPlan(tuple(specs), tuple(added), tuple(removed), tuple(replaced),
                       tuple(retuned), tuple(kept), tuple(sections),
-                      access=running_config.access != new_config.access)
+                      access=running_config.access != new_config.access, http=http)
+
+
+def _waits_for_restart(section: str, running: Config, new: Config) -> bool:
+    if section in ("models", "access"):
+        return False
+    if section == "http":
+        return any(getattr(running.http, f) != getattr(new.http, f) for f in HTTP_AT_START)
+    return bool(getattr(running, section) != getattr(new, section))
 
 
 def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:

@@ -47,6 +47,7 @@ from modelpool.supervisor.config import Config, ConfigError, gid_of
 from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.http_front import HttpFront
+from modelpool.supervisor.httpapi.settings import HttpSettings
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.reload import apply_reload, plan_reload
 from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
@@ -221,14 +222,13 @@ class Server:
         async with self._reloading:
             self.service.reloading()
             try:
-                new, warnings = self._read_config_again()
-                for warning in warnings:
-                    log.warning("%s", warning)
+                new, http = self._read_config_again()
                 pool = self.pool
                 plan = plan_reload(
                     pool.registry.specs, new.registry().specs, self.config, new,
                     frozenset(m.key for m in pool.models.values() if m.holder is not None),
-                    {m.key: m.spec for m in pool.models.values() if m.retiring})
+                    {m.key: m.spec for m in pool.models.values() if m.retiring},
+                    http=self.http is not None and http != self.http.settings)
                 loading = plan.loading()
                 # In a cluster, the new models' identities need their files' content:
                 # read before anything changes, so no job sees them half-known.
@@ -239,6 +239,8 @@ class Server:
                     self.cluster.reidentify(loading, contents)
                 if plan.access:
                     self._apply_access(new)
+                if plan.http and self.http is not None and http is not None:
+                    self.http.apply(http)
                 await self.jobs.end_removed(plan.removed)
                 from modelpool.registry.loaders import exports_to_make
 
@@ -259,9 +261,15 @@ class Server:
         for conn in list(self.connections.live):
             conn.reaccess(self.access)
 
-    def _read_config_again(self) -> tuple[Config, list[str]]:
+    def _read_config_again(self) -> tuple[Config, HttpSettings | None]:
+        """The config file's, and what it makes of the HTTP front door's settings (its
+        keys checked as at start, the daemon's own sections as they run)."""
         try:
-            return self.read_config()
+            new, warnings = self.read_config()
+            for warning in warnings:
+                log.warning("%s", warning)
+            running = msgspec.structs.replace(new, daemon=self.config.daemon)
+            return new, self.http.settings_for(running) if self.http is not None else None
         except ConfigError as exc:
             refused = f"{exc}; the daemon goes on with the config it has"
             log.error("reload refused: %s", refused)

@@ -222,8 +222,7 @@ async def _last_image(stream: AsyncIterator[ImageChunk]) -> ImageChunk:
     raise PoolError(replies.ErrorCode.INTERNAL, "the image stream ended without an image")
 
 
-def build_app(settings: HttpSettings) -> Routes:
-    api = Api(settings)
+def build_app(api: Api) -> Routes:
     table: list[tuple[str, Handler, str, bool]] = [
         ("/v1/embeddings", api.embeddings, "POST", False),
         ("/v1/chat/completions", api.chat, "POST", False),

@@ -1,7 +1,7 @@
 """Running the HTTP front door: uvicorn on a listening socket the supervisor bound, in a
 process of its own (`python -m modelpool.supervisor.httpapi.serve FD`, its settings as
-one JSON line on stdin, which stays open: the supervisor's end closing means it is gone)
-or in the supervisor's own loop."""
+one JSON line on stdin, which stays open: each later line is the settings a reload made,
+and the supervisor's end closing means it is gone) or in the supervisor's own loop."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ import uvicorn
 from modelpool.protocol import logs
 from modelpool.supervisor import eventloop
 from modelpool.supervisor.eventloop import EventLoop
-from modelpool.supervisor.httpapi.app import build_app
+from modelpool.supervisor.httpapi.app import Api, build_app
 from modelpool.supervisor.httpapi.guard import guarded
 from modelpool.supervisor.httpapi.settings import HttpSettings
 
 log = logging.getLogger("modelpool.http")
+READ_LIMIT = 16 << 20  # a settings line: API keys may be many
 
 
 class Server(uvicorn.Server):
@@ -34,21 +35,20 @@ class Server(uvicorn.Server):
         yield
 
 
-def uvicorn_server(settings: HttpSettings, max_clients: int) -> Server:
+def uvicorn_server(api: Api, max_clients: int) -> Server:
     """httptools with our guards (guard.py): max_clients there, not uvicorn's
     limit_concurrency, which answers every connection 503 once that many are open; a
-    request's headers bounded by body_timeout_s like its body."""
+    request's headers bounded by body_timeout_s (of the start) like its body."""
     config = uvicorn.Config(
-        build_app(settings), http=guarded(settings.body_timeout_s, max_clients),
+        build_app(api), http=guarded(api.settings.body_timeout_s, max_clients),
         lifespan="on", access_log=False, log_level="warning", timeout_keep_alive=5,
         timeout_graceful_shutdown=5, server_header=False)
     return Server(config)
 
 
-async def serve_in_loop(sock: socket.socket, settings: HttpSettings,
-                        max_clients: int) -> None:
+async def serve_in_loop(sock: socket.socket, api: Api, max_clients: int) -> None:
     """Until cancelled; for [http] in_loop."""
-    server = uvicorn_server(settings, max_clients)
+    server = uvicorn_server(api, max_clients)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:
         await asyncio.shield(task)
@@ -66,16 +66,18 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def _serve_process(sock: socket.socket, launch: Launch) -> None:
-    server = uvicorn_server(launch.settings, launch.max_clients)
+    api = Api(launch.settings)
+    server = uvicorn_server(api, launch.max_clients)
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
+    reader = asyncio.StreamReader(limit=READ_LIMIT)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
 
-    async def orphaned() -> None:
-        await reader.read()  # EOF: the supervisor has gone
-        server.should_exit = True
+    async def follow_supervisor() -> None:
+        while line := await reader.readline():
+            api.settings = msgspec.json.decode(line, type=HttpSettings)  # a reload's
+        server.should_exit = True  # EOF: the supervisor has gone
 
-    watch = loop.create_task(orphaned())
+    watch = loop.create_task(follow_supervisor())
     loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
     try:
         await server.serve(sockets=[sock])
@@ -84,7 +86,9 @@ async def _serve_process(sock: socket.socket, launch: Launch) -> None:
 
 
 def main(argv: list[str]) -> int:
-    launch = msgspec.json.decode(sys.stdin.buffer.readline(), type=Launch)
+    # Unbuffered: what a buffered read took beyond this line (a reload's settings
+    # written at once) would never reach the loop's reader of the same pipe.
+    launch = msgspec.json.decode(sys.stdin.buffer.raw.readline(), type=Launch)
     logs.configure_from_env()  # the daemon's log format, as its workers use it
     sock = socket.socket(fileno=int(argv[0]))
     with contextlib.suppress(KeyboardInterrupt):

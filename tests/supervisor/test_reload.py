@@ -12,7 +12,7 @@ from modelpool.protocol.messages import Embeddings
 from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import control
 from modelpool.supervisor.cli import _model_text
-from modelpool.supervisor.config import AccessConfig, Config, PoolConfig
+from modelpool.supervisor.config import AccessConfig, Config, HttpConfig, PoolConfig
 from modelpool.supervisor.reload import REPLACED_BECAUSE, apply_reload, plan_reload
 from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
@@ -95,6 +95,18 @@ def test_a_change_of_access_is_applied_not_left_for_a_restart() -> None:
     assert plan.access and plan.restart_for == ("[pool]",)
     assert plan.summary() == "[access] applied; changes of [pool] apply at the next start"
     assert not plan_reload(specs(spec("a")), specs(spec("a")), new, new).access
+
+
+def test_http_keys_and_limits_apply_its_address_waits_for_a_restart() -> None:
+    running = Config(http=HttpConfig(listen="127.0.0.1:8000", api_keys=["a"]))
+    keys = Config(http=HttpConfig(listen="127.0.0.1:8000", api_keys=["b"],
+                                  max_priority="low", max_body_bytes=1024))
+    plan = plan_reload(specs(spec("a")), specs(spec("a")), running, keys, http=True)
+    assert plan.restart_for == () and plan.summary() == "[http] applied"
+    for field, value in (("listen", "127.0.0.1:9000"), ("connections", 2),
+                         ("max_clients", 8), ("in_loop", True), ("body_timeout_s", 5.0)):
+        moved = Config(http=msgspec.structs.replace(running.http, **{field: value}))
+        assert plan_reload({}, {}, running, moved).restart_for == ("[http]",), field
 
 
 # ---- applied to a pool ------------------------------------------------------------------

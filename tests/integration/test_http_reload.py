@@ -1,0 +1,98 @@
+"""A reload and the HTTP front door, served by its own process or from the supervisor's
+loop: new API keys (api_key_file read again) and request limits apply at once, a front
+door started again keeps them, a new address waits for a restart, and keys removed from
+an address beyond loopback are refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx2 as httpx
+import psutil
+import pytest
+from conftest import Daemon, model_entry
+from http_helpers import free_port, wait_for_http
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+
+MakeDaemon = Callable[..., Daemon]
+SLOW = model_entry("slow", run_s=0, max_workers=1)
+
+
+def config(port: int, in_loop: bool, key_file: Path, extra: str = "") -> str:
+    return SLOW + textwrap.dedent(f"""
+        [http]
+        listen = "127.0.0.1:{port}"
+        in_loop = {str(in_loop).lower()}
+        api_key_file = "{key_file}"
+    """) + extra
+
+
+def reload_to(daemon: Daemon, config_toml: str) -> str:
+    (daemon.log_path.parent / "modelpool.toml").write_text(config_toml)
+    with daemon.client() as c:
+        return c.reload()
+
+
+def embed_status(base: str, key: str, priority: str = "normal") -> int:
+    return httpx.post(base + "/v1/embeddings", json={"input": "x", "model": "slow"},
+                      headers={"Authorization": f"Bearer {key}",
+                               "X-Modelpool-Priority": priority}, timeout=30).status_code
+
+
+def front_door_processes(daemon: Daemon) -> list[psutil.Process]:
+    return [p for p in daemon.descendants() if "httpapi.serve" in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("in_loop", [False, True], ids=["own-process", "in-loop"])
+def test_a_reload_rotates_keys_and_limits(make_daemon: MakeDaemon, tmp_path: Path,
+                                          in_loop: bool) -> None:
+    port, keys = free_port(), tmp_path / "keys"
+    keys.write_text("first-key\n")
+    daemon = make_daemon(config(port, in_loop, keys))
+    base = f"http://127.0.0.1:{port}"
+    wait_for_http(base, daemon)
+    assert (embed_status(base, "first-key"), embed_status(base, "second-key")) == (200, 401)
+
+    keys.write_text("# rotated\nsecond-key\n")
+    assert reload_to(daemon, config(port, in_loop, keys)) == "[http] applied"
+    assert (embed_status(base, "second-key"), embed_status(base, "first-key")) == (200, 401)
+
+    capped = config(port, in_loop, keys, 'max_priority = "normal"\n')
+    assert reload_to(daemon, capped) == "[http] applied"
+    assert embed_status(base, "second-key", "high") == 403
+    assert embed_status(base, "second-key", "normal") == 200
+
+    if not in_loop:  # started again after a crash: with the settings of now
+        (front,) = front_door_processes(daemon)
+        os.kill(front.pid, signal.SIGKILL)
+        front.wait(10)
+        wait_for_http(base, daemon, timeout_s=20)
+        assert embed_status(base, "second-key", "high") == 403
+        assert embed_status(base, "first-key") == 401
+    assert reload_to(daemon, capped) == "no change"
+
+
+def test_a_new_address_waits_and_no_keys_beyond_loopback_is_refused(
+        make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    port, keys = free_port(), tmp_path / "keys"
+    keys.write_text("the-key\n")
+    daemon = make_daemon(config(port, False, keys))
+    base = f"http://127.0.0.1:{port}"
+    wait_for_http(base, daemon)
+
+    moved = config(free_port(), False, keys)
+    assert reload_to(daemon, moved) == "changes of [http] apply at the next start"
+    assert embed_status(base, "the-key") == 200  # still where it was
+
+    open_beyond = SLOW + f'[http]\nlisten = "0.0.0.0:{port}"\n'
+    with pytest.raises(PoolError) as refused:
+        reload_to(daemon, open_beyond)
+    assert refused.value.code is ErrorCode.BAD_REQUEST
+    assert "api_keys" in refused.value.message
+    assert "goes on with the config it has" in refused.value.message
+    assert (embed_status(base, "the-key"), embed_status(base, "other")) == (200, 401)
