@@ -73,7 +73,7 @@ def settings_of(config: Config, socket_path: str) -> HttpSettings:
         socket_path=socket_path, api_keys=keys, metrics_need_key=http.metrics_need_key,
         max_body_bytes=http.max_body_bytes or config.daemon.max_frame_bytes,
         body_timeout_s=http.body_timeout_s, connections=http.connections,
-        max_priority=http.max_priority)
+        max_priority=http.max_priority, default_models=dict(config.registry().defaults))
 
 
 def bind(listen: str) -> socket.socket:
@@ -129,7 +129,8 @@ class HttpFront:
 
     def settings_for(self, config: Config) -> HttpSettings:
         """What a reload's [http] makes of the settings: its keys (api_key_file read
-        again) and the limits of a request; the rest stays as started. Checked as the
+        again) and the limits of a request; the rest stays as started (the default
+        models are the registry's, which the reload changes: `apply`). Checked as the
         config would start, and against the address served now: no keys beyond
         loopback is a ConfigError either way."""
         settings_of(config, self.settings.socket_path)
@@ -137,7 +138,8 @@ class HttpFront:
             config.http, listen=self.config.listen))
         return msgspec.structs.replace(settings_of(now, self.settings.socket_path),
                                        connections=self.settings.connections,
-                                       body_timeout_s=self.settings.body_timeout_s)
+                                       body_timeout_s=self.settings.body_timeout_s,
+                                       default_models=self.settings.default_models)
 
     def apply(self, settings: HttpSettings) -> None:
         """At once, for the next request; a front door started again starts with them."""

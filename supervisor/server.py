@@ -239,8 +239,8 @@ class Server:
                     self.cluster.reidentify(loading, contents)
                 if plan.access:
                     self._apply_access(new)
-                if plan.http and self.http is not None and http is not None:
-                    self.http.apply(http)
+                if self.http is not None and http is not None:
+                    self._apply_http(http)
                 await self.jobs.end_removed(plan.removed)
                 from modelpool.registry.loaders import exports_to_make
 
@@ -260,6 +260,14 @@ class Server:
             log.warning("%s", warning)
         for conn in list(self.connections.live):
             conn.reaccess(self.access)
+
+    def _apply_http(self, settings: HttpSettings) -> None:
+        """The front door's reloaded settings, with the default models of now."""
+        assert self.http is not None
+        settings = msgspec.structs.replace(
+            settings, default_models=dict(self.pool.registry.defaults))
+        if settings != self.http.settings:
+            self.http.apply(settings)
 
     def _read_config_again(self) -> tuple[Config, HttpSettings | None]:
         """The config file's, and what it makes of the HTTP front door's settings (its

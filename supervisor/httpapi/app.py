@@ -87,7 +87,7 @@ class Api:
         client = await self.client(request)
         answer = (client.reply(call.op, *call.args, **kwargs) if whole
                   else getattr(client, call.op)(*call.args, **kwargs))
-        model = model_name(kwargs.get("model") or "", client, call.op)
+        model = model_name(kwargs.get("model") or "", self.settings, call.op)
         return await unless_disconnected(request.scope, answer), model
 
     async def body(self, request: Request, kind: type[Any]) -> Any:
@@ -133,7 +133,7 @@ class Api:
             await stream.aclose()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        shape = replies.StreamShape(chat, model_name(body.model, client, call.op),
+        shape = replies.StreamShape(chat, model_name(body.model, self.settings, call.op),
                                     include_usage)
         if body.stream:
             return EventStream(_events(shape, first, stream))
@@ -182,12 +182,9 @@ class Api:
         return Response(openapi_document(), media_type="application/json")
 
 
-def model_name(asked: str, client: AsyncClient, op: str) -> str:
+def model_name(asked: str, settings: HttpSettings, op: str) -> str:
     """The model that answers: the one asked for, else the daemon's default for it."""
-    if asked:
-        return asked
-    defaults = client.welcome.default_models if client.welcome else {}
-    return defaults.get(BY_OP[op].served_by[0], "")
+    return asked or settings.default_models.get(BY_OP[op].served_by[0], "")
 
 
 async def _events(shape: replies.StreamShape, first: Any,

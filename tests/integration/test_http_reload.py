@@ -1,7 +1,7 @@
 """A reload and the HTTP front door, served by its own process or from the supervisor's
 loop: new API keys (api_key_file read again) and request limits apply at once, a front
-door started again keeps them, a new address waits for a restart, and keys removed from
-an address beyond loopback are refused."""
+door started again keeps them, a new address waits for a restart, keys removed from an
+address beyond loopback are refused, and answers name the default model of now."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ MakeDaemon = Callable[..., Daemon]
 SLOW = model_entry("slow", run_s=0, max_workers=1)
 
 
-def config(port: int, in_loop: bool, key_file: Path, extra: str = "") -> str:
-    return SLOW + textwrap.dedent(f"""
+def config(port: int, in_loop: bool, key_file: Path, extra: str = "",
+           models: str = SLOW) -> str:
+    return models + textwrap.dedent(f"""
         [http]
         listen = "127.0.0.1:{port}"
         in_loop = {str(in_loop).lower()}
@@ -96,3 +97,27 @@ def test_a_new_address_waits_and_no_keys_beyond_loopback_is_refused(
     assert "api_keys" in refused.value.message
     assert "goes on with the config it has" in refused.value.message
     assert (embed_status(base, "the-key"), embed_status(base, "other")) == (200, 401)
+
+
+def test_an_answer_names_the_default_model_of_now(make_daemon: MakeDaemon,
+                                                  tmp_path: Path) -> None:
+    port, keys = free_port(), tmp_path / "keys"
+    keys.write_text("the-key\n")
+    first = SLOW.replace('capability = "text_embedding"',
+                         'capability = "text_embedding"\n        default = true')
+    second = model_entry("other").replace(
+        'capability = "text_embedding"', 'capability = "text_embedding"\n        default = true')
+    daemon = make_daemon(config(port, False, keys, "", models=first + model_entry("other")))
+    base = f"http://127.0.0.1:{port}"
+    wait_for_http(base, daemon)
+
+    def answered_by() -> str:
+        got = httpx.post(base + "/v1/embeddings", json={"input": "x"}, timeout=30,
+                         headers={"Authorization": "Bearer the-key"})
+        assert got.status_code == 200, got.text
+        return str(got.json()["model"])
+
+    assert answered_by() == "slow"
+    summary = reload_to(daemon, config(port, False, keys, "", models=SLOW + second))
+    assert summary == "updated: slow, other"  # the default moved: no [http] change of its own
+    assert answered_by() == "other"
