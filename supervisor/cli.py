@@ -116,8 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
     from modelpool.supervisor import eventloop
     from modelpool.supervisor.activation import ActivationError
     from modelpool.supervisor.config import Config, ConfigError, load_config
-    from modelpool.supervisor.server import AlreadyRunning, serve
-    from modelpool.supervisor.socket_dir import UnsafeSocketDir
+    from modelpool.supervisor.server import serve
+    from modelpool.supervisor.socket_dir import AlreadyRunning, UnsafeSocketDir
     from modelpool.supervisor.startcheck import check_models
 
     def read_config() -> tuple[Config, list[str]]:

@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +42,7 @@ from modelpool.supervisor import (
 )
 from modelpool.supervisor.acceptor import Acceptor, auto_max_connections, raise_fd_limit
 from modelpool.supervisor.clock import LoopScheduler
-from modelpool.supervisor.config import Config, ConfigError, gid_of
+from modelpool.supervisor.config import Config, ConfigError
 from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.http_front import HttpFront
@@ -51,7 +50,7 @@ from modelpool.supervisor.httpapi.settings import HttpSettings
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.reload import apply_reload, plan_reload
 from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
-from modelpool.supervisor.socket_dir import secure_socket_dir
+from modelpool.supervisor.socket_dir import bind_unix_socket
 from modelpool.supervisor.workers import Launcher, forkserver_context
 
 log = logging.getLogger("modelpool.server")
@@ -61,10 +60,6 @@ MAX_PENDING_REPLIES = 1024  # job requests (a retrieve waits) being answered per
 MEMORY_REFRESH_S = 5.0  # re-measure workers' USS and VRAM (~2 ms a worker, in a thread)
 
 
-class AlreadyRunning(Exception):
-    pass
-
-
 def usable_cpus() -> int:
     """The CPUs this process may run on (taskset, a cgroup's cpuset), not the machine's:
     workers and their threads are sized from it."""
@@ -72,36 +67,6 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def bind_unix_socket(path: str, group: str | None) -> socket.socket:
-    """Bind with the right mode from the start (umask before bind, not chmod after), in
-    a directory no one else can swap it in (socket_dir.py)."""
-    gid = gid_of(group) if group else None
-    for warning in secure_socket_dir(os.path.dirname(path) or ".", gid):
-        log.warning("%s", warning)
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise AlreadyRunning(f"{path} exists and is not a socket; refusing to replace it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-            raise AlreadyRunning(f"another daemon is serving {path}")
-        except ConnectionRefusedError:
-            os.unlink(path)  # stale: its daemon died without cleaning up
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o117 if group else 0o177)
-    try:
-        sock.bind(path)
-    finally:
-        os.umask(old_umask)
-    if gid is not None:
-        os.chown(path, -1, gid)
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
 
 
 ReadConfig = Callable[[], tuple[Config, list[str]]]  # the config again, and its warnings

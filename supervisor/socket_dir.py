@@ -1,5 +1,5 @@
 """The directory of the daemon's socket: made by the daemon, or refused when anyone but
-the daemon's user (and root) could replace the socket in it.
+the daemon's user (and root) could replace the socket in it; and the socket bound there.
 
 Whoever can write to the socket's directory, or to any directory above it without the
 sticky bit, or owns any of them, can swap the socket for their own and read or forge
@@ -12,10 +12,15 @@ symlinks included, as the kernel resolves it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import socket
 import stat
 
 from modelpool.protocol.peers import user_name
+from modelpool.supervisor.config import gid_of
+
+log = logging.getLogger("modelpool.server")
 
 LEAF_MODE = 0o700  # only the daemon's user may reach the socket ...
 GROUP_LEAF_MODE = 0o710  # ... and, with socket_group, that group may search (not list) it
@@ -146,3 +151,37 @@ def _who(st: os.stat_result) -> str:
     if others and group:
         return f"group {st.st_gid} and everyone"
     return "everyone" if others else f"group {st.st_gid}"
+
+
+class AlreadyRunning(Exception):
+    pass
+
+
+def bind_unix_socket(path: str, group: str | None) -> socket.socket:
+    """Bind with the right mode from the start (umask before bind, not chmod after), in
+    a directory no one else can swap it in (socket_dir.py)."""
+    gid = gid_of(group) if group else None
+    for warning in secure_socket_dir(os.path.dirname(path) or ".", gid):
+        log.warning("%s", warning)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise AlreadyRunning(f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise AlreadyRunning(f"another daemon is serving {path}")
+        except ConnectionRefusedError:
+            os.unlink(path)  # stale: its daemon died without cleaning up
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o117 if group else 0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old_umask)
+    if gid is not None:
+        os.chown(path, -1, gid)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
