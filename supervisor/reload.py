@@ -10,7 +10,9 @@ running daemon, without a restart and without losing work.
 - Any other change of a model (aliases, default, limits, estimates) applies at once.
 - A change of [access] applies at once: to new connections, to the requests that come
   next on open ones, and a connection whose user it no longer admits is closed. So do
-  the HTTP front door's keys (api_key_file read again) and request limits.
+  [defaults] and [images] (the workers of models taking images, which enforce its
+  limits, are replaced one at a time), and the HTTP front door's keys (api_key_file read
+  again) and request limits.
 - A change of capability, or of what a model loads while a weights holder shares its
   weights, and changes of other sections, wait for a restart: the reload says which.
 
@@ -25,6 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from modelpool.protocol.kinds import KINDS
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.config import Config
 
@@ -36,6 +41,10 @@ LOAD_FIELDS = ("path", "package", "repo", "revision", "subdir", "loader", "optio
                "allow_pickle", "trust_remote_code", "device", "weights_holder",
                "execution", "max_active_sequences")
 REPLACED_BECAUSE = "its model's config changed (reload)"
+IMAGES_CHANGED = "the [images] limits changed (reload)"
+LIVE_SECTIONS = ("access", "defaults", "images")  # applied whole, at once
+IMAGE_CAPABILITIES = frozenset(capability for kind in KINDS if kind.with_images is not None
+                               for capability in kind.served_by)
 # [http]'s fields that wait for a restart; its keys and request limits are applied.
 HTTP_AT_START = ("listen", "connections", "max_clients", "in_loop", "body_timeout_s")
 
@@ -49,8 +58,7 @@ class ReloadPlan:
     retuned: tuple[str, ...] = ()  # other settings changed: applied as they are
     kept: tuple[tuple[str, str], ...] = ()  # (key, why) changes that wait for a restart
     restart_for: tuple[str, ...] = ()  # config sections whose changes wait for a restart
-    access: bool = False  # [access] changed: applied at once (the server's policy)
-    http: bool = False  # the HTTP front door's keys or request limits changed: applied
+    applied: tuple[str, ...] = ()  # changed sections applied at once ([http]: its keys)
 
     def loading(self) -> list[ModelSpec]:
         """The models whose workers will load something new."""
@@ -63,8 +71,8 @@ class ReloadPlan:
                                     self.removed),
             ("replaced (its workers, one at a time)", self.replaced),
             ("updated", self.retuned)) if keys]
-        parts += [f"[{name}] applied" for name, changed in (("access", self.access),
-                                                            ("http", self.http)) if changed]
+        if self.applied:
+            parts.append(f"{', '.join(self.applied)} applied")
         parts += [f"{key} not changed: {why}" for key, why in self.kept]
         if self.restart_for:
             parts.append(f"changes of {', '.join(self.restart_for)} apply at the next start")
@@ -101,13 +109,21 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
     removed = [key for key in running if key not in new]
     sections = [f"[{name}]" for name in Config.__struct_fields__
                 if _waits_for_restart(name, running_config, new_config)]
+    applied = [f"[{name}]" for name in LIVE_SECTIONS
+               if getattr(running_config, name) != getattr(new_config, name)]
     return ReloadPlan(tuple(specs), tuple(added), tuple(removed), tuple(replaced),
                       tuple(retuned), tuple(kept), tuple(sections),
-                      access=running_config.access != new_config.access, http=http)
+                      (*applied, "[http]") if http else tuple(applied))
+
+
+def applied_config(running: Config, new: Config) -> Config:
+    """The running config with the sections a reload applies whole taken from new."""
+    return msgspec.structs.replace(running, **{name: getattr(new, name)
+                                               for name in LIVE_SECTIONS})
 
 
 def _waits_for_restart(section: str, running: Config, new: Config) -> bool:
-    if section in ("models", "access"):
+    if section == "models" or section in LIVE_SECTIONS:
         return False
     if section == "http":
         return any(getattr(running.http, f) != getattr(new.http, f) for f in HTTP_AT_START)
@@ -125,8 +141,14 @@ def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:
     return None
 
 
-def apply_reload(pool: Pool, plan: ReloadPlan) -> None:
-    """Make the pool serve the plan's models."""
+def apply_reload(pool: Pool, plan: ReloadPlan, new_config: Config) -> None:
+    """Make the pool serve the plan's models, with the new [defaults] and [images]."""
+    pool.config = pool.intake.config = applied_config(pool.config, new_config)
+    if "[images]" in plan.applied:  # its workers enforce the pixel limits and fetch URLs
+        for model in pool.models.values():
+            if model.spec.capability in IMAGE_CAPABILITIES:
+                for worker in model.live_workers():
+                    worker.outdated = worker.outdated or IMAGES_CHANGED
     pool.registry.update(list(plan.specs))
     for spec in plan.specs:
         if spec.key in plan.added and spec.key not in pool.models:

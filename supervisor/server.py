@@ -48,7 +48,7 @@ from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.http_front import HttpFront
 from modelpool.supervisor.httpapi.settings import HttpSettings
 from modelpool.supervisor.pool import Pool
-from modelpool.supervisor.reload import apply_reload, plan_reload
+from modelpool.supervisor.reload import applied_config, apply_reload, plan_reload
 from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
 from modelpool.supervisor.socket_dir import bind_unix_socket
 from modelpool.supervisor.workers import Launcher, forkserver_context
@@ -198,12 +198,13 @@ class Server:
                 # In a cluster, the new models' identities need their files' content:
                 # read before anything changes, so no job sees them half-known.
                 contents = await self.cluster.digests(loading) if self.cluster else {}
-                apply_reload(pool, plan)
+                apply_reload(pool, plan, new)
+                self.config = applied_config(self.config, new)
                 # No await in between: no beat sees a model without its identity.
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
-                if plan.access:
-                    self._apply_access(new)
+                if "[access]" in plan.applied:
+                    self._apply_access()
                 if self.http is not None and http is not None:
                     self._apply_http(http)
                 await self.jobs.end_removed(plan.removed)
@@ -217,10 +218,9 @@ class Server:
         log.info("config reloaded: %s", summary)
         return summary
 
-    def _apply_access(self, new: Config) -> None:
+    def _apply_access(self) -> None:
         """The reloaded [access], for every connection from now on and every open one."""
-        self.access = access.AccessPolicy.from_config(new.access, os.geteuid())
-        self.config = msgspec.structs.replace(self.config, access=new.access)
+        self.access = access.AccessPolicy.from_config(self.config.access, os.geteuid())
         if warning := self.access.unreachable_group_warning(self.config.daemon.socket_group):
             log.warning("%s", warning)
         for conn in list(self.connections.live):

@@ -8,12 +8,18 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import Embeddings
+from modelpool.protocol.messages import Embeddings, EmbedImage, ImageInput, RequestDefaults
+from modelpool.protocol.pipes import ImagePolicy
 from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import control
 from modelpool.supervisor.cli import _model_text
 from modelpool.supervisor.config import AccessConfig, Config, HttpConfig, PoolConfig
-from modelpool.supervisor.reload import REPLACED_BECAUSE, apply_reload, plan_reload
+from modelpool.supervisor.reload import (
+    IMAGES_CHANGED,
+    REPLACED_BECAUSE,
+    apply_reload,
+    plan_reload,
+)
 from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
 
@@ -92,9 +98,9 @@ def test_a_change_of_access_is_applied_not_left_for_a_restart() -> None:
     new = Config(access=AccessConfig(allow_users=["root"], max_priority="normal"),
                  pool=PoolConfig(max_batch=8))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
-    assert plan.access and plan.restart_for == ("[pool]",)
+    assert plan.applied == ("[access]",) and plan.restart_for == ("[pool]",)
     assert plan.summary() == "[access] applied; changes of [pool] apply at the next start"
-    assert not plan_reload(specs(spec("a")), specs(spec("a")), new, new).access
+    assert plan_reload(specs(spec("a")), specs(spec("a")), new, new).applied == ()
 
 
 def test_http_keys_and_limits_apply_its_address_waits_for_a_restart() -> None:
@@ -112,11 +118,11 @@ def test_http_keys_and_limits_apply_its_address_waits_for_a_restart() -> None:
 # ---- applied to a pool ------------------------------------------------------------------
 
 
-def reload(h: Harness, *models: ModelSpec) -> str:
-    """The harness's config with these models instead (the catalogue's stay)."""
-    new = msgspec.structs.replace(h.pool.config, models=list(models))
+def reload(h: Harness, *models: ModelSpec, **sections: Any) -> str:
+    """The harness's config with these models (the catalogue's stay) and sections."""
+    new = msgspec.structs.replace(h.pool.config, models=list(models), **sections)
     plan = plan_reload(h.pool.registry.specs, new.registry().specs, h.pool.config, new)
-    apply_reload(h.pool, plan)
+    apply_reload(h.pool, plan, new)
     return plan.summary()
 
 
@@ -217,3 +223,38 @@ async def test_an_added_model_is_served(make_harness: MakeHarness) -> None:
     h.ready(worker)
     h.reply_embeddings(worker, next(iter(worker.jobs)), 1.0)
     assert isinstance(sink.finals(ok)[0], Embeddings)
+
+
+async def test_defaults_and_images_apply_at_once(make_harness: MakeHarness) -> None:
+    """[defaults] to the next request; [images] at admission at once, and in the workers
+    of models taking images, which enforce its pixel limits, once they are replaced."""
+    image = spec("img", capability="image_embedding")
+    h = make_harness(models=[spec("gen", capability="text_to_text"), image],
+                     cold_start_workers=1)
+    sink = h.sink()
+    h.generate(sink, model="gen")
+    await h.settle()
+    (gen,) = h.workers("gen")
+    h.ready(gen)
+    (before,) = [request for _, request in h.items(h.works(gen)[-1])]
+    assert before.sampling.max_tokens == 256
+    h.end(gen, h.job_ids(gen)[-1])
+    h.want_work(gen)
+    h.pool.submit(sink, EmbedImage(id=99, model="img", images=[ImageInput(data=b"x")]))
+    await h.settle()
+    (img,) = h.workers("img")
+
+    summary = reload(h, spec("gen", capability="text_to_text"), image,
+                     defaults=RequestDefaults(max_tokens=7),
+                     images=ImagePolicy(max_bytes=1))
+    assert summary == "[defaults], [images] applied"
+    h.generate(sink, model="gen")
+    (after,) = [request for _, request in h.items(h.works(gen)[-1])]
+    assert after.sampling.max_tokens == 7
+    assert gen.outdated is None and img.outdated == IMAGES_CHANGED
+    refused = h.pool.submit(sink, EmbedImage(id=100, model="img",
+                                             images=[ImageInput(data=b"xy")]))
+    assert not refused and sink.only_error(100).code is ErrorCode.IMAGE_TOO_LARGE
+    new_worker = h.pool.model_state(image).worker_settings(0, False, h.pool.pool_config,
+                                                           h.pool.config.images)
+    assert new_worker.images.max_bytes == 1
