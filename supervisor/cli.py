@@ -84,7 +84,7 @@ def _admin_commands(sub: SubParsers) -> None:
     unload.add_argument("model")
     unload.add_argument("--json", action="store_true")
     unload.set_defaults(func=lambda a: _ack(a, lambda c: c.unload(a.model)))
-    reload = sub.add_parser("reload", help="read the config again: apply its models, [access]")
+    reload = sub.add_parser("reload", help="read the config again and apply what can be")
     reload.set_defaults(func=lambda a: _ack(a, lambda c: c.reload()))
     stop = sub.add_parser("stop", help="stop the daemon gracefully")
     stop.set_defaults(func=lambda a: _ack(a, lambda c: c.stop()))

@@ -74,7 +74,10 @@ async def _serve_process(sock: socket.socket, launch: Launch) -> None:
 
     async def follow_supervisor() -> None:
         while line := await reader.readline():
-            api.settings = msgspec.json.decode(line, type=HttpSettings)  # a reload's
+            try:
+                api.settings = msgspec.json.decode(line, type=HttpSettings)  # a reload's
+            except msgspec.DecodeError as exc:  # kept following: EOF must still end it
+                log.error("settings from the supervisor not applied: %s", exc)
         server.should_exit = True  # EOF: the supervisor has gone
 
     watch = loop.create_task(follow_supervisor())
