@@ -234,7 +234,7 @@ async def test_an_export_waiting_for_a_model_a_reload_removes_is_not_made(
     new = msgspec.structs.replace(h.pool.config, models=[
         m for m in h.pool.config.models if m.key != "emb"])
     apply_reload(h.pool, plan_reload(h.pool.registry.specs, new.registry().specs,
-                                     h.pool.config, new))
+                                     h.pool.config, new), new)
     h.pool.capacity.budget_mb = 30 + peak + 10  # room: it would start now
     h.pool.tick()
     await h.settle()
