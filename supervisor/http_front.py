@@ -61,19 +61,25 @@ def api_keys(http: HttpConfig) -> list[str]:
     return keys
 
 
-def settings_of(config: Config, socket_path: str) -> HttpSettings:
-    """Checked: an open port beyond loopback without keys refuses to start."""
-    http = config.http
-    host, _ = listen_address(http.listen)
-    keys = api_keys(http)
+def check_keys(listen: str, keys: list[str]) -> None:
+    """An open port beyond loopback without keys refuses to start (or to reload)."""
+    host, _ = listen_address(listen)
     if not keys and not is_loopback(host):
-        raise ConfigError(f"[http] listen = {http.listen!r} is reachable beyond this "
+        raise ConfigError(f"[http] listen = {listen!r} is reachable beyond this "
                           "machine: set api_keys or api_key_file, or listen on 127.0.0.1")
+
+
+def settings_of(config: Config, socket_path: str,
+                default_models: dict[str, str] | None = None) -> HttpSettings:
+    """Checked (check_keys)."""
+    http = config.http
+    keys = api_keys(http)
+    check_keys(http.listen, keys)
     return HttpSettings(
         socket_path=socket_path, api_keys=keys, metrics_need_key=http.metrics_need_key,
         max_body_bytes=http.max_body_bytes or config.daemon.max_frame_bytes,
         body_timeout_s=http.body_timeout_s, connections=http.connections,
-        max_priority=http.max_priority, default_models=dict(config.registry().defaults))
+        max_priority=http.max_priority, default_models=default_models or {})
 
 
 def bind(listen: str) -> socket.socket:
@@ -91,10 +97,12 @@ def bind(listen: str) -> socket.socket:
 
 
 class HttpFront:
-    def __init__(self, config: Config, socket_path: str) -> None:
+    def __init__(self, config: Config, socket_path: str,
+                 default_models: dict[str, str]) -> None:
         self.config = config.http
         self.event_loop = config.daemon.event_loop
-        self.settings = settings_of(config, socket_path)
+        self.max_frame_bytes = config.daemon.max_frame_bytes  # the body cap's default
+        self.settings = settings_of(config, socket_path, default_models)
         self.sock = bind(self.config.listen)
         self.process: asyncio.subprocess.Process | None = None
         self.api: Api | None = None  # in_loop: the front door's own, in this process
@@ -129,17 +137,17 @@ class HttpFront:
 
     def settings_for(self, config: Config) -> HttpSettings:
         """What a reload's [http] makes of the settings: its keys (api_key_file read
-        again) and the limits of a request; the rest stays as started (the default
-        models are the registry's, which the reload changes: `apply`). Checked as the
-        config would start, and against the address served now: no keys beyond
-        loopback is a ConfigError either way."""
-        settings_of(config, self.settings.socket_path)
-        now = msgspec.structs.replace(config, http=msgspec.structs.replace(
-            config.http, listen=self.config.listen))
-        return msgspec.structs.replace(settings_of(now, self.settings.socket_path),
-                                       connections=self.settings.connections,
-                                       body_timeout_s=self.settings.body_timeout_s,
-                                       default_models=self.settings.default_models)
+        again) and the limits of a request; the rest stays as started. The keys are
+        checked against the new address (would the config start?) and the one served
+        now."""
+        http = config.http
+        keys = api_keys(http)
+        check_keys(http.listen, keys)
+        check_keys(self.config.listen, keys)
+        return msgspec.structs.replace(
+            self.settings, api_keys=keys, metrics_need_key=http.metrics_need_key,
+            max_body_bytes=http.max_body_bytes or self.max_frame_bytes,
+            max_priority=http.max_priority)
 
     def apply(self, settings: HttpSettings) -> None:
         """At once, for the next request; a front door started again starts with them."""

@@ -48,7 +48,7 @@ from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.http_front import HttpFront
 from modelpool.supervisor.httpapi.settings import HttpSettings
 from modelpool.supervisor.pool import Pool
-from modelpool.supervisor.reload import applied_config, apply_reload, plan_reload
+from modelpool.supervisor.reload import apply_reload, plan_reload
 from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
 from modelpool.supervisor.socket_dir import bind_unix_socket
 from modelpool.supervisor.workers import Launcher, forkserver_context
@@ -83,11 +83,12 @@ class Server:
         self.read_config = read_config or (lambda: (config, []))
         self._reloading = asyncio.Lock()  # one reload at a time
         self.socket_path = os.path.abspath(config.daemon.socket)
+        registry = config.registry()
         # First: a bad [http] section or a taken port stops the start before anything.
-        self.http = HttpFront(config, self.socket_path) if config.http.listen else None
+        self.http = (HttpFront(config, self.socket_path, dict(registry.defaults))
+                     if config.http.listen else None)
         self.stop_requested = asyncio.Event()
         self.started_at = time.monotonic()
-        registry = config.registry()
         from modelpool.registry.loaders import exports_to_make, onnx_cache, preload_modules
 
         os.environ[onnx_cache.EXPORTS_BY_DAEMON_ENV] = "1"  # before the forkserver: exports.py
@@ -199,7 +200,7 @@ class Server:
                 # read before anything changes, so no job sees them half-known.
                 contents = await self.cluster.digests(loading) if self.cluster else {}
                 apply_reload(pool, plan, new)
-                self.config = applied_config(self.config, new)
+                self.config = pool.config  # with the sections the reload applied
                 # No await in between: no beat sees a model without its identity.
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
@@ -236,13 +237,12 @@ class Server:
 
     def _read_config_again(self) -> tuple[Config, HttpSettings | None]:
         """The config file's, and what it makes of the HTTP front door's settings (its
-        keys checked as at start, the daemon's own sections as they run)."""
+        keys checked as at start)."""
         try:
             new, warnings = self.read_config()
             for warning in warnings:
                 log.warning("%s", warning)
-            running = msgspec.structs.replace(new, daemon=self.config.daemon)
-            return new, self.http.settings_for(running) if self.http is not None else None
+            return new, self.http.settings_for(new) if self.http is not None else None
         except ConfigError as exc:
             refused = f"{exc}; the daemon goes on with the config it has"
             log.error("reload refused: %s", refused)
