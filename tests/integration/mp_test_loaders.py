@@ -6,6 +6,7 @@ Imported inside worker processes (the test daemon has this directory on PYTHONPA
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -71,6 +72,10 @@ def slow_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowEmbedder:
     which daemon of a cluster computed one without configuring the model otherwise
     there (a model configured otherwise is another model: no other node runs its jobs)."""
     time.sleep(float(spec.options.get("load_s", 0)))
+    if silent_s := int(spec.options.get("silent_load_s", 0)):
+        # libc's sleep through PyDLL, which keeps the GIL: as a long C call of a real
+        # load does (a dlopen), it keeps the heartbeat thread from beating meanwhile.
+        ctypes.PyDLL(None).sleep(silent_s)
     mark = spec.options.get("mark", os.environ.get("MP_TEST_MARK", DIM - 1))
     return SlowEmbedder(float(spec.options.get("run_s", 0)), spec.options.get("log"),
                         float(mark))

@@ -94,6 +94,20 @@ def test_sigstopped_worker_is_detected_killed_and_its_work_requeued(
     assert took < 1.0 + 1.0 + 3.0  # detection within timeout + 1 s, then a respawn
 
 
+def test_a_worker_silent_while_it_loads_is_raised_before_it_is_judged_hung(
+        make_daemon: MakeDaemon) -> None:
+    """It beats, then holds the GIL for 3 s in a C call while it loads: past the 2 s
+    heartbeat timeout. Raised from idle priority then, it is judged a timeout later, by
+    which time it has loaded and beats again."""
+    daemon = make_daemon("[pool]\nheartbeat_timeout_s = 2.0\ncold_start_workers = 1\n"
+                         + model_entry("quiet", load_s=1, silent_load_s=3, max_workers=1))
+    with daemon.client() as c:
+        assert c.embed("abc", model="quiet", timeout_s=60)[0] == 3.0
+    log = daemon.log()
+    assert "raising it to normal priority" in log and "last heartbeat" in log
+    assert "is hung" not in log and "killed by" not in log
+
+
 def test_failing_loader_backs_off_then_fails_and_load_resets_it(
         make_daemon: MakeDaemon) -> None:
     daemon = make_daemon("[pool]\nload_backoff_s = 3\nmax_load_failures = 2\n"
