@@ -110,13 +110,16 @@ def test_a_worker_silent_while_it_loads_is_raised_before_it_is_judged_hung(
 
 def test_failing_loader_backs_off_then_fails_and_load_resets_it(
         make_daemon: MakeDaemon) -> None:
+    # a worker starved at idle priority before its first beat is raised after
+    # heartbeat_timeout_s: well inside the first request's bound below
     daemon = make_daemon("[pool]\nload_backoff_s = 3\nmax_load_failures = 2\n"
+                         "heartbeat_timeout_s = 2.0\n"
                          + model_entry("broken", loader="failing"))
     with daemon.client() as c:
         started = time.monotonic()
         with pytest.raises(PoolError) as first:
             c.embed("x", model="broken")
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 5  # failed at once, not after the back-off
         assert first.value.code is ErrorCode.MODEL_LOAD_FAILED and "boom" in first.value.message
         while worker_pids(daemon, "broken") or any(
                 m["workers"] for m in c.status()["models"] if m["key"] == "broken"):
