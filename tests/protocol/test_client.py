@@ -17,9 +17,9 @@ from PIL import Image
 
 from modelpool.protocol.client import AsyncClient, Client
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.framing import recv_frame, send_frame
+from modelpool.protocol.framing import MAX_FRAME_BYTES, recv_frame, send_frame
 from modelpool.protocol.inputs import image_input
-from modelpool.protocol.messages import Welcome, encoder
+from modelpool.protocol.messages import Embeddings, Error, Welcome, encoder
 from modelpool.protocol.wire import client_decoder
 
 Script = Callable[[socket.socket], None]
@@ -93,6 +93,66 @@ def test_the_async_client_answers_waiters_and_later_calls_when_the_daemon_goes(
             assert later.value.code is ErrorCode.UNAVAILABLE
 
     asyncio.run(run())
+
+
+def test_the_async_clients_requests_of_one_loop_turn_leave_in_one_write(
+        fake_daemon: Callable[[Script], str]) -> None:
+    """Ten tasks asking at once make one write, so the daemon reads all ten at once."""
+    first_read: list[int] = []
+
+    def answer_all(conn: socket.socket) -> None:
+        data = conn.recv(1 << 16)
+        ids = []
+        while data:  # whole frames: a 4-byte length, then the request
+            size = int.from_bytes(data[:4], "big")
+            ids.append(client_decoder.decode(data[4:4 + size]).id)
+            data = data[4 + size:]
+        first_read.append(len(ids))
+        while len(ids) < 10:
+            ids.append(client_decoder.decode(recv_frame(conn)).id)
+        for rid in ids:
+            send_frame(conn, encoder.encode(Embeddings(id=rid, dtype="float32", shape=[1, 1],
+                                                       data=b"\0\0\x80?", tokens=1)))
+
+    async def run() -> None:
+        async with AsyncClient(fake_daemon(answer_all)) as c:
+            vectors = await asyncio.wait_for(
+                asyncio.gather(*(c.embed(f"t{i}") for i in range(10))), 10)
+            assert [v.tolist() for v in vectors] == [[1.0]] * 10
+
+    asyncio.run(run())
+    assert first_read == [10]
+
+
+def test_the_async_client_says_why_the_daemon_closed_the_connection(
+        fake_daemon: Callable[[Script], str]) -> None:
+    """The daemon's last word before it closes (an idle timeout, a revoked user, ...)
+    is what a waiting request is told; a reply frame over the client's limit ends the
+    connection with that reason, not a reader that dies."""
+    def last_word(conn: socket.socket) -> None:
+        recv_frame(conn)
+        send_frame(conn, encoder.encode(Error(id=None, code=ErrorCode.PERMISSION_DENIED,
+                                              message="the config was reloaded")))
+
+    def oversized(conn: socket.socket) -> None:
+        recv_frame(conn)
+        conn.sendall((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+        conn.recv(1)  # until the client hangs up
+
+    async def run(script: Script) -> PoolError:
+        async with AsyncClient(fake_daemon(script)) as c:
+            with pytest.raises(PoolError) as err:
+                await asyncio.wait_for(c.embed("x"), 10)
+            assert not c.connected
+            with pytest.raises(PoolError) as later:  # told again, not "not connected"
+                await c.embed("y")
+            assert later.value.message == err.value.message
+            return err.value
+
+    said = asyncio.run(run(last_word))
+    assert said.code is ErrorCode.PERMISSION_DENIED and said.message == "the config was reloaded"
+    too_large = asyncio.run(run(oversized))
+    assert too_large.code is ErrorCode.UNAVAILABLE and "exceeds the limit" in too_large.message
 
 
 def test_an_absent_daemon_is_unavailable(tmp_path: Path) -> None:
