@@ -19,11 +19,18 @@ from modelpool.supervisor.workers import WorkerState
 class Capacity:
     def __init__(self, config: PoolConfig, gpus: list[Gpu],
                  exports: Callable[[], scaling.ExportView] = scaling.ExportView) -> None:
-        self.config = config
+        self.gpus = gpus
         self.exports = exports  # the background exports, whose running one holds memory
+        self.follow_config(config)
+
+    def follow_config(self, config: PoolConfig) -> None:
+        """The budgets of this [pool] (at start, and after a reload changed it); the
+        server refines the CPU's from the machine at once (follow_machine)."""
+        self.config = config
         self.budget_mb = (config.memory_budget_mb
                           or config.memory_fraction * memory.read_memory().total_mb)
-        self.gpu_budgets_mb = {g.device: config.memory_fraction * g.total_mb for g in gpus}
+        self.gpu_budgets_mb = {g.device: config.memory_fraction * g.total_mb
+                               for g in self.gpus}
 
     def follow_machine(self, facts: memory.MemoryFacts, cgroup: pressure.CgroupMemory,
                        used_mb: float) -> None:

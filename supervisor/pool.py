@@ -32,7 +32,7 @@ from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import capacity, exits, health, pressure, scaling
 from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
-from modelpool.supervisor.config import Config
+from modelpool.supervisor.config import Config, PoolConfig
 from modelpool.supervisor.dispatch import Dispatcher
 from modelpool.supervisor.exports import Exports
 from modelpool.supervisor.gpus import Gpu, resolve_device
@@ -78,6 +78,15 @@ class Pool:
         self._worker_ids = itertools.count(1)
         self.changed = asyncio.Event()  # set whenever a request ends or a worker exits
         self.oom = pressure.OomCounter()  # the server gives it the daemon's cgroup
+
+    def follow_pool_config(self, config: PoolConfig) -> None:
+        """A reload's [pool] from now on: budgets, scaling, batching and health limits
+        (read where they are used); each model's settings are derived again by the
+        reload (supervisor/reload.py), which knows what its workers started with."""
+        self.pool_config = config
+        self.capacity.follow_config(config)
+        self.policy = scaling.ScalingPolicy(config.cold_start_workers, config.cooldown_idle_s)
+        self.dispatcher.batch_wait_s = config.max_batch_wait_ms / 1000
 
     def model_state(self, spec: ModelSpec) -> ModelState:
         return ModelState(spec, ModelSettings.of(spec, self.pool_config, self.cpus),

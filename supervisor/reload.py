@@ -7,12 +7,16 @@ running daemon, without a restart and without losing work.
 - A model whose files, loader or options change (what it loads) keeps serving on its
   workers, which are then replaced one at a time (the scaling policy's replacements,
   as when an ONNX export becomes ready); new workers load it as now configured.
-- Any other change of a model (aliases, default, limits, estimates) applies at once.
+- Any other change of a model (aliases, default, limits, estimates) applies at once;
+  when it changes what its workers keep from their start (threads, the batch of a
+  forward pass), they are replaced one at a time as well.
 - A change of [access] applies at once: to new connections, to the requests that come
   next on open ones, and a connection whose user it no longer admits is closed. So do
   [defaults] and [images] (the workers of models taking images, which enforce its
-  limits, are replaced one at a time), and the HTTP front door's keys (api_key_file read
-  again) and request limits.
+  limits, are replaced one at a time), [pool] (budgets, worker counts, batching, queue
+  bounds and timeouts from now on; workers whose threads, batch or heartbeat it changes
+  are replaced one at a time), and the HTTP front door's keys (api_key_file read again)
+  and request limits.
 - A change of capability, or of what a model loads while a weights holder shares its
   weights, and changes of other sections, wait for a restart: the reload says which.
 
@@ -31,7 +35,8 @@ import msgspec
 
 from modelpool.protocol.kinds import KINDS
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor.config import Config
+from modelpool.supervisor.config import Config, PoolConfig
+from modelpool.supervisor.models import ModelSettings, ModelState
 
 if TYPE_CHECKING:
     from modelpool.supervisor.pool import Pool
@@ -42,7 +47,8 @@ LOAD_FIELDS = ("path", "package", "repo", "revision", "subdir", "loader", "optio
                "execution", "max_active_sequences")
 REPLACED_BECAUSE = "its model's config changed (reload)"
 IMAGES_CHANGED = "the [images] limits changed (reload)"
-LIVE_SECTIONS = ("access", "defaults", "images")  # applied whole, at once
+STARTED_WITH_CHANGED = "the threads, batch or heartbeat its workers started with changed (reload)"
+LIVE_SECTIONS = ("access", "defaults", "images", "pool")  # applied whole, at once
 IMAGE_CAPABILITIES = frozenset(capability for kind in KINDS if kind.with_images is not None
                                for capability in kind.served_by)
 # [http]'s fields that wait for a restart; its keys and request limits are applied.
@@ -142,19 +148,30 @@ def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:
 
 
 def apply_reload(pool: Pool, plan: ReloadPlan, new_config: Config) -> None:
-    """Make the pool serve the plan's models, with the new [defaults] and [images]."""
+    """Make the pool serve the plan's models, with the new [defaults], [images] and
+    [pool]."""
+    started = {key: _started_with(model.settings, pool.pool_config)
+               for key, model in pool.models.items()}
     pool.config = pool.intake.config = applied_config(pool.config, new_config)
+    if "[pool]" in plan.applied:
+        pool.follow_pool_config(new_config.pool)
+        for model in pool.models.values():
+            _retune(model, ModelSettings.of(model.spec, new_config.pool, pool.cpus))
     if "[images]" in plan.applied:  # its workers enforce the pixel limits and fetch URLs
         for model in pool.models.values():
             if model.spec.capability in IMAGE_CAPABILITIES:
-                for worker in model.live_workers():
-                    worker.outdated = worker.outdated or IMAGES_CHANGED
+                _outdate(model, IMAGES_CHANGED)
     pool.registry.update(list(plan.specs))
     for spec in plan.specs:
         if spec.key in plan.added and spec.key not in pool.models:
             pool.models[spec.key] = pool.model_state(spec)
         elif spec.key in (*plan.added, *plan.replaced, *plan.retuned):
             _adopt(pool, spec)
+    for key, model in pool.models.items():
+        if key in started and _started_with(model.settings, pool.pool_config) != started[key]:
+            _outdate(model, STARTED_WITH_CHANGED)
+    if pool.dispatcher.threads is not None:
+        pool.dispatcher.threads.follow_models()
     for key in plan.removed:
         model = pool.models[key]
         model.retiring = True
@@ -165,19 +182,34 @@ def apply_reload(pool: Pool, plan: ReloadPlan, new_config: Config) -> None:
         pool.reconcile(model)
 
 
+def _started_with(settings: ModelSettings, pool: PoolConfig) -> tuple[int, int, float]:
+    """What a running worker keeps from its start (ModelState.worker_settings): when
+    this changes, only new workers follow."""
+    return settings.threads, settings.max_batch, pool.heartbeat_interval_s
+
+
+def _outdate(model: ModelState, why: str) -> None:
+    """Its workers are replaced one at a time (an earlier reason stays the one shown)."""
+    for worker in model.live_workers():
+        worker.outdated = worker.outdated or why
+
+
+def _retune(model: ModelState, settings: ModelSettings) -> None:
+    model.settings = settings
+    if model.warm_target:  # `load N` asked for more than it may now have
+        model.warm_target = min(model.warm_target, settings.max_workers)
+
+
 def _adopt(pool: Pool, spec: ModelSpec) -> None:
     """A model that stays (or comes back while its removal drains) takes its new spec;
     workers loaded as before are replaced when what it loads changed."""
     model, fresh = pool.models[spec.key], pool.model_state(spec)
     old, model.retiring = model.spec, False
-    model.spec, model.settings = spec, fresh.settings
+    model.spec = spec
+    _retune(model, fresh.settings)
     if any(getattr(old, f) != getattr(spec, f) for f in LOAD_FIELDS):
         model.device = fresh.device
         model.clear_failures()
         model.measured_weights_mb = model.measured_per_worker_mb = None
         pool.exports.forget(model)  # the server asks for the new files' export
-        for worker in model.live_workers():
-            worker.outdated = REPLACED_BECAUSE
-    if model.warm_target:
-        model.warm_target = min(model.warm_target, model.settings.max_workers)
-
+        _outdate(model, REPLACED_BECAUSE)

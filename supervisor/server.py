@@ -206,6 +206,8 @@ class Server:
                     self.cluster.reidentify(loading, contents)
                 if "[access]" in plan.applied:
                     self._apply_access()
+                if "[pool]" in plan.applied:
+                    self._follow_machine()  # the new budget, with the machine's facts
                 if self.http is not None and http is not None:
                     self._apply_http(http)
                 await self.jobs.end_removed(plan.removed)
@@ -336,10 +338,10 @@ class Server:
 
     async def _health_ticker(self) -> None:
         # Often enough that a hung worker is killed within a quarter second of its
-        # timeout; each check only compares a few timestamps per worker.
-        interval = min(0.25, self.config.pool.heartbeat_timeout_s / 8)
+        # timeout (as a reload leaves it); each check only compares a few timestamps per
+        # worker.
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(min(0.25, self.config.pool.heartbeat_timeout_s / 8))
             self.pool.check_health()
 
     # ---- one client --------------------------------------------------------------------

@@ -26,9 +26,14 @@ class ThreadBudget:
     def __init__(self, cpus: int, models: Mapping[str, ModelState]) -> None:
         self.cpus = cpus
         self.models = models
-        # Whose streams are granted again as others start and stop; the models, their
-        # devices and their threads settings are fixed from the daemon's start.
-        self.streaming = [m for m in models.values() if m.spec.streaming and self.adaptive(m)]
+        self.streaming: list[ModelState] = []
+        self.follow_models()
+
+    def follow_models(self) -> None:
+        """Whose streams are granted again as others start and stop: the models, their
+        devices and their threads settings, at start and after each reload."""
+        self.streaming = [m for m in self.models.values()
+                          if m.spec.streaming and self.adaptive(m)]
 
     def grant(self, model: ModelState, worker: WorkerHandle) -> int:
         """Threads for the work about to go to `worker` (its own not counted); 0 for

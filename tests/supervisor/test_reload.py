@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -9,14 +10,22 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embeddings, EmbedImage, ImageInput, RequestDefaults
-from modelpool.protocol.pipes import ImagePolicy
+from modelpool.protocol.pipes import ImagePolicy, Threads
 from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import control
 from modelpool.supervisor.cli import _model_text
-from modelpool.supervisor.config import AccessConfig, Config, HttpConfig, PoolConfig
+from modelpool.supervisor.config import (
+    AccessConfig,
+    Config,
+    DaemonConfig,
+    HttpConfig,
+    JobsConfig,
+    PoolConfig,
+)
 from modelpool.supervisor.reload import (
     IMAGES_CHANGED,
     REPLACED_BECAUSE,
+    STARTED_WITH_CHANGED,
     apply_reload,
     plan_reload,
 )
@@ -88,18 +97,19 @@ def test_a_removed_model_that_still_drains_comes_back_only_as_what_it_was() -> N
 
 
 def test_changes_outside_models_are_named_for_the_next_start() -> None:
-    new = Config(pool=PoolConfig(max_batch=8))
+    new = Config(jobs=JobsConfig(timeout_s=5), daemon=DaemonConfig(max_frame_bytes=1 << 20))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
-    assert plan.restart_for == ("[pool]",)
-    assert plan.summary() == "changes of [pool] apply at the next start"
+    assert plan.restart_for == ("[daemon]", "[jobs]")
+    assert plan.summary() == "changes of [daemon], [jobs] apply at the next start"
 
 
-def test_a_change_of_access_is_applied_not_left_for_a_restart() -> None:
+def test_a_change_of_access_or_pool_is_applied_not_left_for_a_restart() -> None:
     new = Config(access=AccessConfig(allow_users=["root"], max_priority="normal"),
-                 pool=PoolConfig(max_batch=8))
+                 pool=PoolConfig(max_batch=8), jobs=JobsConfig(timeout_s=5))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
-    assert plan.applied == ("[access]",) and plan.restart_for == ("[pool]",)
-    assert plan.summary() == "[access] applied; changes of [pool] apply at the next start"
+    assert plan.applied == ("[access]", "[pool]") and plan.restart_for == ("[jobs]",)
+    assert plan.summary() == ("[access], [pool] applied; changes of [jobs] apply at the "
+                              "next start")
     assert plan_reload(specs(spec("a")), specs(spec("a")), new, new).applied == ()
 
 
@@ -258,3 +268,73 @@ async def test_defaults_and_images_apply_at_once(make_harness: MakeHarness) -> N
     new_worker = h.pool.model_state(image).worker_settings(0, False, h.pool.pool_config,
                                                            h.pool.config.images)
     assert new_worker.images.max_bytes == 1
+
+
+async def test_pool_settings_apply_at_once_and_workers_started_otherwise_are_replaced(
+        make_harness: MakeHarness) -> None:
+    """[pool]: queue bounds, timeouts, batching, scaling and the memory budget from the
+    next request on; a worker keeps the threads and forward-pass batch it started with,
+    so a change of those replaces the workers, one at a time."""
+    h = make_harness(models=[spec("a", max_workers=1)], cold_start_workers=1)
+    sink = h.sink()
+    h.embed(sink, ["x"], model="a")
+    await h.settle()
+    (worker,) = h.workers("a")
+    h.ready(worker)
+    h.reply_embeddings(worker, next(iter(worker.jobs)), 1.0)
+    h.want_work(worker)
+    pool = msgspec.structs.replace(h.pool.pool_config, max_queue=1, timeout_s=7.0,
+                                   max_batch_wait_ms=5.0, cooldown_idle_s=9.0,
+                                   memory_budget_mb=4321.0, max_queued_total=3)
+
+    assert reload(h, spec("a", max_workers=1), pool=pool) == "[pool] applied"
+    model = h.pool.models["a"]
+    assert (model.settings.max_queue, model.settings.timeout_s) == (1, 7.0)
+    assert h.pool.dispatcher.batch_wait_s == 0.005 and h.pool.policy.cooldown_idle_s == 9.0
+    assert h.pool.capacity.budget_for("cpu") == 4321.0
+    assert worker.outdated is None  # limits only: it serves on as it is
+    held = h.embed(sink, ["y"], model="a", timeout_s=100)  # runs on the idle worker
+    waits = h.embed(sink, ["z"], model="a", timeout_s=100)
+    refused = h.embed(sink, ["w"], model="a", timeout_s=100)
+    assert sink.only_error(refused).code is ErrorCode.QUEUE_FULL
+    assert not sink.finals(held) and not sink.finals(waits)
+
+    fewer = msgspec.structs.replace(pool, threads_per_worker=model.settings.threads + 1)
+    assert reload(h, spec("a", max_workers=1), pool=fewer) == "[pool] applied"
+    assert worker.outdated == STARTED_WITH_CHANGED
+    assert model.worker_settings(0, False, h.pool.pool_config,
+                                 h.pool.config.images).threads == model.settings.threads
+
+
+async def test_a_models_new_threads_or_batch_replace_its_workers(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(models=[spec("a"), spec("b")], cold_start_workers=1)
+    sink = h.sink()
+    for key in ("a", "b"):
+        h.embed(sink, ["x"], model=key)
+    await h.settle()
+    (a,), (b,) = h.workers("a"), h.workers("b")
+    assert reload(h, spec("a", max_batch=4), spec("b", max_queue=5)) == "updated: a, b"
+    assert a.outdated == STARTED_WITH_CHANGED and b.outdated is None
+
+
+async def test_a_stream_of_a_model_added_by_a_reload_shares_the_cores(
+        make_harness: MakeHarness) -> None:
+    """The streams granted threads again as others start and stop include those of
+    models added since the start."""
+    h = make_harness(models=[spec("emb")], cold_start_workers=1)
+    reload(h, spec("emb"), spec("gen", capability="text_to_text"))
+    h.pool.dispatcher.threads.cpus = 2  # type: ignore[union-attr]
+    for key in ("emb", "gen"):  # a share of one thread each, on any machine
+        state = h.pool.models[key]
+        state.settings = dataclasses.replace(state.settings, threads=1)
+    sink = h.sink()
+    h.generate(sink, model="gen")
+    await h.settle()
+    (gen,) = h.workers("gen")
+    h.ready(gen)
+    h.embed(sink, ["a"], model="emb")
+    await h.settle()
+    (emb,) = h.workers("emb")
+    h.ready(emb)
+    assert [m.count for m in h.sent(gen) if isinstance(m, Threads)] == [1]
