@@ -30,7 +30,7 @@ from modelpool.supervisor.reload import (
     plan_reload,
 )
 from modelpool.supervisor.status import build_status
-from modelpool.supervisor.workers import WorkerState
+from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
 if TYPE_CHECKING:
     from conftest import Harness
@@ -184,16 +184,21 @@ async def test_a_removed_idle_model_stops_at_once_and_can_come_back(
     assert isinstance(sink.finals(ok)[0], Embeddings)
 
 
+async def _served_once(h: Harness, key: str) -> WorkerHandle:
+    """The model's one worker, loaded, having served a request, idle."""
+    h.embed(h.sink(), ["x"], model=key)
+    await h.settle()
+    (worker,) = h.workers(key)
+    h.ready(worker)
+    h.reply_embeddings(worker, next(iter(worker.jobs)), 1.0)
+    h.want_work(worker)
+    return worker
+
+
 async def test_a_model_loading_something_else_has_its_workers_replaced(
         make_harness: MakeHarness) -> None:
     h = make_harness(models=[spec("a", max_workers=1)])
-    sink = h.sink()
-    h.embed(sink, ["x"], model="a")
-    await h.settle()
-    (old,) = h.workers("a")
-    h.ready(old)
-    h.reply_embeddings(old, next(iter(old.jobs)), 1.0)
-    h.want_work(old)
+    old = await _served_once(h, "a")
 
     summary = reload(h, spec("a", max_workers=1, options={"mark": 2}))
     assert summary == "replaced (its workers, one at a time): a"
@@ -276,13 +281,8 @@ async def test_pool_settings_apply_at_once_and_workers_started_otherwise_are_rep
     next request on; a worker keeps the threads and forward-pass batch it started with,
     so a change of those replaces the workers, one at a time."""
     h = make_harness(models=[spec("a", max_workers=1)], cold_start_workers=1)
+    worker = await _served_once(h, "a")
     sink = h.sink()
-    h.embed(sink, ["x"], model="a")
-    await h.settle()
-    (worker,) = h.workers("a")
-    h.ready(worker)
-    h.reply_embeddings(worker, next(iter(worker.jobs)), 1.0)
-    h.want_work(worker)
     pool = msgspec.structs.replace(h.pool.pool_config, max_queue=1, timeout_s=7.0,
                                    max_batch_wait_ms=5.0, cooldown_idle_s=9.0,
                                    memory_budget_mb=4321.0, max_queued_total=3)
