@@ -94,6 +94,12 @@ class JobService:
         self._pumping = self._pump_again = False
         self._endings: set[asyncio.Task[None]] = set()
 
+    def follow_config(self, config: JobsConfig) -> None:
+        """A reload's [jobs]: its bounds, retention and timeout from the next job on."""
+        self.config, self.queue.max_queued = config, config.max_queued
+        self.mailbox.retention_s = config.result_retention_s
+        self.mailbox.max_bytes = config.max_mailbox_bytes
+
     # ---- what clients ask --------------------------------------------------------------
 
     async def submit(self, uid: int, msg: Submit, nbytes: int, *, key: str | None = None,

@@ -64,6 +64,9 @@ class MailboxFull(Exception):
 
 
 class Mailbox(Protocol):
+    retention_s: float  # [jobs] result_retention_s (a reload sets it)
+    max_bytes: int  # [jobs] max_mailbox_bytes: then MailboxFull
+
     async def add(self, record: JobRecord, claim: bool = False) -> None:
         """A newly submitted job; MailboxFull when the mailbox is at its bound. With
         claim (the caller can run it now), a shared store may hand it to the caller at

@@ -15,8 +15,8 @@ running daemon, without a restart and without losing work.
   [defaults] and [images] (the workers of models taking images, which enforce its
   limits, are replaced one at a time), [pool] (budgets, worker counts, batching, queue
   bounds and timeouts from now on; workers whose threads, batch or heartbeat it changes
-  are replaced one at a time), and the HTTP front door's keys (api_key_file read again)
-  and request limits.
+  are replaced one at a time), [jobs] (its bounds, retention and timeout, from the next
+  job on), and the HTTP front door's keys (api_key_file read again) and request limits.
 - A change of capability, or of what a model loads while a weights holder shares its
   weights, and changes of other sections, wait for a restart: the reload says which.
 
@@ -48,7 +48,7 @@ LOAD_FIELDS = ("path", "package", "repo", "revision", "subdir", "loader", "optio
 REPLACED_BECAUSE = "its model's config changed (reload)"
 IMAGES_CHANGED = "the [images] limits changed (reload)"
 STARTED_WITH_CHANGED = "the threads, batch or heartbeat its workers started with changed (reload)"
-LIVE_SECTIONS = ("access", "defaults", "images", "pool")  # applied whole, at once
+LIVE_SECTIONS = ("access", "defaults", "images", "pool", "jobs")  # applied whole, at once
 IMAGE_CAPABILITIES = frozenset(capability for kind in KINDS if kind.with_images is not None
                                for capability in kind.served_by)
 # [http]'s fields that wait for a restart; its keys and request limits are applied.

@@ -208,6 +208,8 @@ class Server:
                     self._apply_access()
                 if "[pool]" in plan.applied:
                     self._follow_machine()  # the new budget, with the machine's facts
+                if "[jobs]" in plan.applied:
+                    self.jobs.follow_config(self.config.jobs)
                 if self.http is not None and http is not None:
                     self._apply_http(http)
                 await self.jobs.end_removed(plan.removed)

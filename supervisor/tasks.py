@@ -28,6 +28,7 @@ class QueueFull(Exception):
 class TaskQueue(Protocol):
     ready: asyncio.Event  # set when there may be jobs to claim
     on_cancel: Callable[[str], None] | None  # a job running here is to be cancelled
+    max_queued: int  # [jobs] max_queued: jobs waiting, then QueueFull (a reload sets it)
 
     async def put(self, record: JobRecord) -> None:
         """Queue an admitted job; QueueFull at the queue's bound."""

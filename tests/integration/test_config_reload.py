@@ -107,17 +107,18 @@ def test_a_bad_config_changes_nothing_and_sighup_reloads(make_daemon: MakeDaemon
         assert "goes on with the config it has" in bad.value.message
         assert len(c.embed(["still"], model="a")) == 1
 
-        rewrite(daemon, model_entry("a") + model_entry("b") + "\n[jobs]\ntimeout_s = 60\n")
+        rewrite(daemon, model_entry("a") + model_entry("b") + "\n[cluster]\nlease_s = 5\n")
         daemon.process.send_signal(signal.SIGHUP)
         wait_until("b is known", lambda: "b" in [m["key"] for m in c.models()])
         assert len(c.embed(["new"], model="b")) == 1
-    assert "changes of [jobs] apply at the next start" in daemon.log()
+    assert "changes of [cluster] apply at the next start" in daemon.log()
 
 
 def test_a_reloaded_pool_applies_at_once_and_renews_workers_started_otherwise(
         make_daemon: MakeDaemon) -> None:
-    """[pool] without a restart: the loaded model keeps serving, a lowered timeout
-    bounds the next request, and new threads per worker replace its worker."""
+    """[pool] and [jobs] without a restart: the loaded model keeps serving, lowered
+    timeouts bound the next request and the next job, and new threads per worker
+    replace its worker."""
     models = model_entry("slow", max_workers=1, run_s=1.5)
     daemon = make_daemon("[pool]\ncold_start_workers = 1\n" + models)
     with daemon.client() as c:
@@ -125,12 +126,15 @@ def test_a_reloaded_pool_applies_at_once_and_renews_workers_started_otherwise(
         (old,) = worker_pids(c, "slow")
         threads = len(os.sched_getaffinity(0)) + 1  # not the cores, as it started with
         rewrite(daemon, "[pool]\ncold_start_workers = 1\ntimeout_s = 0.5\n"
-                f"threads_per_worker = {threads}\n" + models)
-        assert c.reload() == "[pool] applied"
+                f"threads_per_worker = {threads}\n[jobs]\ntimeout_s = 0.5\n" + models)
+        assert c.reload() == "[pool], [jobs] applied"
         started = time.monotonic()
         with pytest.raises(PoolError) as late:
             c.embed(["x"], model="slow")
         assert late.value.code is ErrorCode.TIMEOUT and time.monotonic() - started < 1.4
+        with pytest.raises(PoolError) as late_job:  # [jobs]'s timeout (3600 s before)
+            c.retrieve(c.submit("embed", ["j"], model="slow"), timeout_s=30)
+        assert late_job.value.code is ErrorCode.TIMEOUT
         wait_until("its worker is replaced", lambda: old not in worker_pids(c, "slow"))
         (new,) = wait_until("a new worker serves", lambda: worker_pids(c, "slow"))
         assert len(c.embed(["y"], model="slow", timeout_s=30)) == 1

@@ -180,6 +180,40 @@ async def test_results_expire_after_the_retention_and_can_be_forgotten_early(
     assert (await jobs.stats()).mailbox_bytes == 0
 
 
+async def test_a_reloaded_jobs_section_bounds_and_keeps_from_the_next_job_on(
+        make_harness: MakeHarness) -> None:
+    """[jobs] after a reload: the mailbox's and the queue's bounds, the retention of
+    results (that of a job ended before too) and a job's default timeout."""
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+    ended = await jobs.submit(ME, embed("a"), 100)
+    await h.settle()
+    (worker,) = h.workers("emb")
+    h.ready(worker)
+    h.reply_embeddings(worker, h.job_ids(worker)[0], 1.0)
+    await h.settle()
+    held = (await jobs.stats()).mailbox_bytes
+    jobs.follow_config(JobsConfig(result_retention_s=5, max_mailbox_bytes=held + 1,
+                                  timeout_s=9))
+    h.want_work(worker)
+    await jobs.submit(ME, embed("b"), 100)  # there was room left
+    assert h.works(worker)[-1].items[0].request.timeout_s == 9
+    with pytest.raises(PoolError) as full:
+        await jobs.submit(ME, embed("c"), 100)
+    assert full.value.code is ErrorCode.OVERLOADED
+    h.clock.advance(5)
+    await jobs.tick()
+    with pytest.raises(PoolError) as gone:
+        await jobs.retrieve(ME, ended, 0, rid=1)
+    assert gone.value.code is ErrorCode.RESULT_NOT_FOUND
+    jobs.follow_config(JobsConfig(max_queued=1))
+    await jobs.submit(ME, embed("d"), 100)  # the backlog of the worker's model
+    with pytest.raises(PoolError) as queued:
+        for i in range(20):
+            await jobs.submit(ME, embed(f"e{i}"), 100)
+    assert queued.value.code is ErrorCode.QUEUE_FULL and "max_queued" in queued.value.message
+
+
 async def test_a_full_mailbox_refuses_new_jobs_and_keeps_what_it_has(
         make_harness: MakeHarness) -> None:
     h = make_harness(cold_start_workers=1)

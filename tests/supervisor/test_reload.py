@@ -16,6 +16,7 @@ from modelpool.supervisor import control
 from modelpool.supervisor.cli import _model_text
 from modelpool.supervisor.config import (
     AccessConfig,
+    ClusterConfig,
     Config,
     DaemonConfig,
     HttpConfig,
@@ -97,19 +98,21 @@ def test_a_removed_model_that_still_drains_comes_back_only_as_what_it_was() -> N
 
 
 def test_changes_outside_models_are_named_for_the_next_start() -> None:
-    new = Config(jobs=JobsConfig(timeout_s=5), daemon=DaemonConfig(max_frame_bytes=1 << 20))
+    new = Config(cluster=ClusterConfig(lease_s=5), daemon=DaemonConfig(max_frame_bytes=1 << 20))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
-    assert plan.restart_for == ("[daemon]", "[jobs]")
-    assert plan.summary() == "changes of [daemon], [jobs] apply at the next start"
+    assert plan.restart_for == ("[daemon]", "[cluster]")
+    assert plan.summary() == "changes of [daemon], [cluster] apply at the next start"
 
 
-def test_a_change_of_access_or_pool_is_applied_not_left_for_a_restart() -> None:
+def test_a_change_of_access_pool_or_jobs_is_applied_not_left_for_a_restart() -> None:
     new = Config(access=AccessConfig(allow_users=["root"], max_priority="normal"),
-                 pool=PoolConfig(max_batch=8), jobs=JobsConfig(timeout_s=5))
+                 pool=PoolConfig(max_batch=8), jobs=JobsConfig(timeout_s=5),
+                 cluster=ClusterConfig(lease_s=5))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
-    assert plan.applied == ("[access]", "[pool]") and plan.restart_for == ("[jobs]",)
-    assert plan.summary() == ("[access], [pool] applied; changes of [jobs] apply at the "
-                              "next start")
+    assert plan.applied == ("[access]", "[pool]", "[jobs]")
+    assert plan.restart_for == ("[cluster]",)
+    assert plan.summary() == ("[access], [pool], [jobs] applied; changes of [cluster] "
+                              "apply at the next start")
     assert plan_reload(specs(spec("a")), specs(spec("a")), new, new).applied == ()
 
 
