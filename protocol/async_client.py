@@ -106,6 +106,7 @@ class AsyncClient:
     async def connect(self) -> AsyncClient:
         loop = asyncio.get_running_loop()
         self._welcomed, self._gone = loop.create_future(), loop.create_future()
+        self._last_word = self._why_gone = None
         try:
             transport, _ = await loop.create_unix_connection(lambda: _Replies(self),
                                                              self.socket_path)

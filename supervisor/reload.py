@@ -149,7 +149,7 @@ def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:
 
 def apply_reload(pool: Pool, plan: ReloadPlan, new_config: Config) -> None:
     """Make the pool serve the plan's models, with the new [defaults], [images] and
-    [pool]."""
+    [pool] (the server applies [access], [http] and [jobs], which are not the pool's)."""
     started = {key: _started_with(model.settings, pool.pool_config)
                for key, model in pool.models.items()}
     pool.config = pool.intake.config = applied_config(pool.config, new_config)
