@@ -253,16 +253,21 @@ class ConnectionTable:
     def __init__(self, config: DaemonConfig, max_connections: int,
                  now: Callable[[], float]) -> None:
         self.max_connections = max_connections
-        self.max_unsent = config.max_client_buffer_bytes
-        self.max_unsent_total = config.max_unread_total_bytes
-        self.idle_timeout_s = config.idle_timeout_s
-        self.frame_timeout_s = config.frame_timeout_s
+        self.follow_config(config)
         self.now = now
         self.live: set[Connection] = set()
         self.opening = 0  # accepted, not yet live
         # Unread reply bytes of all connections: exact after each sweep and each shedding,
         # an overestimate in between (a client's reads are not seen until its next reply).
         self.unsent_total = 0
+
+    def follow_config(self, config: DaemonConfig) -> None:
+        """[daemon]'s client limits (at start, and after a reload): from the next reply
+        and the next sweep on."""
+        self.max_unsent = config.max_client_buffer_bytes
+        self.max_unsent_total = config.max_unread_total_bytes
+        self.idle_timeout_s = config.idle_timeout_s
+        self.frame_timeout_s = config.frame_timeout_s
 
     def reserve(self) -> bool:
         """A place for a client just accepted, or False when max_connections are taken."""

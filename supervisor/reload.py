@@ -16,7 +16,8 @@ running daemon, without a restart and without losing work.
   limits, are replaced one at a time), [pool] (budgets, worker counts, batching, queue
   bounds and timeouts from now on; workers whose threads, batch or heartbeat it changes
   are replaced one at a time), [jobs] (its bounds, retention and timeout, from the next
-  job on), and the HTTP front door's keys (api_key_file read again) and request limits.
+  job on), [daemon]'s client limits and log level, and the HTTP front door's keys
+  (api_key_file read again) and request limits.
 - A change of capability, or of what a model loads while a weights holder shares its
   weights, and changes of other sections, wait for a restart: the reload says which.
 
@@ -35,7 +36,7 @@ import msgspec
 
 from modelpool.protocol.kinds import KINDS
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor.config import Config, PoolConfig
+from modelpool.supervisor.config import Config, DaemonConfig, PoolConfig
 from modelpool.supervisor.models import ModelSettings, ModelState
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ IMAGE_CAPABILITIES = frozenset(capability for kind in KINDS if kind.with_images 
                                for capability in kind.served_by)
 # [http]'s fields that wait for a restart; its keys and request limits are applied.
 HTTP_AT_START = ("listen", "connections", "max_clients", "in_loop", "body_timeout_s")
+# [daemon]'s fields that wait for a restart; its client limits and log level are applied.
+DAEMON_AT_START = ("socket", "socket_group", "log_format", "max_frame_bytes",
+                   "max_connections", "event_loop", "realtime", "idle_cgroup")
 
 
 @dataclass(frozen=True)
@@ -117,22 +121,32 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
                 if _waits_for_restart(name, running_config, new_config)]
     applied = [f"[{name}]" for name in LIVE_SECTIONS
                if getattr(running_config, name) != getattr(new_config, name)]
+    if _applied_daemon(running_config, new_config) != running_config.daemon:
+        applied.append("[daemon]")
     return ReloadPlan(tuple(specs), tuple(added), tuple(removed), tuple(replaced),
                       tuple(retuned), tuple(kept), tuple(sections),
                       (*applied, "[http]") if http else tuple(applied))
 
 
 def applied_config(running: Config, new: Config) -> Config:
-    """The running config with the sections a reload applies whole taken from new."""
-    return msgspec.structs.replace(running, **{name: getattr(new, name)
-                                               for name in LIVE_SECTIONS})
+    """The running config with what a reload applies taken from new: the sections it
+    applies whole, and [daemon]'s fields that do not wait for a restart."""
+    return msgspec.structs.replace(running, daemon=_applied_daemon(running, new),
+                                   **{name: getattr(new, name) for name in LIVE_SECTIONS})
+
+
+def _applied_daemon(running: Config, new: Config) -> DaemonConfig:
+    return msgspec.structs.replace(new.daemon, **{f: getattr(running.daemon, f)
+                                                  for f in DAEMON_AT_START})
 
 
 def _waits_for_restart(section: str, running: Config, new: Config) -> bool:
     if section == "models" or section in LIVE_SECTIONS:
         return False
-    if section == "http":
-        return any(getattr(running.http, f) != getattr(new.http, f) for f in HTTP_AT_START)
+    at_start = {"http": HTTP_AT_START, "daemon": DAEMON_AT_START}.get(section)
+    if at_start is not None:
+        return any(getattr(getattr(running, section), f) != getattr(getattr(new, section), f)
+                   for f in at_start)
     return bool(getattr(running, section) != getattr(new, section))
 
 
@@ -149,7 +163,8 @@ def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:
 
 def apply_reload(pool: Pool, plan: ReloadPlan, new_config: Config) -> None:
     """Make the pool serve the plan's models, with the new [defaults], [images] and
-    [pool] (the server applies [access], [http] and [jobs], which are not the pool's)."""
+    [pool] (the server applies [access], [daemon], [http] and [jobs], which are not the
+    pool's)."""
     started = {key: _started_with(model.settings, pool.pool_config)
                for key, model in pool.models.items()}
     pool.config = pool.intake.config = applied_config(pool.config, new_config)

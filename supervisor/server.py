@@ -210,6 +210,9 @@ class Server:
                     self._follow_machine()  # the new budget, with the machine's facts
                 if "[jobs]" in plan.applied:
                     self.jobs.follow_config(self.config.jobs)
+                if "[daemon]" in plan.applied:  # its client limits and log level
+                    self.connections.follow_config(self.config.daemon)
+                    logging.getLogger().setLevel(self.config.daemon.log_level.upper())
                 if self.http is not None and http is not None:
                     self._apply_http(http)
                 await self.jobs.end_removed(plan.removed)

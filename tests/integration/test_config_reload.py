@@ -178,3 +178,23 @@ def test_jobs_waiting_for_a_removed_model_end_saying_so(make_daemon: MakeDaemon)
     for exc in ended:
         assert exc.code is ErrorCode.UNKNOWN_MODEL
         assert "removed from the daemon's config (reload)" in exc.message
+
+
+def test_a_reloaded_daemon_section_applies_its_client_limits_and_log_level(
+        make_daemon: MakeDaemon) -> None:
+    """An open connection is closed at the new idle timeout; at log_level WARNING the
+    daemon's info lines stop (the reload's own among them)."""
+    daemon = make_daemon(model_entry("a"))
+    with daemon.client() as idle, daemon.client() as c:
+        assert len(idle.embed(["x"], model="a")) == 1
+        rewrite(daemon, model_entry("a") + "\n[daemon]\nidle_timeout_s = 1\n")
+        assert c.reload() == "[daemon] applied"
+        time.sleep(2.5)  # idle past the timeout, and a sweep (every 0.25 s now) after it
+        with pytest.raises(PoolError) as closed:
+            idle.embed(["y"], model="a")
+        assert "idle_timeout_s" in closed.value.message
+        rewrite(daemon, model_entry("a")
+                + "\n[daemon]\nidle_timeout_s = 1\nlog_level = \"WARNING\"\n")
+        with daemon.client() as again:
+            assert again.reload() == "[daemon] applied"
+    assert daemon.log().count("config reloaded: [daemon] applied") == 1

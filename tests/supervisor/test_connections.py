@@ -208,6 +208,18 @@ def test_an_idle_client_is_told_and_closed_but_not_one_with_work() -> None:
     assert not busy.closed and busy_writer.frames == []
 
 
+def test_reloaded_limits_apply_to_open_connections() -> None:
+    clock = FakeScheduler()
+    t = table(clock, idle_timeout_s=10.0)
+    (idle, idle_writer), (hog, hog_writer) = connect(t, reads=True), connect(t)
+    t.follow_config(DaemonConfig(idle_timeout_s=2.0, max_client_buffer_bytes=2 * KB))
+    hog.send(reply_of(3 * KB))
+    assert hog.closed and hog_writer.aborted
+    clock.advance(3)
+    t.sweep()
+    assert idle.closed and "idle for 2 s" in idle_writer.messages()[0].message
+
+
 def test_idle_timeout_zero_never_closes() -> None:
     clock = FakeScheduler()
     t = table(clock, idle_timeout_s=0.0)

@@ -27,6 +27,7 @@ from modelpool.supervisor.reload import (
     IMAGES_CHANGED,
     REPLACED_BECAUSE,
     STARTED_WITH_CHANGED,
+    applied_config,
     apply_reload,
     plan_reload,
 )
@@ -114,6 +115,24 @@ def test_a_change_of_access_pool_or_jobs_is_applied_not_left_for_a_restart() -> 
     assert plan.summary() == ("[access], [pool], [jobs] applied; changes of [cluster] "
                               "apply at the next start")
     assert plan_reload(specs(spec("a")), specs(spec("a")), new, new).applied == ()
+
+
+def test_daemon_client_limits_and_log_level_apply_its_socket_waits_for_a_restart() -> None:
+    running = Config(daemon=DaemonConfig(socket="/run/a.sock"))
+    limits = Config(daemon=DaemonConfig(socket="/run/b.sock", idle_timeout_s=5,
+                                        log_level="DEBUG", max_client_buffer_bytes=4096))
+    plan = plan_reload({}, {}, running, limits)
+    assert plan.applied == ("[daemon]",) and plan.restart_for == ("[daemon]",)
+    applied = applied_config(running, limits).daemon
+    assert (applied.idle_timeout_s, applied.log_level, applied.max_client_buffer_bytes) == (
+        5, "DEBUG", 4096)
+    assert applied.socket == "/run/a.sock"  # the socket it serves on, until a restart
+    for field, value in (("socket_group", "root"), ("log_format", "json"),
+                         ("max_frame_bytes", 4096), ("max_connections", 7),
+                         ("event_loop", "asyncio"), ("realtime", True), ("idle_cgroup", False)):
+        moved = Config(daemon=msgspec.structs.replace(running.daemon, **{field: value}))
+        plan = plan_reload({}, {}, running, moved)
+        assert (plan.applied, plan.restart_for) == ((), ("[daemon]",)), field
 
 
 def test_http_keys_and_limits_apply_its_address_waits_for_a_restart() -> None:
