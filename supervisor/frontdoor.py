@@ -49,7 +49,7 @@ from modelpool.protocol.messages import (
 from modelpool.protocol.wire import client_decoder
 from modelpool.supervisor import admission, control, status
 from modelpool.supervisor.cluster import ClusterNode
-from modelpool.supervisor.config import Config, ConfigError
+from modelpool.supervisor.config import ConfigError
 from modelpool.supervisor.connections import Connection
 from modelpool.supervisor.jobservice import JobService
 from modelpool.supervisor.pool import Pool
@@ -61,10 +61,9 @@ MAX_PENDING_REPLIES = 1024  # job requests (a retrieve waits) being answered per
 
 
 class FrontDoor:
-    def __init__(self, config: Config, pool: Pool, jobs: JobService,
+    def __init__(self, pool: Pool, jobs: JobService,
                  cluster: ClusterNode | None, status_report: Callable[[], PoolStatus],
                  stop: asyncio.Event, reload: Callable[[], Awaitable[str]]) -> None:
-        self.config = config
         self.pool = pool
         self.jobs = jobs
         self.cluster = cluster
@@ -78,7 +77,7 @@ class FrontDoor:
         too; so is one that only another daemon's config names. With route_remote off,
         the latter is refused saying so, not as if no node had it."""
         spec = admission.resolve(self.pool.registry, KIND_OF[type(request)], request)
-        route_remote = self.config.cluster.route_remote
+        route_remote = self.pool.config.cluster.route_remote  # as a reload left it
         remote = (spec is None and bool(request.model)
                   and cluster.elsewhere(request.model) is not None)
         if remote and not route_remote:

@@ -16,8 +16,9 @@ running daemon, without a restart and without losing work.
   limits, are replaced one at a time), [pool] (budgets, worker counts, batching, queue
   bounds and timeouts from now on; workers whose threads, batch or heartbeat it changes
   are replaced one at a time), [jobs] (its bounds, retention and timeout, from the next
-  job on), [daemon]'s client limits and log level, and the HTTP front door's keys
-  (api_key_file read again) and request limits.
+  job on), [daemon]'s client limits and log level, [cluster]'s routing of direct
+  requests and its bound on stranded jobs, and the HTTP front door's keys (api_key_file
+  read again) and request limits.
 - A change of capability, or of what a model loads while a weights holder shares its
   weights, and changes of other sections, wait for a restart: the reload says which.
 
@@ -30,13 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from modelpool.protocol.kinds import KINDS
 from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor.config import Config, DaemonConfig, PoolConfig
+from modelpool.supervisor.config import Config, PoolConfig
 from modelpool.supervisor.models import ModelSettings, ModelState
 
 if TYPE_CHECKING:
@@ -52,11 +53,16 @@ STARTED_WITH_CHANGED = "the threads, batch or heartbeat its workers started with
 LIVE_SECTIONS = ("access", "defaults", "images", "pool", "jobs")  # applied whole, at once
 IMAGE_CAPABILITIES = frozenset(capability for kind in KINDS if kind.with_images is not None
                                for capability in kind.served_by)
-# [http]'s fields that wait for a restart; its keys and request limits are applied.
-HTTP_AT_START = ("listen", "connections", "max_clients", "in_loop", "body_timeout_s")
-# [daemon]'s fields that wait for a restart; its client limits and log level are applied.
-DAEMON_AT_START = ("socket", "socket_group", "log_format", "max_frame_bytes",
-                   "max_connections", "event_loop", "realtime", "idle_cgroup")
+# The fields that wait for a restart in sections whose other fields apply at once
+# ([daemon]'s client limits and log level, [cluster]'s routing and stranded jobs' bound,
+# [http]'s keys and request limits): where the daemon listens, what it connects to,
+# what it set up at its start.
+AT_START = {
+    "daemon": ("socket", "socket_group", "log_format", "max_frame_bytes", "max_connections",
+               "event_loop", "realtime", "idle_cgroup"),
+    "cluster": ("postgres", "node_name", "lease_s"),
+    "http": ("listen", "connections", "max_clients", "in_loop", "body_timeout_s"),
+}
 
 
 @dataclass(frozen=True)
@@ -121,8 +127,10 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
                 if _waits_for_restart(name, running_config, new_config)]
     applied = [f"[{name}]" for name in LIVE_SECTIONS
                if getattr(running_config, name) != getattr(new_config, name)]
-    if _applied_daemon(running_config, new_config) != running_config.daemon:
-        applied.append("[daemon]")
+    # [http]'s by the front door's settings, which hold its key file's keys too
+    applied += [f"[{name}]" for name in ("daemon", "cluster")
+                if _applied_part(name, running_config, new_config)
+                != getattr(running_config, name)]
     return ReloadPlan(tuple(specs), tuple(added), tuple(removed), tuple(replaced),
                       tuple(retuned), tuple(kept), tuple(sections),
                       (*applied, "[http]") if http else tuple(applied))
@@ -130,23 +138,24 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
 
 def applied_config(running: Config, new: Config) -> Config:
     """The running config with what a reload applies taken from new: the sections it
-    applies whole, and [daemon]'s fields that do not wait for a restart."""
-    return msgspec.structs.replace(running, daemon=_applied_daemon(running, new),
-                                   **{name: getattr(new, name) for name in LIVE_SECTIONS})
+    applies whole, and the others' fields that do not wait for a restart."""
+    return msgspec.structs.replace(
+        running, **{name: getattr(new, name) for name in LIVE_SECTIONS},
+        **{name: _applied_part(name, running, new) for name in AT_START})
 
 
-def _applied_daemon(running: Config, new: Config) -> DaemonConfig:
-    return msgspec.structs.replace(new.daemon, **{f: getattr(running.daemon, f)
-                                                  for f in DAEMON_AT_START})
+def _applied_part(section: str, running: Config, new: Config) -> Any:
+    """new's section, with the fields that wait for a restart as running has them."""
+    return msgspec.structs.replace(getattr(new, section), **{
+        f: getattr(getattr(running, section), f) for f in AT_START[section]})
 
 
 def _waits_for_restart(section: str, running: Config, new: Config) -> bool:
     if section == "models" or section in LIVE_SECTIONS:
         return False
-    at_start = {"http": HTTP_AT_START, "daemon": DAEMON_AT_START}.get(section)
-    if at_start is not None:
+    if section in AT_START:
         return any(getattr(getattr(running, section), f) != getattr(getattr(new, section), f)
-                   for f in at_start)
+                   for f in AT_START[section])
     return bool(getattr(running, section) != getattr(new, section))
 
 

@@ -118,7 +118,7 @@ class Server:
         max_connections = config.daemon.max_connections or auto_max_connections(fd_limit)
         self.connections = ConnectionTable(config.daemon, max_connections,
                                            self.pool.scheduler.now)
-        self.front = FrontDoor(config, self.pool, self.jobs, self.cluster, self.status_report,
+        self.front = FrontDoor(self.pool, self.jobs, self.cluster, self.status_report,
                                self.stop_requested, self.reload)
         self._client_tasks: set[asyncio.Task[None]] = set()
 

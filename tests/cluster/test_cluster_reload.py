@@ -1,5 +1,6 @@
 """A reload on one node of a cluster: the model it adds, known by its files' content, is
-run there for the other node's clients; the model it removes is no longer run there."""
+run there for the other node's clients; the model it removes is no longer run there;
+[cluster]'s routing of direct requests changes at once."""
 
 from __future__ import annotations
 
@@ -55,5 +56,14 @@ def test_a_model_added_by_reload_serves_the_cluster_and_a_removed_one_stops(
                 wait_until(lambda: not embeds_on_alpha(c, "old"), 20, "old is gone")
                 c.embed("again", model="old")
             assert gone.value.code is ErrorCode.UNKNOWN_MODEL
+        # [cluster]'s routing applies at once: beta keeps direct requests to itself.
+        (tmp_path / "beta" / "modelpool.toml").write_text(textwrap.dedent(node_config(
+            database.dsn, "beta", "", cluster_extra="route_remote = false")))
+        with beta.client() as c:
+            assert c.reload() == "[cluster] applied"
+            with pytest.raises(PoolError) as kept:
+                c.embed("kept here", model="fresh")
+            assert kept.value.code is ErrorCode.UNKNOWN_MODEL
+            assert "route_remote = false" in kept.value.message
         # Its files were read for the reload (at the start: old's and the catalogue's MiniLM).
         assert "the files of 1 local model(s) identified" in alpha.log()

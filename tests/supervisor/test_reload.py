@@ -135,6 +135,19 @@ def test_daemon_client_limits_and_log_level_apply_its_socket_waits_for_a_restart
         assert (plan.applied, plan.restart_for) == ((), ("[daemon]",)), field
 
 
+def test_cluster_routing_applies_its_database_node_and_lease_wait_for_a_restart() -> None:
+    running = Config()
+    routing = Config(cluster=ClusterConfig(route_remote=False, stranded_timeout_s=5))
+    plan = plan_reload({}, {}, running, routing)
+    assert (plan.applied, plan.restart_for) == (("[cluster]",), ())
+    assert applied_config(running, routing).cluster == routing.cluster
+    for field, value in (("postgres", "postgresql://db/x"), ("node_name", "n2"),
+                         ("lease_s", 5.0)):
+        moved = Config(cluster=msgspec.structs.replace(running.cluster, **{field: value}))
+        plan = plan_reload({}, {}, running, moved)
+        assert (plan.applied, plan.restart_for) == ((), ("[cluster]",)), field
+
+
 def test_http_keys_and_limits_apply_its_address_waits_for_a_restart() -> None:
     running = Config(http=HttpConfig(listen="127.0.0.1:8000", api_keys=["a"]))
     keys = Config(http=HttpConfig(listen="127.0.0.1:8000", api_keys=["b"],
