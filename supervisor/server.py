@@ -204,17 +204,7 @@ class Server:
                 # No await in between: no beat sees a model without its identity.
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
-                if "[access]" in plan.applied:
-                    self._apply_access()
-                if "[pool]" in plan.applied:
-                    self._follow_machine()  # the new budget, with the machine's facts
-                if "[jobs]" in plan.applied:
-                    self.jobs.follow_config(self.config.jobs)
-                if "[daemon]" in plan.applied:  # its client limits and log level
-                    self.connections.follow_config(self.config.daemon)
-                    logging.getLogger().setLevel(self.config.daemon.log_level.upper())
-                if self.http is not None and http is not None:
-                    self._apply_http(http)
+                self._apply_sections(plan.applied, http)
                 await self.jobs.end_removed(plan.removed)
                 from modelpool.registry.loaders import exports_to_make
 
@@ -225,6 +215,20 @@ class Server:
         summary = plan.summary()
         log.info("config reloaded: %s", summary)
         return summary
+
+    def _apply_sections(self, applied: tuple[str, ...], http: HttpSettings | None) -> None:
+        """The reloaded sections that are not the pool's, each to the part that owns it."""
+        if "[access]" in applied:
+            self._apply_access()
+        if "[pool]" in applied:
+            self._follow_machine()  # the new budget, with the machine's facts
+        if "[jobs]" in applied:
+            self.jobs.follow_config(self.config.jobs)
+        if "[daemon]" in applied:  # its client limits and log level
+            self.connections.follow_config(self.config.daemon)
+            logging.getLogger().setLevel(self.config.daemon.log_level.upper())
+        if self.http is not None and http is not None:
+            self._apply_http(http)
 
     def _apply_access(self) -> None:
         """The reloaded [access], for every connection from now on and every open one."""
