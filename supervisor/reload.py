@@ -171,9 +171,9 @@ def _kept_because(old: ModelSpec, new: ModelSpec, shared: bool) -> str | None:
 
 
 def apply_reload(pool: Pool, plan: ReloadPlan, new_config: Config) -> None:
-    """Make the pool serve the plan's models, with the new [defaults], [images] and
-    [pool] (the server applies [access], [daemon], [http] and [jobs], which are not the
-    pool's)."""
+    """Make the pool serve the plan's models under the reloaded config (applied_config),
+    whose [defaults], [images], [pool] and [cluster] it reads from now on; the server
+    hands [access], [daemon], [http] and [jobs] to their owners."""
     started = {key: _started_with(model.settings, pool.pool_config)
                for key, model in pool.models.items()}
     pool.config = pool.intake.config = applied_config(pool.config, new_config)
