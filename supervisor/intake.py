@@ -28,11 +28,12 @@ from modelpool.supervisor.queueing import dedup_key as make_dedup_key
 
 
 class Intake:
-    def __init__(self, config: Config, registry: Registry, models: dict[str, ModelState],
+    def __init__(self, config: Callable[[], Config], registry: Registry,
+                 models: dict[str, ModelState],
                  capacity: Capacity, book: JobBook, scheduler: Scheduler, gpu_count: int,
                  closed: Callable[[], bool],
                  queued: Callable[[ModelState, bool], None]) -> None:
-        self.config = config
+        self.config = config  # the pool's, as the last reload left it
         self.registry = registry
         self.models = models
         self.capacity = capacity
@@ -58,7 +59,7 @@ class Intake:
         leader = self.book.leader_for(key)
         if reject is None and leader is None and model is not None:
             reject = admission.bounds_error(model, self.models.values(), nbytes,
-                                            self.config.pool, sink.owner)
+                                            self.config().pool, sink.owner)
         if reject is not None:
             sink.send(self._error(request, model, reject))
             return False
@@ -92,7 +93,7 @@ class Intake:
                                                       float | None]:
         kind = KIND_OF[type(request)]
         spec = admission.resolve(self.registry, kind, request)
-        request = with_defaults(request, self.config.defaults)
+        request = with_defaults(request, self.config().defaults)
         deadline_in = admission.deadline_in(request, self.scheduler.wall())
         return kind, spec, self.models[spec.key] if spec else None, request, deadline_in
 
@@ -101,7 +102,7 @@ class Intake:
                         here: bool = True) -> Rejection | None:
         if self.closed():
             return ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"
-        reject = admission.request_error(kind, request, spec, self.config.images)
+        reject = admission.request_error(kind, request, spec, self.config().images)
         if reject is not None or spec is None:
             return reject
         if here:

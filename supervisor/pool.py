@@ -71,9 +71,9 @@ class Pool:
         self.dispatcher = Dispatcher(scheduler, self.book, self.shared,
                                      config.pool.max_batch_wait_ms / 1000,
                                      ThreadBudget(cpus, self.models))
-        self.intake = Intake(config, registry, self.models, self.capacity, self.book,
-                             scheduler, len(self.gpus), lambda: self.shutting_down,
-                             self.queued)
+        self.intake = Intake(lambda: self.config, registry, self.models, self.capacity,
+                             self.book, scheduler, len(self.gpus),
+                             lambda: self.shutting_down, self.queued)
         self.shutting_down = False
         self._worker_ids = itertools.count(1)
         self.changed = asyncio.Event()  # set whenever a request ends or a worker exits

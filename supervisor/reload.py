@@ -176,7 +176,7 @@ def apply_reload(pool: Pool, plan: ReloadPlan, new_config: Config) -> None:
     hands [access], [daemon], [http] and [jobs] to their owners."""
     started = {key: _started_with(model.settings, pool.pool_config)
                for key, model in pool.models.items()}
-    pool.config = pool.intake.config = applied_config(pool.config, new_config)
+    pool.config = applied_config(pool.config, new_config)
     if "[pool]" in plan.applied:
         pool.follow_pool_config(new_config.pool)
         for model in pool.models.values():
