@@ -55,7 +55,6 @@ class Pool:
     def __init__(self, config: Config, registry: Registry, launcher: Launcher,
                  scheduler: Scheduler, gpus: list[Gpu] | None = None, cpus: int = 1) -> None:
         self.config = config
-        self.pool_config = config.pool
         self.registry = registry
         self.launcher = launcher
         self.scheduler = scheduler
@@ -79,11 +78,16 @@ class Pool:
         self.changed = asyncio.Event()  # set whenever a request ends or a worker exits
         self.oom = pressure.OomCounter()  # the server gives it the daemon's cgroup
 
-    def follow_pool_config(self, config: PoolConfig) -> None:
-        """A reload's [pool] from now on: budgets, scaling, batching and health limits
-        (read where they are used); each model's settings are derived again by the
-        reload (supervisor/reload.py), which knows what its workers started with."""
-        self.pool_config = config
+    @property
+    def pool_config(self) -> PoolConfig:
+        return self.config.pool
+
+    def follow_pool_config(self) -> None:
+        """A reload's [pool] (already in self.config) from now on: budgets, scaling,
+        batching and health limits (read where they are used); each model's settings
+        are derived again by the reload (supervisor/reload.py), which knows what its
+        workers started with."""
+        config = self.pool_config
         self.capacity.follow_config(config)
         self.policy = scaling.ScalingPolicy(config.cold_start_workers, config.cooldown_idle_s)
         self.dispatcher.batch_wait_s = config.max_batch_wait_ms / 1000

@@ -178,7 +178,7 @@ def apply_reload(pool: Pool, plan: ReloadPlan, new_config: Config) -> None:
                for key, model in pool.models.items()}
     pool.config = applied_config(pool.config, new_config)
     if "[pool]" in plan.applied:
-        pool.follow_pool_config(new_config.pool)
+        pool.follow_pool_config()
         for model in pool.models.values():
             _retune(model, ModelSettings.of(model.spec, new_config.pool, pool.cpus))
     if "[images]" in plan.applied:  # its workers enforce the pixel limits and fetch URLs

@@ -79,7 +79,6 @@ class Server:
         self.service = sdnotify.ServiceNotifier.from_environ(LoopScheduler(),
                                                              self._service_status)
         fd_limit = raise_fd_limit()  # before any child is started: they inherit it
-        self.config = config
         self.read_config = read_config or (lambda: (config, []))
         self._reloading = asyncio.Lock()  # one reload at a time
         self.socket_path = os.path.abspath(config.daemon.socket)
@@ -127,6 +126,11 @@ class Server:
             status.build_status(self.pool, self.socket_path, self.started_at,
                                 self.cluster.status() if self.cluster else None),
             clients=self.connections.status())
+
+    @property
+    def config(self) -> Config:
+        """The pool's: the config as started, with what reloads applied since."""
+        return self.pool.config
 
     async def run(self) -> None:
         if self.config.daemon.realtime:
@@ -200,7 +204,6 @@ class Server:
                 # read before anything changes, so no job sees them half-known.
                 contents = await self.cluster.digests(loading) if self.cluster else {}
                 apply_reload(pool, plan, new)
-                self.config = pool.config  # with the sections the reload applied
                 # No await in between: no beat sees a model without its identity.
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
