@@ -1,6 +1,8 @@
 """The HTTP front door's place in the daemon: the config checked and the port bound at
 start (a bad address or a taken port stops the start, before anything else), then the
 front door served by a process of its own, started again if it dies, and stopped last.
+A reload that moves its address or changes what it starts with hands over to a new
+front door (`HttpDoor`), so the loaded models stay.
 
 A process of its own because HTTP parsing, JSON and TLS-terminating proxies' clients
 cost CPU per request that the supervisor's loop must not pay: a flood of HTTP requests
@@ -16,6 +18,7 @@ import ipaddress
 import logging
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("modelpool.http")
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+# What a front door keeps from its start: a reload that changes one of them starts a new
+# front door, which takes over the address (the same socket, or one bound anew).
+STARTED_WITH = ("listen", "connections", "max_clients", "in_loop", "body_timeout_s")
 
 
 def listen_address(listen: str) -> tuple[str, int]:
@@ -92,18 +98,21 @@ def bind(listen: str) -> socket.socket:
     # Accepted connections inherit it: a response's headers and body, written apart, must
     # not wait for the client's delayed ACK (40 ms on a kept-alive connection).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.set_inheritable(True)
+    # Not inheritable: the front door's process gets it by pass_fds. uvloop's subprocesses
+    # inherit every inheritable descriptor (it does not close them), so an export process
+    # or a later front door would keep the address open after its front door stopped.
     return sock
 
 
 class HttpFront:
-    def __init__(self, config: Config, socket_path: str,
-                 default_models: dict[str, str]) -> None:
+    def __init__(self, config: Config, socket_path: str, default_models: dict[str, str],
+                 sock: socket.socket | None = None) -> None:
+        """sock: the listening socket, when one is already bound to config's address."""
         self.config = config.http
         self.event_loop = config.daemon.event_loop
         self.max_frame_bytes = config.daemon.max_frame_bytes  # the body cap's default
         self.settings = settings_of(config, socket_path, default_models)
-        self.sock = bind(self.config.listen)
+        self.sock = sock if sock is not None else bind(self.config.listen)
         self.process: asyncio.subprocess.Process | None = None
         self.api: Api | None = None  # in_loop: the front door's own, in this process
         self.stopping = False
@@ -136,14 +145,12 @@ class HttpFront:
             await asyncio.sleep(delay)
 
     def settings_for(self, config: Config) -> HttpSettings:
-        """What a reload's [http] makes of the settings: its keys (api_key_file read
-        again) and the limits of a request; the rest stays as started. The keys are
-        checked against the new address (would the config start?) and the one served
-        now."""
+        """What a reload's [http] makes of this front door's settings, when it keeps
+        what it started with (STARTED_WITH): its keys (api_key_file read again, and
+        checked as at start) and the limits of a request."""
         http = config.http
         keys = api_keys(http)
         check_keys(http.listen, keys)
-        check_keys(self.config.listen, keys)
         return msgspec.structs.replace(
             self.settings, api_keys=keys, metrics_need_key=http.metrics_need_key,
             max_body_bytes=http.max_body_bytes or self.max_frame_bytes,
@@ -172,11 +179,15 @@ class HttpFront:
         return await self.process.wait()
 
     async def stop(self, timeout_s: float = 5.0) -> None:
+        """Requests in flight get timeout_s to finish. The address is let go at once:
+        the process, told to stop, accepts no more, and this process's socket would
+        only queue connections that nobody takes."""
         self.stopping = True
         process = self.process
         if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.terminate()
+            self.sock.close()
             try:
                 await asyncio.wait_for(process.wait(), timeout_s)
             except TimeoutError:
@@ -184,3 +195,94 @@ class HttpFront:
                     process.kill()
                 await process.wait()
         self.sock.close()
+
+
+@dataclass
+class HttpReload:
+    """What a reload makes of the front door, worked out (and a new address bound)
+    before anything changes, so that a config that would not start changes nothing."""
+
+    settings: HttpSettings | None = None  # the kept front door's, when they changed
+    front: HttpFront | None = None  # a new front door, bound: added, or taking over
+    stop: bool = False  # the running one goes (taken over, or listen removed)
+
+    @property
+    def changed(self) -> bool:
+        return self.settings is not None or self.front is not None or self.stop
+
+
+class HttpDoor:
+    """The daemon's HTTP front door across reloads: none, or one HttpFront serving. A
+    new one takes over before the old one stops; on the same address they share the
+    listening socket meanwhile, so a client that connects then is served by either."""
+
+    def __init__(self, config: Config, socket_path: str,
+                 default_models: dict[str, str]) -> None:
+        self.socket_path = socket_path
+        self.front = (HttpFront(config, socket_path, default_models)
+                      if config.http.listen else None)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, socket_path: str) -> None:
+        """socket_path: the daemon's, as it serves it (systemd may have passed another)."""
+        self.socket_path = socket_path
+        if self.front is not None:
+            self._task = asyncio.get_running_loop().create_task(self.front.run(socket_path))
+            log.info("HTTP API on http://%s", self.front.address)
+
+    def reloaded(self, config: Config, default_models: dict[str, str]) -> HttpReload:
+        """ConfigError, with nothing bound, if the config's [http] would not start."""
+        front, http = self.front, config.http
+        if not http.listen:
+            return HttpReload(stop=front is not None)
+        if front is not None and all(getattr(front.config, f) == getattr(http, f)
+                                     for f in STARTED_WITH):
+            settings = front.settings_for(config)
+            return HttpReload(settings=settings if settings != front.settings else None)
+        sock = None
+        if front is not None and front.config.listen == http.listen:
+            sock = front.sock.dup()  # its own descriptor: each front door closes its own
+        try:
+            return HttpReload(front=HttpFront(config, self.socket_path, default_models, sock),
+                              stop=front is not None)
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+
+    def discard(self, reload: HttpReload) -> None:
+        """The reload was refused after all: let go of what it bound."""
+        if reload.front is not None:
+            reload.front.sock.close()
+
+    async def apply(self, reload: HttpReload, default_models: dict[str, str]) -> None:
+        """The reload's front door, answering with the default models of now."""
+        old, old_task = self.front, self._task
+        if reload.front is None and not reload.stop:
+            if old is not None:
+                settings = msgspec.structs.replace(reload.settings or old.settings,
+                                                   default_models=default_models)
+                if settings != old.settings:
+                    old.apply(settings)
+            return
+        self.front, self._task = reload.front, None
+        if reload.front is not None:
+            reload.front.settings = msgspec.structs.replace(
+                reload.front.settings, default_models=default_models)
+            self.start(self.socket_path)
+        if old is not None:
+            await _stop(old, old_task)
+
+    async def stop(self) -> None:
+        """Last: HTTP clients got their answers while the pool drained."""
+        if self.front is not None:
+            await _stop(self.front, self._task)
+            self.front = self._task = None
+
+
+async def _stop(front: HttpFront, task: asyncio.Task[None] | None) -> None:
+    if task is not None:  # first: served from this loop (in_loop), it stops serving
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await front.stop()

@@ -17,8 +17,9 @@ running daemon, without a restart and without losing work.
   bounds and timeouts from now on; workers whose threads, batch or heartbeat it changes
   are replaced one at a time), [jobs] (its bounds, retention and timeout, from the next
   job on), [daemon]'s client limits and log level, [cluster]'s routing of direct
-  requests and its bound on stranded jobs, and the HTTP front door's keys (api_key_file
-  read again) and request limits.
+  requests and its bound on stranded jobs, and [http]: the front door's keys
+  (api_key_file read again) and request limits at once; a new address or connection
+  settings by a new front door taking over from the old (supervisor/http_front.py).
 - A change of capability, or of what a model loads while a weights holder shares its
   weights, and changes of other sections, wait for a restart: the reload says which.
 
@@ -50,18 +51,16 @@ LOAD_FIELDS = ("path", "package", "repo", "revision", "subdir", "loader", "optio
 REPLACED_BECAUSE = "its model's config changed (reload)"
 IMAGES_CHANGED = "the [images] limits changed (reload)"
 STARTED_WITH_CHANGED = "the threads, batch or heartbeat its workers started with changed (reload)"
-LIVE_SECTIONS = ("access", "defaults", "images", "pool", "jobs")  # applied whole, at once
+LIVE_SECTIONS = ("access", "defaults", "images", "pool", "jobs", "http")  # applied whole
 IMAGE_CAPABILITIES = frozenset(capability for kind in KINDS if kind.with_images is not None
                                for capability in kind.served_by)
 # The fields that wait for a restart in sections whose other fields apply at once
-# ([daemon]'s client limits and log level, [cluster]'s routing and stranded jobs' bound,
-# [http]'s keys and request limits): where the daemon listens, what it connects to,
-# what it set up at its start.
+# ([daemon]'s client limits and log level, [cluster]'s routing and stranded jobs'
+# bound): where the daemon listens, what it connects to, what it set up at its start.
 AT_START = {
     "daemon": ("socket", "socket_group", "log_format", "max_frame_bytes", "max_connections",
                "event_loop", "realtime", "idle_cgroup"),
     "cluster": ("postgres", "node_name", "lease_s"),
-    "http": ("listen", "connections", "max_clients", "in_loop", "body_timeout_s"),
 }
 
 
@@ -74,7 +73,7 @@ class ReloadPlan:
     retuned: tuple[str, ...] = ()  # other settings changed: applied as they are
     kept: tuple[tuple[str, str], ...] = ()  # (key, why) changes that wait for a restart
     restart_for: tuple[str, ...] = ()  # config sections whose changes wait for a restart
-    applied: tuple[str, ...] = ()  # changed sections applied at once ([http]: its keys)
+    applied: tuple[str, ...] = ()  # changed sections applied at once
 
     def loading(self) -> list[ModelSpec]:
         """The models whose workers will load something new."""
@@ -103,7 +102,7 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
     """What to change, from the running registry's specs to the new config's; `shared`
     are the models whose weights a live holder process shares, `draining` those an
     earlier reload removed that still serve what they had; `http`: the HTTP front
-    door's settings (keys, with api_key_file's, and request limits) changed."""
+    door changes (its keys, which api_key_file holds too, its limits or a new one)."""
     added, replaced, retuned, kept = [], [], [], []
     specs = []
     for key, spec in new.items():
@@ -127,13 +126,13 @@ def plan_reload(running: Mapping[str, ModelSpec], new: Mapping[str, ModelSpec],
                 if _waits_for_restart(name, running_config, new_config)]
     applied = [f"[{name}]" for name in LIVE_SECTIONS
                if getattr(running_config, name) != getattr(new_config, name)]
-    # [http]'s by the front door's settings, which hold its key file's keys too
     applied += [f"[{name}]" for name in ("daemon", "cluster")
                 if _applied_part(name, running_config, new_config)
                 != getattr(running_config, name)]
+    if http and "[http]" not in applied:  # its key file's keys changed
+        applied.append("[http]")
     return ReloadPlan(tuple(specs), tuple(added), tuple(removed), tuple(replaced),
-                      tuple(retuned), tuple(kept), tuple(sections),
-                      (*applied, "[http]") if http else tuple(applied))
+                      tuple(retuned), tuple(kept), tuple(sections), tuple(applied))
 
 
 def applied_config(running: Config, new: Config) -> Config:

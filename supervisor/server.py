@@ -45,8 +45,7 @@ from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config, ConfigError
 from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
-from modelpool.supervisor.http_front import HttpFront
-from modelpool.supervisor.httpapi.settings import HttpSettings
+from modelpool.supervisor.http_front import HttpDoor, HttpReload
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.reload import apply_reload, plan_reload
 from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
@@ -84,8 +83,7 @@ class Server:
         self.socket_path = os.path.abspath(config.daemon.socket)
         registry = config.registry()
         # First: a bad [http] section or a taken port stops the start before anything.
-        self.http = (HttpFront(config, self.socket_path, dict(registry.defaults))
-                     if config.http.listen else None)
+        self.http = HttpDoor(config, self.socket_path, dict(registry.defaults))
         self.stop_requested = asyncio.Event()
         self.started_at = time.monotonic()
         from modelpool.registry.loaders import exports_to_make, onnx_cache, preload_modules
@@ -141,7 +139,6 @@ class Server:
         loading_cgroup: Path | None = None
         acceptor: Acceptor | None = None
         tasks: list[asyncio.Task[None]] = []
-        front: asyncio.Task[None] | None = None
         try:
             loading_cgroup = cgroups.enter(self.config.daemon.idle_cgroup)  # before forkserver
             loop = asyncio.get_running_loop()
@@ -153,9 +150,7 @@ class Server:
             acceptor = Acceptor(sock, self.pool.scheduler, self._accepted, self._refusal)
             acceptor.start()
             tasks = self._background(loop)
-            front = loop.create_task(self.http.run(self.socket_path)) if self.http else None
-            if self.http:
-                log.info("HTTP API on http://%s", self.http.address)
+            self.http.start(self.socket_path)
             log.info("modelpool serving on %s (pid %d, %d models known, at most %d clients, "
                      "%s loop)", self.socket_path, os.getpid(), len(self.pool.models),
                      self.connections.max_connections, eventloop.running_loop_name())
@@ -171,8 +166,7 @@ class Server:
             await self.launcher.close(kill_at - self.pool.scheduler.now())
         finally:
             await self.pool.exports.close()  # also when the start failed half-way
-            if front is not None:
-                await self._stop_http(front)
+            await self.http.stop()
             self.service.close()
             for conn in list(self.connections.live):
                 conn.close()  # what they were told goes out before the process ends
@@ -198,29 +192,36 @@ class Server:
                     pool.registry.specs, new.registry().specs, self.config, new,
                     frozenset(m.key for m in pool.models.values() if m.holder is not None),
                     {m.key: m.spec for m in pool.models.values() if m.retiring},
-                    http=self.http is not None and http != self.http.settings)
+                    http=http.changed)
                 loading = plan.loading()
                 # In a cluster, the new models' identities need their files' content:
                 # read before anything changes, so no job sees them half-known.
-                contents = await self.cluster.digests(loading) if self.cluster else {}
+                try:
+                    contents = await self.cluster.digests(loading) if self.cluster else {}
+                except BaseException:
+                    self.http.discard(http)
+                    raise
                 apply_reload(pool, plan, new)
                 # No await in between: no beat sees a model without its identity.
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
-                self._apply_sections(plan.applied, http)
-                await self.jobs.end_removed(plan.removed)
+                self._apply_sections(plan.applied)
                 from modelpool.registry.loaders import exports_to_make
 
                 for spec, model_dir, entry in exports_to_make(loading):
                     pool.exports.request(pool.models[spec.key], str(entry), str(model_dir))
+                # A front door taken over lets its requests in flight finish first.
+                await self.http.apply(http, dict(pool.registry.defaults))
+                await self.jobs.end_removed(plan.removed)
             finally:
                 self.service.reloaded()
         summary = plan.summary()
         log.info("config reloaded: %s", summary)
         return summary
 
-    def _apply_sections(self, applied: tuple[str, ...], http: HttpSettings | None) -> None:
-        """The reloaded sections that are not the pool's, each to the part that owns it."""
+    def _apply_sections(self, applied: tuple[str, ...]) -> None:
+        """The reloaded sections that are not the pool's, each to the part that owns it
+        ([http] is the front door's: HttpDoor)."""
         if "[access]" in applied:
             self._apply_access()
         if "[pool]" in applied:
@@ -230,8 +231,6 @@ class Server:
         if "[daemon]" in applied:  # its client limits and log level
             self.connections.follow_config(self.config.daemon)
             logging.getLogger().setLevel(self.config.daemon.log_level.upper())
-        if self.http is not None and http is not None:
-            self._apply_http(http)
 
     def _apply_access(self) -> None:
         """The reloaded [access], for every connection from now on and every open one."""
@@ -241,22 +240,14 @@ class Server:
         for conn in list(self.connections.live):
             conn.reaccess(self.access)
 
-    def _apply_http(self, settings: HttpSettings) -> None:
-        """The front door's reloaded settings, with the default models of now."""
-        assert self.http is not None
-        settings = msgspec.structs.replace(
-            settings, default_models=dict(self.pool.registry.defaults))
-        if settings != self.http.settings:
-            self.http.apply(settings)
-
-    def _read_config_again(self) -> tuple[Config, HttpSettings | None]:
-        """The config file's, and what it makes of the HTTP front door's settings (its
-        keys checked as at start)."""
+    def _read_config_again(self) -> tuple[Config, HttpReload]:
+        """The config file's, and what it makes of the HTTP front door (checked as at
+        start; a new address bound)."""
         try:
             new, warnings = self.read_config()
             for warning in warnings:
                 log.warning("%s", warning)
-            return new, self.http.settings_for(new) if self.http is not None else None
+            return new, self.http.reloaded(new, dict(self.pool.registry.defaults))
         except ConfigError as exc:
             refused = f"{exc}; the daemon goes on with the config it has"
             log.error("reload refused: %s", refused)
@@ -283,14 +274,6 @@ class Server:
         for spec, model_dir, entry in self.exports_at_start:
             self.pool.exports.request(self.pool.models[spec.key], str(entry), str(model_dir))
         return [loop.create_task(w) for w in work]
-
-    async def _stop_http(self, front: asyncio.Task[None]) -> None:
-        """Last: HTTP clients got their answers while the pool drained."""
-        assert self.http is not None
-        await self.http.stop()
-        front.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await front
 
     def _listening_socket(self) -> socket.socket:
         """The socket systemd passed (socket activation), else one bound here."""

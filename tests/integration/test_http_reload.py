@@ -1,12 +1,15 @@
 """A reload and the HTTP front door, served by its own process or from the supervisor's
 loop: new API keys (api_key_file read again) and request limits apply at once, a front
-door started again keeps them, a new address waits for a restart, keys removed from an
-address beyond loopback are refused, and answers name the default model of now."""
+door started again keeps them, a new address or new connection settings are taken over
+by a new front door while the models stay loaded, a port already taken or keys removed
+from an address beyond loopback are refused, and answers name the default model of
+now."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -78,25 +81,73 @@ def test_a_reload_rotates_keys_and_limits(make_daemon: MakeDaemon, tmp_path: Pat
     assert reload_to(daemon, capped) == "no change"
 
 
-def test_a_new_address_waits_and_no_keys_beyond_loopback_is_refused(
-        make_daemon: MakeDaemon, tmp_path: Path) -> None:
-    port, keys = free_port(), tmp_path / "keys"
-    keys.write_text("the-key\n")
-    daemon = make_daemon(config(port, False, keys))
-    base = f"http://127.0.0.1:{port}"
-    wait_for_http(base, daemon)
+def refused_connection(base: str) -> bool:
+    try:
+        httpx.get(base + "/health", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
 
-    moved = config(free_port(), False, keys)
-    assert reload_to(daemon, moved) == "changes of [http] apply at the next start"
-    assert embed_status(base, "the-key") == 200  # still where it was
+
+def slow_worker_pid(daemon: Daemon) -> int:
+    with daemon.client() as c:
+        (model,) = [m for m in c.status()["models"] if m["key"] == "slow"]
+        (pid,) = [w["pid"] for w in model["workers"]]
+        return int(pid)
+
+
+@pytest.mark.parametrize("in_loop", [False, True], ids=["own-process", "in-loop"])
+def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
+                                                      tmp_path: Path, in_loop: bool) -> None:
+    first_port, keys = free_port(), tmp_path / "keys"
+    keys.write_text("the-key\n")
+    daemon = make_daemon(config(first_port, in_loop, keys))
+    first = f"http://127.0.0.1:{first_port}"
+    wait_for_http(first, daemon)
+    assert embed_status(first, "the-key") == 200
+    worker = slow_worker_pid(daemon)
+
+    port = free_port()
+    assert reload_to(daemon, config(port, in_loop, keys, "max_clients = 4\n")) == \
+        "[http] applied"
+    base = f"http://127.0.0.1:{port}"
+    assert embed_status(base, "the-key") == 200
+    assert refused_connection(first)  # let go when the reload answered
+    fronts = [p.pid for p in front_door_processes(daemon)]
+    assert len(fronts) == (0 if in_loop else 1)
+
+    # The same address with other connection settings: a new front door takes it over.
+    assert reload_to(daemon, config(port, in_loop, keys, "connections = 2\n")) == \
+        "[http] applied"
+    assert embed_status(base, "the-key") == 200
+    if not in_loop:
+        (front,) = front_door_processes(daemon)
+        assert front.pid not in fronts
+
+    with socket.socket() as taken:  # a port another program holds: nothing changes
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = config(taken.getsockname()[1], in_loop, keys)
+        with pytest.raises(PoolError) as refused:
+            reload_to(daemon, busy)
+    assert refused.value.code is ErrorCode.BAD_REQUEST
+    assert "goes on with the config it has" in refused.value.message
+    assert embed_status(base, "the-key") == 200
 
     open_beyond = SLOW + f'[http]\nlisten = "0.0.0.0:{port}"\n'
     with pytest.raises(PoolError) as refused:
         reload_to(daemon, open_beyond)
     assert refused.value.code is ErrorCode.BAD_REQUEST
     assert "api_keys" in refused.value.message
-    assert "goes on with the config it has" in refused.value.message
     assert (embed_status(base, "the-key"), embed_status(base, "other")) == (200, 401)
+
+    assert reload_to(daemon, SLOW) == "[http] applied"  # no [http] listen: none
+    assert refused_connection(base)
+    assert front_door_processes(daemon) == []
+    assert reload_to(daemon, config(port, in_loop, keys)) == "[http] applied"
+    wait_for_http(base, daemon)
+    assert embed_status(base, "the-key") == 200
+    assert slow_worker_pid(daemon) == worker  # the model stayed loaded throughout
 
 
 def test_an_answer_names_the_default_model_of_now(make_daemon: MakeDaemon,

@@ -148,16 +148,22 @@ def test_cluster_routing_applies_its_database_node_and_lease_wait_for_a_restart(
         assert (plan.applied, plan.restart_for) == ((), ("[cluster]",)), field
 
 
-def test_http_keys_and_limits_apply_its_address_waits_for_a_restart() -> None:
+def test_every_http_field_applies_and_so_do_new_keys_in_its_key_file() -> None:
     running = Config(http=HttpConfig(listen="127.0.0.1:8000", api_keys=["a"]))
     keys = Config(http=HttpConfig(listen="127.0.0.1:8000", api_keys=["b"],
                                   max_priority="low", max_body_bytes=1024))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), running, keys, http=True)
     assert plan.restart_for == () and plan.summary() == "[http] applied"
     for field, value in (("listen", "127.0.0.1:9000"), ("connections", 2),
-                         ("max_clients", 8), ("in_loop", True), ("body_timeout_s", 5.0)):
+                         ("max_clients", 8), ("in_loop", True), ("body_timeout_s", 5.0),
+                         ("listen", "")):
         moved = Config(http=msgspec.structs.replace(running.http, **{field: value}))
-        assert plan_reload({}, {}, running, moved).restart_for == ("[http]",), field
+        plan = plan_reload({}, {}, running, moved)
+        assert (plan.applied, plan.restart_for) == (("[http]",), ()), field
+        assert applied_config(running, moved).http == moved.http
+    # The key file's keys changed, the config did not: the front door says so.
+    assert plan_reload({}, {}, running, running, http=True).applied == ("[http]",)
+    assert plan_reload({}, {}, running, running).summary() == "no change"
 
 
 # ---- applied to a pool ------------------------------------------------------------------
