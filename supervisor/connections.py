@@ -22,6 +22,7 @@ from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import FrameReader, frame
 from modelpool.protocol.messages import ClientsStatus, Error, encoder
 from modelpool.protocol.peers import Peer
+from modelpool.supervisor.acceptor import auto_max_connections
 from modelpool.supervisor.access import (
     REFUSED_HELLO_BYTES,
     REFUSED_HELLO_S,
@@ -250,9 +251,8 @@ class Connection(asyncio.Protocol):
 class ConnectionTable:
     """Every live connection: their number, their unread replies, their timeouts."""
 
-    def __init__(self, config: DaemonConfig, max_connections: int,
-                 now: Callable[[], float]) -> None:
-        self.max_connections = max_connections
+    def __init__(self, config: DaemonConfig, fd_limit: int, now: Callable[[], float]) -> None:
+        self.fd_limit = fd_limit  # the open-file limit in force: what max_connections = 0 gives
         self.follow_config(config)
         self.now = now
         self.live: set[Connection] = set()
@@ -262,8 +262,10 @@ class ConnectionTable:
         self.unsent_total = 0
 
     def follow_config(self, config: DaemonConfig) -> None:
-        """[daemon]'s client limits (at start, and after a reload): from the next reply
-        and the next sweep on."""
+        """[daemon]'s client limits (at start, and after a reload): from the next reply,
+        sweep and client on. Fewer connections than are open close none: newcomers wait
+        until clients leave."""
+        self.max_connections = config.max_connections or auto_max_connections(self.fd_limit)
         self.max_unsent = config.max_client_buffer_bytes
         self.max_unsent_total = config.max_unread_total_bytes
         self.idle_timeout_s = config.idle_timeout_s

@@ -235,8 +235,10 @@ class HttpDoor:
         front, http = self.front, config.http
         if not http.listen:
             return HttpReload(stop=front is not None)
+        # Its links to the daemon keep the frame cap they were told when they connected.
         if front is not None and all(getattr(front.config, f) == getattr(http, f)
-                                     for f in STARTED_WITH):
+                                     for f in STARTED_WITH) \
+                and front.max_frame_bytes == config.daemon.max_frame_bytes:
             settings = front.settings_for(config)
             return HttpReload(settings=settings if settings != front.settings else None)
         sock = None

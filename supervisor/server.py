@@ -40,7 +40,7 @@ from modelpool.supervisor import (
     shm,
     status,
 )
-from modelpool.supervisor.acceptor import Acceptor, auto_max_connections, raise_fd_limit
+from modelpool.supervisor.acceptor import Acceptor, raise_fd_limit
 from modelpool.supervisor.clock import LoopScheduler
 from modelpool.supervisor.config import Config, ConfigError
 from modelpool.supervisor.connections import Connection, ConnectionTable
@@ -112,9 +112,7 @@ class Server:
         if warning := self.access.unreachable_group_warning(config.daemon.socket_group):
             log.warning("%s", warning)
         self._socket_inode: int | None = None
-        max_connections = config.daemon.max_connections or auto_max_connections(fd_limit)
-        self.connections = ConnectionTable(config.daemon, max_connections,
-                                           self.pool.scheduler.now)
+        self.connections = ConnectionTable(config.daemon, fd_limit, self.pool.scheduler.now)
         self.front = FrontDoor(self.pool, self.jobs, self.cluster, self.status_report,
                                self.stop_requested, self.reload)
         self._client_tasks: set[asyncio.Task[None]] = set()
@@ -228,7 +226,7 @@ class Server:
             self._follow_machine()  # the new budget, with the machine's facts
         if "[jobs]" in applied:
             self.jobs.follow_config(self.config.jobs)
-        if "[daemon]" in applied:  # its client limits and log level
+        if "[daemon]" in applied:  # its client limits, frame cap and log level
             self.connections.follow_config(self.config.daemon)
             logging.getLogger().setLevel(self.config.daemon.log_level.upper())
 

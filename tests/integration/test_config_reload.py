@@ -198,3 +198,26 @@ def test_a_reloaded_daemon_section_applies_its_client_limits_and_log_level(
         with daemon.client() as again:
             assert again.reload() == "[daemon] applied"
     assert daemon.log().count("config reloaded: [daemon] applied") == 1
+
+
+def test_a_reloaded_frame_cap_and_connection_cap_apply_to_the_next_clients(
+        make_daemon: MakeDaemon) -> None:
+    """A connection keeps the frame cap it was told when it connected; the next ones are
+    told the new one. A connection cap under what is open closes none."""
+    daemon = make_daemon(model_entry("a"))
+    text = "word " * 2000  # a frame of ~10 KB
+    with daemon.client() as before:
+        rewrite(daemon, model_entry("a")
+                + "\n[daemon]\nmax_frame_bytes = 4096\nmax_connections = 2\n")
+        assert before.reload() == "[daemon] applied"
+        assert len(before.embed([text], model="a")) == 1
+        with daemon.client() as after:
+            with pytest.raises(PoolError) as too_large:
+                after.embed([text], model="a")
+            assert "limit of 4096" in too_large.value.message
+            assert len(after.embed(["x"], model="a")) == 1
+            with pytest.raises(PoolError) as full, daemon.client() as third:
+                third.embed(["x"], model="a")
+            assert full.value.code is ErrorCode.OVERLOADED
+            assert "max_connections" in full.value.message
+        assert len(before.embed([text], model="a")) == 1

@@ -150,6 +150,27 @@ def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
     assert slow_worker_pid(daemon) == worker  # the model stayed loaded throughout
 
 
+def test_a_new_frame_cap_starts_a_front_door_whose_links_and_body_cap_follow_it(
+        make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    port, keys = free_port(), tmp_path / "keys"
+    keys.write_text("the-key\n")
+    daemon = make_daemon(config(port, False, keys))
+    base = f"http://127.0.0.1:{port}"
+    wait_for_http(base, daemon)
+    (front,) = front_door_processes(daemon)
+
+    def embed(text: str) -> int:
+        return httpx.post(base + "/v1/embeddings", json={"input": text, "model": "slow"},
+                          headers={"Authorization": "Bearer the-key"}, timeout=30).status_code
+
+    big = "word " * 2000  # ~10 KB
+    assert embed(big) == 200
+    capped = config(port, False, keys, "[daemon]\nmax_frame_bytes = 4096\n")
+    assert reload_to(daemon, capped) == "[daemon], [http] applied"
+    assert (embed(big), embed("small")) == (413, 200)
+    assert [p.pid for p in front_door_processes(daemon)] != [front.pid]
+
+
 def test_an_answer_names_the_default_model_of_now(make_daemon: MakeDaemon,
                                                   tmp_path: Path) -> None:
     port, keys = free_port(), tmp_path / "keys"

@@ -109,8 +109,9 @@ POLICY = AccessPolicy(daemon_uid=os.geteuid())
 
 def table(scheduler: FakeScheduler, **daemon: Any) -> ConnectionTable:
     config = DaemonConfig(**{"max_client_buffer_bytes": 64 * KB,
-                             "max_unread_total_bytes": 100 * KB, **daemon})
-    return ConnectionTable(config, max_connections=3, now=scheduler.now)
+                             "max_unread_total_bytes": 100 * KB, "max_connections": 3,
+                             **daemon})
+    return ConnectionTable(config, fd_limit=1024, now=scheduler.now)
 
 
 def connect(t: ConnectionTable, greeted: bool = True, reads: bool = False,
@@ -218,6 +219,19 @@ def test_reloaded_limits_apply_to_open_connections() -> None:
     clock.advance(3)
     t.sweep()
     assert idle.closed and "idle for 2 s" in idle_writer.messages()[0].message
+
+
+def test_a_reloaded_connection_cap_admits_or_holds_back_the_next_clients() -> None:
+    t = table(FakeScheduler())  # max_connections = 3
+    conns = [connect(t)[0] for _ in range(3)]
+    assert not t.reserve()
+    t.follow_config(DaemonConfig(max_connections=4))
+    assert t.reserve() and not t.reserve()
+    t.release()
+    t.follow_config(DaemonConfig(max_connections=1))  # under what is open: none closed
+    assert not t.reserve() and not any(c.closed for c in conns)
+    t.follow_config(DaemonConfig(max_connections=0))  # from the fd limit again
+    assert t.max_connections == auto_max_connections(1024) and t.reserve()
 
 
 def test_idle_timeout_zero_never_closes() -> None:

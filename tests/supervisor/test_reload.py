@@ -99,7 +99,7 @@ def test_a_removed_model_that_still_drains_comes_back_only_as_what_it_was() -> N
 
 
 def test_changes_outside_models_are_named_for_the_next_start() -> None:
-    new = Config(cluster=ClusterConfig(lease_s=5), daemon=DaemonConfig(max_frame_bytes=1 << 20))
+    new = Config(cluster=ClusterConfig(lease_s=5), daemon=DaemonConfig(log_format="json"))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
     assert plan.restart_for == ("[daemon]", "[cluster]")
     assert plan.summary() == "changes of [daemon], [cluster] apply at the next start"
@@ -120,15 +120,15 @@ def test_a_change_of_access_pool_or_jobs_is_applied_not_left_for_a_restart() -> 
 def test_daemon_client_limits_and_log_level_apply_its_socket_waits_for_a_restart() -> None:
     running = Config(daemon=DaemonConfig(socket="/run/a.sock"))
     limits = Config(daemon=DaemonConfig(socket="/run/b.sock", idle_timeout_s=5,
-                                        log_level="DEBUG", max_client_buffer_bytes=4096))
+                                        log_level="DEBUG", max_client_buffer_bytes=4096,
+                                        max_frame_bytes=4096, max_connections=7))
     plan = plan_reload({}, {}, running, limits)
     assert plan.applied == ("[daemon]",) and plan.restart_for == ("[daemon]",)
     applied = applied_config(running, limits).daemon
-    assert (applied.idle_timeout_s, applied.log_level, applied.max_client_buffer_bytes) == (
-        5, "DEBUG", 4096)
+    assert (applied.idle_timeout_s, applied.log_level, applied.max_client_buffer_bytes,
+            applied.max_frame_bytes, applied.max_connections) == (5, "DEBUG", 4096, 4096, 7)
     assert applied.socket == "/run/a.sock"  # the socket it serves on, until a restart
     for field, value in (("socket_group", "root"), ("log_format", "json"),
-                         ("max_frame_bytes", 4096), ("max_connections", 7),
                          ("event_loop", "asyncio"), ("realtime", True), ("idle_cgroup", False)):
         moved = Config(daemon=msgspec.structs.replace(running.daemon, **{field: value}))
         plan = plan_reload({}, {}, running, moved)
