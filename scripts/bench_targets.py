@@ -133,11 +133,14 @@ def singles_in_turns(sock: str, models: dict[str, Any], texts: list[str],
     an eager daemon's lone text measured +1.13 ms over in-process measured a minute
     apart, +0.47 ms in turns within the same quarter hour. Through the blocking Client,
     which a program sending one request at a time uses (AsyncClient's event loop added
-    25-70 us a request here)."""
+    25-70 us a request here). Beside the p50s, `paired_ms`: the median over blocks of the
+    daemon's block median minus each in-process model's in the same turn, which the
+    drift between turns moves less."""
     with Client(socket_path=sock) as c:
         embeds = {"daemon": c.embed, **{who: (lambda text, m=m: m.embed([text]))
                                         for who, m in models.items()}}
         lat: dict[str, list[float]] = {who: [] for who in embeds}
+        block_p50s: dict[str, list[float]] = {who: [] for who in embeds}
         order = list(embeds)
         for text in texts[:10]:
             for embed in embeds.values():
@@ -149,7 +152,10 @@ def singles_in_turns(sock: str, models: dict[str, Any], texts: list[str],
                     t0 = time.perf_counter()
                     embeds[who](text)
                     lat[who].append(time.perf_counter() - t0)
-    return {who: percentiles(samples) for who, samples in lat.items()}
+                block_p50s[who].append(float(np.median(lat[who][-block:])))
+    paired = {who: round(1000 * float(np.median(np.subtract(block_p50s["daemon"], p50s))), 3)
+              for who, p50s in block_p50s.items() if who != "daemon"}
+    return {**{who: percentiles(samples) for who, samples in lat.items()}, "paired_ms": paired}
 
 
 def daemon(texts: list[str], singles: int, config: str,
@@ -239,7 +245,8 @@ def figures(quick: bool) -> dict[str, Any]:
 
 
 def _in_turns(single: dict[str, Any], target: str) -> dict[str, Any]:
-    return _pair(single["daemon"]["p50_ms"], single["in_process"]["p50_ms"], target)
+    return _pair(single["daemon"]["p50_ms"], single["in_process"]["p50_ms"], target) | {
+        "paired_difference_ms": single["paired_ms"]["in_process"]}
 
 
 def _onnx_floor(single: dict[str, Any]) -> dict[str, Any]:
