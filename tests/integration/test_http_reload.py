@@ -81,6 +81,15 @@ def test_a_reload_rotates_keys_and_limits(make_daemon: MakeDaemon, tmp_path: Pat
     assert reload_to(daemon, capped) == "no change"
 
 
+def serving(make_daemon: MakeDaemon, tmp_path: Path, in_loop: bool) -> tuple[Daemon, int, Path]:
+    """A daemon whose front door answers on a free port, with one key: "the-key"."""
+    port, keys = free_port(), tmp_path / "keys"
+    keys.write_text("the-key\n")
+    daemon = make_daemon(config(port, in_loop, keys))
+    wait_for_http(f"http://127.0.0.1:{port}", daemon)
+    return daemon, port, keys
+
+
 def refused_connection(base: str) -> bool:
     try:
         httpx.get(base + "/health", timeout=5)
@@ -99,11 +108,8 @@ def slow_worker_pid(daemon: Daemon) -> int:
 @pytest.mark.parametrize("in_loop", [False, True], ids=["own-process", "in-loop"])
 def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
                                                       tmp_path: Path, in_loop: bool) -> None:
-    first_port, keys = free_port(), tmp_path / "keys"
-    keys.write_text("the-key\n")
-    daemon = make_daemon(config(first_port, in_loop, keys))
+    daemon, first_port, keys = serving(make_daemon, tmp_path, in_loop)
     first = f"http://127.0.0.1:{first_port}"
-    wait_for_http(first, daemon)
     assert embed_status(first, "the-key") == 200
     worker = slow_worker_pid(daemon)
 
@@ -152,11 +158,8 @@ def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
 
 def test_a_new_frame_cap_starts_a_front_door_whose_links_and_body_cap_follow_it(
         make_daemon: MakeDaemon, tmp_path: Path) -> None:
-    port, keys = free_port(), tmp_path / "keys"
-    keys.write_text("the-key\n")
-    daemon = make_daemon(config(port, False, keys))
+    daemon, port, keys = serving(make_daemon, tmp_path, in_loop=False)
     base = f"http://127.0.0.1:{port}"
-    wait_for_http(base, daemon)
     (front,) = front_door_processes(daemon)
 
     def embed(text: str) -> int:
