@@ -186,18 +186,19 @@ class Server:
             try:
                 new, http = self._read_config_again()
                 pool = self.pool
-                plan = plan_reload(
-                    pool.registry.specs, new.registry().specs, self.config, new,
-                    frozenset(m.key for m in pool.models.values() if m.holder is not None),
-                    {m.key: m.spec for m in pool.models.values() if m.retiring},
-                    http=http.changed)
-                loading = plan.loading()
-                # In a cluster, the new models' identities need their files' content:
-                # read before anything changes, so no job sees them half-known.
                 try:
+                    plan = plan_reload(
+                        pool.registry.specs, new.registry().specs, self.config, new,
+                        frozenset(m.key for m in pool.models.values() if m.holder is not None),
+                        {m.key: m.spec for m in pool.models.values() if m.retiring},
+                        http=http.changed)
+                    loading = plan.loading()
+                    # In a cluster, the new models' identities need their files'
+                    # content: read before anything changes, so no job sees them
+                    # half-known.
                     contents = await self.cluster.digests(loading) if self.cluster else {}
                 except BaseException:
-                    self.http.discard(http)
+                    self.http.discard(http)  # what it bound for a new address
                     raise
                 apply_reload(pool, plan, new)
                 # No await in between: no beat sees a model without its identity.
