@@ -11,6 +11,8 @@ import os
 import signal
 import socket
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from http_helpers import free_port, wait_for_http
 from modelpool.protocol.errors import ErrorCode, PoolError
 
 MakeDaemon = Callable[..., Daemon]
-SLOW = model_entry("slow", run_s=0, max_workers=1)
+SLOW = model_entry("slow", run_s=0.2, max_workers=1)  # a request in flight at a takeover
 
 
 def config(port: int, in_loop: bool, key_file: Path, extra: str = "",
@@ -123,9 +125,31 @@ def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
     assert len(fronts) == (0 if in_loop else 1)
 
     # The same address with other connection settings: a new front door takes it over.
-    assert reload_to(daemon, config(port, in_loop, keys, "connections = 2\n")) == \
-        "[http] applied"
-    assert embed_status(base, "the-key") == 200
+    # Four clients ask all along (requests in flight at the takeover: the model serves
+    # one at a time, 0.2 s each), and every request is answered.
+    answers: list[int | str] = []
+    done = threading.Event()
+
+    def ask_all_along() -> None:
+        while not done.is_set():
+            try:
+                answers.append(embed_status(base, "the-key"))
+            except httpx.HTTPError as exc:
+                answers.append(repr(exc))
+
+    askers = [threading.Thread(target=ask_all_along) for _ in range(4)]
+    for asker in askers:
+        asker.start()
+    try:
+        time.sleep(0.5)
+        assert reload_to(daemon, config(port, in_loop, keys, "connections = 2\n")) == \
+            "[http] applied"
+        time.sleep(1.5)  # the new front door's process up, and asked
+    finally:
+        done.set()
+        for asker in askers:
+            asker.join(60)
+    assert set(answers) == {200} and len(answers) >= 8, answers
     if not in_loop:
         (front,) = front_door_processes(daemon)
         assert front.pid not in fronts
