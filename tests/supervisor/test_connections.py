@@ -1,30 +1,26 @@
-"""The front door without sockets: the caps on clients' unread replies, idle and frame
-timeouts, places for clients, decoding that never raises, quiet accept errors."""
+"""Client connections without sockets: the caps on clients' unread replies, idle and
+frame timeouts, places for clients, frames read whole and in order."""
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
-import logging
 import os
 from typing import Any
 
 import msgspec
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import HEADER, LARGE_FRAME_BYTES, frame
-from modelpool.protocol.messages import Embed, Error
+from modelpool.protocol.messages import Error
 from modelpool.protocol.peers import Peer
 from modelpool.protocol.wire import server_decoder
-from modelpool.supervisor.acceptor import Acceptor, auto_max_connections
+from modelpool.supervisor.acceptor import auto_max_connections
 from modelpool.supervisor.access import AccessPolicy
 from modelpool.supervisor.config import DaemonConfig
 from modelpool.supervisor.connections import Connection, ConnectionTable
-from modelpool.supervisor.frontdoor import decode_request
 
 KB = 1024
 
@@ -352,60 +348,3 @@ def test_a_refused_client_gets_the_refusal_and_is_closed_at_its_hello() -> None:
     conn, transport, handler = asyncio.run(run())
     assert transport.messages()[0].code is ErrorCode.PERMISSION_DENIED
     assert conn.closed and transport.closing and handler.hellos == []
-
-
-def test_invalid_utf8_is_a_bad_request_naming_the_id() -> None:
-    payload = (b"\x83" + enc("op") + enc("embed") + enc("id") + enc(7)
-               + enc("texts") + b"\x91\xa1\xff")
-    err = decode_request(payload)
-    assert isinstance(err, Error) and err.id == 7 and err.code is ErrorCode.BAD_REQUEST
-    assert "UTF-8" in err.message
-
-
-def test_deep_nesting_is_a_bad_request() -> None:
-    payload = b"\x82" + enc("id") + enc(3) + enc("junk") + b"\x91" * 200_000 + b"\xc0"
-    err = decode_request(payload)
-    assert isinstance(err, Error) and err.code is ErrorCode.BAD_REQUEST
-    assert "nested too deeply" in err.message
-
-
-def test_the_id_is_found_past_a_bomb_without_building_it() -> None:
-    count = 1 << 20
-    payload = (b"\x83" + enc("op") + enc("embed") + enc("junk") + b"\xdd"
-               + count.to_bytes(4, "big") + b"\x90" * count + enc("id") + enc(11))
-    err = decode_request(payload)
-    assert isinstance(err, Error) and err.id == 11
-
-
-def test_a_good_request_decodes() -> None:
-    msg = Embed(id=1, texts=["a"])
-    assert decode_request(enc(msg)) == msg
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=512))
-def test_no_bytes_make_decoding_raise(payload: bytes) -> None:
-    decode_request(payload)
-
-
-# ---- accepting ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("limit", "allowed"), [(256, 128), (512, 384), (1024, 768),
-                                                (100, 1), (1 << 20, 4096)])
-def test_connections_allowed_by_an_fd_limit(limit: int, allowed: int) -> None:
-    assert auto_max_connections(limit) == allowed
-
-
-def test_accept_failures_are_logged_once_per_period(caplog: pytest.LogCaptureFixture) -> None:
-    clock = FakeScheduler()
-    acceptor = Acceptor(None, clock, lambda sock: True, lambda: b"")  # type: ignore[arg-type]
-    failure = OSError(errno.EMFILE, "Too many open files")
-    with caplog.at_level(logging.WARNING, logger="modelpool.server"):
-        for _ in range(1000):
-            acceptor._note_failure(failure)
-            clock.advance(0.01)
-        clock.advance(0.1)
-        acceptor._note_failure(failure)
-    assert len(caplog.records) == 2
-    assert "more since" in caplog.records[1].getMessage()
