@@ -84,6 +84,12 @@ class Daemon:
         return code
 
 
+def worker_pids(c: Client, key: str) -> list[int]:
+    """The pids of a model's workers, as `status` lists them."""
+    model = next(m for m in c.status()["models"] if m["key"] == key)
+    return [w["pid"] for w in model["workers"]]
+
+
 def wait_for_socket(daemon: Daemon, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import ROOT, Daemon, daemon_env, model_entry
+from conftest import ROOT, Daemon, daemon_env, model_entry, worker_pids
 
 from modelpool.protocol.client import Client
 from modelpool.protocol.errors import ErrorCode, PoolError
@@ -33,11 +33,6 @@ def one_at_a_time(key: str, run_s: float) -> str:
 
 def model_state(c: Client, key: str) -> str | None:
     return next((m["state"] for m in c.status()["models"] if m["key"] == key), None)
-
-
-def worker_pids(c: Client, key: str) -> list[int]:
-    model = next(m for m in c.status()["models"] if m["key"] == key)
-    return [w["pid"] for w in model["workers"]]
 
 
 def model_counts(c: Client, key: str) -> tuple[int, int] | None:

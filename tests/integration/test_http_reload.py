@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx2 as httpx
 import psutil
 import pytest
-from conftest import Daemon, model_entry
+from conftest import Daemon, model_entry, worker_pids
 from http_helpers import free_port, wait_for_http
 
 from modelpool.protocol.errors import ErrorCode, PoolError
@@ -100,20 +100,14 @@ def refused_connection(base: str) -> bool:
     return False
 
 
-def slow_worker_pid(daemon: Daemon) -> int:
-    with daemon.client() as c:
-        (model,) = [m for m in c.status()["models"] if m["key"] == "slow"]
-        (pid,) = [w["pid"] for w in model["workers"]]
-        return int(pid)
-
-
 @pytest.mark.parametrize("in_loop", [False, True], ids=["own-process", "in-loop"])
 def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
                                                       tmp_path: Path, in_loop: bool) -> None:
     daemon, first_port, keys = serving(make_daemon, tmp_path, in_loop)
     first = f"http://127.0.0.1:{first_port}"
     assert embed_status(first, "the-key") == 200
-    worker = slow_worker_pid(daemon)
+    with daemon.client() as c:
+        (worker,) = worker_pids(c, "slow")
 
     port = free_port()
     assert reload_to(daemon, config(port, in_loop, keys, "max_clients = 4\n")) == \
@@ -177,7 +171,8 @@ def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
     assert reload_to(daemon, config(port, in_loop, keys)) == "[http] applied"
     wait_for_http(base, daemon)
     assert embed_status(base, "the-key") == 200
-    assert slow_worker_pid(daemon) == worker  # the model stayed loaded throughout
+    with daemon.client() as c:  # the model stayed loaded throughout
+        assert worker_pids(c, "slow") == [worker]
 
 
 def test_a_new_frame_cap_starts_a_front_door_whose_links_and_body_cap_follow_it(
