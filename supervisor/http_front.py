@@ -144,6 +144,12 @@ class HttpFront:
                         code, delay)
             await asyncio.sleep(delay)
 
+    def keeps(self, config: Config) -> bool:
+        """Would this front door serve config as it is (STARTED_WITH, and the frame cap
+        its links to the daemon were told when they connected)?"""
+        return (all(getattr(self.config, f) == getattr(config.http, f) for f in STARTED_WITH)
+                and self.max_frame_bytes == config.daemon.max_frame_bytes)
+
     def settings_for(self, config: Config) -> HttpSettings:
         """What a reload's [http] makes of this front door's settings, when it keeps
         what it started with (STARTED_WITH): its keys (api_key_file read again, and
@@ -187,14 +193,17 @@ class HttpFront:
         if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.terminate()
-            self.sock.close()
-            try:
-                await asyncio.wait_for(process.wait(), timeout_s)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
+        else:
+            process = None  # none, or already gone
         self.sock.close()
+        if process is None:
+            return
+        try:
+            await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
 
 
 @dataclass
@@ -235,10 +244,7 @@ class HttpDoor:
         front, http = self.front, config.http
         if not http.listen:
             return HttpReload(stop=front is not None)
-        # Its links to the daemon keep the frame cap they were told when they connected.
-        if front is not None and all(getattr(front.config, f) == getattr(http, f)
-                                     for f in STARTED_WITH) \
-                and front.max_frame_bytes == config.daemon.max_frame_bytes:
+        if front is not None and front.keeps(config):
             settings = front.settings_for(config)
             return HttpReload(settings=settings if settings != front.settings else None)
         sock = None
