@@ -33,3 +33,17 @@ def enter_realtime() -> bool:
         return False
     log.info("event loop runs SCHED_FIFO, priority %d", FIFO_PRIORITY)
     return True
+
+
+def follow(wanted: bool) -> None:
+    """A reloaded `realtime`: into SCHED_FIFO, or back to normal scheduling (keeping
+    SCHED_RESET_ON_FORK, which only a privileged thread may clear)."""
+    if wanted:
+        enter_realtime()
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+    except PermissionError as exc:
+        log.warning("realtime = false, but the event loop could not leave SCHED_FIFO: %s", exc)
+        return
+    log.info("event loop runs at normal priority")

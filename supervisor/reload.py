@@ -17,7 +17,8 @@ running daemon, without a restart and without losing work.
   bounds and timeouts from now on; workers whose threads, batch or heartbeat it changes
   are replaced one at a time), [jobs] (its bounds, retention and timeout, from the next
   job on), [daemon]'s client limits, frame and connection caps (for the clients that
-  connect next) and log level, [cluster]'s routing of direct
+  connect next), log level, `realtime` and `socket_group` (the socket's group and mode,
+  for connections from then on), [cluster]'s routing of direct
   requests and its bound on stranded jobs, and [http]: the front door's keys
   (api_key_file read again) and request limits at once; a new address or connection
   settings by a new front door taking over from the old (supervisor/http_front.py).
@@ -56,11 +57,11 @@ LIVE_SECTIONS = ("access", "defaults", "images", "pool", "jobs", "http")  # appl
 IMAGE_CAPABILITIES = frozenset(capability for kind in KINDS if kind.with_images is not None
                                for capability in kind.served_by)
 # The fields that wait for a restart in sections whose other fields apply at once
-# ([daemon]'s client limits and caps and log level, [cluster]'s routing and stranded
-# jobs' bound): where the daemon listens, what it connects to, what it set up at start.
+# ([daemon]'s client limits, caps, log level, realtime and socket group, [cluster]'s
+# routing and stranded jobs' bound): where the daemon listens, what it connects to,
+# what it set up at start.
 AT_START = {
-    "daemon": ("socket", "socket_group", "log_format", "event_loop", "realtime",
-               "idle_cgroup"),
+    "daemon": ("socket", "log_format", "event_loop", "idle_cgroup"),
     "cluster": ("postgres", "node_name", "lease_s"),
 }
 

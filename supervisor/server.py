@@ -42,20 +42,22 @@ from modelpool.supervisor import (
 )
 from modelpool.supervisor.acceptor import Acceptor, raise_fd_limit
 from modelpool.supervisor.clock import LoopScheduler
-from modelpool.supervisor.config import Config, ConfigError
+from modelpool.supervisor.config import Config, ConfigError, DaemonConfig
 from modelpool.supervisor.connections import Connection, ConnectionTable
 from modelpool.supervisor.frontdoor import FrontDoor
 from modelpool.supervisor.http_front import HttpDoor, HttpReload
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.reload import apply_reload, plan_reload
 from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
-from modelpool.supervisor.socket_dir import bind_unix_socket
+from modelpool.supervisor.socket_dir import bind_unix_socket, regroup_socket
 from modelpool.supervisor.workers import Launcher, forkserver_context
 
 log = logging.getLogger("modelpool.server")
 
 SCALE_TICK_S = 1.0
 MAX_PENDING_REPLIES = 1024  # job requests (a retrieve waits) being answered per connection
+PASSED_SOCKET_GROUP = ("socket_group is not applied to a socket systemd passed: set "
+                       "SocketGroup= and SocketMode= in the .socket unit")
 MEMORY_REFRESH_S = 5.0  # re-measure workers' USS and VRAM (~2 ms a worker, in a thread)
 
 
@@ -112,6 +114,7 @@ class Server:
         if warning := self.access.unreachable_group_warning(config.daemon.socket_group):
             log.warning("%s", warning)
         self._socket_inode: int | None = None
+        self._made_socket_dir = False  # the daemon made its socket's directory
         self.connections = ConnectionTable(config.daemon, fd_limit, self.pool.scheduler.now)
         self.front = FrontDoor(self.pool, self.jobs, self.cluster, self.status_report,
                                self.stop_requested, self.reload)
@@ -200,11 +203,12 @@ class Server:
                 except BaseException:
                     self.http.discard(http)  # what it bound for a new address
                     raise
+                before = self.config.daemon
                 apply_reload(pool, plan, new)
                 # No await in between: no beat sees a model without its identity.
                 if self.cluster is not None:
                     self.cluster.reidentify(loading, contents)
-                self._apply_sections(plan.applied)
+                self._apply_sections(plan.applied, before)
                 from modelpool.registry.loaders import exports_to_make
 
                 for spec, model_dir, entry in exports_to_make(loading):
@@ -218,18 +222,36 @@ class Server:
         log.info("config reloaded: %s", summary)
         return summary
 
-    def _apply_sections(self, applied: tuple[str, ...]) -> None:
+    def _apply_sections(self, applied: tuple[str, ...], before: DaemonConfig) -> None:
         """The reloaded sections that are not the pool's, each to the part that owns it
-        ([http] is the front door's: HttpDoor)."""
+        ([http] is the front door's: HttpDoor); before: [daemon] as it was."""
         if "[access]" in applied:
             self._apply_access()
         if "[pool]" in applied:
             self._follow_machine()  # the new budget, with the machine's facts
         if "[jobs]" in applied:
             self.jobs.follow_config(self.config.jobs)
-        if "[daemon]" in applied:  # its client limits, frame cap and log level
-            self.connections.follow_config(self.config.daemon)
-            logging.getLogger().setLevel(self.config.daemon.log_level.upper())
+        if "[daemon]" in applied:
+            self._apply_daemon(before)
+
+    def _apply_daemon(self, before: DaemonConfig) -> None:
+        """Client limits, frame and connection caps, log level, realtime and the
+        socket's group."""
+        daemon = self.config.daemon
+        self.connections.follow_config(daemon)
+        logging.getLogger().setLevel(daemon.log_level.upper())
+        if daemon.realtime != before.realtime:
+            realtime.follow(daemon.realtime)
+        if daemon.socket_group == before.socket_group:
+            return
+        if self._socket_inode is None:
+            log.warning("%s", PASSED_SOCKET_GROUP)
+            return
+        for warning in regroup_socket(self.socket_path, daemon.socket_group,
+                                      self._made_socket_dir):
+            log.warning("%s", warning)
+        if warning := self.access.unreachable_group_warning(daemon.socket_group):
+            log.warning("%s", warning)
 
     def _apply_access(self) -> None:
         """The reloaded [access], for every connection from now on and every open one."""
@@ -277,14 +299,14 @@ class Server:
     def _listening_socket(self) -> socket.socket:
         """The socket systemd passed (socket activation), else one bound here."""
         if self.inherited is None:
+            self._made_socket_dir = not os.path.isdir(os.path.dirname(self.socket_path))
             sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
             self._socket_inode = os.stat(self.socket_path).st_ino
             return sock
         self.socket_path = activation.socket_name(self.inherited)
         log.info("serving the socket passed by systemd: %s", self.socket_path)
         if self.config.daemon.socket_group:
-            log.warning("socket_group is not applied to a passed socket: set SocketGroup= "
-                        "and SocketMode= in the .socket unit")
+            log.warning("%s", PASSED_SOCKET_GROUP)
         return self.inherited
 
     def _service_status(self) -> str:

@@ -185,3 +185,29 @@ def bind_unix_socket(path: str, group: str | None) -> socket.socket:
     sock.listen(1024)
     sock.setblocking(False)
     return sock
+
+
+def regroup_socket(path: str, group: str | None, made_dir: bool) -> list[str]:
+    """A reloaded socket_group for the socket bound at start: the socket's group and mode
+    (0660 for a group, else 0600), and its directory's (0710 or 0700) when the daemon
+    made it; a directory it found is left as it is, as at start. Everything is closed
+    first and opened to the new group last, so no one outside both groups ever gets in.
+    Open connections stay: [access] decides who may use the daemon. Returns warnings."""
+    gid = gid_of(group) if group else None
+    directory = os.path.dirname(path) or "."
+    try:
+        if made_dir:
+            os.chmod(directory, LEAF_MODE)
+        os.chmod(path, 0o600)
+        owner_gid = os.getegid() if gid is None else gid
+        for made in ([directory] if made_dir else []) + [path]:
+            os.chown(made, -1, owner_gid)
+        if gid is not None:
+            os.chmod(path, 0o660)
+            if made_dir:
+                os.chmod(directory, GROUP_LEAF_MODE)
+    except OSError as exc:
+        return [f"socket_group {group!r} not applied ({exc}): only the daemon's user may "
+                f"reach {path} now"]
+    warning = group_warning(os.stat(directory), directory, gid)
+    return [warning] if warning else []

@@ -101,3 +101,43 @@ def test_a_group_admitted_by_a_reload_may_connect(make_daemon: MakeDaemon) -> No
                          capture_output=True, text=True, timeout=60)
     assert run.stdout.split("\n")[:2] == ["ready", "ok"], run.stderr
     assert "config reloaded: [access] applied" in daemon.log()
+
+
+def other_user_embeds(daemon: Daemon) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(as_other_user([sys.executable, "-c", KEPT_CLIENT,
+                                         daemon.socket_path]),
+                          cwd=ROOT, env=other_user_env(), input="embed:normal\n",
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_socket_group_set_by_a_reload_lets_the_group_reach_the_socket(
+        make_daemon: MakeDaemon) -> None:
+    admitted = SLOW + '\n[access]\nallow_groups = ["postgres"]\n'
+    daemon = make_daemon(admitted)
+    assert "Permission denied" in other_user_embeds(daemon).stderr  # the directory is 0700
+
+    assert reload_to(daemon, GROUP_SOCKET + admitted) == "[daemon] applied"
+    run = other_user_embeds(daemon)
+    assert run.stdout.split("\n")[:2] == ["ready", "ok"], run.stderr
+
+    assert reload_to(daemon, admitted) == "[daemon] applied"
+    assert "Permission denied" in other_user_embeds(daemon).stderr
+    with daemon.client() as c:
+        assert c.embed("mine", model="slow").shape == (8,)
+    assert "socket_group" not in daemon.log()  # nothing to warn about
+
+
+def test_realtime_set_and_unset_by_a_reload(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon(SLOW)
+
+    def policy() -> int:
+        return os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
+
+    assert policy() == os.SCHED_OTHER
+    assert reload_to(daemon, "[daemon]\nrealtime = true\n" + SLOW) == "[daemon] applied"
+    assert policy() == os.SCHED_FIFO
+    with daemon.client() as c:
+        assert c.embed("x", model="slow").shape == (8,)
+    assert reload_to(daemon, SLOW) == "[daemon] applied"
+    assert policy() == os.SCHED_OTHER
+    assert "event loop runs at normal priority" in daemon.log()

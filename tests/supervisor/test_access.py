@@ -28,7 +28,9 @@ from modelpool.supervisor.socket_dir import (
     GROUP_LEAF_MODE,
     LEAF_MODE,
     UnsafeSocketDir,
+    bind_unix_socket,
     judge_directory,
+    regroup_socket,
     secure_socket_dir,
 )
 
@@ -203,6 +205,30 @@ def test_an_existing_private_directory_is_kept_and_a_closed_one_warned_about(
     assert secure_socket_dir(str(base / "sock"), None) == []
     [warning] = secure_socket_dir(str(base / "sock"), POSTGRES_GID)
     assert "cannot reach" in warning
+
+
+def modes(*paths: Path) -> list[tuple[int, int]]:
+    return [(stat.S_IMODE(p.stat().st_mode), p.stat().st_gid) for p in paths]
+
+
+def test_a_reloaded_socket_group_opens_and_closes_the_socket_and_the_dir_it_made(
+        base: Path) -> None:
+    directory, path = base / "sock", base / "sock" / "s.sock"
+    bind_unix_socket(str(path), None).close()
+    assert modes(directory, path) == [(LEAF_MODE, os.getegid()), (0o600, os.getegid())]
+    assert regroup_socket(str(path), str(POSTGRES_GID), made_dir=True) == []
+    assert modes(directory, path) == [(GROUP_LEAF_MODE, POSTGRES_GID), (0o660, POSTGRES_GID)]
+    assert regroup_socket(str(path), None, made_dir=True) == []
+    assert modes(directory, path) == [(LEAF_MODE, os.getegid()), (0o600, os.getegid())]
+
+
+def test_a_reloaded_socket_group_leaves_a_directory_it_found_and_says_so(base: Path) -> None:
+    directory, path = base / "sock", base / "sock" / "s.sock"
+    directory.mkdir(mode=0o700)
+    bind_unix_socket(str(path), None).close()
+    [warning] = regroup_socket(str(path), str(POSTGRES_GID), made_dir=False)
+    assert "cannot reach" in warning
+    assert modes(directory, path) == [(0o700, os.getegid()), (0o660, POSTGRES_GID)]
 
 
 def test_a_directory_of_another_user_is_refused(base: Path) -> None:

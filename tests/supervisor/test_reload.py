@@ -121,15 +121,17 @@ def test_daemon_client_limits_and_log_level_apply_its_socket_waits_for_a_restart
     running = Config(daemon=DaemonConfig(socket="/run/a.sock"))
     limits = Config(daemon=DaemonConfig(socket="/run/b.sock", idle_timeout_s=5,
                                         log_level="DEBUG", max_client_buffer_bytes=4096,
-                                        max_frame_bytes=4096, max_connections=7))
+                                        max_frame_bytes=4096, max_connections=7,
+                                        realtime=True, socket_group="root"))
     plan = plan_reload({}, {}, running, limits)
     assert plan.applied == ("[daemon]",) and plan.restart_for == ("[daemon]",)
     applied = applied_config(running, limits).daemon
     assert (applied.idle_timeout_s, applied.log_level, applied.max_client_buffer_bytes,
-            applied.max_frame_bytes, applied.max_connections) == (5, "DEBUG", 4096, 4096, 7)
+            applied.max_frame_bytes, applied.max_connections, applied.realtime,
+            applied.socket_group) == (5, "DEBUG", 4096, 4096, 7, True, "root")
     assert applied.socket == "/run/a.sock"  # the socket it serves on, until a restart
-    for field, value in (("socket_group", "root"), ("log_format", "json"),
-                         ("event_loop", "asyncio"), ("realtime", True), ("idle_cgroup", False)):
+    for field, value in (("log_format", "json"), ("event_loop", "asyncio"),
+                         ("idle_cgroup", False)):
         moved = Config(daemon=msgspec.structs.replace(running.daemon, **{field: value}))
         plan = plan_reload({}, {}, running, moved)
         assert (plan.applied, plan.restart_for) == ((), ("[daemon]",)), field
