@@ -57,6 +57,8 @@ def request_error(kind: Kind, request: WorkRequest, spec: ModelSpec | RemoteMode
                 f"model {spec.key!r} is {spec.capability}, not {kind.served_by[0]}")
     if (problem := kind.check(request)) is not None:
         return ErrorCode.BAD_REQUEST, problem
+    if kind.with_images is None:  # the kinds that carry no images: most requests
+        return None
     return image_error(kind, request, images)
 
 

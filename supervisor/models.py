@@ -112,8 +112,12 @@ class ModelState:
         return [w for w in self.workers.values() if w.state not in _GONE]
 
     def has_live_worker(self) -> bool:
-        """Without building the list: this runs for every request."""
-        return any(worker.state not in _GONE for worker in self.workers.values())
+        """A loop, not any() over a generator: this runs for every request, and the
+        generator was ~1.5% of the supervisor's instructions per no-op request."""
+        for worker in self.workers.values():  # noqa: SIM110
+            if worker.state not in _GONE:
+                return True
+        return False
 
     def free_workers(self) -> list[WorkerHandle]:
         """Workers that asked for work and may get it: the least loaded first (a worker
