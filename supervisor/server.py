@@ -299,7 +299,8 @@ class Server:
     def _listening_socket(self) -> socket.socket:
         """The socket systemd passed (socket activation), else one bound here."""
         if self.inherited is None:
-            self._made_socket_dir = not os.path.isdir(os.path.dirname(self.socket_path))
+            directory = os.path.dirname(os.path.abspath(self.socket_path))
+            self._made_socket_dir = not os.path.isdir(directory)
             sock = bind_unix_socket(self.socket_path, self.config.daemon.socket_group)
             self._socket_inode = os.stat(self.socket_path).st_ino
             return sock

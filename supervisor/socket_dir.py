@@ -194,7 +194,7 @@ def regroup_socket(path: str, group: str | None, made_dir: bool) -> list[str]:
     first and opened to the new group last, so no one outside both groups ever gets in.
     Open connections stay: [access] decides who may use the daemon. Returns warnings."""
     gid = gid_of(group) if group else None
-    directory = os.path.dirname(path) or "."
+    directory = os.path.dirname(os.path.abspath(path))
     try:
         if made_dir:
             os.chmod(directory, LEAF_MODE)
