@@ -125,19 +125,3 @@ def test_a_socket_group_set_by_a_reload_lets_the_group_reach_the_socket(
     with daemon.client() as c:
         assert c.embed("mine", model="slow").shape == (8,)
     assert "socket_group" not in daemon.log()  # nothing to warn about
-
-
-def test_realtime_set_and_unset_by_a_reload(make_daemon: MakeDaemon) -> None:
-    daemon = make_daemon(SLOW)
-
-    def policy() -> int:
-        return os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
-
-    assert policy() == os.SCHED_OTHER
-    assert reload_to(daemon, "[daemon]\nrealtime = true\n" + SLOW) == "[daemon] applied"
-    assert policy() == os.SCHED_FIFO
-    with daemon.client() as c:
-        assert c.embed("x", model="slow").shape == (8,)
-    assert reload_to(daemon, SLOW) == "[daemon] applied"
-    assert policy() == os.SCHED_OTHER
-    assert "event loop runs at normal priority" in daemon.log()

@@ -216,3 +216,32 @@ def test_a_reloaded_frame_cap_and_connection_cap_apply_to_the_next_clients(
             assert full.value.code is ErrorCode.OVERLOADED
             assert "max_connections" in full.value.message
         assert len(before.embed([text], model="a")) == 1
+
+
+def fifo_permitted() -> bool:
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    except PermissionError:
+        return False
+    os.sched_setscheduler(0, os.SCHED_OTHER | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+    return True
+
+
+@pytest.mark.skipif(not fifo_permitted(), reason="SCHED_FIFO needs root, CAP_SYS_NICE or an "
+                    "RLIMIT_RTPRIO of at least 1")
+def test_realtime_is_set_and_unset_by_a_reload(make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon(model_entry("a"))
+
+    def policy() -> int:
+        return os.sched_getscheduler(daemon.process.pid) & ~os.SCHED_RESET_ON_FORK
+
+    assert policy() == os.SCHED_OTHER
+    with daemon.client() as c:
+        rewrite(daemon, model_entry("a") + "\n[daemon]\nrealtime = true\n")
+        assert c.reload() == "[daemon] applied"
+        assert policy() == os.SCHED_FIFO
+        assert len(c.embed(["x"], model="a")) == 1
+        rewrite(daemon, model_entry("a"))
+        assert c.reload() == "[daemon] applied"
+        assert policy() == os.SCHED_OTHER
+    assert "event loop runs at normal priority" in daemon.log()

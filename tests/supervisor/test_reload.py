@@ -117,7 +117,7 @@ def test_a_change_of_access_pool_or_jobs_is_applied_not_left_for_a_restart() -> 
     assert plan_reload(specs(spec("a")), specs(spec("a")), new, new).applied == ()
 
 
-def test_daemon_client_limits_and_log_level_apply_its_socket_waits_for_a_restart() -> None:
+def test_daemon_limits_log_level_realtime_and_group_apply_its_socket_waits() -> None:
     running = Config(daemon=DaemonConfig(socket="/run/a.sock"))
     limits = Config(daemon=DaemonConfig(socket="/run/b.sock", idle_timeout_s=5,
                                         log_level="DEBUG", max_client_buffer_bytes=4096,
