@@ -24,6 +24,8 @@ log = logging.getLogger("modelpool.server")
 
 LEAF_MODE = 0o700  # only the daemon's user may reach the socket ...
 GROUP_LEAF_MODE = 0o710  # ... and, with socket_group, that group may search (not list) it
+SOCKET_MODE = 0o600  # the socket: only the daemon's user may connect ...
+GROUP_SOCKET_MODE = 0o660  # ... and, with socket_group, that group
 PARENT_MODE = 0o755  # a missing directory above it
 MAX_SYMLINKS = 40  # as the kernel's MAXSYMLINKS
 
@@ -175,7 +177,7 @@ def bind_unix_socket(path: str, group: str | None) -> socket.socket:
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o117 if group else 0o177)
+    old_umask = os.umask(0o777 & ~(GROUP_SOCKET_MODE if group else SOCKET_MODE))
     try:
         sock.bind(path)
     finally:
@@ -198,12 +200,12 @@ def regroup_socket(path: str, group: str | None, made_dir: bool) -> list[str]:
     try:
         if made_dir:
             os.chmod(directory, LEAF_MODE)
-        os.chmod(path, 0o600)
+        os.chmod(path, SOCKET_MODE)
         owner_gid = os.getegid() if gid is None else gid
-        for made in ([directory] if made_dir else []) + [path]:
-            os.chown(made, -1, owner_gid)
+        for target in ([directory] if made_dir else []) + [path]:
+            os.chown(target, -1, owner_gid)
         if gid is not None:
-            os.chmod(path, 0o660)
+            os.chmod(path, GROUP_SOCKET_MODE)
             if made_dir:
                 os.chmod(directory, GROUP_LEAF_MODE)
     except OSError as exc:
