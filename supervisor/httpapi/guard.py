@@ -16,6 +16,14 @@ a header however long it grows. Here, on every connection:
   other is busy with a request is the newcomer answered 503 (with Retry-After) and
   closed. The others are served as before.
 
+At a stop (the daemon's, or a reload's new front door taking over the address), uvicorn
+closes at once every connection whose request has not begun to be answered, and so
+loses the request of a client that connected just before: its connection was accepted,
+its request not yet read. Here a connection that has not sent a request yet gets
+STOP_GRACE_S to send it, and one whose request is arriving gets its header deadline;
+either is answered, then closed. A kept-alive connection idle after an answer is closed
+at once, as uvicorn does.
+
 The body has its own bound (`read_body`, body_timeout_s), and a request being answered
 none: the pool's timeouts bound that.
 
@@ -37,6 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from modelpool.supervisor.httpapi.replies import error_body
 
 MAX_HEAD_BYTES = 64 * 1024
+STOP_GRACE_S = 1.0  # for a request whose connection was made before a stop
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
 
@@ -107,6 +116,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self.in_head = False  # between a request's first byte and its headers' end
         self.head_bytes = 0
         self.departure = Departure()
+        self.stopping = False
 
     # ---- waiting for a request's line and headers -------------------------------------
 
@@ -181,6 +191,18 @@ class GuardedProtocol(HttpToolsProtocol):
         self.disarm()
         self.in_head = False
         super().on_headers_complete()
+        if self.stopping:
+            self.cycle.keep_alive = False  # answered, then closed
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        if self.in_head:  # its request is arriving, bounded by its header deadline
+            return
+        if self.cycle is None and not self.transport.is_closing():
+            self.disarm()  # made just before the stop: its request is on its way
+            self.deadline = self.loop.call_later(STOP_GRACE_S, self.expire)
+            return
+        super().shutdown()
 
     def on_response_complete(self) -> None:
         idle_next = not self.pipeline  # else the next request, whole already, starts now

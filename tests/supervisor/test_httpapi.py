@@ -3,13 +3,17 @@ chunks into events, the status into Prometheus text, and the start-up checks."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import socket
+import time
 from pathlib import Path
 
 import httptools
 import msgspec
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from modelpool.protocol.client_core import TextChunk
@@ -19,6 +23,7 @@ from modelpool.supervisor.config import Config, ConfigError, HttpConfig
 from modelpool.supervisor.http_front import listen_address, settings_of
 from modelpool.supervisor.httpapi import bodies, guard, replies, routes
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
+from modelpool.supervisor.httpapi.serve import Server
 from modelpool.supervisor.metrics import Histogram, ModelMetrics
 
 
@@ -197,3 +202,41 @@ def test_a_departure_calls_its_watchers_once() -> None:
     departure.happened()
     departure.happened()
     assert calls == ["a"] and departure.gone
+
+
+async def hello(scope: dict, receive: object, send: object) -> None:
+    assert scope["type"] == "http"
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"5")]})  # type: ignore[operator]
+    await send({"type": "http.response.body", "body": b"hello"})  # type: ignore[operator]
+
+
+@pytest.mark.real_process
+async def test_a_request_whose_connection_was_made_before_a_stop_is_answered() -> None:
+    """A front door taken over at a reload stops while clients connect: one accepted
+    just before, its request not yet sent, is answered (and closed), not dropped; one
+    that never sends has a short grace, not the stop's whole 5 s."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = Server(uvicorn.Config(hello, http=guard.guarded(30.0, 16), lifespan="off",
+                                   log_level="warning", timeout_graceful_shutdown=5))
+    serving = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    reader, writer = await asyncio.open_connection(*sock.getsockname())
+    _, silent = await asyncio.open_connection(*sock.getsockname())
+    while len(server.server_state.connections) < 2:
+        await asyncio.sleep(0.01)
+
+    stopped_at = time.monotonic()
+    server.should_exit = True
+    while any(s.is_serving() for s in server.servers):  # accepting no more: stopping
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # past uvicorn's own pause after telling connections
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"hello"), answer
+    assert b"connection: close" in answer.lower()
+    await serving
+    assert time.monotonic() - stopped_at < 4.0  # the silent one: the grace, not 5 s
+    writer.close()
+    silent.close()
