@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from modelpool.supervisor.httpapi.settings import HttpSettings
 
 if TYPE_CHECKING:
     from modelpool.supervisor.httpapi.app import Api
+    from modelpool.supervisor.httpapi.serve import Server
 
 log = logging.getLogger("modelpool.http")
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
@@ -115,6 +117,7 @@ class HttpFront:
         self.sock = sock if sock is not None else bind(self.config.listen)
         self.process: asyncio.subprocess.Process | None = None
         self.api: Api | None = None  # in_loop: the front door's own, in this process
+        self.server: Server | None = None  # in_loop: its uvicorn
         self.stopping = False
 
     @property
@@ -128,10 +131,11 @@ class HttpFront:
         self.settings = msgspec.structs.replace(self.settings, socket_path=socket_path)
         if self.config.in_loop:
             from modelpool.supervisor.httpapi.app import Api
-            from modelpool.supervisor.httpapi.serve import serve_in_loop
+            from modelpool.supervisor.httpapi.serve import serve_in_loop, uvicorn_server
 
             self.api = Api(self.settings)
-            await serve_in_loop(self.sock, self.api, self.config.max_clients)
+            self.server = uvicorn_server(self.api, self.config.max_clients)
+            await serve_in_loop(self.sock, self.server)
             return
         failures = 0
         while not self.stopping:
@@ -177,12 +181,28 @@ class HttpFront:
         fd = self.sock.fileno()
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "modelpool.supervisor.httpapi.serve", str(fd),
-            stdin=asyncio.subprocess.PIPE, pass_fds=(fd,))
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(fd,))
         assert self.process.stdin is not None
         self.process.stdin.write(msgspec.json.encode(Launch(
             settings=self.settings, max_clients=self.config.max_clients,
             event_loop=self.event_loop)) + b"\n")
         return await self.process.wait()
+
+    async def hand_over(self, timeout_s: float = 5.0) -> None:
+        """A new front door takes over: this one lets go of its address (by the time
+        this returns) and answers what it has in flight, however long that takes (the
+        pool's timeouts bound it); its run() ends when it is done."""
+        self.stopping = True
+        process = self.process
+        if self.server is not None:
+            self.server.stop(None)
+        elif process is not None and process.returncode is None:
+            assert process.stdout is not None
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGUSR1)
+                with contextlib.suppress(TimeoutError):  # else it is gone, or hung
+                    await asyncio.wait_for(process.stdout.readline(), timeout_s)
+        self.sock.close()
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Requests in flight get timeout_s to finish. The address is let go at once:
@@ -231,6 +251,8 @@ class HttpDoor:
         self.front = (HttpFront(config, socket_path, default_models)
                       if config.http.listen else None)
         self._task: asyncio.Task[None] | None = None
+        # Front doors taken over, answering what they had in flight: until they are done.
+        self._handed_over: dict[asyncio.Task[None], HttpFront] = {}
 
     def start(self, socket_path: str) -> None:
         """socket_path: the daemon's, as it serves it (systemd may have passed another)."""
@@ -278,14 +300,23 @@ class HttpDoor:
             reload.front.settings = msgspec.structs.replace(
                 reload.front.settings, default_models=default_models)
             self.start(self.socket_path)
-        if old is not None:
+        if old is None:
+            return
+        if reload.front is None:  # [http] listen removed
             await _stop(old, old_task)
+            return
+        await old.hand_over()
+        if old_task is not None and not old_task.done():
+            self._handed_over[old_task] = old
+            old_task.add_done_callback(self._handed_over.pop)
 
     async def stop(self) -> None:
         """Last: HTTP clients got their answers while the pool drained."""
+        fronts = list(self._handed_over.items())
         if self.front is not None:
-            await _stop(self.front, self._task)
+            fronts.append((self._task, self.front))
             self.front = self._task = None
+        await asyncio.gather(*(_stop(front, task) for task, front in fronts))
 
 
 async def _stop(front: HttpFront, task: asyncio.Task[None] | None) -> None:

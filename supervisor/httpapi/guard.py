@@ -20,7 +20,7 @@ At a stop (the daemon's, or a reload's new front door taking over the address), 
 closes at once every connection whose request has not begun to be answered, and so
 loses the request of a client that connected just before: its connection was accepted,
 its request not yet read. Here a connection that has not sent a request yet gets
-STOP_GRACE_S to send it, and one whose request is arriving gets its header deadline;
+REQUEST_GRACE_S to send it, and one whose request is arriving gets its header deadline;
 either is answered, then closed. A kept-alive connection idle after an answer is closed
 at once, as uvicorn does.
 
@@ -45,7 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from modelpool.supervisor.httpapi.replies import error_body
 
 MAX_HEAD_BYTES = 64 * 1024
-STOP_GRACE_S = 1.0  # for a request whose connection was made before a stop
+REQUEST_GRACE_S = 1.0  # for a request whose connection was made before a stop
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
            503: b"Service Unavailable"}
 
@@ -200,7 +200,7 @@ class GuardedProtocol(HttpToolsProtocol):
             return
         if self.cycle is None and not self.transport.is_closing():
             self.disarm()  # made just before the stop: its request is on its way
-            self.deadline = self.loop.call_later(STOP_GRACE_S, self.expire)
+            self.deadline = self.loop.call_later(REQUEST_GRACE_S, self.expire)
             return
         super().shutdown()
 

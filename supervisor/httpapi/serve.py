@@ -1,17 +1,20 @@
 """Running the HTTP front door: uvicorn on a listening socket the supervisor bound, in a
 process of its own (`python -m modelpool.supervisor.httpapi.serve FD`, its settings as
 one JSON line on stdin, which stays open: each later line is the settings a reload made,
-and the supervisor's end closing means it is gone) or in the supervisor's own loop."""
+and the supervisor's end closing means it is gone; on stdout it says when it has let go
+of its address, handed over) or in the supervisor's own loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
 from collections.abc import Iterator
+from typing import BinaryIO
 
 import msgspec
 import uvicorn
@@ -27,33 +30,57 @@ log = logging.getLogger("modelpool.http")
 READ_LIMIT = 16 << 20  # a settings line: API keys may be many
 
 
+STOP_GRACE_S = 5.0  # what a stop of the daemon gives the requests in flight
+
+
 class Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the process that runs it owns its signals."""
+    """uvicorn without its signal handlers (the process that runs it owns its signals),
+    and with a stop whose bound is set, or set anew, when it is called."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    def stop(self, grace_s: float | None) -> None:
+        """Accept no more connections, from now; what is in flight is answered, and cut
+        grace_s from now (None: however long it takes, for a front door taken over at
+        a reload: the pool's timeouts bound its requests)."""
+        if not self.should_exit:
+            self.should_exit = True
+            for server in getattr(self, "servers", ()):  # at once, not at the next tick
+                server.close()
+        if grace_s is not None:
+            asyncio.get_running_loop().call_later(grace_s, self.cut)
+
+    def cut(self) -> None:
+        """What uvicorn's own graceful timeout does; then the lifespan's end closes the
+        links to the daemon."""
+        for task in list(self.server_state.tasks):
+            task.cancel()
+        for connection in list(self.server_state.connections):
+            connection.transport.close()  # type: ignore[union-attr]
+
 
 def uvicorn_server(api: Api, max_clients: int) -> Server:
     """httptools with our guards (guard.py): max_clients there, not uvicorn's
     limit_concurrency, which answers every connection 503 once that many are open; a
-    request's headers bounded by body_timeout_s (of the start) like its body."""
+    request's headers bounded by body_timeout_s (of the start) like its body. No
+    graceful timeout of uvicorn's: Server.stop bounds it."""
     config = uvicorn.Config(
         build_app(api), http=guarded(api.settings.body_timeout_s, max_clients),
         lifespan="on", access_log=False, log_level="warning", timeout_keep_alive=5,
-        timeout_graceful_shutdown=5, server_header=False)
+        timeout_graceful_shutdown=None, server_header=False)
     return Server(config)
 
 
-async def serve_in_loop(sock: socket.socket, api: Api, max_clients: int) -> None:
-    """Until cancelled; for [http] in_loop."""
-    server = uvicorn_server(api, max_clients)
+async def serve_in_loop(sock: socket.socket, server: Server) -> None:
+    """Until cancelled (then stopped with STOP_GRACE_S) or stopped; for [http] in_loop."""
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:
         await asyncio.shield(task)
     finally:
-        server.should_exit = True
+        if not task.done():
+            server.stop(STOP_GRACE_S)
         await task
 
 
@@ -65,7 +92,10 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     event_loop: EventLoop = "auto"  # the daemon's choice
 
 
-async def _serve_process(sock: socket.socket, launch: Launch) -> None:
+async def _serve_process(sock: socket.socket, launch: Launch, let_go: BinaryIO) -> None:
+    """SIGTERM stops it with STOP_GRACE_S; SIGUSR1 hands the address over to a new
+    front door (a reload): it accepts no more, says so on let_go, and answers what is
+    in flight however long it takes (a later SIGTERM bounds that)."""
     api = Api(launch.settings)
     server = uvicorn_server(api, launch.max_clients)
     loop = asyncio.get_running_loop()
@@ -78,10 +108,16 @@ async def _serve_process(sock: socket.socket, launch: Launch) -> None:
                 api.settings = msgspec.json.decode(line, type=HttpSettings)  # a reload's
             except msgspec.DecodeError as exc:  # kept following: EOF must still end it
                 log.error("settings from the supervisor not applied: %s", exc)
-        server.should_exit = True  # EOF: the supervisor has gone
+        server.stop(STOP_GRACE_S)  # EOF: the supervisor has gone
+
+    def hand_over() -> None:
+        server.stop(None)
+        sock.close()  # the listening socket: the last of this process's hold on it
+        let_go.write(b"let go\n")
 
     watch = loop.create_task(follow_supervisor())
-    loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
+    loop.add_signal_handler(signal.SIGTERM, server.stop, STOP_GRACE_S)
+    loop.add_signal_handler(signal.SIGUSR1, hand_over)
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -94,8 +130,12 @@ def main(argv: list[str]) -> int:
     launch = msgspec.json.decode(sys.stdin.buffer.raw.readline(), type=Launch)
     logs.configure_from_env()  # the daemon's log format, as its workers use it
     sock = socket.socket(fileno=int(argv[0]))
+    # Standard output is the supervisor's pipe for "let go" alone: anything printed
+    # goes to standard error instead.
+    let_go = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
     with contextlib.suppress(KeyboardInterrupt):
-        eventloop.run(_serve_process(sock, launch), launch.event_loop)
+        eventloop.run(_serve_process(sock, launch, let_go), launch.event_loop)
     return 0
 
 

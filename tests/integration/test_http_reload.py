@@ -26,6 +26,8 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 
 MakeDaemon = Callable[..., Daemon]
 SLOW = model_entry("slow", run_s=0.2, max_workers=1)  # a request in flight at a takeover
+# A request in flight at a takeover that outlasts the 5 s a stop of the daemon gives.
+SLOW_AND_LONG = SLOW + model_entry("long", run_s=6.0, max_workers=1)
 
 
 def config(port: int, in_loop: bool, key_file: Path, extra: str = "",
@@ -44,8 +46,8 @@ def reload_to(daemon: Daemon, config_toml: str) -> str:
         return c.reload()
 
 
-def embed_status(base: str, key: str, priority: str = "normal") -> int:
-    return httpx.post(base + "/v1/embeddings", json={"input": "x", "model": "slow"},
+def embed_status(base: str, key: str, priority: str = "normal", model: str = "slow") -> int:
+    return httpx.post(base + "/v1/embeddings", json={"input": "x", "model": model},
                       headers={"Authorization": f"Bearer {key}",
                                "X-Modelpool-Priority": priority}, timeout=30).status_code
 
@@ -83,13 +85,24 @@ def test_a_reload_rotates_keys_and_limits(make_daemon: MakeDaemon, tmp_path: Pat
     assert reload_to(daemon, capped) == "no change"
 
 
-def serving(make_daemon: MakeDaemon, tmp_path: Path, in_loop: bool) -> tuple[Daemon, int, Path]:
+def serving(make_daemon: MakeDaemon, tmp_path: Path, in_loop: bool,
+            models: str = SLOW) -> tuple[Daemon, int, Path]:
     """A daemon whose front door answers on a free port, with one key: "the-key"."""
     port, keys = free_port(), tmp_path / "keys"
     keys.write_text("the-key\n")
-    daemon = make_daemon(config(port, in_loop, keys))
+    daemon = make_daemon(config(port, in_loop, keys, models=models))
     wait_for_http(f"http://127.0.0.1:{port}", daemon)
     return daemon, port, keys
+
+
+def front_doors_become(daemon: Daemon, count: int, timeout_s: float = 30) -> list[int]:
+    """The pids of the front door processes, once there are count of them: one taken
+    over exits when it has answered what it had in flight."""
+    deadline = time.monotonic() + timeout_s
+    while len(fronts := front_door_processes(daemon)) != count:
+        assert time.monotonic() < deadline, [p.cmdline() for p in fronts]
+        time.sleep(0.05)
+    return [p.pid for p in fronts]
 
 
 def refused_connection(base: str) -> bool:
@@ -103,41 +116,45 @@ def refused_connection(base: str) -> bool:
 @pytest.mark.parametrize("in_loop", [False, True], ids=["own-process", "in-loop"])
 def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
                                                       tmp_path: Path, in_loop: bool) -> None:
-    daemon, first_port, keys = serving(make_daemon, tmp_path, in_loop)
+    daemon, first_port, keys = serving(make_daemon, tmp_path, in_loop, SLOW_AND_LONG)
     first = f"http://127.0.0.1:{first_port}"
     assert embed_status(first, "the-key") == 200
     with daemon.client() as c:
         (worker,) = worker_pids(c, "slow")
 
     port = free_port()
-    assert reload_to(daemon, config(port, in_loop, keys, "max_clients = 4\n")) == \
-        "[http] applied"
+    assert reload_to(daemon, config(port, in_loop, keys, "max_clients = 4\n",
+                                    SLOW_AND_LONG)) == "[http] applied"
     base = f"http://127.0.0.1:{port}"
     assert embed_status(base, "the-key") == 200
     assert refused_connection(first)  # let go when the reload answered
-    fronts = [p.pid for p in front_door_processes(daemon)]
-    assert len(fronts) == (0 if in_loop else 1)
+    fronts = front_doors_become(daemon, 0 if in_loop else 1)
 
     # The same address with other connection settings: a new front door takes it over.
-    # Four clients ask all along (requests in flight at the takeover: the model serves
-    # one at a time, 0.2 s each), and every request is answered.
+    # Three clients ask all along (requests in flight at the takeover: the model serves
+    # one at a time, 0.2 s each), one request outlasts a stop's 5 s (four clients: the
+    # old front door's max_clients), and every request is answered.
     answers: list[int | str] = []
     done = threading.Event()
 
+    def ask(model: str = "slow") -> None:
+        try:
+            answers.append(embed_status(base, "the-key", model=model))
+        except httpx.HTTPError as exc:
+            answers.append(repr(exc))
+
     def ask_all_along() -> None:
         while not done.is_set():
-            try:
-                answers.append(embed_status(base, "the-key"))
-            except httpx.HTTPError as exc:
-                answers.append(repr(exc))
+            ask()
 
-    askers = [threading.Thread(target=ask_all_along) for _ in range(4)]
+    askers = [threading.Thread(target=ask_all_along) for _ in range(3)]
+    askers.append(threading.Thread(target=ask, args=("long",)))
     for asker in askers:
         asker.start()
     try:
         time.sleep(0.5)
-        assert reload_to(daemon, config(port, in_loop, keys, "connections = 2\n")) == \
-            "[http] applied"
+        assert reload_to(daemon, config(port, in_loop, keys, "connections = 2\n",
+                                        SLOW_AND_LONG)) == "[http] applied"
         time.sleep(1.5)  # the new front door's process up, and asked
     finally:
         done.set()
@@ -145,13 +162,13 @@ def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
             asker.join(60)
     assert set(answers) == {200} and len(answers) >= 8, answers
     if not in_loop:
-        (front,) = front_door_processes(daemon)
-        assert front.pid not in fronts
+        (front,) = front_doors_become(daemon, 1)
+        assert front not in fronts
 
     with socket.socket() as taken:  # a port another program holds: nothing changes
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        busy = config(taken.getsockname()[1], in_loop, keys)
+        busy = config(taken.getsockname()[1], in_loop, keys, models=SLOW_AND_LONG)
         with pytest.raises(PoolError) as refused:
             reload_to(daemon, busy)
     assert refused.value.code is ErrorCode.BAD_REQUEST
@@ -165,14 +182,43 @@ def test_a_new_address_takes_over_and_the_models_stay(make_daemon: MakeDaemon,
     assert "api_keys" in refused.value.message
     assert (embed_status(base, "the-key"), embed_status(base, "other")) == (200, 401)
 
-    assert reload_to(daemon, SLOW) == "[http] applied"  # no [http] listen: none
+    assert reload_to(daemon, SLOW_AND_LONG) == "[http] applied"  # no [http] listen: none
     assert refused_connection(base)
     assert front_door_processes(daemon) == []
-    assert reload_to(daemon, config(port, in_loop, keys)) == "[http] applied"
+    assert reload_to(daemon, config(port, in_loop, keys, models=SLOW_AND_LONG)) == \
+        "[http] applied"
     wait_for_http(base, daemon)
     assert embed_status(base, "the-key") == 200
     with daemon.client() as c:  # the model stayed loaded throughout
         assert worker_pids(c, "slow") == [worker]
+
+
+@pytest.mark.parametrize("in_loop", [False, True], ids=["own-process", "in-loop"])
+def test_a_stop_bounds_a_front_door_taken_over_with_a_request_in_flight(
+        make_daemon: MakeDaemon, tmp_path: Path, in_loop: bool) -> None:
+    daemon, port, keys = serving(make_daemon, tmp_path, in_loop, SLOW_AND_LONG)
+    base = f"http://127.0.0.1:{port}"
+    fronts = front_doors_become(daemon, 0 if in_loop else 1)
+    answers: list[int | str] = []
+
+    def ask_long() -> None:
+        try:
+            answers.append(embed_status(base, "the-key", model="long"))
+        except httpx.HTTPError as exc:
+            answers.append(repr(exc))
+
+    asker = threading.Thread(target=ask_long)
+    asker.start()
+    time.sleep(0.5)
+    assert reload_to(daemon, config(port, in_loop, keys, "connections = 2\n",
+                                    SLOW_AND_LONG)) == "[http] applied"
+    fronts += front_doors_become(daemon, 0 if in_loop else 2)
+    started = time.monotonic()
+    assert daemon.stop() == 0, daemon.log()
+    assert time.monotonic() - started < 15  # the pool's drain, then the front doors' 5 s
+    assert not [pid for pid in fronts if psutil.pid_exists(pid)]  # gone with the daemon
+    asker.join(30)
+    assert len(answers) == 1 and answers != [200], answers  # cut: it ran past the stop
 
 
 def test_a_new_frame_cap_starts_a_front_door_whose_links_and_body_cap_follow_it(
