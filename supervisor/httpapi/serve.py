@@ -28,8 +28,6 @@ from modelpool.supervisor.httpapi.settings import HttpSettings
 
 log = logging.getLogger("modelpool.http")
 READ_LIMIT = 16 << 20  # a settings line: API keys may be many
-
-
 STOP_GRACE_S = 5.0  # what a stop of the daemon gives the requests in flight
 
 
