@@ -27,7 +27,9 @@ from modelpool.registry.spec import Registry, load_catalog
 MakeDaemon = Callable[..., Daemon]
 HoldExport = Callable[[Path], AbstractContextManager[None]]
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
-EXPORT_BOUND_S = 300  # torch's import and MiniLM's export at idle priority on 2 busy cores
+# torch's import and MiniLM's export at idle priority on 2 busy cores: the client's bound
+# and the request's own (the daemon's default, [pool] timeout_s, is 30 s)
+EXPORT_BOUND_S = 300
 FORCED_ONNX = "[pool]\ncold_start_workers = 1\n{pool}\n" + FORCED_MINILM + "default = true\n"
 
 
@@ -114,7 +116,7 @@ def test_a_model_forced_to_onnx_waits_for_the_export_made_within_the_budget(
 
         def embed() -> None:
             with daemon.client(timeout_s=EXPORT_BOUND_S) as c:
-                answers.append(np.asarray(c.embed(TEXTS)))
+                answers.append(np.asarray(c.embed(TEXTS, timeout_s=EXPORT_BOUND_S)))
 
         asking = threading.Thread(target=embed)
         asking.start()
@@ -163,7 +165,8 @@ def test_a_forced_hub_model_downloaded_after_the_start_has_its_export_made_by_th
     # load, uncharged.
     put_minilm_in_hub_cache(hub)
     with daemon.client(timeout_s=EXPORT_BOUND_S) as c:
-        assert np.asarray(c.embed(TEXTS, model="org/minilm")).shape == (3, 384)
+        embedded = c.embed(TEXTS, model="org/minilm", timeout_s=EXPORT_BOUND_S)
+        assert np.asarray(embedded).shape == (3, 384)
         (model,) = [m for m in c.status()["models"] if m["key"] == "org/minilm"]
     assert [w["info"]["execution"] for w in model["workers"]] == ["onnx"]
     log = daemon.log()
