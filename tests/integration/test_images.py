@@ -156,8 +156,10 @@ def test_a_decompression_bomb_is_refused_and_the_worker_lives(daemon: Daemon) ->
 
 
 def test_shared_memory_is_back_at_baseline_after_1000_images(daemon: Daemon) -> None:
-    def ours() -> set[str]:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("modelpool-")}
+    def ours() -> set[str]:  # this daemon's segments (shm.py names them by its pid), not a
+        # concurrent test's daemon's
+        prefix = f"modelpool-{daemon.process.pid}-"
+        return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
     before = ours()
     images = [png((i % 256, (i * 7) % 256, (i * 13) % 256), size=(16, 16)) for i in range(1000)]
