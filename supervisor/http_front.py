@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from modelpool.supervisor.config import Config, ConfigError, HttpConfig
-from modelpool.supervisor.httpapi.settings import HttpSettings
+from modelpool.supervisor.httpapi.settings import STOP_GRACE_S, HttpSettings
 
 if TYPE_CHECKING:
     from modelpool.supervisor.httpapi.app import Api
@@ -204,7 +204,7 @@ class HttpFront:
                     await asyncio.wait_for(process.stdout.readline(), timeout_s)
         self.sock.close()
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
+    async def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
         """Requests in flight get timeout_s to finish. The address is let go at once:
         the process, told to stop, accepts no more, and this process's socket would
         only queue connections that nobody takes."""

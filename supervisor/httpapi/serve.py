@@ -24,11 +24,10 @@ from modelpool.supervisor import eventloop
 from modelpool.supervisor.eventloop import EventLoop
 from modelpool.supervisor.httpapi.app import Api, build_app
 from modelpool.supervisor.httpapi.guard import guarded
-from modelpool.supervisor.httpapi.settings import HttpSettings
+from modelpool.supervisor.httpapi.settings import STOP_GRACE_S, HttpSettings
 
 log = logging.getLogger("modelpool.http")
 READ_LIMIT = 16 << 20  # a settings line: API keys may be many
-STOP_GRACE_S = 5.0  # what a stop of the daemon gives the requests in flight
 
 
 class Server(uvicorn.Server):

@@ -6,6 +6,8 @@ import msgspec
 
 from modelpool.protocol.messages import Priority
 
+STOP_GRACE_S = 5.0  # what a stop of the daemon gives the front door's requests in flight
+
 
 class HttpSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What the front door needs of the daemon's config (sent to its process whole)."""
