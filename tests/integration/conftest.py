@@ -70,6 +70,19 @@ class Daemon:
         except psutil.NoSuchProcess:
             return []
 
+    def running(self, marker: str) -> list[psutil.Process]:
+        """The descendants still running whose command line holds marker. One that has
+        exited may stay a zombie until the daemon reaps it, or be gone by the time its
+        command line is read: neither counts."""
+        found = []
+        for process in self.descendants():
+            try:
+                if marker in " ".join(process.cmdline()):
+                    found.append(process)
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                continue
+        return found
+
     def stop(self, timeout_s: float = 20) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

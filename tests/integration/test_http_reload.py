@@ -53,7 +53,7 @@ def embed_status(base: str, key: str, priority: str = "normal", model: str = "sl
 
 
 def front_door_processes(daemon: Daemon) -> list[psutil.Process]:
-    return [p for p in daemon.descendants() if "httpapi.serve" in " ".join(p.cmdline())]
+    return daemon.running("httpapi.serve")
 
 
 @pytest.mark.parametrize("in_loop", [False, True], ids=["own-process", "in-loop"])

@@ -175,8 +175,7 @@ def test_draining_is_not_ready_but_healthy(tmp_path: Path, tiny_models_dir: Path
 
 
 def test_the_front_doors_process_is_started_again(served: tuple[Daemon, str]) -> None:
-    front = [p for p in psutil.Process(served[0].process.pid).children()
-             if "modelpool.supervisor.httpapi.serve" in " ".join(p.cmdline())]
+    front = served[0].running("modelpool.supervisor.httpapi.serve")
     assert len(front) == 1
     os.kill(front[0].pid, signal.SIGKILL)
     wait_for_http(served[1], served[0], timeout_s=20)
@@ -217,8 +216,7 @@ def test_in_loop_serves_the_same_api(make_daemon: object, tmp_path: Path) -> Non
     got = httpx.post(base + "/v1/embeddings", json={"input": "x"}, timeout=60).json()
     with daemon.client() as c:
         np.testing.assert_allclose(got["data"][0]["embedding"], c.embed("x"), atol=1e-6)
-    assert len([p for p in daemon.descendants()
-                if "httpapi.serve" in " ".join(p.cmdline())]) == 0
+    assert daemon.running("httpapi.serve") == []
 
 
 def _maps_uvloop(process: psutil.Process) -> bool:
@@ -243,7 +241,7 @@ def test_the_daemon_and_its_front_door_run_the_loop_configured(
     with daemon.client() as c:
         np.testing.assert_allclose(got, c.embed("x"), atol=1e-6)
     assert f"{'uvloop' if want_uvloop else 'asyncio'} loop)" in daemon.log()
-    front = [p for p in daemon.descendants() if "httpapi.serve" in " ".join(p.cmdline())]
+    front = daemon.running("httpapi.serve")
     assert len(front) == 1
     assert _maps_uvloop(psutil.Process(daemon.process.pid)) == want_uvloop
     assert _maps_uvloop(front[0]) == want_uvloop

@@ -46,7 +46,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _export_process(daemon: Daemon) -> list[int]:
-    return [p.pid for p in daemon.descendants() if "onnx_export" in " ".join(p.cmdline())]
+    return [p.pid for p in daemon.running("onnx_export")]
 
 
 def test_the_export_is_made_from_the_start_while_eager_serves_then_workers_are_replaced(
