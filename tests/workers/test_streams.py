@@ -4,7 +4,6 @@ of one stream among others. The test plays the supervisor's side of the pipe."""
 
 from __future__ import annotations
 
-import multiprocessing
 import select
 import socket
 from collections import defaultdict
@@ -32,7 +31,9 @@ from modelpool.protocol.pipes import (
     from_worker_decoder,
     heartbeat_decoder,
 )
+from modelpool.registry.loaders import preload_modules
 from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.workers import forkserver_context
 from modelpool.workers import exitcodes
 from modelpool.workers.main import run_worker
 
@@ -91,8 +92,9 @@ def child(tiny_models_dir: Path) -> Iterator[StreamChild]:
     spec = ModelSpec(key="tiny-llm", capability="text_to_text", max_active_sequences=4,
                      path=str(tiny_models_dir / "tiny-llm"))
     settings = WorkerSettings(worker_id=1, spec=spec, threads=1, heartbeat_interval_s=0.05)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["modelpool.workers.preload"])
+    # As the daemon starts its forkserver for this model: with torch, transformers and
+    # Llama's module imported once, not again in every test's worker (~6 s each).
+    ctx = forkserver_context(preload_modules([spec]))
     work_parent, work_child = socket.socketpair()
     beat_parent, beat_child = socket.socketpair()
     process = ctx.Process(target=run_worker, daemon=True, name="test-stream-worker",

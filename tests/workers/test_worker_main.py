@@ -4,7 +4,6 @@ supervisor's side of the pipes."""
 
 from __future__ import annotations
 
-import multiprocessing
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +31,9 @@ from modelpool.protocol.pipes import (
     from_worker_decoder,
     heartbeat_decoder,
 )
+from modelpool.registry.loaders import preload_modules
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
+from modelpool.supervisor.workers import forkserver_context
 from modelpool.workers import exitcodes
 from modelpool.workers.main import Worker, run_worker
 
@@ -76,10 +77,10 @@ def minilm() -> ModelSpec:
 
 
 @pytest.fixture
-def start_worker() -> Iterator[StartWorker]:
-    ctx = multiprocessing.get_context("forkserver")
-    # What supervisor.workers.forkserver_context does: workers fork with torch imported.
-    ctx.set_forkserver_preload(["modelpool.workers.preload"])
+def start_worker(minilm: ModelSpec) -> Iterator[StartWorker]:
+    # As the daemon starts its forkserver for MiniLM (one forkserver per test process:
+    # whichever test starts it first chooses what it imports).
+    ctx = forkserver_context(preload_modules([minilm]))
     children: list[Child] = []
 
     def start(spec: ModelSpec) -> Child:
