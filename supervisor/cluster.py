@@ -43,7 +43,7 @@ from modelpool.supervisor.cluster_view import (
     stranded_since,
     variant_of,
 )
-from modelpool.supervisor.config import Config
+from modelpool.supervisor.config import ClusterConfig, Config
 from modelpool.supervisor.jobservice import JobService
 from modelpool.supervisor.mailbox import MemoryMailbox
 from modelpool.supervisor.models import LOADING
@@ -101,6 +101,12 @@ class ClusterNode:
                                   for name in (spec.key, *spec.aliases)},
                         "identities": self.identities}
         self.runnable_here &= frozenset(self.identities)  # (a reload removed some)
+
+    def follow_config(self, config: ClusterConfig) -> None:
+        """A reload's [cluster]: its lease, for this node's claims and renewals from now
+        on (within a second: the next beat renews what runs here). Its routing and its
+        bound on stranded jobs are read where they are used."""
+        self.jobs.lease_s = config.lease_s
 
     def _specs(self) -> list[ModelSpec]:
         return [model.spec for model in self.pool.models.values() if not model.retiring]

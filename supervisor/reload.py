@@ -19,7 +19,8 @@ running daemon, without a restart and without losing work.
   job on), [daemon]'s client limits, frame and connection caps (for the clients that
   connect next), log level, `realtime` and `socket_group` (the socket's group and mode,
   for connections from then on), [cluster]'s routing of direct
-  requests and its bound on stranded jobs, and [http]: the front door's keys
+  requests, its bound on stranded jobs and its lease (for the claims and renewals from
+  then on), and [http]: the front door's keys
   (api_key_file read again) and request limits at once; a new address or connection
   settings by a new front door taking over from the old (supervisor/http_front.py).
 - A change of capability, or of what a model loads while a weights holder shares its
@@ -58,11 +59,11 @@ IMAGE_CAPABILITIES = frozenset(capability for kind in KINDS if kind.with_images 
                                for capability in kind.served_by)
 # The fields that wait for a restart in sections whose other fields apply at once
 # ([daemon]'s client limits, caps, log level, realtime and socket group, [cluster]'s
-# routing and stranded jobs' bound): where the daemon listens, what it connects to,
-# what it set up at start.
+# routing, stranded jobs' bound and lease): where the daemon listens, what it connects
+# to, what it set up at start.
 AT_START = {
     "daemon": ("socket", "log_format", "event_loop", "idle_cgroup"),
-    "cluster": ("postgres", "node_name", "lease_s"),
+    "cluster": ("postgres", "node_name"),
 }
 
 

@@ -231,6 +231,8 @@ class Server:
             self._follow_machine()  # the new budget, with the machine's facts
         if "[jobs]" in applied:
             self.jobs.follow_config(self.config.jobs)
+        if "[cluster]" in applied and self.cluster is not None:
+            self.cluster.follow_config(self.config.cluster)
         if "[daemon]" in applied:
             self._apply_daemon(before)
 

@@ -1,6 +1,6 @@
 """A reload on one node of a cluster: the model it adds, known by its files' content, is
 run there for the other node's clients; the model it removes is no longer run there;
-[cluster]'s routing of direct requests changes at once."""
+[cluster]'s routing of direct requests and its lease change at once."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cluster_helpers import (
+    LEASE_S,
     Database,
     model_at_path,
+    model_entry,
     node_config,
     nodes_seeing_each_other,
     start_node,
@@ -67,3 +69,30 @@ def test_a_model_added_by_reload_serves_the_cluster_and_a_removed_one_stops(
             assert "route_remote = false" in kept.value.message
         # Its files were read for the reload (at the start: old's and the catalogue's MiniLM).
         assert "the files of 1 local model(s) identified" in alpha.log()
+
+
+def test_a_reloaded_lease_applies_to_the_claim_of_a_job_running_here(
+        tmp_path: Path, database: Database) -> None:
+    slow = model_entry("slow", run_s=8)  # the job runs across the reload
+    with nodes_seeing_each_other(lambda: start_node(
+            tmp_path / "alpha", node_config(database.dsn, "alpha", slow))) as (alpha,):
+
+        def lease_left_s() -> float:
+            rows = database.query(
+                "SELECT extract(epoch FROM lease_until - now()) FROM modelpool.jobs "
+                "WHERE key = %s AND state = 'running'", (key,))
+            return float(rows[0][0]) if rows else 0.0  # type: ignore[arg-type]
+
+        text = "held across the reload"
+        with alpha.client() as c:
+            wait_until(lambda: c.status()["cluster"]["reachable"], 20, "alpha connects")
+            key = c.submit("embed", text, model="slow")
+            wait_until(lambda: lease_left_s() > 0, 30, "alpha runs the job")
+            assert lease_left_s() <= LEASE_S
+            (tmp_path / "alpha" / "modelpool.toml").write_text(textwrap.dedent(
+                node_config(database.dsn, "alpha", slow, lease_s=60)))
+            assert c.reload() == "[cluster] applied"
+            # Renewed at the next beat (every second) with the new lease.
+            wait_until(lambda: lease_left_s() > LEASE_S * 2, 5, "the claim renewed for 60 s")
+            # The job ends as it would have: its vector starts with its text's length.
+            assert np.asarray(c.retrieve(key, timeout_s=30)).ravel()[0] == len(text)

@@ -102,7 +102,7 @@ def test_a_bad_config_changes_nothing_and_sighup_reloads(make_daemon: MakeDaemon
         assert "goes on with the config it has" in bad.value.message
         assert len(c.embed(["still"], model="a")) == 1
 
-        rewrite(daemon, model_entry("a") + model_entry("b") + "\n[cluster]\nlease_s = 5\n")
+        rewrite(daemon, model_entry("a") + model_entry("b") + "\n[cluster]\nnode_name = 'n2'\n")
         daemon.process.send_signal(signal.SIGHUP)
         wait_until("b is known", lambda: "b" in [m["key"] for m in c.models()])
         assert len(c.embed(["new"], model="b")) == 1

@@ -99,7 +99,7 @@ def test_a_removed_model_that_still_drains_comes_back_only_as_what_it_was() -> N
 
 
 def test_changes_outside_models_are_named_for_the_next_start() -> None:
-    new = Config(cluster=ClusterConfig(lease_s=5), daemon=DaemonConfig(log_format="json"))
+    new = Config(cluster=ClusterConfig(node_name="n2"), daemon=DaemonConfig(log_format="json"))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
     assert plan.restart_for == ("[daemon]", "[cluster]")
     assert plan.summary() == "changes of [daemon], [cluster] apply at the next start"
@@ -108,7 +108,7 @@ def test_changes_outside_models_are_named_for_the_next_start() -> None:
 def test_a_change_of_access_pool_or_jobs_is_applied_not_left_for_a_restart() -> None:
     new = Config(access=AccessConfig(allow_users=["root"], max_priority="normal"),
                  pool=PoolConfig(max_batch=8), jobs=JobsConfig(timeout_s=5),
-                 cluster=ClusterConfig(lease_s=5))
+                 cluster=ClusterConfig(node_name="n2"))
     plan = plan_reload(specs(spec("a")), specs(spec("a")), Config(), new)
     assert plan.applied == ("[access]", "[pool]", "[jobs]")
     assert plan.restart_for == ("[cluster]",)
@@ -137,14 +137,14 @@ def test_daemon_limits_log_level_realtime_and_group_apply_its_socket_waits() -> 
         assert (plan.applied, plan.restart_for) == ((), ("[daemon]",)), field
 
 
-def test_cluster_routing_applies_its_database_node_and_lease_wait_for_a_restart() -> None:
+def test_cluster_routing_and_lease_apply_its_database_and_node_wait_for_a_restart() -> None:
     running = Config()
-    routing = Config(cluster=ClusterConfig(route_remote=False, stranded_timeout_s=5))
+    routing = Config(cluster=ClusterConfig(route_remote=False, stranded_timeout_s=5,
+                                           lease_s=5))
     plan = plan_reload({}, {}, running, routing)
     assert (plan.applied, plan.restart_for) == (("[cluster]",), ())
     assert applied_config(running, routing).cluster == routing.cluster
-    for field, value in (("postgres", "postgresql://db/x"), ("node_name", "n2"),
-                         ("lease_s", 5.0)):
+    for field, value in (("postgres", "postgresql://db/x"), ("node_name", "n2")):
         moved = Config(cluster=msgspec.structs.replace(running.cluster, **{field: value}))
         plan = plan_reload({}, {}, running, moved)
         assert (plan.applied, plan.restart_for) == ((), ("[cluster]",)), field
