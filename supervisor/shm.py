@@ -20,6 +20,12 @@ from modelpool.protocol.pipes import SHM_DIR, SharedBytes, WorkItem
 PREFIX = "modelpool-"
 
 
+def segment_prefix(pid: int | None = None) -> str:
+    """How the names of a daemon's segments start (default: this process's): by its pid,
+    so that a later daemon can tell a dead one's stale segments."""
+    return f"{PREFIX}{os.getpid() if pid is None else pid}-"
+
+
 class NoSharedMemory(Exception):
     """No room in /dev/shm for a request's images (it is for that request only)."""
 
@@ -28,7 +34,7 @@ class SharedImages:
     def __init__(self) -> None:
         self.by_job: dict[int, list[str]] = {}
         self._ids = itertools.count()
-        self._prefix = f"{PREFIX}{os.getpid()}-"
+        self._prefix = segment_prefix()
 
     def work_item(self, job_id: int, kind: Kind, request: WorkRequest) -> WorkItem:
         """The work item for a job, its image bytes moved into shared memory;
@@ -88,7 +94,7 @@ class SharedImages:
 def weights_segment(worker_id: int) -> str:
     """Where a weights holder puts CPU weights: named like the image segments, so the
     stale ones of a dead daemon are removed the same way."""
-    return f"{PREFIX}{os.getpid()}-weights-{worker_id}"
+    return f"{segment_prefix()}weights-{worker_id}"
 
 
 def unlink_segment(name: str) -> None:

@@ -17,6 +17,7 @@ from PIL import Image
 
 from modelpool.protocol.client import AsyncClient, PoolError
 from modelpool.protocol.errors import ErrorCode
+from modelpool.supervisor.shm import segment_prefix
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +157,8 @@ def test_a_decompression_bomb_is_refused_and_the_worker_lives(daemon: Daemon) ->
 
 
 def test_shared_memory_is_back_at_baseline_after_1000_images(daemon: Daemon) -> None:
-    def ours() -> set[str]:  # this daemon's segments (shm.py names them by its pid), not a
-        # concurrent test's daemon's
-        prefix = f"modelpool-{daemon.process.pid}-"
+    def ours() -> set[str]:  # this daemon's segments, not a concurrent test's daemon's
+        prefix = segment_prefix(daemon.process.pid)
         return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
     before = ours()

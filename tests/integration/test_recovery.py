@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from conftest import ROOT, Daemon, model_entry
 
 from modelpool.protocol.client import AsyncClient, PoolError
 from modelpool.protocol.errors import ErrorCode
+from modelpool.supervisor import shm
 
 MakeDaemon = Callable[..., Daemon]
 
@@ -152,9 +152,10 @@ def test_failing_loader_backs_off_then_fails_and_load_resets_it(
 
 def _shm_entries(daemon: Daemon) -> set[str]:
     """/dev/shm but for what concurrent tests' processes make there: other daemons'
-    segments (shm.py names them by the daemon's pid) and PostgreSQL servers' (cluster)."""
-    others = re.compile(rf"modelpool-(?!{daemon.process.pid}-)\d+-.*|PostgreSQL\..*")
-    return {n for n in os.listdir("/dev/shm") if not others.fullmatch(n)}
+    segments and PostgreSQL servers' (cluster)."""
+    ours = shm.segment_prefix(daemon.process.pid)
+    return {n for n in os.listdir("/dev/shm") if n.startswith(ours)
+            or not n.startswith((shm.PREFIX, "PostgreSQL."))}
 
 
 def test_no_leak_after_200_worker_kills(make_daemon: MakeDaemon) -> None:
