@@ -88,13 +88,15 @@ class Server:
         self.http = HttpDoor(config, self.socket_path, dict(registry.defaults))
         self.stop_requested = asyncio.Event()
         self.started_at = time.monotonic()
-        from modelpool.registry.loaders import exports_to_make, onnx_cache, preload_modules
-
-        os.environ[onnx_cache.EXPORTS_BY_DAEMON_ENV] = "1"  # before the forkserver: exports.py
+        from modelpool.registry import loaders
+        from modelpool.registry.loaders import onnx_cache
 
         specs = list(registry.specs.values())
-        ctx = forkserver_context(preload_modules(specs))
-        self.exports_at_start = exports_to_make(specs)  # made before the first request
+        # Both before the forkserver starts: it and the workers read them.
+        os.environ[onnx_cache.EXPORTS_BY_DAEMON_ENV] = "1"  # exports.py
+        os.environ[loaders.LOADER_MODULES_ENV] = ",".join(loaders.custom_loader_modules(specs))
+        ctx = forkserver_context(loaders.preload_modules(specs))
+        self.exports_at_start = loaders.exports_to_make(specs)  # made before the first request
         self.launcher = Launcher(ctx)
         gpu_list = gpus.discover()
         if gpu_list:

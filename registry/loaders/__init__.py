@@ -104,6 +104,9 @@ def preload_modules(specs: list[ModelSpec]) -> list[str]:
     """
     modules: set[str] = set()
     for spec in specs:
+        if spec.loader:  # its own module imports what it needs: torch only if it does
+            modules.add(LOADER_MODULES_PRELOAD)
+            continue
         default = LOADERS.get(spec.capability)
         local = local_dir(spec)
         if _runs_cached_onnx(spec, local):
@@ -123,6 +126,18 @@ def preload_modules(specs: list[ModelSpec]) -> list[str]:
             modules.add(f"transformers.models.{model_type}.modeling_{model_type}")
     return sorted(modules)
 
+
+def custom_loader_modules(specs: list[ModelSpec]) -> list[str]:
+    """The modules of the custom loaders (`loader = "package.module:function"`), which
+    LOADER_MODULES_PRELOAD imports in the forkserver, read from LOADER_MODULES_ENV."""
+    return sorted({spec.loader.partition(":")[0] for spec in specs if spec.loader})
+
+
+# A custom loader's module is the operator's code: the forkserver imports it through this
+# module, which keeps an error in it from killing the forkserver that every model's
+# workers are forked from (its own workers then fail to load with that error).
+LOADER_MODULES_PRELOAD = "modelpool.workers.preload_loaders"
+LOADER_MODULES_ENV = "MODELPOOL_PRELOAD_LOADERS"  # comma-separated, set before the forkserver
 
 # torch and transformers for the forkserver: ~2-3 s of a daemon's start, so only when a
 # model that is on this machine needs them (a hub model not downloaded yet takes longer

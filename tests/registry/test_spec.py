@@ -10,7 +10,11 @@ from typing import Any
 import pytest
 
 from modelpool.registry.download import ModelSourceError, resolve_model_dir
-from modelpool.registry.loaders import preload_modules
+from modelpool.registry.loaders import (
+    LOADER_MODULES_PRELOAD,
+    custom_loader_modules,
+    preload_modules,
+)
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -138,6 +142,17 @@ def test_preload_modules_deduplicates_and_sorts(tmp_path: Path) -> None:
     assert preload_modules(specs) == [EMBEDDING_LOADER, ONNX[0], EAGER, TORCH, ONNX[1], ONNX[2],
                                       "transformers.models.bert.modeling_bert",
                                       "transformers.models.llama.modeling_llama"]
+
+
+def test_a_custom_loader_preloads_its_own_module_and_no_torch(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    custom = [spec("c", path=str(tmp_path), loader="mine.embed:load"),
+              spec("d", capability="rerank", loader="mine.embed:rank"),
+              spec("e", loader="alpha:load")]
+    assert preload_modules(custom) == [LOADER_MODULES_PRELOAD]
+    assert custom_loader_modules(custom) == ["alpha", "mine.embed"]
+    assert custom_loader_modules([catalogue_minilm()]) == []
+    assert TORCH in preload_modules([*custom, catalogue_minilm()])
 
 
 # ---- resolve_model_dir ---------------------------------------------------------------

@@ -1,0 +1,19 @@
+"""A custom loader that records which process imported its module: the file named by
+MP_IMPORT_LOG gets that process's pid, once per import (tests/integration/test_preload.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mp_test_loaders import SlowEmbedder, slow_embedder
+
+from modelpool.registry.spec import ModelSpec
+
+if log := os.environ.get("MP_IMPORT_LOG"):
+    with open(log, "a") as imports:
+        imports.write(f"{os.getpid()}\n")
+
+
+def recorded(spec: ModelSpec, model_dir: Path | None) -> SlowEmbedder:
+    return slow_embedder(spec, model_dir)

@@ -1,0 +1,53 @@
+"""What the forkserver imports for custom loaders: each loader's own module, once, and
+not torch for loaders that do not import it; a module that fails to import fails only its
+own model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import Daemon, model_entry, worker_pids
+
+from modelpool.protocol.client import PoolError
+from modelpool.protocol.errors import ErrorCode
+
+MakeDaemon = Callable[..., Daemon]
+
+
+def forkserver(daemon: Daemon) -> psutil.Process:
+    # its workers are forked from it, command line and all; it is the daemon's child
+    [process] = [p for p in daemon.running("forkserver") if p.ppid() == daemon.process.pid]
+    return process
+
+
+def test_a_custom_loaders_module_is_imported_once_by_the_forkserver_without_torch(
+        make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    imports = tmp_path / "imports.txt"
+    daemon = make_daemon("[pool]\ncold_start_workers = 2\n"
+                         + model_entry("m", loader="recorded").replace(
+                             "mp_test_loaders:", "import_test_loaders:"),
+                         env={"MP_IMPORT_LOG": str(imports)})
+    with daemon.client() as c:
+        assert c.embed("x", model="m")[0] == 1.0
+        assert len(worker_pids(c, "m")) == 2
+    server = forkserver(daemon)
+    assert imports.read_text().split() == [str(server.pid)]  # not once per worker
+    mapped = [m.path for m in server.memory_maps()]
+    assert mapped and not [path for path in mapped if "libtorch" in path]
+
+
+def test_a_loader_module_that_fails_at_import_fails_only_its_own_model(
+        make_daemon: MakeDaemon) -> None:
+    daemon = make_daemon("[pool]\nmax_load_failures = 1\n" + model_entry("ok")
+                         + model_entry("bad").replace("mp_test_loaders:slow_embedder",
+                                                      "broken_test_loaders:load"))
+    with daemon.client() as c:
+        with pytest.raises(PoolError) as failed:
+            c.embed("x", model="bad")
+        assert failed.value.code is ErrorCode.MODEL_LOAD_FAILED
+        assert "broken at import" in failed.value.message
+        assert c.embed("x", model="ok")[0] == 1.0
+    assert forkserver(daemon).is_running()
