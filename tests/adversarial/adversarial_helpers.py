@@ -38,6 +38,7 @@ _spec.loader.exec_module(_integration)
 
 ROOT = _integration.ROOT
 Daemon = _integration.Daemon
+MakeDaemon = _integration.MakeDaemon
 daemon_env = _integration.daemon_env
 fresh_socket_path = _integration.fresh_socket_path
 model_entry = _integration.model_entry

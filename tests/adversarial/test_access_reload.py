@@ -9,12 +9,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 
 import pytest
-from adversarial_helpers import ROOT, Daemon, as_other_user, model_entry, other_user_env
+from adversarial_helpers import ROOT, Daemon, MakeDaemon, as_other_user, model_entry, other_user_env
 
-MakeDaemon = Callable[..., Daemon]
 SLOW = model_entry("slow", run_s=0, max_workers=1)
 GROUP_SOCKET = '[daemon]\nsocket_group = "postgres"\n'
 

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from adversarial_helpers import (
     OTHER_UID,
     ROOT,
     Daemon,
+    MakeDaemon,
     as_other_user,
     daemon_env,
     fresh_socket_path,
@@ -37,7 +38,6 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.peers import DAEMON_UID_ENV
 from modelpool.supervisor import cgroups
 
-MakeDaemon = Callable[..., Daemon]
 SLOW = model_entry("slow", run_s=0, max_workers=1)
 GROUP_SOCKET = '[daemon]\nsocket_group = "postgres"\n'
 

@@ -15,7 +15,6 @@ import itertools
 import socket
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ Daemon = _integration.Daemon
 FORCED_MINILM = _integration.FORCED_MINILM
 model_entry = _integration.model_entry
 start_daemon = _integration.start_daemon
+wait_until = _integration.wait_until
 
 LEASE_S = 2.0  # short leases, so that the tests of lost nodes are quick
 
@@ -83,18 +83,6 @@ def start_node(workdir: Path, config: str, prefix: list[str] | None = None,
     the daemon's environment."""
     workdir.mkdir(parents=True, exist_ok=True)
     return start_daemon(workdir, config, env=env, prefix=prefix or ())
-
-
-def wait_until(check: Callable[[], Any], timeout_s: float, what: str,
-               interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(interval_s)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -97,10 +98,26 @@ class Daemon:
         return code
 
 
+MakeDaemon = Callable[..., Daemon]  # the make_daemon fixture
+
+
 def worker_pids(c: Client, key: str) -> list[int]:
     """The pids of a model's workers, as `status` lists them."""
     model = next(m for m in c.status()["models"] if m["key"] == key)
     return [w["pid"] for w in model["workers"]]
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float, what: str,
+               interval_s: float = 0.05) -> Any:
+    """check()'s first true value, polled until timeout_s; else fails saying what."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        time.sleep(interval_s)
 
 
 def wait_for_socket(daemon: Daemon, timeout_s: float) -> None:

@@ -10,16 +10,13 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import ROOT, Daemon, daemon_env, model_entry, worker_pids
+from conftest import ROOT, Daemon, MakeDaemon, daemon_env, model_entry, wait_until, worker_pids
 
 from modelpool.protocol.client import Client
 from modelpool.protocol.errors import ErrorCode, PoolError
-
-MakeDaemon = Callable[..., Daemon]
 
 
 def rewrite(daemon: Daemon, config_toml: str) -> None:
@@ -41,15 +38,6 @@ def model_counts(c: Client, key: str) -> tuple[int, int] | None:
     return (model["running"], model["queued"]) if model else None
 
 
-def wait_until(what: str, check: Callable[[], Any], timeout_s: float = 30) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s}s: {what}")
-
-
 def test_reload_adds_removes_and_replaces_models_without_losing_work(
         make_daemon: MakeDaemon) -> None:
     before = (model_entry("keep") + one_at_a_time("gone", run_s=1.5)
@@ -67,8 +55,8 @@ def test_reload_adds_removes_and_replaces_models_without_losing_work(
         threads = [threading.Thread(target=slow, args=(t,)) for t in ("running", "queued")]
         for thread in threads:
             thread.start()
-        wait_until("one request of gone runs and one waits",
-                   lambda: model_counts(c, "gone") == (1, 1))
+        wait_until(lambda: model_counts(c, "gone") == (1, 1), 30,
+                   "one request of gone runs and one waits")
         rewrite(daemon, model_entry("keep", max_workers=1)
                 + model_entry("changed", max_workers=1, mark=2) + model_entry("added", mark=3))
         message = c.reload()
@@ -83,11 +71,11 @@ def test_reload_adds_removes_and_replaces_models_without_losing_work(
         for thread in threads:
             thread.join(30)
         assert [len(r) for r in results] == [1, 1]  # both answered, by the removed model
-        wait_until("gone has left the status", lambda: model_state(c, "gone") is None)
+        wait_until(lambda: model_state(c, "gone") is None, 30, "gone has left the status")
         # The changed model's worker is replaced; until then the old one serves.
-        wait_until("changed runs its new options",
-                   lambda: c.embed(["y"], model="changed")[0][-1] == 2.0)
-        wait_until("its old worker stopped", lambda: old not in worker_pids(c, "changed"))
+        wait_until(lambda: c.embed(["y"], model="changed")[0][-1] == 2.0, 30,
+                   "changed runs its new options")
+        wait_until(lambda: old not in worker_pids(c, "changed"), 30, "its old worker stopped")
     assert "config reloaded: added: added" in daemon.log()
 
 
@@ -104,7 +92,7 @@ def test_a_bad_config_changes_nothing_and_sighup_reloads(make_daemon: MakeDaemon
 
         rewrite(daemon, model_entry("a") + model_entry("b") + "\n[cluster]\nnode_name = 'n2'\n")
         daemon.process.send_signal(signal.SIGHUP)
-        wait_until("b is known", lambda: "b" in [m["key"] for m in c.models()])
+        wait_until(lambda: "b" in [m["key"] for m in c.models()], 30, "b is known")
         assert len(c.embed(["new"], model="b")) == 1
     assert "changes of [cluster] apply at the next start" in daemon.log()
 
@@ -130,8 +118,8 @@ def test_a_reloaded_pool_applies_at_once_and_renews_workers_started_otherwise(
         with pytest.raises(PoolError) as late_job:  # [jobs]'s timeout (3600 s before)
             c.retrieve(c.submit("embed", ["j"], model="slow"), timeout_s=30)
         assert late_job.value.code is ErrorCode.TIMEOUT
-        wait_until("its worker is replaced", lambda: old not in worker_pids(c, "slow"))
-        (new,) = wait_until("a new worker serves", lambda: worker_pids(c, "slow"))
+        wait_until(lambda: old not in worker_pids(c, "slow"), 30, "its worker is replaced")
+        (new,) = wait_until(lambda: worker_pids(c, "slow"), 30, "a new worker serves")
         assert len(c.embed(["y"], model="slow", timeout_s=30)) == 1
         assert worker_pids(c, "slow") == [new]
     assert "the threads, batch or heartbeat its workers started with changed" in daemon.log()
@@ -159,7 +147,7 @@ def test_jobs_waiting_for_a_removed_model_end_saying_so(make_daemon: MakeDaemon)
     daemon = make_daemon(one_at_a_time("j", run_s=0.3) + model_entry("other"))
     with daemon.client() as c:
         keys = [c.submit("embed", [f"t{i}"], model="j") for i in range(14)]
-        wait_until("j runs", lambda: (model_counts(c, "j") or (0, 0))[0] == 1)
+        wait_until(lambda: (model_counts(c, "j") or (0, 0))[0] == 1, 30, "j runs")
         rewrite(daemon, model_entry("other"))
         assert c.reload().startswith("removed")
         served, ended = 0, []

@@ -8,20 +8,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from conftest import Daemon, model_entry
+from conftest import Daemon, MakeDaemon, model_entry, wait_until
 
 from modelpool.protocol.client import AsyncClient, PoolError
 from modelpool.protocol.errors import ErrorCode
 from modelpool.supervisor.cgroups import loading_cgroup_dir, own_cpu_cgroup_dir
 from modelpool.workers import priority
 
-MakeDaemon = Callable[..., Daemon]
 SERVING_CGROUP = own_cpu_cgroup_dir()
 IDLE_CGROUP_POSSIBLE = SERVING_CGROUP is not None and os.access(SERVING_CGROUP, os.W_OK)
 LOWERED = priority.can_restore(os.getpriority(os.PRIO_PROCESS, 0))  # else nothing is
@@ -46,15 +44,6 @@ def cpu_cgroup(pid: int, tid: int | None = None) -> str:
 def status_of(daemon: Daemon, key: str) -> dict[str, Any]:
     with daemon.client() as c:
         return next(m for m in c.status()["models"] if m["key"] == key)
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s}s: {what}")
 
 
 def test_cold_start_two_then_grow_under_load_then_shrink_to_zero(

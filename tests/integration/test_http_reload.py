@@ -13,18 +13,16 @@ import socket
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx2 as httpx
 import psutil
 import pytest
-from conftest import Daemon, model_entry, worker_pids
+from conftest import Daemon, MakeDaemon, model_entry, worker_pids
 from http_helpers import free_port, wait_for_http
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 
-MakeDaemon = Callable[..., Daemon]
 SLOW = model_entry("slow", run_s=0.2, max_workers=1)  # a request in flight at a takeover
 # A request in flight at a takeover that outlasts the 5 s a stop of the daemon gives.
 SLOW_AND_LONG = SLOW + model_entry("long", run_s=6.0, max_workers=1)

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +27,6 @@ from conftest import (
 
 from modelpool.protocol.client import ImageChunk, TextResult
 from modelpool.protocol.errors import ErrorCode, PoolError
-
-MakeDaemon = Callable[..., Daemon]
 
 
 @pytest.fixture(scope="module")

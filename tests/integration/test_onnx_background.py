@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import psutil
 import pytest
-from conftest import FORCED_MINILM, Daemon
+from conftest import FORCED_MINILM, Daemon, MakeDaemon
 
 from modelpool.protocol.client import Client, PoolError
 from modelpool.protocol.errors import ErrorCode
@@ -24,7 +24,6 @@ from modelpool.registry.download import resolve_model_dir
 from modelpool.registry.loaders import onnx_cache, weights_size_mb
 from modelpool.registry.spec import Registry, load_catalog
 
-MakeDaemon = Callable[..., Daemon]
 HoldExport = Callable[[Path], AbstractContextManager[None]]
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
 # torch's import and MiniLM's export at idle priority on 2 busy cores: the client's bound

@@ -3,18 +3,16 @@ its workers), and gives eager PyTorch's vectors."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import psutil
-from conftest import Daemon
+from conftest import MakeDaemon
 
 from modelpool.registry.loaders import load_model
 from modelpool.registry.spec import Registry, load_catalog
 
-MakeDaemon = Callable[..., Daemon]
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
 
 

@@ -4,17 +4,14 @@ own model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import Daemon, model_entry, worker_pids
+from conftest import Daemon, MakeDaemon, model_entry, worker_pids
 
 from modelpool.protocol.client import PoolError
 from modelpool.protocol.errors import ErrorCode
-
-MakeDaemon = Callable[..., Daemon]
 
 
 def forkserver(daemon: Daemon) -> psutil.Process:

@@ -7,20 +7,17 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import psutil
-from conftest import Daemon
+from conftest import MakeDaemon
 
 from modelpool.protocol.client import AsyncClient, PoolError
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import frame, recv_frame, send_frame
 from modelpool.protocol.messages import Embed, Error, Hello, encoder
 from modelpool.protocol.wire import server_decoder
-
-MakeDaemon = Callable[..., Daemon]
 
 
 def counted(key: str, log: Path, run_s: float, extra: str = "") -> str:

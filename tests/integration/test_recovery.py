@@ -9,17 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import psutil
 import pytest
-from conftest import ROOT, Daemon, model_entry
+from conftest import ROOT, Daemon, MakeDaemon, model_entry
 
 from modelpool.protocol.client import AsyncClient, PoolError
 from modelpool.protocol.errors import ErrorCode
 from modelpool.supervisor import shm
-
-MakeDaemon = Callable[..., Daemon]
 
 
 def worker_pids(daemon: Daemon, key: str) -> list[int]:

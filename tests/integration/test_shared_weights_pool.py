@@ -8,15 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
-from conftest import Daemon
+from conftest import Daemon, MakeDaemon, wait_until
 
-MakeDaemon = Callable[..., Daemon]
 CONFIG = """
     [pool]
     cooldown_idle_s = 3600
@@ -43,13 +41,6 @@ def processes(daemon: Daemon, key: str) -> list[dict[str, Any]]:
         return next(m for m in c.status()["models"] if m["key"] == key)["workers"]
 
 
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        time.sleep(0.05)
-
-
 def private_dirty_mb(pid: int) -> float:
     """Memory only this process has written: what a copy of the weights would be. (USS
     also counts weight-file pages no sibling happens to have touched yet.)"""
@@ -70,7 +61,7 @@ def test_workers_serve_from_the_holders_one_copy(make_daemon: MakeDaemon) -> Non
         held = np.asarray(c.embed(TEXTS, model="held"))
         files = np.asarray(c.embed(TEXTS, model="files"))
     np.testing.assert_allclose(held, files, rtol=0, atol=1e-6)  # same weights, same math
-    wait_for(lambda: len(processes(daemon, "held")) == 3, "a holder and two workers")
+    wait_until(lambda: len(processes(daemon, "held")) == 3, 20, "a holder and two workers")
     (holder,) = [p for p in processes(daemon, "held") if p["holds_weights"]]
     workers = [p for p in processes(daemon, "held") if not p["holds_weights"]]
     assert holder["state"] == "holding" and len(workers) == 2
@@ -86,7 +77,7 @@ def test_workers_serve_from_the_holders_one_copy(make_daemon: MakeDaemon) -> Non
     with daemon.client() as c:
         c.unload("held")
     # A holder that ignored its Shutdown would be killed only after 6 s.
-    wait_for(lambda: not processes(daemon, "held"), "holder gone after its workers", 3)
+    wait_until(lambda: not processes(daemon, "held"), 3, "holder gone after its workers")
     assert not psutil.pid_exists(holder["pid"]) and segments() == before
 
 
@@ -108,7 +99,7 @@ def test_a_killed_holder_is_replaced_and_nothing_is_lost(make_daemon: MakeDaemon
         return (len(holders) == 1 and holders[0]["pid"] != holder["pid"]
                 and holders[0]["state"] == "holding")
 
-    wait_for(served_and_replaced, "a new holder")
+    wait_until(served_and_replaced, 20, "a new holder")
     assert len(segments() - before) == 1  # the dead holder's segment was removed
     daemon.stop()
     assert segments() == before
