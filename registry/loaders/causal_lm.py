@@ -15,18 +15,22 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Generate, Sampling
 from modelpool.registry.loaders import batched_decode
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
-from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
+from modelpool.registry.loaders.common import (
+    place,
+    pretrained_kwargs,
+    require_dir,
+    token_limit,
+)
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 
 class CausalLM:
-    def __init__(self, key: str, tokenizer: Any, model: Any) -> None:
+    def __init__(self, key: str, tokenizer: Any, model: Any, context: int) -> None:
         self.key = key
         self.tokenizer = tokenizer
         self.model = model.eval()
-        config = model.config
-        self.context = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        self.context = context  # prompt and output tokens together
         self.eos_ids = eos_ids_of(model, tokenizer)
 
     def info(self) -> dict[str, Any]:
@@ -174,4 +178,5 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
         model_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
     model = place(spec, AutoModelForCausalLM.from_pretrained(model_dir,
                                                              **pretrained_kwargs(spec)))
-    return CausalLM(spec.key, tokenizer, model)
+    own = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    return CausalLM(spec.key, tokenizer, model, token_limit(spec, "context", own))

@@ -39,6 +39,16 @@ def place(spec: ModelSpec, model: Any) -> Any:
     return model if device.type == "cpu" else model.to(device)
 
 
+def token_limit(spec: ModelSpec, option: str, model_limit: int) -> int:
+    """The tokens a sequence may hold: the model's own limit, or the lower one the
+    model's `option` sets (a bound on each sequence's time and memory)."""
+    value = spec.options.get(option, model_limit)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model {spec.key!r}: {option} must be a whole number of tokens, "
+                         f"at least 1, not {value!r}")
+    return min(value, model_limit)
+
+
 def pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
     """from_pretrained arguments every loader honours: dtype, weight format, remote code."""
     dtype_name = spec.options.get("dtype", "float32")

@@ -13,7 +13,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
+from modelpool.registry.loaders.common import (
+    place,
+    pretrained_kwargs,
+    require_dir,
+    token_limit,
+)
 from modelpool.registry.spec import ModelSpec
 
 ACTIVATIONS = ("sigmoid", "none")  # "none": the raw logit
@@ -55,5 +60,4 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CrossEncoder:
     if activation not in ACTIVATIONS:
         raise ValueError(f"model {spec.key!r}: activation {activation!r} not in {ACTIVATIONS}")
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 512)
-    max_length = min(int(spec.options.get("max_length", limit)), limit)
-    return CrossEncoder(tokenizer, model, max_length, activation)
+    return CrossEncoder(tokenizer, model, token_limit(spec, "max_length", limit), activation)

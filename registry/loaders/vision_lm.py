@@ -19,7 +19,12 @@ from modelpool.protocol.messages import Describe
 from modelpool.registry.loaders import batched_decode
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
-from modelpool.registry.loaders.common import place, pretrained_kwargs, require_dir
+from modelpool.registry.loaders.common import (
+    place,
+    pretrained_kwargs,
+    require_dir,
+    token_limit,
+)
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -27,14 +32,14 @@ DEFAULT_PROMPT = "Describe this image."
 
 
 class VisionLM:
-    def __init__(self, key: str, processor: Any, model: Any) -> None:
+    def __init__(self, key: str, processor: Any, model: Any, context: int) -> None:
         self.key = key
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.model = model.eval()
-        text_config = model.config.get_text_config()
-        self.context = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
-        self.eos_ids = eos_ids_of(model, self.tokenizer) | _config_eos(text_config)
+        self.context = context  # prompt (image tokens too) and output tokens together
+        self.eos_ids = (eos_ids_of(model, self.tokenizer)
+                        | _config_eos(model.config.get_text_config()))
 
     def info(self) -> dict[str, Any]:
         vision = getattr(self.model.config, "vision_config", None)
@@ -117,4 +122,6 @@ def load(spec: ModelSpec, model_dir: Path | None) -> VisionLM:
         raise ValueError(f"model {spec.key!r}: its processor has no tokenizer")
     model = place(spec, AutoModelForImageTextToText.from_pretrained(
         model_dir, **pretrained_kwargs(spec)))
-    return VisionLM(spec.key, processor, model)
+    text_config = model.config.get_text_config()
+    own = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
+    return VisionLM(spec.key, processor, model, token_limit(spec, "context", own))

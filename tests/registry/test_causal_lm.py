@@ -13,6 +13,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ChatMessage, Generate
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM, IncrementalDecoder, sample
+from modelpool.registry.loaders.common import token_limit
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -173,6 +174,37 @@ def test_budget_is_capped_by_the_context(llm: CausalLM) -> None:
                          ignore_eos=True)
     assert (stats.prompt_tokens, stats.completion_tokens) == (llm.context - 1, 1)
     assert stats.finish_reason == "length"
+
+
+def test_a_context_option_lowers_the_models_own(tiny_models_dir: Path) -> None:
+    def load(**options: object) -> CausalLM:
+        spec = ModelSpec(key="short", capability="text_to_text", options=options,
+                         path=str(tiny_models_dir / "tiny-llm"))
+        model = load_model(spec)
+        assert isinstance(model, CausalLM)
+        return model
+
+    short = load(context=64)
+    assert short.info()["context"] == 64
+    _, stats = _generate(short, prompt="~" * 40, raw=True, temperature=0.0,
+                         max_tokens=1_000_000, ignore_eos=True)
+    assert stats.prompt_tokens + stats.completion_tokens == 64
+    assert stats.finish_reason == "length"
+    with pytest.raises(PoolError) as err:
+        _generate(short, prompt="~" * 64, raw=True, max_tokens=4)
+    assert err.value.code == ErrorCode.BAD_REQUEST and "context of 64" in err.value.message
+    assert load(context=10**6).info()["context"] == 2048  # never above the model's own
+    with pytest.raises(ValueError, match="context must be a whole number of tokens"):
+        load(context=0)
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.5, "64", True])
+def test_token_limits_are_whole_numbers_of_at_least_one(value: object) -> None:
+    spec = ModelSpec(key="m", capability="text_to_text", path="/m", options={"context": value})
+    with pytest.raises(ValueError, match=r"model 'm': context must be a whole number"):
+        token_limit(spec, "context", 2048)
+    assert token_limit(ModelSpec(key="m", capability="rerank", path="/m",
+                                 options={"max_length": 16}), "max_length", 512) == 16
 
 
 # ---- sample() --------------------------------------------------------------------------

@@ -166,6 +166,18 @@ def test_prompt_longer_than_context_is_a_bad_request(vlm: VisionLM, image: Image
     assert "2048" in err.value.message
 
 
+def test_a_context_option_lowers_the_models_own(tiny_models_dir: Path,
+                                               image: Image.Image) -> None:
+    spec = ModelSpec(key="short", capability="vision", options={"context": 48},
+                     path=str(tiny_models_dir / "tiny-vision"))
+    short = load_model(spec)
+    assert isinstance(short, VisionLM) and short.info()["context"] == 48
+    _, stats = _describe(short, image, prompt="~", temperature=0.0, max_tokens=1_000_000,
+                         ignore_eos=True)
+    assert stats.prompt_tokens > IMAGE_TOKENS  # the image's tokens count against it
+    assert stats.prompt_tokens + stats.completion_tokens == 48
+
+
 def test_budget_is_capped_by_the_context(vlm: VisionLM, image: Image.Image) -> None:
     overhead = len(vlm.prompt_inputs(image, "~")["input_ids"][0]) - 1
     prompt = "~" * (vlm.context - 1 - overhead)

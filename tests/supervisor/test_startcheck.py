@@ -40,6 +40,14 @@ def test_unknown_options_are_refused_by_name_with_what_the_loader_takes(
     assert "'activaton'" in str(err.value) and "activation, dtype, max_length" in str(err.value)
 
 
+@pytest.mark.parametrize("capability", ["text_to_text", "vision"])
+def test_generation_takes_a_context(tmp_path: Path, capability: str) -> None:
+    entry = f'capability = "{capability}"\npath = "{tmp_path}"\noptions = {{ context = 256 }}'
+    assert check_models(config_with(tmp_path, entry)) == []
+    with pytest.raises(ConfigError, match=r"'contxt'.*takes context, dtype"):
+        check_models(config_with(tmp_path, entry.replace("context", "contxt")))
+
+
 def test_custom_loaders_keep_their_own_options(tmp_path: Path) -> None:
     config = config_with(tmp_path, 'capability = "rerank"\nloader = "m:f"\noptions = { x = 1 }')
     assert check_models(config) == []
