@@ -16,10 +16,10 @@ from modelpool.protocol.messages import Generate, Sampling
 from modelpool.registry.loaders import batched_decode
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.common import (
+    configured_tokens,
     place,
     pretrained_kwargs,
     require_dir,
-    token_limit,
 )
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -179,4 +179,4 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
     model = place(spec, AutoModelForCausalLM.from_pretrained(model_dir,
                                                              **pretrained_kwargs(spec)))
     own = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    return CausalLM(spec.key, tokenizer, model, token_limit(spec, "context", own))
+    return CausalLM(spec.key, tokenizer, model, configured_tokens(spec, "context", own))

@@ -39,7 +39,7 @@ def place(spec: ModelSpec, model: Any) -> Any:
     return model if device.type == "cpu" else model.to(device)
 
 
-def token_limit(spec: ModelSpec, option: str, model_limit: int) -> int:
+def configured_tokens(spec: ModelSpec, option: str, model_limit: int) -> int:
     """The tokens a sequence may hold: the model's own limit, or the lower one the
     model's `option` sets (a bound on each sequence's time and memory)."""
     value = spec.options.get(option, model_limit)

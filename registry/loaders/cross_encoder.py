@@ -14,10 +14,10 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from modelpool.registry.loaders.common import (
+    configured_tokens,
     place,
     pretrained_kwargs,
     require_dir,
-    token_limit,
 )
 from modelpool.registry.spec import ModelSpec
 
@@ -60,4 +60,4 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CrossEncoder:
     if activation not in ACTIVATIONS:
         raise ValueError(f"model {spec.key!r}: activation {activation!r} not in {ACTIVATIONS}")
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 512)
-    return CrossEncoder(tokenizer, model, token_limit(spec, "max_length", limit), activation)
+    return CrossEncoder(tokenizer, model, configured_tokens(spec, "max_length", limit), activation)

@@ -20,10 +20,10 @@ from modelpool.registry.loaders import batched_decode
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
 from modelpool.registry.loaders.common import (
+    configured_tokens,
     place,
     pretrained_kwargs,
     require_dir,
-    token_limit,
 )
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -124,4 +124,4 @@ def load(spec: ModelSpec, model_dir: Path | None) -> VisionLM:
         model_dir, **pretrained_kwargs(spec)))
     text_config = model.config.get_text_config()
     own = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
-    return VisionLM(spec.key, processor, model, token_limit(spec, "context", own))
+    return VisionLM(spec.key, processor, model, configured_tokens(spec, "context", own))

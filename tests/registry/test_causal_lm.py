@@ -13,7 +13,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ChatMessage, Generate
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM, IncrementalDecoder, sample
-from modelpool.registry.loaders.common import token_limit
+from modelpool.registry.loaders.common import configured_tokens
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -199,11 +199,11 @@ def test_a_context_option_lowers_the_models_own(tiny_models_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("value", [0, -5, 1.5, "64", True])
-def test_token_limits_are_whole_numbers_of_at_least_one(value: object) -> None:
+def test_configured_token_limits_are_whole_numbers_of_at_least_one(value: object) -> None:
     spec = ModelSpec(key="m", capability="text_to_text", path="/m", options={"context": value})
     with pytest.raises(ValueError, match=r"model 'm': context must be a whole number"):
-        token_limit(spec, "context", 2048)
-    assert token_limit(ModelSpec(key="m", capability="rerank", path="/m",
+        configured_tokens(spec, "context", 2048)
+    assert configured_tokens(ModelSpec(key="m", capability="rerank", path="/m",
                                  options={"max_length": 16}), "max_length", 512) == 16
 
 
