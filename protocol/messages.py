@@ -365,6 +365,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     source: str
     default: bool
     state: str
+    context: int | None = None  # the tokens it sees, once one of its workers has loaded it
 
 
 class StatusReply(_Msg, frozen=True, kw_only=True, tag="status_reply"):

@@ -150,6 +150,16 @@ class Ready(_Msg, frozen=True, kw_only=True, tag="ready"):
     weights: SharedWeights | None = None  # from a weights holder: what workers will map
 
 
+def token_limit(info: dict[str, Any]) -> int | None:
+    """The most tokens the model looks at, as its loader reports it in Ready.info (None:
+    unknown): the workers cut texts by it, and the supervisor lists it."""
+    for key in ("max_seq_length", "max_length", "context"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 class LoadFailed(_Msg, frozen=True, kw_only=True, tag="load_failed"):
     cause: str
 

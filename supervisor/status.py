@@ -25,6 +25,7 @@ from modelpool.protocol.messages import (
     PoolStatus,
     WorkerStatus,
 )
+from modelpool.protocol.pipes import token_limit
 from modelpool.registry import sources
 from modelpool.supervisor import gpus, memory
 from modelpool.supervisor.models import LOADING, ModelState
@@ -181,7 +182,9 @@ def models_info(pool: Pool) -> list[ModelInfo]:
     return [
         ModelInfo(key=m.spec.key, capability=m.spec.capability, aliases=list(m.spec.aliases),
                   source=m.spec.source, default=m.spec.key in defaults,
-                  state=m.state_name())
+                  state=m.state_name(),
+                  context=next((limit for w in m.workers.values()
+                                if w.ready and (limit := token_limit(w.info))), None))
         for m in pool.models.values() if not m.retiring  # a reload removed it
     ]
 

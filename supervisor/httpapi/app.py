@@ -154,7 +154,8 @@ class Api:
         models = await client.models()
         return json_response({"object": "list", "data": [
             {"id": m["key"], "object": "model", "created": 0, "owned_by": "modelpool",
-             "capability": m["capability"], "state": m["state"]} for m in models]})
+             "capability": m["capability"], "state": m["state"],
+             "max_model_len": m.get("context")} for m in models]})
 
     # ---- for operators -----------------------------------------------------------------
 

@@ -118,6 +118,8 @@ class ModelCard(msgspec.Struct):
     owned_by: str
     capability: str
     state: str
+    # vLLM's name: the tokens it sees (prompt and output), once one of its workers loaded it
+    max_model_len: int | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -251,7 +251,9 @@ def test_async_sdk_whole_answers_equal_the_socket_clients(served: tuple[Daemon, 
 
 
 def test_models_lists_each_configured_model_with_its_capability(sdk: openai.OpenAI) -> None:
+    sdk.completions.create(model="tiny-llm", prompt="x", max_tokens=1)  # a worker loaded
     listed = {m.id: m.model_dump() for m in sdk.models.list()}
+    assert listed["tiny-llm"]["max_model_len"] == 64  # its `context` option (http_helpers)
     configured = {"tiny-llm": "text_to_text", "tiny-clip": "image_embedding",
                   "tiny-vision": "vision", "tiny-sd": "text_to_image",
                   "tiny-rerank": "rerank", "counter": "text_to_text",

@@ -119,6 +119,19 @@ async def test_models_info_lists_keys_defaults_aliases_and_states(
     assert info["emb"].capability == "text_embedding"
 
 
+async def test_models_info_gives_the_context_a_loaded_worker_reports(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(models=[ModelSpec(key="gen", capability="text_to_text", path="/none")])
+    h.generate(h.sink(), model="gen")
+    await h.settle()
+    def context() -> int | None:
+        return next(m.context for m in models_info(h.pool) if m.key == "gen")
+
+    assert context() is None  # loading: not known yet
+    h.ready(h.workers("gen")[0], info={"context": 512, "chat_template": True})
+    assert context() == 512
+
+
 async def test_refresh_memory_measures_live_workers_and_skips_gone_ones(
         make_harness: MakeHarness) -> None:
     h = make_harness()

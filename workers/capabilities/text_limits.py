@@ -13,17 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.pipes import token_limit
 
 MAX_CHARS_PER_TOKEN = 64  # whitespace runs and [UNK] words aside, tokens are far shorter
-
-
-def token_limit(info: dict[str, Any]) -> int | None:
-    """The most tokens the model looks at, as its loader reports it (None: unknown)."""
-    for key in ("max_seq_length", "max_length", "context"):
-        value = info.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def char_limit(model: Any) -> int | None:
