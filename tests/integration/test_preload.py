@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import Daemon, MakeDaemon, model_entry, worker_pids
+from conftest import Daemon, MakeDaemon, model_entry, wait_until, worker_pids
 
 from modelpool.protocol.client import PoolError
 from modelpool.protocol.errors import ErrorCode
@@ -29,7 +29,7 @@ def test_a_custom_loaders_module_is_imported_once_by_the_forkserver_without_torc
                          env={"MP_IMPORT_LOG": str(imports)})
     with daemon.client() as c:
         assert c.embed("x", model="m")[0] == 1.0
-        assert len(worker_pids(c, "m")) == 2
+        wait_until(lambda: len(worker_pids(c, "m")) == 2, 30, "its second worker")
     server = forkserver(daemon)
     assert imports.read_text().split() == [str(server.pid)]  # not once per worker
     mapped = [m.path for m in server.memory_maps()]
