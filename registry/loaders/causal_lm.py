@@ -17,6 +17,7 @@ from modelpool.registry.loaders import batched_decode
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.common import (
     configured_tokens,
+    own_tokens,
     place,
     pretrained_kwargs,
     require_dir,
@@ -178,5 +179,5 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
         model_dir, local_files_only=True, trust_remote_code=spec.trust_remote_code)
     model = place(spec, AutoModelForCausalLM.from_pretrained(model_dir,
                                                              **pretrained_kwargs(spec)))
-    own = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    return CausalLM(spec.key, tokenizer, model, configured_tokens(spec, "context", own))
+    context = configured_tokens(spec, "context", own_tokens(model.config, 2048))
+    return CausalLM(spec.key, tokenizer, model, context)

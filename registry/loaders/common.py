@@ -39,6 +39,11 @@ def place(spec: ModelSpec, model: Any) -> Any:
     return model if device.type == "cpu" else model.to(device)
 
 
+def own_tokens(config: Any, default: int) -> int:
+    """The tokens the model's config says a sequence may hold (default: it says none)."""
+    return int(getattr(config, "max_position_embeddings", 0) or default)
+
+
 def configured_tokens(spec: ModelSpec, option: str, model_limit: int) -> int:
     """The tokens a sequence may hold: the model's own limit, or the lower one the
     model's `option` sets (a bound on each sequence's time and memory)."""

@@ -15,6 +15,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from modelpool.registry.loaders.common import (
     configured_tokens,
+    own_tokens,
     place,
     pretrained_kwargs,
     require_dir,
@@ -59,5 +60,5 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CrossEncoder:
     activation = spec.options.get("activation", "sigmoid")
     if activation not in ACTIVATIONS:
         raise ValueError(f"model {spec.key!r}: activation {activation!r} not in {ACTIVATIONS}")
-    limit = int(getattr(model.config, "max_position_embeddings", 0) or 512)
-    return CrossEncoder(tokenizer, model, configured_tokens(spec, "max_length", limit), activation)
+    max_length = configured_tokens(spec, "max_length", own_tokens(model.config, 512))
+    return CrossEncoder(tokenizer, model, max_length, activation)

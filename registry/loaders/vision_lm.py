@@ -21,6 +21,7 @@ from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepare
 from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
 from modelpool.registry.loaders.common import (
     configured_tokens,
+    own_tokens,
     place,
     pretrained_kwargs,
     require_dir,
@@ -122,6 +123,5 @@ def load(spec: ModelSpec, model_dir: Path | None) -> VisionLM:
         raise ValueError(f"model {spec.key!r}: its processor has no tokenizer")
     model = place(spec, AutoModelForImageTextToText.from_pretrained(
         model_dir, **pretrained_kwargs(spec)))
-    text_config = model.config.get_text_config()
-    own = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
+    own = own_tokens(model.config.get_text_config(), 2048)
     return VisionLM(spec.key, processor, model, configured_tokens(spec, "context", own))

@@ -41,14 +41,16 @@ execution = "onnx"
 
 def model_entry(key: str, loader: str = "slow_embedder", capability: str = "text_embedding",
                 max_workers: int | None = None, **options: float) -> str:
-    """A [[models]] entry served by a loader of tests/integration/mp_test_loaders.py."""
+    """A [[models]] entry served by a loader of tests/integration/mp_test_loaders.py, or
+    by another test module's ("module:function")."""
     opts = ", ".join(f"{k} = {v}" for k, v in options.items())
     cap = f"\n        max_workers = {max_workers}" if max_workers is not None else ""
+    target = loader if ":" in loader else f"mp_test_loaders:{loader}"
     return f"""
         [[models]]
         key = "{key}"
         capability = "{capability}"
-        loader = "mp_test_loaders:{loader}"
+        loader = "{target}"
         options = {{ {opts} }}{cap}
     """
 

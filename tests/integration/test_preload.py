@@ -24,8 +24,7 @@ def test_a_custom_loaders_module_is_imported_once_by_the_forkserver_without_torc
         make_daemon: MakeDaemon, tmp_path: Path) -> None:
     imports = tmp_path / "imports.txt"
     daemon = make_daemon("[pool]\ncold_start_workers = 2\n"
-                         + model_entry("m", loader="recorded").replace(
-                             "mp_test_loaders:", "import_test_loaders:"),
+                         + model_entry("m", loader="import_test_loaders:recorded"),
                          env={"MP_IMPORT_LOG": str(imports)})
     with daemon.client() as c:
         assert c.embed("x", model="m")[0] == 1.0
@@ -39,8 +38,7 @@ def test_a_custom_loaders_module_is_imported_once_by_the_forkserver_without_torc
 def test_a_loader_module_that_fails_at_import_fails_only_its_own_model(
         make_daemon: MakeDaemon) -> None:
     daemon = make_daemon("[pool]\nmax_load_failures = 1\n" + model_entry("ok")
-                         + model_entry("bad").replace("mp_test_loaders:slow_embedder",
-                                                      "broken_test_loaders:load"))
+                         + model_entry("bad", loader="broken_test_loaders:load"))
     with daemon.client() as c:
         with pytest.raises(PoolError) as failed:
             c.embed("x", model="bad")
