@@ -115,8 +115,12 @@ def new_session(model_file: Path, threads: int) -> Any:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    # Siblings share the cores: a thread that spins while waiting takes a core from them.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Between the parallel parts of a pass its threads spin instead of sleeping: waking
+    # a sleeping thread for each part cost a lone MiniLM text ~1-2 ms of ~9 here. They
+    # stop when the pass ends: spinning on, they would take the cores its siblings and
+    # the supervisor need (~60 ms of CPU after a last pass, without the stop).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     # No arena: activations go back to malloc, and an idle worker trims them (main.py).
     options.enable_cpu_mem_arena = False
     options.log_severity_level = 3

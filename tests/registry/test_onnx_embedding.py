@@ -265,6 +265,19 @@ def test_a_worker_serving_the_export_never_imports_torch(in_cache: Path) -> None
     assert out.stdout.split() == ["onnx", "False"]
 
 
+def test_the_sessions_threads_use_no_cpu_once_a_pass_has_ended(in_cache: Path) -> None:
+    """They spin between the parts of a pass, not after it: an idle worker leaves the
+    cores to its siblings. In a process of its own, torch's threads not beside them."""
+    code = ("import time; from modelpool.registry.loaders import load_model; "
+            "from modelpool.registry.spec import Registry, load_catalog; "
+            "m = load_model(Registry(load_catalog()).resolve('minilm')); m.set_threads(2); "
+            "[m.embed(['a worker serves many clients %d' % i]) for i in range(30)]; "
+            "t = time.process_time(); time.sleep(0.5); print(time.process_time() - t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ), check=True)
+    assert float(out.stdout) < 0.01  # spinning on after the pass: ~0.06 s here
+
+
 def test_the_export_and_eager_are_timed_in_turns() -> None:
     """The cached choice rests on these timings: a busy spell must not fall on one side."""
     from modelpool.registry.loaders import onnx_export
