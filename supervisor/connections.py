@@ -11,6 +11,7 @@ pass `max_unread_total_bytes` and it holds the most.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -47,6 +48,10 @@ class ClientHandler(Protocol):
     def greet(self, conn: Connection, payload: bytes | bytearray) -> bool: ...
 
     def handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None: ...
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        """Around the frames of one read, handled together."""
+        ...
 
     def gone(self, conn: Connection) -> None: ...
 
@@ -137,6 +142,19 @@ class Connection(asyncio.Protocol):
         frames = self.frames
         limit = REFUSED_HELLO_BYTES if self.refused else self.limit
         now = self.table.now()  # one reading for the frames that came together
+        with self.handler.reading():
+            if not self._handle_frames(limit, now):
+                return
+        if frames.begun():
+            if self.frame_started is None and not self.paused:
+                self.frame_started = now
+        elif self.greeted and self.frame_started is not None:  # a skipped frame ended
+            self.frame_started = None
+            self.last_active = now
+
+    def _handle_frames(self, limit: int, now: float) -> bool:
+        """False: the connection was refused and is closed; nothing more is read."""
+        frames = self.frames
         while not self.paused and not self.closed:
             got = frames.next(limit)
             if got is None:
@@ -144,7 +162,7 @@ class Connection(asyncio.Protocol):
             if isinstance(got, int):
                 if self.refused:
                     self.close()
-                    return
+                    return False
                 self.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
                                 message=f"frame of {got} bytes exceeds the limit of "
                                         f"{limit}; its bytes are skipped"))
@@ -153,12 +171,7 @@ class Connection(asyncio.Protocol):
             self.last_active = now
             self._handle(got)
         frames.compact()
-        if frames.begun():
-            if self.frame_started is None and not self.paused:
-                self.frame_started = now
-        elif self.greeted and self.frame_started is not None:  # a skipped frame ended
-            self.frame_started = None
-            self.last_active = now
+        return True
 
     def _handle(self, payload: bytes | bytearray) -> None:
         if self.refused:

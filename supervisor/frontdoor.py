@@ -6,6 +6,7 @@ it goes: the pool, the job API, another daemon of the cluster, or a control oper
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -140,6 +141,9 @@ class FrontDoor:
                           max_frame_bytes=conn.limit,
                           default_models=dict(self.pool.registry.defaults)))
         return True
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        return self.pool.admitting()
 
     def gone(self, conn: Connection) -> None:
         """The client has gone: what it waits for is ended (work nobody else waits for

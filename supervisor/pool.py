@@ -10,8 +10,10 @@ weight formats.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -76,6 +78,7 @@ class Pool:
         self.shutting_down = False
         self._worker_ids = itertools.count(1)
         self.changed = asyncio.Event()  # set whenever a request ends or a worker exits
+        self.held: dict[str, ModelState] | None = None  # see admitting()
         self.oom = pressure.OomCounter()  # the server gives it the daemon's cgroup
 
     @property
@@ -101,6 +104,25 @@ class Pool:
     def submit(self, sink: Any, request: WorkRequest, nbytes: int = 0) -> bool:
         """Queue the request, or answer the sink why not (False)."""
         return self.intake.submit(sink, request, nbytes)
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Requests submitted within (those a client's read brought together) are all
+        queued before any is dispatched: else the first went to a free worker alone and
+        the rest waited for its reply, a worker woken for one request in two batches."""
+        if self.held is not None:
+            yield
+            return
+        self.held = {}
+        try:
+            yield
+        finally:
+            held, self.held = self.held, None
+            for model in held.values():
+                try:
+                    self.reconcile(model)
+                except Exception:  # as handle_frame does: the daemon goes on
+                    log.exception("internal error dispatching %s", model.key)
 
     def cancel(self, sink: Any, client_id: int) -> None:
         self.book.cancel(sink, client_id)
@@ -203,7 +225,11 @@ class Pool:
     def queued(self, model: ModelState, was_waiting: bool) -> None:
         """New work in the model's queue. Behind work that already waited, with no worker
         free, nothing can be dispatched or scaled: the next freed slot or tick takes it
-        (under load most requests; reconciling each cost a tenth of the supervisor)."""
+        (under load most requests; reconciling each cost a tenth of the supervisor).
+        Within admitting(), the model is reconciled once, when it ends."""
+        if self.held is not None:
+            self.held[model.key] = model
+            return
         if was_waiting and not any(w.slots > 0 for w in model.workers.values()):
             return
         self.reconcile(model)

@@ -4,6 +4,7 @@ frame timeouts, places for clients, frames read whole and in order."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 from typing import Any
@@ -94,6 +95,9 @@ class FakeHandler:
 
     def handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None:
         self.frames.append(bytes(payload))
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def gone(self, conn: Connection) -> None:  # type: ignore[override]
         self.gone.append(conn)

@@ -102,6 +102,30 @@ async def test_queued_embeds_coalesce_up_to_max_batch_and_rows_go_to_their_own_s
     assert [r.id for _, r in h.items(h.works(worker)[1])] == [ids[3]]
 
 
+async def test_requests_read_together_go_to_a_free_worker_as_one_batch(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(max_batch=8)
+    sink = h.sink()
+    h.embed(sink, ["first"])
+    await h.settle()
+    worker = h.workers("emb")[0]
+    h.ready(worker)
+    ((job_id, _),) = h.items(h.works(worker)[0])
+    h.reply_embeddings(worker, job_id, 0.5)
+    h.want_work(worker)  # free again
+
+    with h.pool.admitting():  # as a connection's read of three frames
+        ids = [h.embed(sink, [text]) for text in ("a", "b", "c")]
+        assert len(h.works(worker)) == 1  # nothing sent before the read is done
+    assert [r.id for _, r in h.items(h.works(worker)[1])] == ids
+
+    for job_id, _ in h.items(h.works(worker)[1]):
+        h.reply_embeddings(worker, job_id, 0.5)
+    h.want_work(worker)
+    lone = h.embed(sink, ["alone"])  # outside a read: dispatched at once, as before
+    assert [r.id for _, r in h.items(h.works(worker)[2])] == [lone]
+
+
 async def test_generate_is_never_batched(make_harness: MakeHarness) -> None:
     h = make_harness()
     sink = h.sink()
