@@ -116,9 +116,10 @@ class Dispatcher:
             return False
         if model.batch_timer is not None:
             return True
-        # Running work, not the BUSY state: a worker that has replied is still BUSY until
-        # its WantWork arrives, and a lone client's next request often comes first.
-        busy = any(w.jobs for w in model.workers.values())
+        # Work not finished, not the BUSY state: a worker that has asked for more has
+        # finished its own, whose replies follow its WantWork (and its state is BUSY
+        # until they are passed on); one that has replied may be BUSY until it asks.
+        busy = any(w.jobs and not w.slots for w in model.workers.values())
         if not busy or len(model.queue) >= model.settings.max_batch:
             return False
         model.batch_timer = self.scheduler.call_later(self.batch_wait_s, self._wait_over,

@@ -206,6 +206,8 @@ class Pool:
     def handle_reply(self, worker: WorkerHandle, msg: Any) -> None:
         job = self.dispatcher.take_back(worker, msg.id)
         self.shared.release(msg.id)
+        if worker.state is WorkerState.BUSY and not worker.jobs and worker.slots > 0:
+            worker.move_to(WorkerState.IDLE)
         if job is None:
             return
         model = self.models[worker.model_key]

@@ -79,13 +79,15 @@ class Worker:
         self._write(frame(encoder.encode(msg)))
 
     def finish_work(self) -> None:
-        """The Work's final replies and a WantWork, in one write. Sent apart, the
-        supervisor could pass a reply on, and the client send its next request, before
-        this worker's WantWork came: the request then went to a sibling, whose threads
-        and caches had gone cold (a lone client of eager MiniLM alternated between two
-        workers 47 times in 200 requests)."""
+        """A WantWork and the Work's final replies, in one write, the WantWork first.
+        Sent apart, the supervisor could pass a reply on, and the client send its next
+        request, before this worker's WantWork came: the request then went to a sibling,
+        whose threads and caches had gone cold (a lone client of eager MiniLM alternated
+        between two workers 47 times in 200 requests). First, it lets the supervisor send
+        the next waiting batch before it passes these replies on: this worker runs it
+        meanwhile (no-op requests at 64 in flight ~12% faster)."""
         held, self.held = self.held or [], None
-        self._write(b"".join([*held, frame(encoder.encode(WantWork()))]))
+        self._write(b"".join([frame(encoder.encode(WantWork())), *held]))
 
     def _write(self, data: bytes) -> None:
         if self.held:  # a chunk after held replies: keep the order they were sent in

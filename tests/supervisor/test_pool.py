@@ -126,6 +126,30 @@ async def test_requests_read_together_go_to_a_free_worker_as_one_batch(
     assert [r.id for _, r in h.items(h.works(worker)[2])] == [lone]
 
 
+async def test_a_want_work_before_its_replies_gets_the_next_batch_at_once(
+        make_harness: MakeHarness) -> None:
+    """As a worker writes them: its WantWork, then the replies of the Work it ran."""
+    h = make_harness(max_batch=2, max_batch_wait_ms=50)
+    sink = h.sink()
+    ids = [h.embed(sink, [text]) for text in ("a", "b", "c")]
+    await h.settle()
+    worker = h.workers("emb")[0]
+    h.ready(worker)
+    ran = h.items(h.works(worker)[0])
+    h.want_work(worker)
+    # "c" goes before the replies are read, without waiting to fill: nothing else runs.
+    assert [r.id for _, r in h.items(h.works(worker)[1])] == [ids[2]]
+    for job_id, _ in ran:
+        h.reply_embeddings(worker, job_id, 0.5)
+    assert [m.id for m in sink.messages] == ids[:2]
+    assert worker.state is WorkerState.BUSY  # "c" runs
+    h.want_work(worker)
+    ((job_id, _),) = h.items(h.works(worker)[1])
+    h.reply_embeddings(worker, job_id, 0.5)
+    assert [m.id for m in sink.messages] == ids
+    assert worker.state is WorkerState.IDLE and worker.jobs == {}
+
+
 async def test_generate_is_never_batched(make_harness: MakeHarness) -> None:
     h = make_harness()
     sink = h.sink()

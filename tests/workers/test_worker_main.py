@@ -130,8 +130,8 @@ def test_ready_work_heartbeat_shutdown(start_worker: StartWorker, minilm: ModelS
     assert ready.load_s > 0
 
     child.send(_embed_work(5, ["hi"]))
-    _check_embedding(child.recv(), 5)
     assert isinstance(child.recv(), WantWork)
+    _check_embedding(child.recv(), 5)
 
     # Heartbeats count up from 0 without gaps, and progress has advanced past the batch.
     expected_seq, deadline = 0, time.monotonic() + TIMEOUT_S
@@ -173,15 +173,16 @@ def test_stale_abort_while_idle_does_not_ask_for_work_twice(
     child.wait_ready()
     child.send(Abort(job_id=99))  # job 99 already ended; the supervisor had not seen it yet
     child.send(_embed_work(6, ["hello"]))
-    _check_embedding(child.recv(), 6)  # buggy: a second WantWork comes first
     assert isinstance(child.recv(), WantWork)
+    _check_embedding(child.recv(), 6)  # buggy: a second WantWork comes instead
     child.send(Shutdown())
     assert child.exitcode() == exitcodes.OK
 
 
-def test_a_works_final_replies_leave_with_its_want_work_and_chunks_at_once() -> None:
-    """So the supervisor sees this worker free as it passes the replies on: a lone
-    client's next request then comes back to the same, warm worker."""
+def test_a_works_final_replies_leave_after_its_want_work_and_chunks_at_once() -> None:
+    """So the supervisor sees this worker free before it passes the replies on: a lone
+    client's next request then comes back to the same, warm worker, and under load the
+    next batch is sent before the replies are passed on."""
     ours, theirs = socket.socketpair()
     theirs.setblocking(False)
     worker = Worker(ours)
@@ -195,8 +196,8 @@ def test_a_works_final_replies_leave_with_its_want_work_and_chunks_at_once() -> 
     theirs.setblocking(True)
     theirs.settimeout(TIMEOUT_S)
     got = [from_worker_decoder.decode(recv_frame(theirs)) for _ in range(4)]
-    assert [type(m) for m in got] == [Embeddings, Chunk, Embeddings, WantWork]
-    assert [getattr(m, "id", None) for m in got] == [1, 2, 3, None]
+    assert [type(m) for m in got] == [Embeddings, Chunk, WantWork, Embeddings]
+    assert [getattr(m, "id", None) for m in got] == [1, 2, None, 3]
     assert worker.held is None
     ours.close()
     theirs.close()
