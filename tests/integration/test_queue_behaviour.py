@@ -115,6 +115,28 @@ def test_concurrent_single_embeds_are_batched(make_daemon: MakeDaemon) -> None:
     assert batched > 8, batched
 
 
+def test_requests_sent_in_one_write_go_to_a_free_worker_as_one_batch(
+        make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    daemon = make_daemon("[pool]\ncold_start_workers = 1\n"
+                         + counted("m", tmp_path / "ran.txt", 0.0))
+    with daemon.client() as c:
+        c.embed("warm", model="m")  # a batch of one; the worker is free again
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(daemon.socket_path)
+        send_frame(sock, encoder.encode(Hello(protocol_version=1)))
+        recv_frame(sock)
+        sock.sendall(b"".join(frame(encoder.encode(Embed(id=i, model="m", texts=[f"t{i}"])))
+                              for i in range(8)))
+        replies = [server_decoder.decode(recv_frame(sock)) for _ in range(8)]
+    assert sorted(r.id for r in replies) == list(range(8))
+    assert not any(isinstance(r, Error) for r in replies)
+    with daemon.client() as c:
+        (model,) = [m for m in c.status()["models"] if m["key"] == "m"]
+    # Two batches, of 1 and 8: not the first of the eight alone and the seven after it.
+    assert model["mean_batch"] == 4.5, model["totals"]["batch_size"]
+
+
 def _flood(sock_path: str, count: int) -> tuple[int, int, list[float]]:
     """Send count requests as fast as possible; returns (ok, rejected, reject latencies)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
