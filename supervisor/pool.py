@@ -177,12 +177,19 @@ class Pool:
     def handle_want_work(self, worker: WorkerHandle, slots: int = 1) -> None:
         worker.slots += slots
         was_loading = worker.state is WorkerState.LOADING
-        # A worker that batches streams asks for more while it still runs some: busy.
-        if was_loading or (worker.state is WorkerState.BUSY and not worker.jobs):
+        if was_loading:
             worker.move_to(WorkerState.IDLE)
+        self._idle_if_free(worker)
         self.reconcile(self.models[worker.model_key])
         if was_loading or any(m.waiting_for_memory for m in self.models.values()):
             self.reconcile_waiting()  # a load slot freed, or an evictable worker
+
+    @staticmethod
+    def _idle_if_free(worker: WorkerHandle) -> None:
+        """Busy no more: it runs nothing and has asked for work (a worker that batches
+        streams asks for more while it still runs some: still busy)."""
+        if worker.state is WorkerState.BUSY and not worker.jobs and worker.slots > 0:
+            worker.move_to(WorkerState.IDLE)
 
     def handle_ready(self, worker: WorkerHandle, msg: Ready) -> None:
         model = self.models[worker.model_key]
@@ -206,8 +213,7 @@ class Pool:
     def handle_reply(self, worker: WorkerHandle, msg: Any) -> None:
         job = self.dispatcher.take_back(worker, msg.id)
         self.shared.release(msg.id)
-        if worker.state is WorkerState.BUSY and not worker.jobs and worker.slots > 0:
-            worker.move_to(WorkerState.IDLE)
+        self._idle_if_free(worker)  # its WantWork came before this, its last reply
         if job is None:
             return
         model = self.models[worker.model_key]

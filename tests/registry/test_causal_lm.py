@@ -203,8 +203,8 @@ def test_configured_token_limits_are_whole_numbers_of_at_least_one(value: object
     spec = ModelSpec(key="m", capability="text_to_text", path="/m", options={"context": value})
     with pytest.raises(ValueError, match=r"model 'm': context must be a whole number"):
         configured_tokens(spec, "context", 2048)
-    assert configured_tokens(ModelSpec(key="m", capability="rerank", path="/m",
-                                 options={"max_length": 16}), "max_length", 512) == 16
+    rerank = ModelSpec(key="m", capability="rerank", path="/m", options={"max_length": 16})
+    assert configured_tokens(rerank, "max_length", 512) == 16
 
 
 # ---- sample() --------------------------------------------------------------------------

@@ -124,6 +124,7 @@ async def test_models_info_gives_the_context_a_loaded_worker_reports(
     h = make_harness(models=[ModelSpec(key="gen", capability="text_to_text", path="/none")])
     h.generate(h.sink(), model="gen")
     await h.settle()
+
     def context() -> int | None:
         return next(m.context for m in models_info(h.pool) if m.key == "gen")
 
