@@ -234,11 +234,12 @@ class Pool:
         """New work in the model's queue. Behind work that already waited, with no worker
         free, nothing can be dispatched or scaled: the next freed slot or tick takes it
         (under load most requests; reconciling each cost a tenth of the supervisor).
-        Within admitting(), the model is reconciled once, when it ends."""
+        Within admitting(), the model is reconciled once, when it ends, if any of the
+        read's requests would have been."""
+        if was_waiting and not any(w.slots > 0 for w in model.workers.values()):
+            return
         if self.held is not None:
             self.held[model.key] = model
-            return
-        if was_waiting and not any(w.slots > 0 for w in model.workers.values()):
             return
         self.reconcile(model)
 

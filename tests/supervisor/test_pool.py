@@ -339,6 +339,30 @@ async def test_work_queued_behind_waiting_work_with_no_free_worker_is_not_reconc
     assert [r.texts for _, r in h.items(h.works(a)[1])] == [[str(n)] for n in range(3, 8)]
 
 
+
+async def test_a_read_queued_behind_waiting_work_with_no_free_worker_is_not_reconciled(
+        make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, each request the one frame of a connection's read (16 clients' reads
+    bring a few requests each): the end of the read reconciles nothing either."""
+    h = make_harness(max_workers_per_model=2)
+    sink = h.sink()
+    h.embed(sink, ["1"])
+    await h.settle()
+    a, b = h.workers("emb")
+    h.ready(a)
+    h.ready(b)
+    h.embed(sink, ["2"])
+    reconciles = []
+    real = h.pool.reconcile
+    monkeypatch.setattr(h.pool, "reconcile", lambda m: (reconciles.append(m.key), real(m)))
+    for n in range(3, 8):
+        with h.pool.admitting():
+            h.embed(sink, [str(n)])
+    assert reconciles == ["emb"]  # the first found the queue empty
+    h.reply_embeddings(a, h.job_ids(a)[0], 1.0)
+    h.want_work(a)
+    assert [r.texts for _, r in h.items(h.works(a)[1])] == [[str(n)] for n in range(3, 8)]
+
 # ---- defaults --------------------------------------------------------------------------
 
 
