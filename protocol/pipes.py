@@ -180,7 +180,14 @@ class WantWork(_Msg, frozen=True, kw_only=True, tag="want_work"):
     slots: int = 1
 
 
-FromWorker = Ready | LoadFailed | ExportFirst | WantWork | WorkReply
+class Replies(_Msg, frozen=True, kw_only=True, tag="replies"):
+    """A Work's final replies, in one message: a batch of 32 read and decoded as one
+    frame, not 32 (~5% of the supervisor's time a no-op request)."""
+
+    items: list[WorkReply]
+
+
+FromWorker = Ready | LoadFailed | ExportFirst | WantWork | Replies | WorkReply
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -27,6 +27,7 @@ from modelpool.protocol.pipes import (
     Heartbeat,
     LoadFailed,
     Ready,
+    Replies,
     WantWork,
     WorkerSettings,
 )
@@ -47,10 +48,6 @@ from modelpool.supervisor.threads import ThreadBudget
 from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
 
 log = logging.getLogger("modelpool.pool")
-
-
-class UnknownModel(LookupError):
-    pass
 
 
 class Pool:
@@ -169,6 +166,9 @@ class Pool:
             case ExportFirst(entry=entry, model_dir=model_dir):
                 self.exports.handed_over(self.models[worker.model_key], worker, entry,
                                          model_dir)
+            case Replies(items=replies):
+                for reply in replies:
+                    self.handle_reply(worker, reply)
             case _ if isinstance(msg, STREAMED):
                 self.handle_chunk(worker, msg)
             case _:

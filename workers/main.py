@@ -33,6 +33,7 @@ from modelpool.protocol.pipes import (
     ImagePolicy,
     LoadFailed,
     Ready,
+    Replies,
     SharedWeights,
     Shutdown,
     Threads,
@@ -64,8 +65,8 @@ class Worker:
         self.aborts: set[int] = set()
         self.stopping = False
         # While a Work runs, its final replies wait for its end (finish_work) and leave
-        # in one write with the WantWork that follows them; streamed chunks go at once.
-        self.held: list[bytes] | None = None
+        # as one Replies, in one write after its WantWork; streamed chunks go at once.
+        self.held: list[Any] | None = None
         # Intra-op threads: what the forward passes use now (0: as loaded), what the
         # supervisor granted last, and how this worker's model changes its count.
         self.threads = 0
@@ -74,7 +75,7 @@ class Worker:
 
     def send(self, msg: msgspec.Struct) -> None:
         if self.held is not None and not isinstance(msg, STREAMED):
-            self.held.append(frame(encoder.encode(msg)))
+            self.held.append(msg)
             return
         self._write(frame(encoder.encode(msg)))
 
@@ -86,12 +87,13 @@ class Worker:
         between two workers 47 times in 200 requests). First, it lets the supervisor send
         the next waiting batch before it passes these replies on: this worker runs it
         meanwhile (no-op requests at 64 in flight ~8% faster)."""
-        held, self.held = self.held or [], None
-        self._write(b"".join([frame(encoder.encode(WantWork())), *held]))
+        held, self.held = self.held, None
+        data = frame(encoder.encode(WantWork()))
+        self._write(data + frame(encoder.encode(Replies(items=held))) if held else data)
 
     def _write(self, data: bytes) -> None:
         if self.held:  # a chunk after held replies: keep the order they were sent in
-            data, self.held = b"".join([*self.held, data]), []
+            data, self.held = frame(encoder.encode(Replies(items=self.held))) + data, []
         try:
             self.sock.sendall(data)
         except OSError:

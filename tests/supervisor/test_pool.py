@@ -6,6 +6,7 @@ pool.on_worker_message / pool.on_worker_exit and each client through a FakeSink.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ from modelpool.protocol.messages import (
     RequestDefaults,
     Sampling,
 )
+from modelpool.protocol.pipes import Replies
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -101,6 +103,26 @@ async def test_queued_embeds_coalesce_up_to_max_batch_and_rows_go_to_their_own_s
     h.want_work(worker)
     assert [r.id for _, r in h.items(h.works(worker)[1])] == [ids[3]]
 
+
+async def test_a_works_replies_in_one_message_each_reach_their_own_sink(
+        make_harness: MakeHarness) -> None:
+    """As a worker sends them: its WantWork, then one Replies with the Work's replies."""
+    h = make_harness(max_batch=4)
+    sinks = [h.sink(f"c{i}") for i in range(3)]
+    ids = [h.embed(sink, [text]) for sink, text in zip(sinks, "abc", strict=True)]
+    await h.settle()
+    worker = h.workers("emb")[0]
+    h.ready(worker)
+    batch = h.items(h.works(worker)[0])
+    h.want_work(worker)
+    data = {job_id: struct.pack("<f", job_id) for job_id, _ in batch}
+    h.pool.handle(worker, Replies(items=[Embeddings(id=job_id, data=data[job_id], shape=[1, 1])
+                                         for job_id, _ in batch]))
+    for sink, client_id, (job_id, _) in zip(sinks, ids, batch, strict=True):
+        (reply,) = sink.messages
+        assert isinstance(reply, Embeddings)
+        assert (reply.id, reply.data) == (client_id, data[job_id])
+    assert worker.state is WorkerState.IDLE and not worker.jobs
 
 async def test_requests_read_together_go_to_a_free_worker_as_one_batch(
         make_harness: MakeHarness) -> None:

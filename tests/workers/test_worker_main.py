@@ -22,6 +22,7 @@ from modelpool.protocol.pipes import (
     Heartbeat,
     LoadFailed,
     Ready,
+    Replies,
     Shutdown,
     Threads,
     WantWork,
@@ -115,6 +116,9 @@ def _embed_work(job_id: int, texts: list[str]) -> Work:
 
 
 def _check_embedding(msg: FromWorker, job_id: int) -> None:
+    """msg: the Replies of a Work of one job."""
+    assert isinstance(msg, Replies), msg
+    (msg,) = msg.items
     assert isinstance(msg, Embeddings), msg
     assert msg.id == job_id and msg.shape == [1, 384] and msg.dtype == "float32"
     vector = np.frombuffer(msg.data, dtype=np.float32)
@@ -179,7 +183,7 @@ def test_stale_abort_while_idle_does_not_ask_for_work_twice(
     assert child.exitcode() == exitcodes.OK
 
 
-def test_a_works_final_replies_leave_after_its_want_work_and_chunks_at_once() -> None:
+def test_a_works_final_replies_leave_as_one_after_its_want_work_and_chunks_at_once() -> None:
     """So the supervisor sees this worker free before it passes the replies on: a lone
     client's next request then comes back to the same, warm worker, and under load the
     next batch is sent before the replies are passed on."""
@@ -196,8 +200,10 @@ def test_a_works_final_replies_leave_after_its_want_work_and_chunks_at_once() ->
     theirs.setblocking(True)
     theirs.settimeout(TIMEOUT_S)
     got = [from_worker_decoder.decode(recv_frame(theirs)) for _ in range(4)]
-    assert [type(m) for m in got] == [Embeddings, Chunk, WantWork, Embeddings]
-    assert [getattr(m, "id", None) for m in got] == [1, 2, None, 3]
+    assert [type(m) for m in got] == [Replies, Chunk, WantWork, Replies]
+    ids = [[r.id for r in m.items] if isinstance(m, Replies) else getattr(m, "id", None)
+           for m in got]
+    assert ids == [[1], 2, None, [3]]
     assert worker.held is None
     ours.close()
     theirs.close()
