@@ -16,7 +16,7 @@ from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import Kind, merge_rows
 from modelpool.protocol.messages import Error, WorkRequest
 from modelpool.supervisor.clock import Scheduler, TimerHeap
-from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester
+from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester, user_of
 
 
 class JobEvents(Protocol):
@@ -69,23 +69,26 @@ class JobBook:
 
     def new_job(self, req: Requester, kind: Kind, request: WorkRequest, model_key: str,
                 key: bytes | None) -> Job:
-        job = Job(job_id=next(self._job_ids), request=request, kind=kind, model_key=model_key,
-                  accepted_at=req.accepted_at, requesters=[req], dedup_key=key,
-                  history=[] if key and kind.streaming else None, owner=req.sink.owner)
+        owner = req.sink.owner
+        job = Job(next(self._job_ids), request, kind, model_key, req.accepted_at, [req],
+                  kind.size(request), owner, user_of(owner))
         req.job = job
         if key:
+            job.dedup_key = key
+            if kind.streaming:
+                job.history = []
             self.index[key] = job
         return job
 
-    def split(self, job: Job, max_batch: int) -> list[Job]:
+    def split(self, job: Job, max_batch: int) -> tuple[Job, ...]:
         """Parts of at most max_batch inputs, so one huge request is spread over workers
         and interleaves with other work instead of holding a worker for its whole length."""
         requests = job.kind.split(job.request, max_batch)
-        for part_request in requests:
-            job.parts.append(Job(job_id=next(self._job_ids), request=part_request,
-                                 kind=job.kind, model_key=job.model_key,
-                                 accepted_at=job.accepted_at, parent=job,
-                                 nbytes=job.nbytes // len(requests), owner=job.owner))
+        job.parts = tuple(Job.of(next(self._job_ids), part_request, job.kind, job.model_key,
+                                 job.accepted_at, job.owner, parent=job,
+                                 nbytes=job.nbytes // len(requests))
+                          for part_request in requests)
+        job.part_replies = {}
         job.state = JobState.RUNNING  # it runs as its parts
         return job.parts
 
@@ -154,6 +157,7 @@ class JobBook:
         if isinstance(reply, Error):
             self.finish(parent, reply)  # one failed part fails the request
             return
+        assert parent.part_replies is not None
         parent.part_replies[part.job_id] = reply
         if len(parent.part_replies) == len(parent.parts):
             self.finish(parent, merge_rows([parent.part_replies[p.job_id]

@@ -191,7 +191,7 @@ class ModelState:
     def wait_cause(self, job: Job) -> str:
         """Why a job of this model has not finished yet, for TIMEOUT and DEADLINE_EXPIRED."""
         if job.parts:
-            return f"split into {len(job.parts)} parts, {len(job.part_replies)} done"
+            return f"split into {len(job.parts)} parts, {len(job.part_replies or ())} done"
         if job.state is JobState.RUNNING:
             worker = self.workers.get(job.worker_id or 0)
             return f"running on worker pid {worker.pid if worker else '?'}"

@@ -36,8 +36,7 @@ def make_job(priority: Priority = "normal", texts: int = 1, generate: bool = Fal
         request = Generate(id=jid, prompt="p", priority=priority)
     else:
         request = Embed(id=jid, texts=["t"] * texts, priority=priority)
-    return Job(job_id=jid, request=request, kind=KIND_OF[type(request)], model_key="m",
-               accepted_at=0.0, owner=owner)
+    return Job.of(jid, request, KIND_OF[type(request)], "m", 0.0, owner)
 
 
 def cancel(queue: JobQueue, job: Job) -> None:
