@@ -101,11 +101,12 @@ class Dispatcher:
         now = self.scheduler.now()
         runnable = []
         for job in jobs:
-            requesters = (job.parent or job).requesters
-            for req in requesters:
+            waited_for = False
+            for req in (job.parent or job).requesters:
                 if not req.done and req.deadline_at is not None and req.deadline_at <= now:
                     self.book.expire(req, deadline=True)
-            if any(not req.done for req in requesters):
+                waited_for = waited_for or not req.done
+            if waited_for:
                 runnable.append(job)
         return runnable
 

@@ -236,9 +236,12 @@ class Pool:
         (under load most requests; reconciling each cost a tenth of the supervisor).
         Within admitting(), the model is reconciled once, when it ends, if any of the
         read's requests would have been."""
+        held = self.held
+        if held is not None and model.key in held:
+            return
         if was_waiting and not any(w.slots > 0 for w in model.workers.values()):
             return
-        if self.held is not None:
+        if held is not None:
             self.held[model.key] = model
             return
         self.reconcile(model)

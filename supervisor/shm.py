@@ -39,10 +39,11 @@ class SharedImages:
     def work_item(self, job_id: int, kind: Kind, request: WorkRequest) -> WorkItem:
         """The work item for a job, its image bytes moved into shared memory;
         NoSharedMemory (nothing left behind) when they do not fit."""
-        inputs = kind.images(request) if kind.with_images is not None else []
+        if kind.with_images is None:  # most requests
+            return WorkItem(job_id=job_id, request=request)
+        inputs = kind.images(request)
         if not any(i.data for i in inputs):
             return WorkItem(job_id=job_id, request=request)
-        assert kind.with_images is not None
         refs: list[SharedBytes | None] = []
         names = self.by_job.setdefault(job_id, [])
         try:
