@@ -4,7 +4,7 @@ answer with."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 
 import msgspec
 
@@ -112,8 +112,8 @@ def memory_error(model: ModelState, budget_for: Callable[[str], float]) -> Rejec
             f"the budget on {model.device} is {budget_mb:.0f} MiB")
 
 
-def bounds_error(model: ModelState, models: Iterable[ModelState], nbytes: int,
-                 config: PoolConfig, owner: Hashable = None) -> Rejection | None:
+def bounds_error(model: ModelState, nbytes: int, config: PoolConfig,
+                 owner: Hashable = None) -> Rejection | None:
     """No queue is unbounded: per model in requests, in all in requests and bytes; and
     no one user (whatever its connections) takes the last quarter of a model's queue,
     which is kept for others."""
@@ -124,15 +124,12 @@ def bounds_error(model: ModelState, models: Iterable[ModelState], nbytes: int,
     if model.queue.held.get(user_of(owner), 0) >= share:
         return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this user's "
                 "requests wait; the rest is kept for others")
-    queued_total = queued_bytes = 0
-    for other in models:  # one pass: this runs for every request
-        queued_total += other.queue.live
-        queued_bytes += other.queue.nbytes
-    if queued_total >= config.max_queued_total:
-        return ErrorCode.OVERLOADED, f"the daemon has {queued_total} requests waiting"
-    if queued_bytes + nbytes > config.max_queued_bytes:
-        return (ErrorCode.OVERLOADED, f"the daemon holds {queued_bytes >> 20} MiB of waiting "
-                f"requests (max_queued_bytes)")
+    totals = model.queue.totals  # every model's queue together
+    if totals.live >= config.max_queued_total:
+        return ErrorCode.OVERLOADED, f"the daemon has {totals.live} requests waiting"
+    if totals.nbytes + nbytes > config.max_queued_bytes:
+        return (ErrorCode.OVERLOADED, f"the daemon holds {totals.nbytes >> 20} MiB of "
+                f"waiting requests (max_queued_bytes)")
     return None
 
 

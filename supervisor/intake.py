@@ -58,8 +58,7 @@ class Intake:
         key = make_dedup_key(kind, request, spec.key) if spec and not reject else None
         leader = self.book.leader_for(key)
         if reject is None and leader is None and model is not None:
-            reject = admission.bounds_error(model, self.models.values(), nbytes,
-                                            self.config().pool, sink.owner)
+            reject = admission.bounds_error(model, nbytes, self.config().pool, sink.owner)
         if reject is not None:
             sink.send(self._error(request, model, reject))
             return False

@@ -42,7 +42,7 @@ from modelpool.supervisor.gpus import Gpu, resolve_device
 from modelpool.supervisor.intake import Intake
 from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelSettings, ModelState
-from modelpool.supervisor.queueing import Job, JobState, Requester
+from modelpool.supervisor.queueing import Job, JobQueue, JobState, QueuedTotals, Requester
 from modelpool.supervisor.shm import SharedImages
 from modelpool.supervisor.threads import ThreadBudget
 from modelpool.supervisor.workers import Launcher, WorkerHandle, WorkerState
@@ -59,6 +59,7 @@ class Pool:
         self.scheduler = scheduler
         self.gpus = gpus or []
         self.cpus = cpus
+        self.queued_totals = QueuedTotals()  # what every model's queue holds
         self.models = {key: self.model_state(spec) for key, spec in registry.specs.items()}
         self.capacity = Capacity(config.pool, self.gpus, lambda: self.exports.view())
         self.policy = scaling.ScalingPolicy(config.pool.cold_start_workers,
@@ -94,7 +95,8 @@ class Pool:
 
     def model_state(self, spec: ModelSpec) -> ModelState:
         return ModelState(spec, ModelSettings.of(spec, self.pool_config, self.cpus),
-                          resolve_device(spec.device, self.gpus))
+                          resolve_device(spec.device, self.gpus),
+                          queue=JobQueue(self.queued_totals))
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -104,9 +106,8 @@ class Pool:
 
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
-        """Requests submitted within (those a client's read brought together) are all
-        queued before any is dispatched: else the first went to a free worker alone and
-        the rest waited for its reply, a worker woken for one request in two batches."""
+        """Requests submitted within (a client's read) are all queued before any is
+        dispatched: else the first went to a free worker alone, the rest after its reply."""
         if self.held is not None:
             yield
             return
@@ -132,10 +133,9 @@ class Pool:
 
     def abandon(self, job: Job) -> None:
         model = self.models[job.model_key]
-        if job.state is JobState.RUNNING and job.kind.streaming:
-            worker = model.workers.get(job.worker_id or 0)
-            if worker is not None:
-                worker.send(Abort(job_id=job.job_id))
+        worker = model.workers.get(job.worker_id or 0)
+        if job.state is JobState.RUNNING and job.kind.streaming and worker is not None:
+            worker.send(Abort(job_id=job.job_id))
 
     def wait_cause(self, job: Job) -> str:
         return self.models[job.model_key].wait_cause(job)
@@ -231,20 +231,18 @@ class Pool:
     # ---- scaling --------------------------------------------------------------------
 
     def queued(self, model: ModelState, was_waiting: bool) -> None:
-        """New work in the model's queue. Behind work that already waited, with no worker
-        free, nothing can be dispatched or scaled: the next freed slot or tick takes it
-        (under load most requests; reconciling each cost a tenth of the supervisor).
-        Within admitting(), the model is reconciled once, when it ends, if any of the
-        read's requests would have been."""
+        """New work in the model's queue, reconciled now or, within admitting(), once as
+        the read ends. Not behind work that already waited with no worker free: the next
+        freed slot or tick takes it (most requests under load; a tenth of the time)."""
         held = self.held
         if held is not None and model.key in held:
             return
         if was_waiting and not any(w.slots > 0 for w in model.workers.values()):
             return
-        if held is not None:
-            self.held[model.key] = model
-            return
-        self.reconcile(model)
+        if held is None:
+            self.reconcile(model)
+        else:
+            held[model.key] = model
 
     def reconcile(self, model: ModelState) -> None:
         """Hand waiting work to free workers, then start workers the policy asks for."""

@@ -252,6 +252,16 @@ class _Level:
         self.users[job.user].live -= 1
 
 
+@dataclass(slots=True)
+class QueuedTotals:
+    """What the queues of all models hold together, kept by each queue as it changes:
+    the daemon-wide bounds are checked on every request, and summing the queues for
+    each cost ~5% of a no-op request's supervisor time with five models configured."""
+
+    live: int = 0
+    nbytes: int = 0
+
+
 class JobQueue:
     """Priority first; within a priority, hierarchical start-time fair queueing: users
     (peer uids) take equal turns, and within a user its owners (its connections, its
@@ -265,7 +275,8 @@ class JobQueue:
     Removal and re-ranking are lazy: an entry that is not its job's current entry (the
     job was popped, discarded, promoted or re-queued since) is skipped at the top."""
 
-    def __init__(self) -> None:
+    def __init__(self, totals: QueuedTotals | None = None) -> None:
+        self.totals = totals or QueuedTotals()  # shared by all the daemon's queues
         self._levels = [_Level() for _ in PRIORITIES]
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
@@ -381,8 +392,12 @@ class JobQueue:
         return job
 
     def _count(self, job: Job, delta: int) -> None:
+        nbytes = delta * job.nbytes
         self.live += delta
-        self.nbytes += delta * job.nbytes
+        self.nbytes += nbytes
+        totals = self.totals
+        totals.live += delta
+        totals.nbytes += nbytes
         held = self.held.get(job.user, 0) + delta
         if held:
             self.held[job.user] = held

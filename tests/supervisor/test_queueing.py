@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import PRIORITIES, Embed, Generate, Priority
-from modelpool.supervisor.queueing import PRIORITY_RANK, Ageing, Job, JobQueue, JobState
+from modelpool.supervisor.queueing import (
+    PRIORITY_RANK,
+    Ageing,
+    Job,
+    JobQueue,
+    JobState,
+    QueuedTotals,
+)
 
 
 @dataclass
@@ -67,6 +74,19 @@ def test_priority_order_then_fifo() -> None:
         assert same == sorted(same)  # FIFO within one priority
     assert len(queue) == 0
 
+
+def test_queues_sharing_totals_keep_what_they_hold_together() -> None:
+    totals = QueuedTotals()
+    a, b = JobQueue(totals), JobQueue(totals)
+    jobs = [make_job() for _ in range(5)]
+    for n, job in enumerate(jobs):
+        job.nbytes = 10 * (n + 1)
+        (a if n < 3 else b).push(job)
+    assert (totals.live, totals.nbytes) == (5, 150)
+    assert len(a.pop_batch(2)) == 2  # jobs[0] and jobs[1]
+    cancel(b, jobs[4])
+    assert (totals.live, totals.nbytes) == (2, 30 + 40)
+    assert (totals.live, totals.nbytes) == (a.live + b.live, a.nbytes + b.nbytes)
 
 def test_push_front_goes_ahead_of_same_priority_only() -> None:
     queue = JobQueue()
