@@ -231,9 +231,9 @@ class Pool:
     # ---- scaling --------------------------------------------------------------------
 
     def queued(self, model: ModelState, was_waiting: bool) -> None:
-        """New work in the model's queue, reconciled now or, within admitting(), once as
-        the read ends. Not behind work that already waited with no worker free: the next
-        freed slot or tick takes it (most requests under load; a tenth of the time)."""
+        """New work: the model is reconciled now, or once as admitting() ends. Not behind
+        work that already waited with no worker free (most requests under load; each cost
+        a tenth of the supervisor's time): the next freed slot or tick takes it."""
         held = self.held
         if held is not None and model.key in held:
             return

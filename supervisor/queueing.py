@@ -58,9 +58,8 @@ class Requester:
 
 @dataclass(eq=False, slots=True)
 class Job:
-    """One unit of work, from admission until its worker replies (or it is dropped).
-    One is made for every request (JobBook.new_job), with its first nine fields in order:
-    none has a default factory and there is no __post_init__ (~1 us less a request)."""
+    """One unit of work, from admission until its worker replies (or it is dropped). One
+    is made per request: no default factories, no __post_init__ (~1 us less a request)."""
 
     job_id: int  # unique in this daemon; the id used on worker pipes
     request: WorkRequest
@@ -90,8 +89,7 @@ class Job:
     @classmethod
     def of(cls, job_id: int, request: WorkRequest, kind: Kind, model_key: str,
            accepted_at: float, owner: Hashable, **fields: Any) -> Job:
-        """A job with no requesters (a part of a split request; tests), its size and
-        user worked out."""
+        """A job with no requesters yet (a part of a split request), size and user found."""
         return cls(job_id, request, kind, model_key, accepted_at, [], kind.size(request),
                    owner, user_of(owner), **fields)
 
@@ -254,9 +252,8 @@ class _Level:
 
 @dataclass(slots=True)
 class QueuedTotals:
-    """What the queues of all models hold together, kept by each queue as it changes:
-    the daemon-wide bounds are checked on every request, and summing the queues for
-    each cost ~5% of a no-op request's supervisor time with five models configured."""
+    """What all models' queues hold together, kept as they change: the daemon-wide bounds
+    are checked for every request (summing five models' queues cost ~4% of a no-op's)."""
 
     live: int = 0
     nbytes: int = 0
@@ -276,14 +273,12 @@ class JobQueue:
     job was popped, discarded, promoted or re-queued since) is skipped at the top."""
 
     def __init__(self, totals: QueuedTotals | None = None) -> None:
-        self.totals = totals or QueuedTotals()  # shared by all the daemon's queues
+        self.totals = QueuedTotals() if totals is None else totals  # the pool's: shared
         self._levels = [_Level() for _ in PRIORITIES]
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
         self._seq = itertools.count()
-        # Waiting, by user: a plain dict (a Counter's Python-level __missing__ and
-        # __delitem__ ran for a lone client's every request).
-        self.held: dict[Hashable, int] = {}
+        self.held: dict[Hashable, int] = {}  # waiting, by user (a dict: a Counter was slower)
         self.served = [0] * len(PRIORITIES)  # jobs handed out, by the rank they left
         self.live = 0
         self.nbytes = 0  # of the jobs waiting
