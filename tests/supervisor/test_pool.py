@@ -6,6 +6,7 @@ pool.on_worker_message / pool.on_worker_exit and each client through a FakeSink.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -123,6 +124,7 @@ async def test_a_works_replies_in_one_message_each_reach_their_own_sink(
         assert isinstance(reply, Embeddings)
         assert (reply.id, reply.data) == (client_id, data[job_id])
     assert worker.state is WorkerState.IDLE and not worker.jobs
+
 
 async def test_requests_read_together_go_to_a_free_worker_as_one_batch(
         make_harness: MakeHarness) -> None:
@@ -338,10 +340,13 @@ async def test_scale_up_respects_per_model_max_workers(make_harness: MakeHarness
     assert len(h.launcher.started) == 1
 
 
+@pytest.mark.parametrize("each_its_own_read", [False, True])
 async def test_work_queued_behind_waiting_work_with_no_free_worker_is_not_reconciled(
-        make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch,
+        each_its_own_read: bool) -> None:
     """Nothing the policy reads changed and nothing can be dispatched: the reconcile of
-    the next freed slot takes it, with everything queued meanwhile."""
+    the next freed slot takes it, with everything queued meanwhile. Nor does the end of
+    a read whose requests are all such (16 clients' reads bring a few requests each)."""
     h = make_harness(max_workers_per_model=2)
     sink = h.sink()
     h.embed(sink, ["1"])
@@ -354,36 +359,13 @@ async def test_work_queued_behind_waiting_work_with_no_free_worker_is_not_reconc
     real = h.pool.reconcile
     monkeypatch.setattr(h.pool, "reconcile", lambda m: (reconciles.append(m.key), real(m)))
     for n in range(3, 8):
-        h.embed(sink, [str(n)])
-    assert reconciles == ["emb"]  # the first found the queue empty
-    h.reply_embeddings(a, h.job_ids(a)[0], 1.0)
-    h.want_work(a)
-    assert [r.texts for _, r in h.items(h.works(a)[1])] == [[str(n)] for n in range(3, 8)]
-
-
-
-async def test_a_read_queued_behind_waiting_work_with_no_free_worker_is_not_reconciled(
-        make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As above, each request the one frame of a connection's read (16 clients' reads
-    bring a few requests each): the end of the read reconciles nothing either."""
-    h = make_harness(max_workers_per_model=2)
-    sink = h.sink()
-    h.embed(sink, ["1"])
-    await h.settle()
-    a, b = h.workers("emb")
-    h.ready(a)
-    h.ready(b)
-    h.embed(sink, ["2"])
-    reconciles = []
-    real = h.pool.reconcile
-    monkeypatch.setattr(h.pool, "reconcile", lambda m: (reconciles.append(m.key), real(m)))
-    for n in range(3, 8):
-        with h.pool.admitting():
+        with h.pool.admitting() if each_its_own_read else contextlib.nullcontext():
             h.embed(sink, [str(n)])
     assert reconciles == ["emb"]  # the first found the queue empty
     h.reply_embeddings(a, h.job_ids(a)[0], 1.0)
     h.want_work(a)
     assert [r.texts for _, r in h.items(h.works(a)[1])] == [[str(n)] for n in range(3, 8)]
+
 
 # ---- defaults --------------------------------------------------------------------------
 

@@ -88,6 +88,7 @@ def test_queues_sharing_totals_keep_what_they_hold_together() -> None:
     assert (totals.live, totals.nbytes) == (2, 30 + 40)
     assert (totals.live, totals.nbytes) == (a.live + b.live, a.nbytes + b.nbytes)
 
+
 def test_push_front_goes_ahead_of_same_priority_only() -> None:
     queue = JobQueue()
     high, normal1, normal2 = make_job("high"), make_job("normal"), make_job("normal")
