@@ -89,7 +89,7 @@ class Job:
     @classmethod
     def of(cls, job_id: int, request: WorkRequest, kind: Kind, model_key: str,
            accepted_at: float, owner: Hashable, **fields: Any) -> Job:
-        """A job with no requesters yet (a part of a split request), size and user found."""
+        """A part of a split request (no requesters of its own), its size and user found."""
         return cls(job_id, request, kind, model_key, accepted_at, [], kind.size(request),
                    owner, user_of(owner), **fields)
 
@@ -253,7 +253,7 @@ class _Level:
 @dataclass(slots=True)
 class QueuedTotals:
     """What all models' queues hold together, kept as they change: the daemon-wide bounds
-    are checked for every request (summing five models' queues cost ~4% of a no-op's)."""
+    are checked for every request (summing four models' queues was ~5% of its opcodes)."""
 
     live: int = 0
     nbytes: int = 0
