@@ -132,8 +132,7 @@ class Pool:
     # ---- what the job book reports (JobEvents) -------------------------------------------
 
     def abandon(self, job: Job) -> None:
-        model = self.models[job.model_key]
-        worker = model.workers.get(job.worker_id or 0)
+        worker = self.models[job.model_key].workers.get(job.worker_id or 0)
         if job.state is JobState.RUNNING and job.kind.streaming and worker is not None:
             worker.send(Abort(job_id=job.job_id))
 
@@ -167,12 +166,11 @@ class Pool:
                 self.exports.handed_over(self.models[worker.model_key], worker, entry,
                                          model_dir)
             case Replies(items=replies):
-                for reply in replies:
-                    self.handle_reply(worker, reply)
+                self.handle_replies(worker, replies)
             case _ if isinstance(msg, STREAMED):
                 self.handle_chunk(worker, msg)
             case _:
-                self.handle_reply(worker, msg)
+                self.handle_replies(worker, [msg])
 
     def handle_want_work(self, worker: WorkerHandle, slots: int = 1) -> None:
         worker.slots += slots
@@ -210,17 +208,20 @@ class Pool:
         if job is not None and job.state is JobState.RUNNING:
             self.book.forward(job, msg)
 
-    def handle_reply(self, worker: WorkerHandle, msg: Any) -> None:
-        job = self.dispatcher.take_back(worker, msg.id)
-        self.shared.release(msg.id)
-        self._idle_if_free(worker)  # its WantWork came before this, its last reply
-        if job is None:
-            return
-        model = self.models[worker.model_key]
-        if job.started_at is not None:
-            model.metrics.ran(self.scheduler.now() - job.started_at)
-        reply = msg if isinstance(msg, Error) else msgspec.structs.replace(msg, model=model.key)
-        self.book.finish(job, reply)
+    def handle_replies(self, worker: WorkerHandle, replies: list[Any]) -> None:
+        """Final replies, in the order sent; a batch's run time counts once, as one dispatch."""
+        model, ran_from = self.models[worker.model_key], None
+        for msg in replies:
+            job = self.dispatcher.take_back(worker, msg.id)
+            self.shared.release(msg.id)
+            if job is None:
+                continue
+            if job.started_at is not None and job.started_at != ran_from:
+                ran_from = job.started_at  # a batch's jobs started together
+                model.metrics.ran(self.scheduler.now() - ran_from)
+            self.book.finish(job, msg if isinstance(msg, Error)
+                             else msgspec.structs.replace(msg, model=model.key))
+        self._idle_if_free(worker)  # its WantWork came before these, its last replies
 
     def handle_heartbeat(self, worker: WorkerHandle, beat: Heartbeat) -> None:
         worker.note_heartbeat(beat, self.scheduler.now())

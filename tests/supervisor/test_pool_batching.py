@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+import pytest
 from conftest import Harness
 
 from modelpool.protocol.messages import Embeddings
@@ -122,3 +123,29 @@ async def test_generate_is_never_batched(make_harness: MakeHarness) -> None:
     h.ready(worker)
     (work,) = h.works(worker)
     assert [r.prompt for _, r in h.items(work)] == ["one"]
+
+
+async def test_a_batchs_run_time_counts_once_in_the_models_service_time(
+        make_harness: MakeHarness) -> None:
+    """service_s is a moving average of a dispatch's run time (the retry hint divides it
+    by the mean batch): a Work of four jobs is one sample, not four."""
+    h = make_harness(max_batch=4)
+    sink = h.sink()
+    model = h.pool.models["emb"]
+    for seconds in (1.0, 3.0):
+        with h.pool.admitting():  # one read: one batch
+            for text in "abcd":
+                h.embed(sink, [text])
+        await h.settle()
+        worker = h.workers("emb")[0]
+        if worker.state is WorkerState.LOADING:
+            h.ready(worker)
+        (work,) = h.works(worker)[-1:]
+        assert len(h.items(work)) == 4
+        h.clock.advance(seconds)
+        h.want_work(worker)
+        h.pool.handle(worker, Replies(items=[Embeddings(id=job_id, data=struct.pack("<f", 0),
+                                                        shape=[1, 1])
+                                             for job_id, _ in h.items(work)]))
+    assert len(sink.messages) == 8
+    assert model.metrics.service_s == pytest.approx(0.9 * 1.0 + 0.1 * 3.0)  # four: 1.69
