@@ -12,7 +12,9 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+E = TypeVar("E", bound="Expiring")
 
 
 class Timer(Protocol):
@@ -61,40 +63,42 @@ async def wait_for(scheduler: Scheduler, event: asyncio.Event, deadline: float) 
     return event.is_set()
 
 
-class TimerHeap:
-    """Many timers that are nearly all cancelled long before they fall due (every
-    request's timeout): kept in one heap, with one scheduler timer armed for the
-    earliest. Arming a loop timer per request, and cancelling it, was ~7% of the
-    supervisor's time per request; here it is a tuple pushed and a flag set. Cancelled
-    entries are dropped as they reach the top, and all at once when they are over half
-    the heap, so it holds at most about twice the live timers."""
+class Expiring(Protocol):
+    done: bool  # true once it ended some other way: it no longer falls due
 
-    def __init__(self, scheduler: Scheduler) -> None:
+
+class ExpiryHeap(Generic[E]):
+    """Many things that fall due unless done first, nearly all done long before (every
+    request's timeout): kept in one heap, with one scheduler timer armed for the
+    earliest. The thing is its own timer, and done means cancelled: nothing is made or
+    cancelled per request (a loop timer each was ~7% of the supervisor's time, a timer
+    object ~3%). Done entries are dropped as they reach the top, and all at once when
+    the heap has doubled since, so it holds about twice what is waiting at most."""
+
+    SWEEP_FROM = 1024  # entries below which the heap is never swept
+
+    def __init__(self, scheduler: Scheduler, on_due: Callable[[E, float], object]) -> None:
         self.scheduler = scheduler
-        self._heap: list[tuple[float, int, HeapTimer]] = []
+        self.on_due = on_due  # (the thing, the time it fell due at)
+        self._heap: list[tuple[float, int, E]] = []
         self._order = 0
+        self._sweep_at = self.SWEEP_FROM
         self._armed: Timer | None = None
         self._armed_at = math.inf
-        self.cancelled = 0
 
-    def call_at(self, when: float, callback: Callable[..., object], *args: Any) -> HeapTimer:
-        """At `when`, a time on the scheduler's clock."""
-        timer = HeapTimer(self, callback, args)
+    def add(self, when: float, item: E) -> None:
+        """`item` falls due at `when`, a time on the scheduler's clock, unless done."""
         self._order += 1
-        heapq.heappush(self._heap, (when, self._order, timer))
+        heapq.heappush(self._heap, (when, self._order, item))
+        if len(self._heap) > self._sweep_at:
+            self._heap = [entry for entry in self._heap if not entry[2].done]
+            heapq.heapify(self._heap)
+            self._sweep_at = max(self.SWEEP_FROM, 2 * len(self._heap))
         if when < self._armed_at:
             self._arm(when)
-        return timer
 
     def __len__(self) -> int:
         return len(self._heap)
-
-    def _cancelled_one(self) -> None:
-        self.cancelled += 1
-        if self.cancelled > 64 and 2 * self.cancelled > len(self._heap):
-            self._heap = [entry for entry in self._heap if not entry[2].cancelled]
-            heapq.heapify(self._heap)
-            self.cancelled = 0
 
     def _arm(self, when: float) -> None:
         if self._armed is not None:
@@ -108,30 +112,9 @@ class TimerHeap:
         self._armed, self._armed_at = None, math.inf
         # The loop may run a timer up to its clock's resolution early.
         until = self.scheduler.now() + 1e-6
-        # self._heap, not a local: a callback's cancel may rebuild it.
-        while self._heap and (self._heap[0][0] <= until or self._heap[0][2].cancelled):
-            _, _, timer = heapq.heappop(self._heap)
-            if timer.cancelled:
-                self.cancelled -= 1
-            else:
-                timer.fired = True
-                timer.callback(*timer.args)
+        # self._heap, not a local: an on_due's add may sweep it.
+        while self._heap and (self._heap[0][0] <= until or self._heap[0][2].done):
+            when, _, item = heapq.heappop(self._heap)
+            if not item.done:
+                self.on_due(item, when)
         self._arm(self._heap[0][0] if self._heap else math.inf)
-
-
-class HeapTimer:
-    __slots__ = ("args", "callback", "cancelled", "fired", "heap")
-
-    def __init__(self, heap: TimerHeap, callback: Callable[..., object],
-                 args: tuple[Any, ...]) -> None:
-        self.heap = heap
-        self.callback = callback
-        self.args = args
-        self.cancelled = False
-        self.fired = False
-
-    def cancel(self) -> None:
-        if not (self.cancelled or self.fired):
-            self.cancelled = True
-            self.args = ()  # what it would have called with is freed now, not when dropped
-            self.heap._cancelled_one()

@@ -51,7 +51,6 @@ class Requester:
     priority: str
     accepted_at: float
     deadline_at: float | None = None
-    timer: Any = None  # its timeout or deadline, in the job book's TimerHeap
     done: bool = False
     job: Job | None = None
 

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Chunk
 from modelpool.protocol.pipes import Abort
-from modelpool.supervisor.clock import HeapTimer
 from modelpool.supervisor.queueing import Job, Requester
 from modelpool.supervisor.workers import WorkerState
 
@@ -176,7 +175,7 @@ async def test_forget_sink_sends_nothing_even_before_the_connection_is_marked_cl
 async def test_ended_requests_leave_no_cycles_for_the_garbage_collector(
         make_harness: MakeHarness) -> None:
     """Replied, timed out, cancelled, deduplicated, or its client gone: the request's
-    Requester, Job and timer are freed as their last reference goes. As cycles they
+    Requester and Job are freed as their last reference goes. As cycles they
     waited for the collector, which then ran for a tenth of the supervisor's time."""
     h = make_harness()
     sink, gone = h.sink(), h.sink("gone")
@@ -201,7 +200,7 @@ async def test_ended_requests_leave_no_cycles_for_the_garbage_collector(
         for job_id in h.job_ids(worker)[1:]:
             h.reply_embeddings(worker, job_id, 2.0)
         gc.collect()
-        left = [o for o in gc.garbage if isinstance(o, Job | Requester | HeapTimer)]
+        left = [o for o in gc.garbage if isinstance(o, Job | Requester)]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
