@@ -22,9 +22,9 @@ from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
 from modelpool.supervisor.jobs import JobBook
+from modelpool.supervisor.jobs import dedup_key as make_dedup_key
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.queueing import PRIORITY_RANK, Job
-from modelpool.supervisor.queueing import dedup_key as make_dedup_key
 
 
 class Intake:

@@ -7,6 +7,7 @@ queue, its metrics, a stream to abort) it reports to JobEvents, which the pool i
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from typing import Any, Protocol
 
@@ -14,9 +15,11 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import Kind, merge_rows
-from modelpool.protocol.messages import Error, WorkRequest
+from modelpool.protocol.messages import Error, WorkRequest, encoder
 from modelpool.supervisor.clock import ExpiryHeap, Scheduler
 from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester, user_of
+
+DEDUP_MAX_BYTES = 1 << 20  # hashing bigger inputs costs more than it is likely to save
 
 
 class JobEvents(Protocol):
@@ -186,3 +189,16 @@ class JobBook:
         # last reference goes, not left as cycles for the garbage collector, which ran for
         # ~10% of the supervisor's time per no-op request.
         req.job = None
+
+
+def dedup_key(kind: Kind, request: WorkRequest, model_key: str) -> bytes | None:
+    """Identical work for identical inputs, or None when running it twice could differ
+    (sampling without a seed) or the input is too large to be worth hashing."""
+    if not kind.deterministic(request):
+        return None
+    neutral = msgspec.structs.replace(request, id=0, model=model_key, priority="normal",
+                                      timeout_s=None, deadline_s=None, sent_at=None)
+    payload = encoder.encode(neutral)
+    if len(payload) > DEDUP_MAX_BYTES:
+        return None
+    return hashlib.blake2b(payload, digest_size=16).digest()

@@ -40,11 +40,11 @@ from modelpool.protocol.messages import (
 from modelpool.supervisor import admission, pool_stats
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.config import JobsConfig
+from modelpool.supervisor.jobs import dedup_key
 from modelpool.supervisor.jobsink import MailboxSink
 from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
 from modelpool.supervisor.pgstreams import RelayedStreams, StreamPiece
 from modelpool.supervisor.pool import Pool
-from modelpool.supervisor.queueing import dedup_key
 from modelpool.supervisor.tasks import QueueFull, TaskQueue
 
 log = logging.getLogger("modelpool.jobs")

@@ -14,9 +14,10 @@ import msgspec
 from modelpool.protocol.pipes import ImagePolicy, Ready, SharedWeights, WorkerSettings
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import memory, scaling
+from modelpool.supervisor.ageing import Ageing
 from modelpool.supervisor.config import PoolConfig
 from modelpool.supervisor.metrics import ModelMetrics
-from modelpool.supervisor.queueing import Ageing, Job, JobQueue, JobState
+from modelpool.supervisor.queueing import Job, JobQueue, JobState
 from modelpool.supervisor.shm import weights_segment
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
 

@@ -8,21 +8,16 @@ when identical requests were deduplicated). Pure data structures: no I/O, no clo
 from __future__ import annotations
 
 import enum
-import hashlib
 import heapq
 import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import msgspec
-
 from modelpool.protocol.kinds import Kind
-from modelpool.protocol.messages import PRIORITIES, WorkRequest, encoder
+from modelpool.protocol.messages import PRIORITIES, WorkRequest
 
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
-PROMOTION_FLOOR = PRIORITY_RANK["high"]  # ageing never lifts work into `critical`
-DEDUP_MAX_BYTES = 1 << 20  # hashing bigger inputs costs more than it is likely to save
 FINISH_TAGS_KEPT = 4096  # owners' finish tags kept before the idle ones are dropped
 
 
@@ -96,45 +91,6 @@ class Job:
     def live(self) -> list[Requester]:
         owner = self.parent or self
         return [r for r in owner.requesters if not r.done]
-
-
-def dedup_key(kind: Kind, request: WorkRequest, model_key: str) -> bytes | None:
-    """Identical work for identical inputs, or None when running it twice could differ
-    (sampling without a seed) or the input is too large to be worth hashing."""
-    if not kind.deterministic(request):
-        return None
-    neutral = msgspec.structs.replace(request, id=0, model=model_key, priority="normal",
-                                      timeout_s=None, deadline_s=None, sent_at=None)
-    payload = encoder.encode(neutral)
-    if len(payload) > DEDUP_MAX_BYTES:
-        return None
-    return hashlib.blake2b(payload, digest_size=16).digest()
-
-
-class Ageing:
-    """Against starvation: a priority level that has had work waiting, and none of it
-    served, for `every` seconds moves that work up one level (never into `critical`), so
-    a steady stream of urgent work cannot starve `batch` forever. It is the level that
-    ages, not each job: a user whose backlog waits behind its own earlier requests is
-    being served, and waiting longer earns it no place ahead of other users' fresh work
-    (their turns stay fair). Pure: the caller passes the time."""
-
-    def __init__(self) -> None:
-        self.seen = [0] * len(PRIORITIES)  # the level's served count when last looked at
-        self.since: list[float | None] = [None] * len(PRIORITIES)  # starved since
-
-    def starved(self, queue: JobQueue, now: float, every: float) -> list[int]:
-        """The levels to lift now, lowest priority last (work moves one level a time)."""
-        lift = []
-        for rank in range(PROMOTION_FLOOR + 1, len(PRIORITIES)):
-            served, since = queue.served[rank], self.since[rank]
-            if every <= 0 or not queue.waiting(rank) or served != self.seen[rank] \
-                    or since is None:
-                self.seen[rank], self.since[rank] = served, now
-            elif now - since >= every:
-                lift.append(rank)
-                self.since[rank] = now
-        return lift
 
 
 def user_of(owner: Hashable) -> Hashable:
@@ -280,7 +236,6 @@ class JobQueue:
         self.held: dict[Hashable, int] = {}  # waiting, by user (a dict: a Counter was slower)
         self.served = [0] * len(PRIORITIES)  # jobs handed out, by the rank they left
         self.live = 0
-        self.nbytes = 0  # of the jobs waiting
 
     def __len__(self) -> int:
         return self.live
@@ -322,12 +277,48 @@ class JobQueue:
             return batch
         size = first.size
         while size < max_size and self.live and (top := self._top()) is not None:
-            nxt = top[1]
+            level, nxt, user = top
             if nxt.size + size > max_size or nxt.kind is not first.kind:
                 break
-            batch.append(self._take(*top))
-            size += nxt.size
+            if user is not None and user.live == level.live:  # its level's only user
+                size = self._take_run(level, user, batch, size, max_size)
+            else:
+                batch.append(self._take(*top))
+                size += nxt.size
         return batch
+
+    def _take_run(self, level: _Level, user: _User, batch: list[Job], size: int,
+                  max_size: int) -> int:
+        """Take the jobs of the only user with work at its level, in its order, while they
+        fit (the first does): as _take each would, the level's heap and counts moved once."""
+        kind, heap, taken, nbytes = batch[0].kind, user.heap, 0, 0
+        tag = started = 0.0
+        while size < max_size and user.live:
+            job = user.top()
+            if job.state is not JobState.QUEUED:
+                self.discard(job)  # as _top does: never hand it out
+                continue
+            if job.size + size > max_size or job.kind is not kind:
+                break
+            tag, started = heapq.heappop(heap)[0], user.start
+            user.start += job.size
+            user.live -= 1
+            job.entry = None
+            batch.append(job)
+            size += job.size
+            taken += 1
+            nbytes += job.nbytes
+        user.clock = max(user.clock, tag)
+        level.clock = max(level.clock, started)
+        level.live -= taken
+        if user.live:
+            user.seq = next(self._seq)
+            heapq.heapreplace(level.heap, (user.start, user.seq, user.uid))
+        else:
+            heapq.heappop(level.heap)
+        self.served[batch[-1].rank or 0] += taken
+        self._count_out(user.uid, taken, nbytes)
+        return size
 
     def jobs(self) -> list[Job]:
         return [job for rank in range(len(self._levels)) for job in self._jobs_at(rank)]
@@ -388,7 +379,6 @@ class JobQueue:
     def _count(self, job: Job, delta: int) -> None:
         nbytes = delta * job.nbytes
         self.live += delta
-        self.nbytes += nbytes
         totals = self.totals
         totals.live += delta
         totals.nbytes += nbytes
@@ -397,3 +387,14 @@ class JobQueue:
             self.held[job.user] = held
         else:
             del self.held[job.user]
+
+    def _count_out(self, user: Hashable, jobs: int, nbytes: int) -> None:
+        """As _count(job, -1) for each of `jobs` jobs of one user, of nbytes together."""
+        self.live -= jobs
+        self.totals.live -= jobs
+        self.totals.nbytes -= nbytes
+        held = self.held[user] - jobs
+        if held:
+            self.held[user] = held
+        else:
+            del self.held[user]

@@ -202,9 +202,9 @@ async def test_waiting_bytes_are_bounded(make_harness: MakeHarness) -> None:
     h.pool.submit(sink, Embed(id=902, model="emb", texts=["b"]), nbytes=600)  # 1200 > 1000
     (error,) = sink.errors()
     assert error.id == 902 and error.code is ErrorCode.OVERLOADED
-    assert h.pool.models["emb"].queue.nbytes == 600
+    assert h.pool.queued_totals.nbytes == 600
     h.pool.cancel(sink, 901)
-    assert h.pool.models["emb"].queue.nbytes == 0  # released with the request
+    assert h.pool.queued_totals.nbytes == 0  # released with the request
     h.pool.submit(sink, Embed(id=903, model="emb", texts=["c"]), nbytes=900)
     assert len(sink.errors()) == 2  # 903 fits again; the second error is 901's CANCELLED
 
