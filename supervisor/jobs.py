@@ -108,15 +108,18 @@ class JobBook:
                 req.sink.send(msgspec.structs.replace(chunk, id=req.client_id))
 
     def finish(self, job: Job, reply: Any) -> None:
-        """The job's final reply, to each of its requesters under its own id."""
+        """The job's final reply, to each of its requesters under its own id (and a
+        result under its model's key, whatever name the request used)."""
         if job.state is JobState.DONE:
             return
         if job.parent is not None:
             self._part_done(job, reply)
             return
         self._close(job)
+        replace, failed = msgspec.structs.replace, isinstance(reply, Error)
         for req in job.live:
-            self._end(req, msgspec.structs.replace(reply, id=req.client_id))
+            self._end(req, replace(reply, id=req.client_id) if failed
+                      else replace(reply, id=req.client_id, model=job.model_key))
 
     def fail(self, job: Job, code: ErrorCode, message: str) -> None:
         self.finish(job, Error(id=0, code=code, message=message))

@@ -16,10 +16,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
-
 from modelpool.protocol.kinds import STREAMED
-from modelpool.protocol.messages import Error, WorkRequest
+from modelpool.protocol.messages import WorkRequest
 from modelpool.protocol.pipes import (
     Abort,
     ExportFirst,
@@ -219,8 +217,7 @@ class Pool:
             if job.started_at is not None and job.started_at != ran_from:
                 ran_from = job.started_at  # a batch's jobs started together
                 model.metrics.ran(self.scheduler.now() - ran_from)
-            self.book.finish(job, msg if isinstance(msg, Error)
-                             else msgspec.structs.replace(msg, model=model.key))
+            self.book.finish(job, msg)
         self._idle_if_free(worker)  # its WantWork came before these, its last replies
 
     def handle_heartbeat(self, worker: WorkerHandle, beat: Heartbeat) -> None:

@@ -12,6 +12,7 @@ from conftest import Harness
 
 from modelpool.protocol.messages import Embeddings
 from modelpool.protocol.pipes import Replies
+from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.workers import WorkerState
 
 MakeHarness = Callable[..., Harness]
@@ -149,3 +150,23 @@ async def test_a_batchs_run_time_counts_once_in_the_models_service_time(
                                              for job_id, _ in h.items(work)]))
     assert len(sink.messages) == 8
     assert model.metrics.service_s == pytest.approx(0.9 * 1.0 + 0.1 * 3.0)  # four: 1.69
+
+
+async def test_results_carry_the_models_key_whatever_name_the_request_used(
+        make_harness: MakeHarness) -> None:
+    """The key, not the alias the client wrote: whole, joined to a twin, or in parts."""
+    spec = ModelSpec(key="emb", capability="text_embedding", path="/nonexistent",
+                     aliases=["small"], weights_mb=10, per_worker_mb=10)
+    h = make_harness(models=[spec], max_batch=2)
+    sink = h.sink()
+    whole, twin = h.embed(sink, ["a"], model="small"), h.embed(sink, ["a"], model="small")
+    split = h.embed(sink, ["b", "c", "d"], model="small")  # parts of 2 and 1
+    await h.settle()
+    worker = h.workers("emb")[0]
+    h.ready(worker)
+    for _ in range(3):  # three Works: the pair joined, two texts, one text
+        for job_id, request in h.items(h.works(worker)[-1]):
+            h.reply_embeddings(worker, job_id, *[1.0] * len(request.texts))
+        h.want_work(worker)
+    assert {reply.id: reply.model for reply in sink.messages} == {
+        whole: "emb", twin: "emb", split: "emb"}
