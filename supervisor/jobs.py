@@ -20,6 +20,10 @@ from modelpool.supervisor.clock import ExpiryHeap, Scheduler
 from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester, user_of
 
 DEDUP_MAX_BYTES = 1 << 20  # hashing bigger inputs costs more than it is likely to save
+DIGEST_BYTES = 16
+# Requests up to this size are their own dedup key in the index (up to twice their
+# bytes while they wait); longer ones are digested.
+INDEX_KEY_MAX_BYTES = 4096
 
 
 class JobEvents(Protocol):
@@ -194,9 +198,13 @@ class JobBook:
         req.job = None
 
 
-def dedup_key(kind: Kind, request: WorkRequest, model_key: str) -> bytes | None:
+def dedup_key(kind: Kind, request: WorkRequest, model_key: str,
+              digest_over: int = 0) -> bytes | None:
     """Identical work for identical inputs, or None when running it twice could differ
-    (sampling without a seed) or the input is too large to be worth hashing."""
+    (sampling without a seed) or the input is too large to be worth hashing. The key is
+    the request as its work encodes (no id, priority or timing), or a 16-byte digest of
+    it over digest_over bytes: the job book keys its index on the small ones as they are
+    (a digest each cost ~4% of a no-op request), the shared job queue on digests."""
     if not kind.deterministic(request):
         return None
     neutral = msgspec.structs.replace(request, id=0, model=model_key, priority="normal",
@@ -204,4 +212,6 @@ def dedup_key(kind: Kind, request: WorkRequest, model_key: str) -> bytes | None:
     payload = encoder.encode(neutral)
     if len(payload) > DEDUP_MAX_BYTES:
         return None
-    return hashlib.blake2b(payload, digest_size=16).digest()
+    if DIGEST_BYTES < len(payload) <= digest_over:  # (never mistaken for a digest)
+        return payload
+    return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest()

@@ -286,3 +286,23 @@ async def test_an_unset_parameter_and_its_default_are_the_same_request(
     h.ready(worker)
     assert len(h.job_ids(worker)) == 1
     assert h.pool.models["gen"].metrics.by_priority["normal"].deduplicated == 1
+
+
+@pytest.mark.parametrize("chars", [10, 5000], ids=["small: its own key", "large: digested"])
+async def test_identical_embeds_join_and_differing_ones_do_not(
+        make_harness: MakeHarness, chars: int) -> None:
+    h = make_harness()
+    sink = h.sink()
+    text = "x" * chars
+    same = [h.embed(sink, [text], priority=priority) for priority in ("normal", "high")]
+    other = h.embed(sink, [text[:-1] + "y"])
+    await h.settle()
+    worker = h.workers("emb")[0]
+    h.ready(worker)
+    assert len(h.job_ids(worker)) == 2
+    for job_id in h.job_ids(worker):
+        h.reply_embeddings(worker, job_id, float(job_id))
+    replies = {reply.id: reply.data for reply in sink.messages}
+    assert set(replies) == {*same, other}
+    assert replies[same[0]] == replies[same[1]] != replies[other]
+    assert h.pool.book.index == {}  # emptied as the jobs end, whatever their keys' form
