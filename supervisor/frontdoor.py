@@ -154,11 +154,11 @@ class FrontDoor:
 
     def handle_frame(self, conn: Connection, payload: bytes | bytearray) -> None:
         msg = decode_request(payload)
-        if isinstance(msg, Error):
+        if type(msg) is Error:  # (isinstance of a msgspec type costs 5x as much)
             conn.send(msg)
             return
         rid = getattr(msg, "id", None)
-        if rid is not None and not isinstance(msg, Cancel) and rid in conn.jobs:
+        if rid is not None and type(msg) is not Cancel and rid in conn.jobs:
             # Its own id would read as a final reply to the request in flight: no id.
             conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
                             message=f"request id {rid} is already in flight on this "

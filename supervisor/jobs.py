@@ -120,7 +120,7 @@ class JobBook:
             self._part_done(job, reply)
             return
         self._close(job)
-        replace, failed = msgspec.structs.replace, isinstance(reply, Error)
+        replace, failed = msgspec.structs.replace, type(reply) is Error
         for req in job.live:
             self._end(req, replace(reply, id=req.client_id) if failed
                       else replace(reply, id=req.client_id, model=job.model_key))

@@ -83,7 +83,7 @@ class ModelMetrics:
         """One request's final reply; None when its client left without one."""
         if reply is None:
             return  # nobody to count it for
-        failed = isinstance(reply, Error)
+        failed = type(reply) is Error
         self.outcomes[op, priority, reply.code.value if failed else "OK"] += 1
         histogram = self.latency_s.get(op)
         if histogram is None:
