@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import msgspec
 import numpy as np
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embed, Embeddings, Error
@@ -201,6 +203,18 @@ def test_pass_groups_weigh_padding_against_the_cost_of_a_pass() -> None:
     split = groups(lengths, 32, 200)
     assert sorted(i for group in split for i in group) == list(range(200))
     assert all(len(group) <= 32 for group in split)
+
+
+@given(st.lists(st.integers(0, 400), max_size=70), st.integers(1, 40), st.integers(0, 300))
+@example([0, 5], 32, 5)  # a tie: one pass of padding 5, or two passes of none
+def test_inputs_of_near_equal_lengths_go_in_the_one_pass_the_shortest_path_picks(
+        lengths: list[int], max_batch: int, pass_cost: int) -> None:
+    """Skipping the search when all the padding costs less than one pass more (most
+    batches of short texts) changes nothing: the search picks the same passes."""
+    near = [n % 7 for n in lengths]  # padding within 6 a text: often under pass_cost
+    for inputs in (lengths, near):
+        assert text_embedding.pass_groups(inputs, max_batch, pass_cost) == \
+            text_embedding.shortest_passes(inputs, max_batch, pass_cost)
 
 
 def test_slices_also_follow_a_cost_budget() -> None:

@@ -90,6 +90,15 @@ def pass_groups(lengths: list[int], max_batch: int, pass_cost: int) -> list[list
     inputs sorted by length); each pass keeps the inputs' own order."""
     if len(lengths) == 1:
         return [[0]]  # a lone text, the common case of one request at a time
+    if lengths and len(lengths) <= max_batch \
+            and len(lengths) * max(lengths) - sum(lengths) < pass_cost:
+        return [list(range(len(lengths)))]  # all its padding costs less than a pass more
+    return shortest_passes(lengths, max_batch, pass_cost)
+
+
+def shortest_passes(lengths: list[int], max_batch: int, pass_cost: int) -> list[list[int]]:
+    """pass_groups by a shortest path: O(inputs x max_batch) steps in Python, ~75 us for
+    a batch of 32 (where no model runs, more than all else the worker does for it)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     sizes = [lengths[i] + TEXT_COST_CHARS for i in order]
     best = [0.0] + [math.inf] * len(order)
