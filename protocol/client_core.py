@@ -24,7 +24,6 @@ from modelpool.protocol.messages import (
     End,
     Error,
     ImageProgress,
-    Priority,
     Welcome,
     encoder,
 )
@@ -84,7 +83,7 @@ def submit_message(rid: int, op: str, args: tuple[Any, ...], kwargs: dict[str, A
     return Submit(id=rid, request=call.request, single=call.single)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # (frozen, making one cost ~1 us: a tenth of a no-op request)
 class Call:
     """One operation, ready to send: its request and how to read what comes back."""
 
@@ -164,21 +163,18 @@ def make_call(op: str, rid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     kind = BY_OP.get(op)
     if kind is None:
         raise PoolError(ErrorCode.BAD_REQUEST, f"no operation {op!r}; one of {sorted(BY_OP)}")
-    common = request_options(kwargs.pop("priority", "normal"), kwargs.pop("timeout_s", None),
-                             kwargs.pop("deadline_s", None))
+    priority = kwargs.pop("priority", "normal")
+    timeout_s = kwargs.pop("timeout_s", None)
+    deadline_s = kwargs.pop("deadline_s", None)
     try:
         fields, single = kind.build(*args, **kwargs)
-        request = kind.request(id=rid, **fields, **common)
+        # sent_at lets the daemon count a deadline from when the request left the client.
+        request = kind.request(id=rid, priority=priority, timeout_s=timeout_s,
+                               deadline_s=deadline_s, **fields,
+                               sent_at=None if deadline_s is None else time.time())
     except (TypeError, msgspec.ValidationError) as exc:
         raise PoolError(ErrorCode.BAD_REQUEST, f"{op}: {exc}") from None
     return Call(kind, request, single)
-
-
-def request_options(priority: Priority, timeout_s: float | None,
-                    deadline_s: float | None) -> dict[str, Any]:
-    # sent_at lets the daemon count a deadline from when the request left the client.
-    return {"priority": priority, "timeout_s": timeout_s, "deadline_s": deadline_s,
-            "sent_at": time.time() if deadline_s is not None else None}
 
 
 def op_signature(kind: Kind, is_method: bool = True) -> inspect.Signature:
@@ -222,7 +218,7 @@ def is_final(msg: Any) -> bool:
 
 
 def check_reply(msg: Any) -> Any:
-    if isinstance(msg, Error):
+    if type(msg) is Error:  # (isinstance of a msgspec type costs 5x as much)
         raise PoolError(msg.code, msg.message, msg.retry_after_s)
     return msg
 
