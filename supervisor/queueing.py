@@ -14,6 +14,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 from modelpool.protocol.kinds import Kind
 from modelpool.protocol.messages import PRIORITIES, WorkRequest
 
@@ -37,8 +39,7 @@ class JobState(enum.Enum):
     DONE = "done"
 
 
-@dataclass(eq=False, slots=True)
-class Requester:
+class Requester(msgspec.Struct, eq=False):
     """One client request waiting on a job; gets exactly one final reply."""
 
     sink: ReplySink
@@ -50,10 +51,10 @@ class Requester:
     job: Job | None = None
 
 
-@dataclass(eq=False, slots=True)
-class Job:
+class Job(msgspec.Struct, eq=False):
     """One unit of work, from admission until its worker replies (or it is dropped). One
-    is made per request: no default factories, no __post_init__ (~1 us less a request)."""
+    is made per request: a msgspec Struct, made and read in C (a slotted dataclass's
+    generated __init__ took twice as long), with no default factories."""
 
     job_id: int  # unique in this daemon; the id used on worker pipes
     request: WorkRequest
