@@ -83,7 +83,7 @@ def submit_message(rid: int, op: str, args: tuple[Any, ...], kwargs: dict[str, A
     return Submit(id=rid, request=call.request, single=call.single)
 
 
-@dataclass(slots=True)  # (frozen, making one cost ~1 us: a tenth of a no-op request)
+@dataclass(slots=True)  # (frozen, one took ~1 us to make, of ~21 a no-op request costs)
 class Call:
     """One operation, ready to send: its request and how to read what comes back."""
 
