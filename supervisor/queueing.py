@@ -243,13 +243,13 @@ class JobQueue:
 
     def push(self, job: Job) -> None:
         self._place(job, PRIORITY_RANK[job.request.priority], front=False)
-        self._count(job, 1)
+        self._count(job.user, 1, job.nbytes)
 
     def push_front(self, job: Job) -> None:
         """Re-queue ahead of everything of the same rank (a dead worker's job)."""
         rank = job.rank if job.rank is not None else PRIORITY_RANK[job.request.priority]
         self._place(job, rank, front=True)
-        self._count(job, 1)
+        self._count(job.user, 1, job.nbytes)
 
     def promote(self, job: Job, rank: int) -> None:
         """Move a queued job up to rank (ageing, or a more urgent requester attached)."""
@@ -264,7 +264,7 @@ class JobQueue:
             return
         self._levels[job.rank].remove(job)
         job.entry = None
-        self._count(job, -1)
+        self._count(job.user, -1, -job.nbytes)
 
     def pop_batch(self, max_size: int) -> list[Job]:
         """The best job, plus, for a batched kind, following jobs of the same kind while
@@ -318,7 +318,7 @@ class JobQueue:
         else:
             heapq.heappop(level.heap)
         self.served[batch[-1].rank or 0] += taken
-        self._count_out(user.uid, taken, nbytes)
+        self._count(user.uid, -taken, -nbytes)
         return size
 
     def jobs(self) -> list[Job]:
@@ -374,27 +374,16 @@ class JobQueue:
             level.served(user, job, next(self._seq))
         job.entry = None  # out of the queue
         self.served[job.rank or 0] += 1
-        self._count(job, -1)
+        self._count(job.user, -1, -job.nbytes)
         return job
 
-    def _count(self, job: Job, delta: int) -> None:
-        nbytes = delta * job.nbytes
-        self.live += delta
+    def _count(self, user: Hashable, jobs: int, nbytes: int) -> None:
+        """Jobs of one user, of nbytes together, come (jobs > 0) or leave (< 0) the queue."""
+        self.live += jobs
         totals = self.totals
-        totals.live += delta
+        totals.live += jobs
         totals.nbytes += nbytes
-        held = self.held.get(job.user, 0) + delta
-        if held:
-            self.held[job.user] = held
-        else:
-            del self.held[job.user]
-
-    def _count_out(self, user: Hashable, jobs: int, nbytes: int) -> None:
-        """As _count(job, -1) for each of `jobs` jobs of one user, of nbytes together."""
-        self.live -= jobs
-        self.totals.live -= jobs
-        self.totals.nbytes -= nbytes
-        held = self.held[user] - jobs
+        held = self.held.get(user, 0) + jobs
         if held:
             self.held[user] = held
         else:
