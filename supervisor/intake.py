@@ -21,8 +21,7 @@ from modelpool.supervisor.admission import Rejection, RemoteModel
 from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
-from modelpool.supervisor.jobs import INDEX_KEY_MAX_BYTES, JobBook
-from modelpool.supervisor.jobs import dedup_key as make_dedup_key
+from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelState
 from modelpool.supervisor.queueing import PRIORITY_RANK, Job
 
@@ -55,8 +54,7 @@ class Intake:
         if request.id in sink.jobs:
             reject = ErrorCode.BAD_REQUEST, f"request id {request.id} is already in flight"
         reject = reject or self._static_refusal(kind, request, spec, deadline_in)
-        key = (make_dedup_key(kind, request, spec.key, INDEX_KEY_MAX_BYTES)
-               if spec and not reject else None)
+        key = self.book.key_for(kind, request, spec.key) if spec and not reject else None
         leader = self.book.leader_for(key)
         if reject is None and leader is None and model is not None:
             reject = admission.bounds_error(model, nbytes, self.config().pool, sink.owner)

@@ -50,6 +50,10 @@ class JobBook:
 
     # ---- admission -------------------------------------------------------------------
 
+    def key_for(self, kind: Kind, request: WorkRequest, model_key: str) -> bytes | None:
+        """The request's dedup key in this book's index (None: never joined)."""
+        return dedup_key(kind, request, model_key, INDEX_KEY_MAX_BYTES)
+
     def leader_for(self, key: bytes | None) -> Job | None:
         """The job already doing this work (same dedup key), if any."""
         job = self.index.get(key) if key else None
