@@ -88,11 +88,10 @@ def pass_groups(lengths: list[int], max_batch: int, pass_cost: int) -> list[list
     """The inputs' indices in forward passes of at most max_batch, grouped by length so
     that the passes' padding plus pass_cost each is least (a shortest path over the
     inputs sorted by length); each pass keeps the inputs' own order."""
-    if len(lengths) == 1:
-        return [[0]]  # a lone text, the common case of one request at a time
+    # All its padding costing less than one pass more (a lone text has none): one pass.
     if lengths and len(lengths) <= max_batch \
             and len(lengths) * max(lengths) - sum(lengths) < pass_cost:
-        return [list(range(len(lengths)))]  # all its padding costs less than a pass more
+        return [list(range(len(lengths)))]
     return shortest_passes(lengths, max_batch, pass_cost)
 
 
