@@ -29,7 +29,7 @@ import msgspec
 from modelpool.registry.content import cache_dir
 from modelpool.registry.spec import ModelSpec
 
-FORMAT = "3"  # bump when the export or the manifest changes
+FORMAT = "4"  # bump when the export or the manifest changes
 VERSIONED = ("torch", "transformers", "tokenizers", "onnx", "onnxruntime")
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"

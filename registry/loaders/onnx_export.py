@@ -4,8 +4,8 @@ Runs in a process of its own (`python -m modelpool.registry.loaders.onnx_export`
 spec on stdin), started by a worker whose model has no cache entry yet: the export
 imports torch and leaves ~100 MiB of heap behind, none of which the worker should keep.
 The graph is the transformer followed by the model's pooling and normalisation,
-exported with torch's standard exporter, then optimised once by ONNX Runtime and saved
-with its weights in an external file (which every worker maps). Eager PyTorch's vectors
+exported with torch's standard exporter, then fused and optimised once by ONNX Runtime
+and saved with its weights in an external file (which every worker maps). Eager PyTorch's vectors
 for the reference texts are stored beside it: every later load checks the export
 against them.
 """
@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import torch
 
-from modelpool.registry.loaders import onnx_cache, onnx_embedding
+from modelpool.registry.loaders import onnx_cache, onnx_embedding, onnx_fusion
 from modelpool.registry.loaders.onnx_cache import Manifest
 from modelpool.registry.loaders.sentence_embedding import SentenceEmbedder, pool
 from modelpool.registry.spec import ModelSpec
@@ -91,11 +91,21 @@ def _export(eager: SentenceEmbedder, work: Path) -> Manifest:
             dynamo=False, opset_version=OPSET, input_names=inputs, output_names=["vectors"],
             dynamic_axes={**{name: {0: "batch", 1: "tokens"} for name in inputs},
                           "vectors": {0: "batch"}})
-    _optimise(raw, work / onnx_cache.MODEL_FILE)
-    raw.unlink()
     _save_tokenizer(eager, work / onnx_cache.TOKENIZER_FILE)
     manifest = Manifest(choice="onnx", reason="", inputs=inputs, lowercase=eager.lowercase,
                         max_seq_length=eager.max_seq_length, dim=eager.dim)
+    fused = work / "fused.onnx"
+    if onnx_fusion.fuse(raw, fused, eager.model.config):
+        _optimise(fused, work / onnx_cache.MODEL_FILE)
+        for path in (fused, fused.with_name(f"{fused.name}.data")):
+            path.unlink()
+        decided = _decide(eager, work, manifest)
+        if decided.min_cosine is not None:  # its vectors matched: timed, and decided
+            raw.unlink()
+            return decided
+        log.warning("fused ONNX graph: %s; trying it unfused", decided.reason)
+    _optimise(raw, work / onnx_cache.MODEL_FILE)
+    raw.unlink()
     return _decide(eager, work, manifest)
 
 

@@ -145,10 +145,12 @@ def test_a_hub_model_in_the_hub_cache_is_exported_from_the_start_and_runs_withou
     assert "modelpool.workers.preload_torch" not in preload_modules([hub, forced])
 
 
-def test_attention_is_exported_without_sdpas_mask_handling(
+def test_attention_is_exported_plain_and_fused(
         in_cache: Path, eager: SentenceEmbedder) -> None:
-    """Traced through eager attention: SDPA's export wraps each layer's softmax in NaN
-    handling, which made ONNX Runtime slower. The model is put back after tracing."""
+    """Traced through eager attention (SDPA's export wraps each layer's softmax in NaN
+    handling, which made ONNX Runtime slower), then fused: each layer's attention one
+    node, each residual add and its layer norm another. The model is put back after
+    tracing."""
     import onnx
 
     from modelpool.registry.loaders import onnx_export
@@ -158,12 +160,56 @@ def test_attention_is_exported_without_sdpas_mask_handling(
     entry = onnx_cache.entry_dir(_minilm(), model_dir)
     graph = onnx.load(str(entry / onnx_cache.MODEL_FILE), load_external_data=False).graph
     ops = [node.op_type for node in graph.node]
-    assert ops.count("Softmax") == 6 and "IsNaN" not in ops  # MiniLM's six layers
+    assert "IsNaN" not in ops and "Softmax" not in ops
+    assert ops.count("Attention") == 6  # MiniLM's six layers
+    assert ops.count("SkipLayerNormalization") == 12 and "EmbedLayerNormalization" in ops
     before = eager.model.config._attn_implementation
     assert before != "eager"
     with onnx_export._eager_attention(eager.model):
         assert eager.model.config._attn_implementation == "eager"
     assert eager.model.config._attn_implementation == before
+
+
+def test_a_fused_graph_whose_vectors_differ_is_served_unfused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The fused graph is checked like any export; when its vectors differ, the export
+    optimises the plain graph and checks and times that instead."""
+    import onnx
+
+    from modelpool.registry.loaders import onnx_export
+
+    verified: list[int] = []
+    real_verify = OnnxEmbedder.verify
+
+    def fused_differs(self: OnnxEmbedder) -> float:
+        verified.append(len(onnx.load(str(self.entry / onnx_cache.MODEL_FILE),
+                                      load_external_data=False).graph.node))
+        if len(verified) == 1:
+            raise onnx_embedding.VectorsDiffer("fused vectors differ (test)")
+        return real_verify(self)
+
+    monkeypatch.setattr(OnnxEmbedder, "verify", fused_differs)
+    model_dir = resolve_model_dir(_minilm())
+    assert model_dir is not None
+    manifest = onnx_export.export_entry(_minilm(), model_dir, tmp_path / "entry")
+    ops = [node.op_type for node in onnx.load(
+        str(tmp_path / "entry" / onnx_cache.MODEL_FILE), load_external_data=False).graph.node]
+    assert manifest.choice == "onnx" and manifest.min_cosine is not None
+    assert ops.count("Softmax") == 6 and "Attention" not in ops
+    assert verified[0] < verified[1] == len(ops)  # the fused graph first, then the plain
+    assert "trying it unfused" in caplog.text
+    assert sorted(path.name for path in (tmp_path / "entry").iterdir()) == [
+        "manifest.json", "model.onnx", "model.onnx.data", "reference.npy", "tokenizer.json"]
+
+
+def test_fusions_that_fail_leave_the_graph_to_be_served_unfused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from modelpool.registry.loaders import onnx_fusion
+
+    (tmp_path / "raw.onnx").write_bytes(b"not a graph")
+    assert not onnx_fusion.fuse(tmp_path / "raw.onnx", tmp_path / "fused.onnx", None)
+    assert "serving the graph unfused" in caplog.text
+    assert not (tmp_path / "fused.onnx").exists()
 
 
 def test_both_runtimes_count_the_tokens_the_model_reads(
