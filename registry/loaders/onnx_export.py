@@ -5,9 +5,9 @@ spec on stdin), started by a worker whose model has no cache entry yet: the expo
 imports torch and leaves ~100 MiB of heap behind, none of which the worker should keep.
 The graph is the transformer followed by the model's pooling and normalisation,
 exported with torch's standard exporter, then fused and optimised once by ONNX Runtime
-and saved with its weights in an external file (which every worker maps). Eager PyTorch's vectors
-for the reference texts are stored beside it: every later load checks the export
-against them.
+and saved with its weights in an external file (which every worker maps). Eager
+PyTorch's vectors for the reference texts are stored beside it: every later load checks
+the export against them.
 """
 
 from __future__ import annotations
