@@ -95,18 +95,22 @@ def _export(eager: SentenceEmbedder, work: Path) -> Manifest:
     manifest = Manifest(choice="onnx", reason="", inputs=inputs, lowercase=eager.lowercase,
                         max_seq_length=eager.max_seq_length, dim=eager.dim)
     fused = work / "fused.onnx"
-    if onnx_fusion.fuse(raw, fused, eager.model.config):
+    unfused_because = onnx_fusion.fuse(raw, fused, eager.model.config)
+    if unfused_because is None:
         _optimise(fused, work / onnx_cache.MODEL_FILE)
         for path in (fused, fused.with_name(f"{fused.name}.data")):
             path.unlink()
         decided = _decide(eager, work, manifest)
         if decided.min_cosine is not None:  # its vectors matched: timed, and decided
             raw.unlink()
-            return decided
-        log.warning("fused ONNX graph: %s; trying it unfused", decided.reason)
+            return _with(decided, reason=f"{decided.reason}, fused")
+        unfused_because = f"fused, {decided.reason}"
+        log.warning("%s; trying the graph unfused", unfused_because)
     _optimise(raw, work / onnx_cache.MODEL_FILE)
     raw.unlink()
-    return _decide(eager, work, manifest)
+    decided = _decide(eager, work, manifest)
+    # In `status`: the export's process log goes nowhere once it has succeeded.
+    return _with(decided, reason=f"{decided.reason}; not fused: {unfused_because}")
 
 
 @contextlib.contextmanager

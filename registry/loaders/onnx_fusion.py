@@ -25,9 +25,9 @@ from typing import Any
 log = logging.getLogger("modelpool.onnx")
 
 
-def fuse(raw: Path, out: Path, config: Any) -> bool:
-    """Write `raw`'s graph fused to `out` (its weights in `out`.data); False, with a
-    warning, when the fusions fail: the caller serves the graph unfused."""
+def fuse(raw: Path, out: Path, config: Any) -> str | None:
+    """Write `raw`'s graph fused to `out` (its weights in `out`.data); when the fusions
+    fail, why (also logged), and the caller serves the graph unfused."""
     import onnx
     from onnxruntime.transformers.fusion_options import FusionOptions
 
@@ -38,12 +38,12 @@ def fuse(raw: Path, out: Path, config: Any) -> bool:
         fused.optimize(FusionOptions("bert"))
         fused.save_model_to_file(str(out), use_external_data_format=True)
     except Exception as exc:  # an encoder whose graph the fusions do not expect
-        log.warning("ONNX Runtime's transformer fusions failed, serving the graph unfused:"
-                    " %s: %s", type(exc).__name__, exc)
+        why = f"the fusions failed: {type(exc).__name__}: {exc}"[:200]
+        log.warning("ONNX Runtime's transformer fusions: %s; serving the graph unfused", why)
         for path in (out, out.with_name(f"{out.name}.data")):  # a save cut short
             path.unlink(missing_ok=True)
-        return False
-    return True
+        return why
+    return None
 
 
 def _lean_shapes_model() -> type:

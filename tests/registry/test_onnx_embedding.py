@@ -77,6 +77,7 @@ def test_export_gives_eager_vectors_and_a_later_load_exports_nothing(
     assert _cosines(vectors, eager.embed(TEXTS)).min() >= 0.9999
     info = model.info()
     assert info["execution"] == "onnx" and info["max_seq_length"] == 256
+    assert info["execution_reason"].endswith(", fused")  # status says it
 
 
 def test_auto_without_an_export_serves_eager_at_once_and_names_the_export(
@@ -197,7 +198,9 @@ def test_a_fused_graph_whose_vectors_differ_is_served_unfused(
     assert manifest.choice == "onnx" and manifest.min_cosine is not None
     assert ops.count("Softmax") == 6 and "Attention" not in ops
     assert verified[0] < verified[1] == len(ops)  # the fused graph first, then the plain
-    assert "trying it unfused" in caplog.text
+    assert manifest.reason.startswith("timing set in ")
+    assert manifest.reason.endswith("; not fused: fused, fused vectors differ (test)")
+    assert "trying the graph unfused" in caplog.text
     assert sorted(path.name for path in (tmp_path / "entry").iterdir()) == [
         "manifest.json", "model.onnx", "model.onnx.data", "reference.npy", "tokenizer.json"]
 
@@ -207,7 +210,8 @@ def test_fusions_that_fail_leave_the_graph_to_be_served_unfused(
     from modelpool.registry.loaders import onnx_fusion
 
     (tmp_path / "raw.onnx").write_bytes(b"not a graph")
-    assert not onnx_fusion.fuse(tmp_path / "raw.onnx", tmp_path / "fused.onnx", None)
+    why = onnx_fusion.fuse(tmp_path / "raw.onnx", tmp_path / "fused.onnx", None)
+    assert why is not None and why.startswith("the fusions failed: DecodeError: ")
     assert "serving the graph unfused" in caplog.text
     assert not (tmp_path / "fused.onnx").exists()
 
