@@ -104,7 +104,7 @@ def _export(eager: SentenceEmbedder, work: Path) -> Manifest:
         if decided.min_cosine is not None:  # its vectors matched: timed, and decided
             raw.unlink()
             return _with(decided, reason=f"{decided.reason}, fused")
-        unfused_because = f"fused, {decided.reason}"
+        unfused_because = f"the fused graph failed its check: {decided.reason}"
         log.warning("%s; trying the graph unfused", unfused_because)
     _optimise(raw, work / onnx_cache.MODEL_FILE)
     raw.unlink()

@@ -199,7 +199,8 @@ def test_a_fused_graph_whose_vectors_differ_is_served_unfused(
     assert ops.count("Softmax") == 6 and "Attention" not in ops
     assert verified[0] < verified[1] == len(ops)  # the fused graph first, then the plain
     assert manifest.reason.startswith("timing set in ")
-    assert manifest.reason.endswith("; not fused: fused, fused vectors differ (test)")
+    assert manifest.reason.endswith(
+        "; not fused: the fused graph failed its check: fused vectors differ (test)")
     assert "trying the graph unfused" in caplog.text
     assert sorted(path.name for path in (tmp_path / "entry").iterdir()) == [
         "manifest.json", "model.onnx", "model.onnx.data", "reference.npy", "tokenizer.json"]
