@@ -98,8 +98,7 @@ def _export(eager: SentenceEmbedder, work: Path) -> Manifest:
     unfused_because = onnx_fusion.fuse(raw, fused, eager.model.config)
     if unfused_because is None:
         _optimise(fused, work / onnx_cache.MODEL_FILE)
-        for path in (fused, fused.with_name(f"{fused.name}.data")):
-            path.unlink()
+        onnx_fusion.remove(fused)
         decided = _decide(eager, work, manifest)
         if decided.min_cosine is not None:  # its vectors matched: timed, and decided
             raw.unlink()

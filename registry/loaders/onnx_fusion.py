@@ -40,10 +40,15 @@ def fuse(raw: Path, out: Path, config: Any) -> str | None:
     except Exception as exc:  # an encoder whose graph the fusions do not expect
         why = f"the fusions failed: {type(exc).__name__}: {exc}"[:200]
         log.warning("ONNX Runtime's transformer fusions: %s; serving the graph unfused", why)
-        for path in (out, out.with_name(f"{out.name}.data")):  # a save cut short
-            path.unlink(missing_ok=True)
+        remove(out)  # a save cut short
         return why
     return None
+
+
+def remove(out: Path) -> None:
+    """The files `fuse` writes: the graph and its weights."""
+    for path in (out, out.with_name(f"{out.name}.data")):
+        path.unlink(missing_ok=True)
 
 
 def _lean_shapes_model() -> type:
