@@ -35,9 +35,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # "on" also on the CPU (for weights converted at load); "off": CPU workers map the
     # weight files, GPU workers each load a copy.
     weights_holder: Literal["auto", "on", "off"] = "auto"
-    # How a text_embedding model with the built-in loader runs on the CPU: "onnx"
-    # (exported once, cached, run by ONNX Runtime), "eager" (PyTorch), or "auto": ONNX
-    # when its vectors match eager PyTorch's and it is faster (registry/loaders/onnx_*).
+    # How a text_embedding or rerank model with the built-in loader runs on the CPU:
+    # "onnx" (exported once, cached, run by ONNX Runtime), "eager" (PyTorch), or "auto":
+    # ONNX when its outputs match eager PyTorch's and it is faster (registry/loaders/onnx_*).
     execution: Literal["auto", "eager", "onnx"] = "auto"
     # Memory estimates in MiB, replaced by measurements once a worker has loaded.
     weights_mb: Annotated[float, msgspec.Meta(ge=0)] = 0.0

@@ -5,8 +5,8 @@ The daemon makes each export a model lacks once, in a process of its own at idle
 priority (serving comes first): from its start for models whose files are on this
 machine, else when a worker names it. Meanwhile the model serves eager PyTorch: a worker
 that found no export loads eager and its Ready info names the export (`onnx_export`: the
-cache entry and the model's files, registry/loaders/embedding_exec.py). When the export
-is the better runtime (its vectors match eager PyTorch's and it is faster), those
+cache entry and the model's files, registry/loaders/encoder_exec.py). When the export
+is the better runtime (its outputs match eager PyTorch's and it is faster), those
 workers are marked `outdated` and the scaling policy replaces them one at a time
 (scaling.plan_replacements), each new one loading the export; a model's first worker
 that starts after it loads the export at once. Otherwise (slower, other vectors, a

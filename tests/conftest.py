@@ -44,7 +44,7 @@ def minilm_export() -> None:
     workers (tests/integration/test_onnx_background.py); the other tests want the
     steady state from their first request, and one export per run, not one per daemon."""
     from modelpool.registry.download import resolve_model_dir
-    from modelpool.registry.loaders import embedding_exec, onnx_cache
+    from modelpool.registry.loaders import encoder_exec, onnx_cache
     from modelpool.registry.spec import Registry, load_catalog
 
     spec = Registry(load_catalog()).resolve("minilm")
@@ -53,7 +53,22 @@ def minilm_export() -> None:
     assert model_dir is not None
     entry = onnx_cache.entry_dir(spec, model_dir)
     if onnx_cache.read_manifest(entry) is None:
-        embedding_exec.export_in_child(spec, model_dir, entry)
+        encoder_exec.export_in_child(spec, model_dir, entry)
+
+
+@pytest.fixture(scope="session")
+def tiny_rerank_export(tiny_models_dir: Path) -> None:
+    """The run's tiny-rerank export (as the tests' daemons configure it: no options),
+    made once, for the same reasons as MiniLM's. A daemon fixture that serves tiny-rerank
+    asks for it: it starts before any autouse fixture of its tests."""
+    from modelpool.registry.loaders import encoder_exec, onnx_cache
+    from modelpool.registry.spec import ModelSpec
+
+    model_dir = tiny_models_dir / "tiny-rerank"
+    spec = ModelSpec(key="tiny-rerank", capability="rerank", path=str(model_dir))
+    entry = onnx_cache.entry_dir(spec, model_dir)
+    if onnx_cache.read_manifest(entry) is None:
+        encoder_exec.export_in_child(spec, model_dir, entry)
 
 
 @pytest.fixture(scope="session")

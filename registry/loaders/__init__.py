@@ -31,9 +31,10 @@ COMMON_OPTIONS = ("dtype",)  # read by every built-in loader (common.pretrained_
 # The registry's column of the request-kind table (protocol/kinds.py): how each
 # capability's models are loaded by default.
 LOADERS: dict[str, CapabilityLoader] = {
-    # Its eager half (sentence_embedding) is preloaded with torch, when torch is.
+    # Encoders: ONNX or eager (encoder_exec); the eager half is preloaded with torch,
+    # when torch is.
     "text_embedding": CapabilityLoader(
-        "modelpool.registry.loaders.embedding_exec:load",
+        "modelpool.registry.loaders.encoder_exec:load",
         preload=("modelpool.registry.loaders.sentence_embedding",),
         options=("pooling", "max_seq_length", "normalize")),
     "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load",
@@ -45,7 +46,8 @@ LOADERS: dict[str, CapabilityLoader] = {
     "text_to_image": CapabilityLoader("modelpool.registry.loaders.diffusion:load",
                                       preload=("diffusers",),
                                       options=("max_size", "preview_size")),
-    "rerank": CapabilityLoader("modelpool.registry.loaders.cross_encoder:load",
+    "rerank": CapabilityLoader("modelpool.registry.loaders.encoder_exec:load",
+                               preload=("modelpool.registry.loaders.cross_encoder",),
                                options=("activation", "max_length")),
 }
 
@@ -171,7 +173,10 @@ def exports_to_make(specs: list[ModelSpec]) -> list[tuple[ModelSpec, Path, Path]
 
 
 def _may_run_onnx(spec: ModelSpec) -> bool:
-    return spec.capability == "text_embedding" and not spec.loader and spec.execution != "eager"
+    from modelpool.registry.loaders import onnx_cache
+
+    return (spec.capability in onnx_cache.OUTPUT_OPTIONS and not spec.loader
+            and spec.execution != "eager")
 
 
 def _runs_cached_onnx(spec: ModelSpec, local: Path | None) -> bool:

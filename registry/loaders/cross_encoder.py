@@ -31,9 +31,16 @@ class CrossEncoder:
         self.model = model.eval()
         self.max_length = max_length
         self.activation = activation
+        self.execution_reason = ""  # why not ONNX (registry/loaders/encoder_exec.py)
+        self.onnx_export: dict[str, str] | None = None  # the export still to make
 
     def info(self) -> dict[str, Any]:
-        return {"max_length": self.max_length, "activation": self.activation}
+        info: dict[str, Any] = {
+            "max_length": self.max_length, "activation": self.activation,
+            "execution": "eager", "execution_reason": self.execution_reason}
+        if self.onnx_export is not None:
+            info["onnx_export"] = self.onnx_export
+        return info
 
     @torch.inference_mode()
     def score(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:

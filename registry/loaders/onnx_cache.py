@@ -1,11 +1,12 @@
 """Where exported ONNX models live on disk, and what decided them. Free of torch.
 
 An entry is a directory named by a hash of everything its export depends on: the model's
-files (path, size, modification time), the options that change its vectors, the
-versions of torch, transformers, tokenizers, onnx and onnxruntime, and the CPU's
-instruction sets (the entry holds weights prepacked for them). A changed file, an upgrade
-or another kind of CPU makes a new key, so an entry is never stale; it is written whole into a
-temporary directory and renamed into place, so a reader never sees half of one.
+files (path, size, modification time), its capability and the options that change what
+it computes, the versions of torch, transformers, tokenizers, onnx and onnxruntime, and
+the CPU's instruction sets (the entry holds weights prepacked for them). A changed file,
+an upgrade or another kind of CPU makes a new key, so an entry is never stale; it is
+written whole into a temporary directory and renamed into place, so a reader never sees
+half of one.
 """
 
 from __future__ import annotations
@@ -34,10 +35,18 @@ VERSIONED = ("torch", "transformers", "tokenizers", "onnx", "onnxruntime")
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
-REFERENCE_FILE = "reference.npy"  # eager PyTorch's vectors of REFERENCE_TEXTS
+REFERENCE_FILE = "reference.npy"  # eager PyTorch's outputs for the reference inputs
 # Set for a daemon's workers: an export to make is the daemon's (supervisor/exports.py),
 # which charges its peak to the memory budget, not the loading worker's.
 EXPORTS_BY_DAEMON_ENV = "MODELPOOL_EXPORTS_BY_DAEMON"
+
+
+# The capabilities whose built-in loader can run an export, and the options that change
+# what their graph computes (part of an entry's key).
+OUTPUT_OPTIONS = {
+    "text_embedding": ("pooling", "normalize", "max_seq_length", "dtype"),
+    "rerank": ("activation", "max_length", "dtype"),
+}
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,9 +58,16 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     lowercase: bool = False  # lower-case texts before tokenizing, as eager does
     max_seq_length: int = 0
     dim: int = 0
-    min_cosine: float | None = None  # against eager on the reference texts
+    activation: str = ""  # rerank: the scores' ("sigmoid", "none")
+    min_cosine: float | None = None  # embeddings: against eager on the reference texts
+    max_score_error: float | None = None  # rerank: against eager on the reference pairs
     eager_ms: float | None = None  # the reference set, same threads, best of a few
     onnx_ms: float | None = None
+
+    @property
+    def checked(self) -> bool:
+        """Whether the export's outputs matched eager PyTorch's when it was made."""
+        return self.min_cosine is not None or self.max_score_error is not None
 
 
 EXPORT_TIMEOUT_S = 600  # a load's own bound (load_timeout_s) is the same by default
@@ -88,9 +104,8 @@ def entry_key(spec: ModelSpec, model_dir: Path) -> str:
     digest = hashlib.sha256(f"modelpool-onnx {FORMAT}\n".encode())
     for name in VERSIONED:
         digest.update(f"{name} {_version(name)}\n".encode())
-    options = {k: spec.options.get(k) for k in ("pooling", "normalize", "max_seq_length",
-                                                 "dtype")}
-    digest.update(msgspec.json.encode(options) + b"\n")
+    options = {k: spec.options.get(k) for k in OUTPUT_OPTIONS[spec.capability]}
+    digest.update(f"{spec.capability} ".encode() + msgspec.json.encode(options) + b"\n")
     digest.update(f"cpu {cpu_fingerprint()}\n".encode())
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
         stat = path.stat()

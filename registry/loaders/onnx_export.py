@@ -1,12 +1,14 @@
-"""Export a sentence-embedding model to ONNX once, check it, time it, and cache it.
+"""Export an encoder model to ONNX once, check it, time it, and cache it: a sentence
+embedder (its vectors) or a rerank cross-encoder (its scores).
 
 Runs in a process of its own (`python -m modelpool.registry.loaders.onnx_export`, the
-spec on stdin), started by a worker whose model has no cache entry yet: the export
-imports torch and leaves ~100 MiB of heap behind, none of which the worker should keep.
-The graph is the transformer followed by the model's pooling and normalisation,
+spec on stdin), started by the daemon or by a worker whose model has no cache entry yet:
+the export imports torch and leaves ~100 MiB of heap behind, none of which a worker
+should keep. The graph is the transformer followed by what the eager loader does with
+its output (pooling and normalisation; the relevance logit and its activation),
 exported with torch's standard exporter, then fused and optimised once by ONNX Runtime
 and saved with its weights in an external file (which every worker maps). Eager
-PyTorch's vectors for the reference texts are stored beside it: every later load checks
+PyTorch's outputs for the reference inputs are stored beside it: every later load checks
 the export against them.
 """
 
@@ -24,8 +26,10 @@ import msgspec
 import numpy as np
 import torch
 
-from modelpool.registry.loaders import onnx_cache, onnx_embedding, onnx_fusion
+from modelpool.registry.loaders import onnx_cache, onnx_embedding, onnx_fusion, onnx_rerank
+from modelpool.registry.loaders.cross_encoder import CrossEncoder
 from modelpool.registry.loaders.onnx_cache import Manifest
+from modelpool.registry.loaders.onnx_session import LONG_CHARS, OnnxRunner, OutputsDiffer
 from modelpool.registry.loaders.sentence_embedding import SentenceEmbedder, pool
 from modelpool.registry.spec import ModelSpec
 
@@ -54,18 +58,102 @@ class _Pooled(torch.nn.Module):
         return pooled
 
 
+class _Scored(torch.nn.Module):
+    """The cross-encoder's relevance logit, activated as CrossEncoder.score does it."""
+
+    def __init__(self, encoder: CrossEncoder, inputs: list[str]) -> None:
+        super().__init__()
+        self.model = encoder.model
+        self.sigmoid = encoder.activation == "sigmoid"
+        self.inputs = inputs
+
+    def forward(self, *arrays: torch.Tensor) -> torch.Tensor:
+        logits = self.model(**dict(zip(self.inputs, arrays, strict=True))).logits[:, 0]
+        return torch.sigmoid(logits) if self.sigmoid else logits
+
+
+class _Embedder:
+    """What the export of a sentence embedder takes from its eager model."""
+
+    output, method = "vectors", "embed"  # the graph's output; what runs the model
+    samples: tuple[str, ...] = onnx_embedding.REFERENCE_TEXTS
+
+    def __init__(self, spec: ModelSpec, model_dir: Path) -> None:
+        from modelpool.registry.loaders import sentence_embedding
+
+        self.eager: SentenceEmbedder = sentence_embedding.load(spec, model_dir)
+        self.model, self.tokenizer = self.eager.model, self.eager.tokenizer
+        self.max_length = self.eager.max_seq_length
+
+    def tokenize(self, texts: list[str]) -> Any:
+        return self.tokenizer(texts, padding=True, truncation=True,
+                              max_length=self.max_length, return_tensors="pt")
+
+    def graph(self, inputs: list[str]) -> torch.nn.Module:
+        return _Pooled(self.eager, inputs)
+
+    def manifest(self, inputs: list[str]) -> Manifest:
+        return Manifest(choice="onnx", reason="", inputs=inputs, lowercase=self.eager.lowercase,
+                        max_seq_length=self.max_length, dim=self.eager.dim)
+
+    @staticmethod
+    def candidate(work: Path, manifest: Manifest, threads: int) -> OnnxRunner:
+        return onnx_embedding.OnnxEmbedder(work, manifest, threads)
+
+    @staticmethod
+    def checked(value: float) -> tuple[str, dict[str, float]]:
+        return f"min cosine {value:.6f}", {"min_cosine": value}
+
+
+class _Reranker:
+    """What the export of a rerank cross-encoder takes from its eager model."""
+
+    output, method = "scores", "score"
+    samples: tuple[tuple[str, str], ...] = onnx_rerank.REFERENCE_PAIRS
+
+    def __init__(self, spec: ModelSpec, model_dir: Path) -> None:
+        from modelpool.registry.loaders import cross_encoder
+
+        self.eager: CrossEncoder = cross_encoder.load(spec, model_dir)
+        self.model, self.tokenizer = self.eager.model, self.eager.tokenizer
+        self.max_length = self.eager.max_length
+
+    def tokenize(self, pairs: list[tuple[str, str]]) -> Any:
+        return self.tokenizer([q for q, _ in pairs], [d for _, d in pairs], padding=True,
+                              truncation=True, max_length=self.max_length,
+                              return_tensors="pt")
+
+    def graph(self, inputs: list[str]) -> torch.nn.Module:
+        return _Scored(self.eager, inputs)
+
+    def manifest(self, inputs: list[str]) -> Manifest:
+        return Manifest(choice="onnx", reason="", inputs=inputs,
+                        max_seq_length=self.max_length, activation=self.eager.activation)
+
+    @staticmethod
+    def candidate(work: Path, manifest: Manifest, threads: int) -> OnnxRunner:
+        return onnx_rerank.OnnxReranker(work, manifest, threads)
+
+    @staticmethod
+    def checked(value: float) -> tuple[str, dict[str, float]]:
+        return f"max score error {value:.1e}", {"max_score_error": value}
+
+
+_Kind = _Embedder | _Reranker
+KINDS: dict[str, type[_Embedder] | type[_Reranker]] = {
+    "text_embedding": _Embedder, "rerank": _Reranker}
+
+
 def export_entry(spec: ModelSpec, model_dir: Path, entry: Path) -> Manifest:
     """Make the cache entry (or find that another process just made it); its manifest."""
-    from modelpool.registry.loaders import sentence_embedding
-
     with onnx_cache.exporting(entry) as work:
         if work is None:
             manifest = onnx_cache.read_manifest(entry)
             assert manifest is not None
             return manifest
-        eager = sentence_embedding.load(spec, model_dir)
+        kind = KINDS[spec.capability](spec, model_dir)
         try:
-            manifest = _export(eager, work)
+            manifest = _export(kind, work)
         except Exception as exc:  # an architecture the exporter cannot trace, ...
             log.warning("model %r: ONNX export failed, running eager PyTorch: %s: %s",
                         spec.key, type(exc).__name__, exc)
@@ -74,40 +162,37 @@ def export_entry(spec: ModelSpec, model_dir: Path, entry: Path) -> Manifest:
         return manifest
 
 
-def _export(eager: SentenceEmbedder, work: Path) -> Manifest:
-    texts = list(onnx_embedding.REFERENCE_TEXTS)
-    reference = eager.embed(texts)
-    np.save(work / onnx_cache.REFERENCE_FILE, reference)
-    sample = eager.tokenizer(texts[:2], padding=True, truncation=True,
-                             max_length=eager.max_seq_length, return_tensors="pt")
+def _export(kind: _Kind, work: Path) -> Manifest:
+    eager_run = getattr(kind.eager, kind.method)
+    np.save(work / onnx_cache.REFERENCE_FILE, eager_run(list(kind.samples)))
+    sample = kind.tokenize(list(kind.samples[:2]))
     inputs = [name for name in ("input_ids", "attention_mask", "token_type_ids")
               if name in sample]
     raw = work / "raw.onnx"
     # The tracer warns about Python branches on shapes; the check below is what counts.
-    with torch.inference_mode(), warnings.catch_warnings(), _eager_attention(eager.model):
+    with torch.inference_mode(), warnings.catch_warnings(), _eager_attention(kind.model):
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            _Pooled(eager, inputs).eval(), tuple(sample[name] for name in inputs), str(raw),
-            dynamo=False, opset_version=OPSET, input_names=inputs, output_names=["vectors"],
+            kind.graph(inputs).eval(), tuple(sample[name] for name in inputs), str(raw),
+            dynamo=False, opset_version=OPSET, input_names=inputs, output_names=[kind.output],
             dynamic_axes={**{name: {0: "batch", 1: "tokens"} for name in inputs},
-                          "vectors": {0: "batch"}})
-    _save_tokenizer(eager, work / onnx_cache.TOKENIZER_FILE)
-    manifest = Manifest(choice="onnx", reason="", inputs=inputs, lowercase=eager.lowercase,
-                        max_seq_length=eager.max_seq_length, dim=eager.dim)
+                          kind.output: {0: "batch"}})
+    _save_tokenizer(kind, work / onnx_cache.TOKENIZER_FILE)
+    manifest = kind.manifest(inputs)
     fused = work / "fused.onnx"
-    unfused_because = onnx_fusion.fuse(raw, fused, eager.model.config)
+    unfused_because = onnx_fusion.fuse(raw, fused, kind.model.config)
     if unfused_because is None:
         _optimise(fused, work / onnx_cache.MODEL_FILE)
         onnx_fusion.remove(fused)
-        decided = _decide(eager, work, manifest)
-        if decided.min_cosine is not None:  # its vectors matched: timed, and decided
+        decided = _decide(kind, work, manifest)
+        if decided.checked:  # its outputs matched: timed, and decided
             raw.unlink()
             return _with(decided, reason=f"{decided.reason}, fused")
         unfused_because = f"the fused graph failed its check: {decided.reason}"
         log.warning("%s; trying the graph unfused", unfused_because)
     _optimise(raw, work / onnx_cache.MODEL_FILE)
     raw.unlink()
-    decided = _decide(eager, work, manifest)
+    decided = _decide(kind, work, manifest)
     # In `status`: the export's process log goes nowhere once it has succeeded.
     return _with(decided, reason=f"{decided.reason}; not fused: {unfused_because}")
 
@@ -154,52 +239,59 @@ def _optimise(raw: Path, out: Path) -> None:
     ort.InferenceSession(str(raw), options, providers=["CPUExecutionProvider"])
 
 
-def _save_tokenizer(eager: SentenceEmbedder, path: Path) -> None:
-    """The fast tokenizer eager uses, with its padding and truncation set: the worker
-    then needs only the `tokenizers` library, not transformers."""
-    tokenizer = eager.tokenizer.backend_tokenizer
-    tokenizer.enable_truncation(eager.max_seq_length)
-    tokenizer.enable_padding(pad_id=eager.tokenizer.pad_token_id,
-                             pad_token=eager.tokenizer.pad_token,
-                             pad_type_id=eager.tokenizer.pad_token_type_id)
+def _save_tokenizer(kind: _Kind, path: Path) -> None:
+    """The fast tokenizer eager uses, with its padding and truncation set ("longest
+    first", as eager's for pairs): the worker then needs only the `tokenizers` library,
+    not transformers."""
+    tokenizer = kind.tokenizer.backend_tokenizer
+    tokenizer.enable_truncation(kind.max_length, strategy="longest_first")
+    tokenizer.enable_padding(pad_id=kind.tokenizer.pad_token_id,
+                             pad_token=kind.tokenizer.pad_token,
+                             pad_type_id=kind.tokenizer.pad_token_type_id)
     tokenizer.save(str(path))
 
 
-def _decide(eager: SentenceEmbedder, work: Path, manifest: Manifest) -> Manifest:
+def _decide(kind: _Kind, work: Path, manifest: Manifest) -> Manifest:
     """Check the export against eager, then time both on the same threads: "auto" runs
-    the export only when its vectors match and it is faster."""
+    the export only when its outputs match and it is faster."""
     threads = torch.get_num_threads()
-    candidate = onnx_embedding.OnnxEmbedder(work, manifest, threads)
+    candidate = kind.candidate(work, manifest, threads)
     try:
-        cosine = candidate.verify()
-    except onnx_embedding.VectorsDiffer as exc:
+        value = candidate.verify()
+    except OutputsDiffer as exc:
         return _with(manifest, choice="eager", reason=str(exc))
-    eager_ms, onnx_ms = _best_ms(eager.embed, candidate.embed)
+    short = [item for item in kind.samples if _chars(item) < LONG_CHARS]
+    eager_ms, onnx_ms = _best_ms(getattr(kind.eager, kind.method),
+                                 getattr(candidate, kind.method), items=short)
     # One timing on a shared machine varies by tens of percent: only a clearly slower
     # export loses (the runtimes' usual order for encoders is the other way round).
     slower = onnx_ms > SLOWER * eager_ms
+    check, fields = kind.checked(value)
     reason = (f"timing set in {onnx_ms:.1f} ms against eager PyTorch's {eager_ms:.1f} "
-              f"({threads} threads), min cosine {cosine:.6f}")
-    return _with(manifest, choice="eager" if slower else "onnx", reason=reason,
-                 min_cosine=cosine, eager_ms=round(eager_ms, 2), onnx_ms=round(onnx_ms, 2))
+              f"({threads} threads), {check}")
+    return _with(manifest, choice="eager" if slower else "onnx", reason=reason, **fields,
+                 eager_ms=round(eager_ms, 2), onnx_ms=round(onnx_ms, 2))
 
 
-def _best_ms(*embeds: Any) -> list[float]:
-    """Each runtime's best of a few rounds of a batch and single texts of everyday
+def _best_ms(*runs: Any, items: list[Any]) -> list[float]:
+    """Each runtime's best of a few rounds of a batch and single inputs of everyday
     lengths. The rounds take turns, so that a busy spell of the machine (other work, a
     test suite) slows both rather than whichever ran through it: the choice is cached."""
-    texts = [t for t in onnx_embedding.REFERENCE_TEXTS if len(t) < onnx_embedding.LONG_CHARS]
-    for embed in embeds:
-        embed(texts)  # warm
-    best = [float("inf")] * len(embeds)
+    for run in runs:
+        run(items)  # warm
+    best = [float("inf")] * len(runs)
     for _ in range(TIMING_ROUNDS):
-        for index, embed in enumerate(embeds):
+        for index, run in enumerate(runs):
             started = time.perf_counter()
-            embed(texts)
-            for text in texts[:4]:
-                embed([text])
+            run(items)
+            for item in items[:4]:
+                run([item])
             best[index] = min(best[index], time.perf_counter() - started)
     return [seconds * 1000 for seconds in best]
+
+
+def _chars(item: str | tuple[str, str]) -> int:
+    return len(item) if isinstance(item, str) else sum(len(text) for text in item)
 
 
 def _with(manifest: Manifest, **changes: Any) -> Manifest:

@@ -35,9 +35,9 @@ class SentenceEmbedder:
         self.max_seq_length = max_seq_length
         self.lowercase = lowercase
         self.dim = int(model.config.hidden_size)
-        self.execution_reason = ""  # why not ONNX (registry/loaders/embedding_exec.py)
+        self.execution_reason = ""  # why not ONNX (registry/loaders/encoder_exec.py)
         self.onnx_export: dict[str, str] | None = None  # the export still to make:
-        # its cache entry and the model's files (registry/loaders/embedding_exec.py)
+        # its cache entry and the model's files (registry/loaders/encoder_exec.py)
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {

@@ -41,7 +41,8 @@ def wait_for_http(base: str, daemon: Daemon, timeout_s: float = 30) -> None:
 def http_daemon(workdir: Path, tiny_models_dir: Path, extra: str = "",
                 http: str = "") -> tuple[Daemon, str]:
     """A daemon with every capability on tiny models (MiniLM for text embeddings) and
-    the HTTP API on a free loopback port; returns it and the API's base URL."""
+    the HTTP API on a free loopback port; returns it and the API's base URL. Its callers'
+    fixtures ask for tiny_rerank_export, so that tiny-rerank starts on its export."""
     port = free_port()
     daemon = start_daemon(workdir, f"""
         [pool]

@@ -34,8 +34,8 @@ HEAD = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"a" * 200
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory,
-           tiny_models_dir: Path) -> Iterator[tuple[Daemon, str]]:
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
+           tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
     daemon, base = http_daemon(
         tmp_path_factory.mktemp("http-clients"), tiny_models_dir,
         http=f"max_clients = {MAX_CLIENTS}\nbody_timeout_s = {TIMEOUT_S}",

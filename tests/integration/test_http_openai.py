@@ -27,8 +27,8 @@ TEXTS = ["the cat sat on the mat", "a worker keeps one model loaded"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory,
-           tiny_models_dir: Path) -> Iterator[tuple[Daemon, str]]:
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
+           tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
     daemon, base = http_daemon(tmp_path_factory.mktemp("http"), tiny_models_dir,
                                http="max_body_bytes = 1048576",
                                extra=model_entry("huge") + "weights_mb = 100000000\n")

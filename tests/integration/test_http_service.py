@@ -37,8 +37,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory,
-           tiny_models_dir: Path) -> Iterator[tuple[Daemon, str]]:
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
+           tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
     daemon, base = http_daemon(tmp_path_factory.mktemp("http-service"), tiny_models_dir)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
@@ -142,7 +142,8 @@ def test_deadline_header_is_504(served: tuple[Daemon, str]) -> None:
     wait_idle(served[0], "counter")
 
 
-def test_draining_is_not_ready_but_healthy(tmp_path: Path, tiny_models_dir: Path) -> None:
+def test_draining_is_not_ready_but_healthy(tmp_path: Path, tiny_models_dir: Path,
+                                           tiny_rerank_export: None) -> None:
     """SIGTERM with a generation in flight: while the pool drains, /ready is 503 and
     /health 200 (asked on any of the front door's connections: the daemon takes no new
     one), new work is 503 shutting_down, and the work in flight gets its answer."""

@@ -30,7 +30,8 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[Daemon]:
+def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
+           tiny_rerank_export: None) -> Iterator[Daemon]:
     models = "".join(f"""
         [[models]]
         key = "{name}"

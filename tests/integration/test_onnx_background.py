@@ -5,6 +5,7 @@ to serve: its requests wait for the export, which is made within the memory budg
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from modelpool.protocol.client import Client, PoolError
 from modelpool.protocol.errors import ErrorCode
 from modelpool.registry.download import resolve_model_dir
 from modelpool.registry.loaders import onnx_cache, weights_size_mb
-from modelpool.registry.spec import Registry, load_catalog
+from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
 HoldExport = Callable[[Path], AbstractContextManager[None]]
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
@@ -195,3 +196,47 @@ def test_a_running_export_stops_when_a_worker_start_needs_its_memory(
         export.wait(30)  # killed: serving comes first
     log = daemon.log()
     assert "its ONNX export stops to leave its memory to a worker" in log
+
+
+def test_a_rerank_model_serves_eager_while_its_export_is_made_then_runs_it(
+        make_daemon: MakeDaemon, tmp_path: Path, tiny_models_dir: Path) -> None:
+    model_dir = tiny_models_dir / "tiny-rerank"
+    spec = ModelSpec(key="tiny-rerank", capability="rerank", path=str(model_dir))
+    minilm = Registry(load_catalog()).resolve("minilm")
+    assert minilm is not None
+    minilm_dir = resolve_model_dir(minilm)
+    assert minilm_dir is not None
+    made = onnx_cache.entry_dir(minilm, minilm_dir)  # in the run's cache
+    cache = tmp_path / "cache"
+    (cache / "onnx").mkdir(parents=True)
+    (cache / "onnx" / made.name).symlink_to(made)  # only tiny-rerank's is to make
+    entry = cache / "onnx" / onnx_cache.entry_key(spec, model_dir)
+    daemon = make_daemon(f"""
+        [pool]
+        cold_start_workers = 1
+        [[models]]
+        key = "tiny-rerank"
+        capability = "rerank"
+        path = "{model_dir}"
+        """, env={"MODELPOOL_CACHE_DIR": str(cache)})
+    query, docs = "what does a worker do", ["a worker runs a model", "bananas", "x " * 300]
+    with open(f"{entry}.lock", "w") as lock:  # the export waits behind it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with daemon.client(timeout_s=120) as c:
+            first = c.rerank(query, docs)
+            (model,) = [m for m in c.status()["models"] if m["key"] == "tiny-rerank"]
+        assert [w["info"]["execution"] for w in model["workers"]] == ["eager"]
+        assert "background" in model["workers"][0]["info"]["execution_reason"]
+    with daemon.client(timeout_s=120) as c:
+        deadline = time.monotonic() + EXPORT_BOUND_S
+        while time.monotonic() < deadline:
+            np.testing.assert_allclose(c.rerank(query, docs), first, rtol=1e-5, atol=1e-5)
+            (model,) = [m for m in c.status()["models"] if m["key"] == "tiny-rerank"]
+            if [w["info"].get("execution") for w in model["workers"]] == ["onnx"]:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"still not ONNX: {model}\n{daemon.log()}")
+    manifest = onnx_cache.read_manifest(entry)
+    assert manifest is not None and manifest.choice == "onnx" and manifest.checked
+    assert daemon.log().count("making its ONNX export in the background") == 1

@@ -1,5 +1,6 @@
-"""Rerank through a real daemon: a cross-encoder (tiny-rerank) loaded by a worker, its
-scores equal to the same model run in this process, from the client and the CLI."""
+"""Rerank through a real daemon: a cross-encoder (tiny-rerank, its ONNX export cached)
+loaded by a worker, its scores equal to the same model run in this process by
+sentence-transformers, from the client and the CLI."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ DOCS = ["a worker keeps one model loaded and runs it", "the queue holds requests
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Iterator[Daemon]:
+def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
+           tiny_rerank_export: None) -> Iterator[Daemon]:
     daemon = start_daemon(tmp_path_factory.mktemp("rerank"), f"""
         [pool]
         max_batch = 3
@@ -51,6 +53,15 @@ def test_scores_equal_the_model_run_in_process(daemon: Daemon, tiny_models_dir: 
     np.testing.assert_allclose(scores, _in_process(tiny_models_dir, QUERY, DOCS),
                                rtol=1e-5, atol=1e-6)
     assert named.shape == (1,) and named[0] == pytest.approx(scores[0], abs=1e-6)
+
+
+def test_its_worker_runs_the_cached_onnx_export(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        c.rerank(QUERY, DOCS)
+        (model,) = [m for m in c.status()["models"] if m["key"] == "tiny-rerank"]
+    infos = [w["info"] for w in model["workers"]]
+    assert infos and all(i["execution"] == "onnx" for i in infos), infos
+    assert all(i["execution_reason"].endswith(", fused") for i in infos)
 
 
 def test_more_documents_than_max_batch_are_split_and_come_back_in_order(

@@ -1,4 +1,5 @@
-"""The cross-encoder loader on tiny-rerank, against sentence-transformers' CrossEncoder."""
+"""The eager cross-encoder loader on tiny-rerank, against sentence-transformers'
+CrossEncoder (its ONNX export: test_onnx_rerank.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ PAIRS = [("what does a worker do", "a worker keeps one model loaded and runs it"
 
 
 def _load(tiny_models_dir: Path, **options: object) -> CrossEncoder:
-    spec = ModelSpec(key="tiny-rerank", capability="rerank",
+    spec = ModelSpec(key="tiny-rerank", capability="rerank", execution="eager",
                      path=str(tiny_models_dir / "tiny-rerank"), options=options)
     model = load_model(spec)
     assert isinstance(model, CrossEncoder)
@@ -50,7 +51,8 @@ def test_raw_logits_without_the_sigmoid(tiny_models_dir: Path) -> None:
 
 def test_long_pairs_are_truncated_to_max_length(tiny_models_dir: Path) -> None:
     model = _load(tiny_models_dir, max_length=16)
-    assert model.info() == {"max_length": 16, "activation": "sigmoid"}
+    assert model.info() == {"max_length": 16, "activation": "sigmoid", "execution": "eager",
+                            "execution_reason": 'execution = "eager"'}
     scores = model.score([("query " * 50, "document " * 500)])
     assert scores.shape == (1,) and np.isfinite(scores).all()
 

@@ -14,7 +14,7 @@ import pytest
 
 from modelpool.registry.download import resolve_model_dir
 from modelpool.registry.loaders import (
-    embedding_exec,
+    encoder_exec,
     exports_to_make,
     load_model,
     load_model_with_dir,
@@ -69,7 +69,7 @@ def test_export_gives_eager_vectors_and_a_later_load_exports_nothing(
     def no_export(*_: object) -> None:
         raise AssertionError("exported again")
 
-    monkeypatch.setattr(embedding_exec, "export_in_child", no_export)
+    monkeypatch.setattr(encoder_exec, "export_in_child", no_export)
     model = load_model(_minilm(execution="onnx"))
     assert isinstance(model, OnnxEmbedder)
     vectors = model.embed(TEXTS)
@@ -88,7 +88,7 @@ def test_auto_without_an_export_serves_eager_at_once_and_names_the_export(
         raise AssertionError("exported at load")
 
     monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(embedding_exec, "export_in_child", no_export)
+    monkeypatch.setattr(encoder_exec, "export_in_child", no_export)
     model, model_dir = load_model_with_dir(_minilm(execution="auto"))
     assert isinstance(model, SentenceEmbedder) and model_dir is not None
     info = model.info()
@@ -105,7 +105,7 @@ def test_forced_onnx_in_a_daemons_worker_leaves_the_missing_export_to_the_daemon
 
     monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(onnx_cache.EXPORTS_BY_DAEMON_ENV, "1")
-    monkeypatch.setattr(embedding_exec, "export_in_child", no_export)
+    monkeypatch.setattr(encoder_exec, "export_in_child", no_export)
     spec = _minilm(execution="onnx")
     with pytest.raises(onnx_cache.ExportNotMade) as raised:
         load_model(spec)
@@ -301,7 +301,7 @@ def test_the_entry_is_made_for_this_kind_of_cpu(in_cache: Path,
 
 def test_a_cached_onnx_model_needs_no_torch_in_the_forkserver(in_cache: Path) -> None:
     assert preload_modules([_minilm()]) == [
-        "modelpool.registry.loaders.embedding_exec",
+        "modelpool.registry.loaders.encoder_exec",
         "modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers"]
     assert "modelpool.workers.preload_torch" in preload_modules([_minilm(execution="eager")])
 
@@ -334,8 +334,9 @@ def test_the_export_and_eager_are_timed_in_turns() -> None:
     from modelpool.registry.loaders import onnx_export
 
     calls: list[str] = []
-    onnx_export._best_ms(lambda texts: calls.append("e"), lambda texts: calls.append("o"))
-    per_round = 1 + 4  # a batch, then four single texts
+    onnx_export._best_ms(lambda texts: calls.append("e"), lambda texts: calls.append("o"),
+                         items=list("abcdef"))
+    per_round = 1 + 4  # a batch, then four single inputs
     assert "".join(calls) == "eo" + ("e" * per_round + "o" * per_round) * onnx_export.TIMING_ROUNDS
 
 

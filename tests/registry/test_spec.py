@@ -106,7 +106,7 @@ def test_batched_and_streaming_flags() -> None:
 # ---- preload_modules -----------------------------------------------------------------
 
 
-EMBEDDING_LOADER = "modelpool.registry.loaders.embedding_exec"
+EMBEDDING_LOADER = "modelpool.registry.loaders.encoder_exec"
 TORCH = "modelpool.workers.preload_torch"
 ONNX = ["modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers"]
 EAGER = "modelpool.registry.loaders.sentence_embedding"

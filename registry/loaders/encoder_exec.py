@@ -1,19 +1,21 @@
-"""The built-in text_embedding loader: ONNX Runtime or eager PyTorch, as the model's
-`execution` says ("auto", "onnx", "eager"). Free of torch until eager PyTorch or an
-export is needed, so a worker serving a cached export never imports torch.
+"""The built-in loader of encoder models, sentence embedders (text_embedding) and
+cross-encoders (rerank): ONNX Runtime or eager PyTorch, as the model's `execution` says
+("auto", "onnx", "eager"). Free of torch until eager PyTorch or an export is needed, so
+a worker serving a cached export never imports torch.
 
-"auto" runs the cached export when, at export, its vectors matched eager PyTorch's on
-the reference texts and it was faster. With no export cached yet, "auto" serves eager
+"auto" runs the cached export when, at export, its outputs matched eager PyTorch's on
+the reference inputs and it was faster. With no export cached yet, "auto" serves eager
 PyTorch at once and says so in its info (`onnx_export`): the daemon makes the export in
 the background and replaces the worker (supervisor/exports.py). "onnx" runs the export
-whenever its vectors match (and fails the load otherwise); with none cached it exports at
+whenever its outputs match (and fails the load otherwise); with none cached it exports at
 load, except in a daemon's worker, which leaves the export to the daemon (ExportNotMade);
 "eager" never exports. Every load of an export checks it against eager's reference
-vectors again before it serves.
+outputs again before it serves.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
@@ -22,12 +24,16 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from modelpool.registry.loaders import onnx_cache, onnx_embedding
+from modelpool.registry.loaders import onnx_cache, onnx_embedding, onnx_rerank
 from modelpool.registry.loaders.onnx_cache import Manifest
 from modelpool.registry.spec import ModelSpec
 
 log = logging.getLogger("modelpool.onnx")
 NOT_EXPORTED_YET = "no ONNX export yet: the daemon makes one in the background"
+# Each capability's eager loader (a module of registry/loaders, which imports torch) and
+# what runs its export.
+EAGER = {"text_embedding": "sentence_embedding", "rerank": "cross_encoder"}
+ONNX = {"text_embedding": onnx_embedding.OnnxEmbedder, "rerank": onnx_rerank.OnnxReranker}
 
 
 def load(spec: ModelSpec, model_dir: Path | None) -> Any:
@@ -52,9 +58,8 @@ def load(spec: ModelSpec, model_dir: Path | None) -> Any:
                 reason = model
             else:
                 return model
-    from modelpool.registry.loaders import sentence_embedding
-
-    eager = sentence_embedding.load(spec, model_dir)
+    eager = importlib.import_module(f"modelpool.registry.loaders.{EAGER[spec.capability]}"
+                                    ).load(spec, model_dir)
     eager.execution_reason = reason
     if missing is not None:
         eager.onnx_export = {"entry": str(missing), "model_dir": str(model_dir)}
@@ -79,7 +84,7 @@ def _load_onnx(spec: ModelSpec, model_dir: Path) -> Any:
         return manifest.reason
     if not manifest.inputs:  # execution = "onnx", but there is no export
         raise RuntimeError(manifest.reason)
-    return onnx_embedding.open_entry(entry, manifest, threads=0)
+    return ONNX[spec.capability].open_checked(entry, manifest, threads=0)
 
 
 def export_in_child(spec: ModelSpec, model_dir: Path, entry: Path) -> Manifest:
