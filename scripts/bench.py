@@ -278,7 +278,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster", "http",
-                                           "targets", "generation"))
+                                           "targets", "generation", "rerank"))
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
@@ -305,6 +305,10 @@ def main() -> None:
         import bench_generation
 
         report["generation"] = bench_generation.figures(args.quick)
+    if args.only in (None, "rerank"):
+        import bench_rerank
+
+        report["rerank"] = bench_rerank.figures(args.quick)
     print(json.dumps(report, indent=2))
 
 

@@ -139,23 +139,31 @@ def singles_in_turns(sock: str, models: dict[str, Any], texts: list[str],
     with Client(socket_path=sock) as c:
         embeds = {"daemon": c.embed, **{who: (lambda text, m=m: m.embed([text]))
                                         for who, m in models.items()}}
-        lat: dict[str, list[float]] = {who: [] for who in embeds}
-        block_p50s: dict[str, list[float]] = {who: [] for who in embeds}
-        order = list(embeds)
-        for text in texts[:10]:
-            for embed in embeds.values():
-                embed(text)
-        for turn, start in enumerate(range(0, len(texts), block)):
-            first = turn % len(order)
-            for who in order[first:] + order[:first]:
-                for text in texts[start : start + block]:
-                    t0 = time.perf_counter()
-                    embeds[who](text)
-                    lat[who].append(time.perf_counter() - t0)
-                block_p50s[who].append(float(np.median(lat[who][-block:])))
+        lat, block_p50s = in_turns(embeds, texts, block)
     paired = {who: round(1000 * float(np.median(np.subtract(block_p50s["daemon"], p50s))), 3)
               for who, p50s in block_p50s.items() if who != "daemon"}
     return {**{who: percentiles(samples) for who, samples in lat.items()}, "paired_ms": paired}
+
+
+def in_turns(runs: dict[str, Any], items: list[Any], block: int
+             ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each run's seconds for each item alone, and its median of each block, the runs
+    taking blocks of `block` items in turn (each takes the first turn in rotation)."""
+    lat: dict[str, list[float]] = {who: [] for who in runs}
+    block_p50s: dict[str, list[float]] = {who: [] for who in runs}
+    order = list(runs)
+    for item in items[:10]:
+        for run in runs.values():
+            run(item)
+    for turn, start in enumerate(range(0, len(items), block)):
+        first = turn % len(order)
+        for who in order[first:] + order[:first]:
+            for item in items[start : start + block]:
+                t0 = time.perf_counter()
+                runs[who](item)
+                lat[who].append(time.perf_counter() - t0)
+            block_p50s[who].append(float(np.median(lat[who][-block:])))
+    return lat, block_p50s
 
 
 def daemon(texts: list[str], singles: int, config: str,
