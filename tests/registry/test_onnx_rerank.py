@@ -3,6 +3,7 @@ against eager PyTorch's at every load, eager again when they differ."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -37,15 +38,12 @@ def _spec(tiny_models_dir: Path, execution: Execution = "auto", **options: objec
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path) -> Path:
-    """A cache of this module's own, holding tiny-rerank's exports (made here)."""
-    root = tmp_path_factory.mktemp("onnx-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MODELPOOL_CACHE_DIR", str(root))
-        for options in ({}, {"activation": "none", "max_length": 16}):
-            assert isinstance(load_model(_spec(tiny_models_dir, "onnx", **options)),
-                              OnnxReranker)
-    return root
+def cache(tiny_models_dir: Path, tiny_rerank_export: None) -> Path:
+    """The run's cache, holding tiny-rerank's export as the daemons' tests use it and
+    one with other options (made here)."""
+    options = {"activation": "none", "max_length": 16}
+    assert isinstance(load_model(_spec(tiny_models_dir, "onnx", **options)), OnnxReranker)
+    return Path(os.environ["MODELPOOL_CACHE_DIR"])
 
 
 @pytest.fixture
