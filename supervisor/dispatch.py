@@ -66,7 +66,10 @@ class Dispatcher:
             worker.jobs[job.job_id] = job
             size += job.size
             model.metrics.queue_wait_s.observe(now - job.accepted_at)
-        threads = self.threads.grant(model, worker) if self.threads is not None else 0
+        threads = 0
+        if self.threads is not None:
+            more = len(model.queue) > 0 and any(w is not worker for w in model.free_workers())
+            threads = self.threads.grant(model, worker, siblings_take_more=more)
         if worker.state is WorkerState.IDLE:
             worker.move_to(WorkerState.BUSY)
         worker.slots -= 1 if sent[0].kind.batched else len(sent)

@@ -35,14 +35,19 @@ class ThreadBudget:
         self.streaming = [m for m in self.models.values()
                           if m.spec.streaming and self.adaptive(m)]
 
-    def grant(self, model: ModelState, worker: WorkerHandle) -> int:
+    def grant(self, model: ModelState, worker: WorkerHandle, siblings_take_more: bool = False
+              ) -> int:
         """Threads for the work about to go to `worker` (its own not counted); 0 for
-        a model whose thread count stays as configured."""
+        a model whose thread count stays as configured. `siblings_take_more`: other
+        workers of the model are about to take more of its queue (a request split into
+        parts, say), so their cores are not free: the work gets its share only. Granted
+        both cores, the first part's worker ran beside the second's on three threads."""
         if not self.adaptive(model):
             worker.threads = 0
             return 0
         share = model.settings.threads
-        worker.threads = max(share, self.cpus - self.busy_threads(worker))
+        free = 0 if siblings_take_more else self.cpus - self.busy_threads(worker)
+        worker.threads = max(share, free)
         return worker.threads
 
     def regrant(self, changed: WorkerHandle) -> list[WorkerHandle]:

@@ -6,11 +6,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from modelpool.protocol.messages import Embeddings
 from modelpool.protocol.pipes import Threads
 from modelpool.supervisor.workers import WorkerHandle
 
 if TYPE_CHECKING:
     from conftest import Harness
+from conftest import rows
 
 MakeHarness = Callable[..., "Harness"]
 
@@ -50,6 +52,32 @@ async def test_lone_batch_gets_every_core_and_busy_siblings_keep_their_share(
     h.want_work(second)
     h.embed(sink, ["d"])
     assert h.works(second)[-1].threads == 1  # the first still holds one
+
+
+async def test_the_parts_of_a_split_request_keep_their_share_and_a_lone_part_gets_all(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=2, max_batch=2)
+    _two_cores(h)
+    sink = h.sink()
+    h.embed(sink, ["a"])
+    await h.settle()
+    first, second = h.workers("emb")
+    h.ready(first)
+    h.ready(second)
+    (work,) = h.works(first)
+    h.reply_embeddings(first, work.items[0].job_id, 0.5)
+    h.want_work(first)
+    h.embed(sink, ["b", "c", "d", "e"])  # two parts of two, one for each worker
+    parts = [h.works(first)[-1], *h.works(second)]
+    assert [len(w.items) for w in parts] == [1, 1] and [w.threads for w in parts] == [1, 1]
+    for worker, part in zip((first, second), parts, strict=True):
+        h.pool.handle(worker, Embeddings(id=part.items[0].job_id, data=rows(0.5, 0.5),
+                                         shape=[2, 1]))
+        h.want_work(worker)
+    h.embed(sink, ["f", "g"])  # one part: nothing else to run, every core
+    assert max(len(h.works(first)), len(h.works(second))) == 3
+    latest = max((h.works(first)[-1], h.works(second)[-1]), key=lambda w: w.items[0].job_id)
+    assert latest.threads == 2
 
 
 async def test_generation_and_hand_set_threads_are_left_alone(
