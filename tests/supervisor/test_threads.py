@@ -6,13 +6,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from conftest import rows
+
 from modelpool.protocol.messages import Embeddings
 from modelpool.protocol.pipes import Threads
 from modelpool.supervisor.workers import WorkerHandle
 
 if TYPE_CHECKING:
     from conftest import Harness
-from conftest import rows
 
 MakeHarness = Callable[..., "Harness"]
 
