@@ -31,13 +31,14 @@ class Dispatcher:
     def dispatch(self, model: ModelState) -> None:
         if not len(model.queue):
             return
-        for worker in model.free_workers():
+        free = model.free_workers()
+        for worker in free:
             while worker.slots > 0 and len(model.queue):
                 if self._wait_for_batch(model):
                     return
                 batch = self._runnable(self._pop(model, worker.slots))
                 if batch:
-                    self._send(model, worker, batch)
+                    self._send(model, worker, batch, free)
 
     @staticmethod
     def _pop(model: ModelState, slots: int) -> list[Job]:
@@ -48,7 +49,9 @@ class Dispatcher:
             jobs += model.queue.pop_batch(1)
         return jobs
 
-    def _send(self, model: ModelState, worker: WorkerHandle, batch: list[Job]) -> None:
+    def _send(self, model: ModelState, worker: WorkerHandle, batch: list[Job],
+              free: list[WorkerHandle]) -> None:
+        """`free`: the model's workers this dispatch hands work to, `worker` among them."""
         items, sent = [], []
         for job in batch:
             try:
@@ -68,7 +71,7 @@ class Dispatcher:
             model.metrics.queue_wait_s.observe(now - job.accepted_at)
         threads = 0
         if self.threads is not None:
-            more = len(model.queue) > 0 and any(w is not worker for w in model.free_workers())
+            more = len(model.queue) > 0 and any(w is not worker and w.slots > 0 for w in free)
             threads = self.threads.grant(model, worker, siblings_take_more=more)
         if worker.state is WorkerState.IDLE:
             worker.move_to(WorkerState.BUSY)
