@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conftest import rows
 
@@ -25,15 +25,22 @@ def _two_cores(h: Harness, model: str = "emb") -> None:
     state.settings = dataclasses.replace(state.settings, threads=1)
 
 
-async def test_lone_batch_gets_every_core_and_busy_siblings_keep_their_share(
-        make_harness: MakeHarness) -> None:
-    h = make_harness()
+async def _first_of_two_ready(h: Harness) -> tuple[Any, WorkerHandle, WorkerHandle]:
+    """Two cores; a text to embed started the model's two workers and the first is ready
+    (and was sent it): the client's sink and the two workers."""
     _two_cores(h)
     sink = h.sink()
     h.embed(sink, ["a"])
     await h.settle()
     first, second = h.workers("emb")
     h.ready(first)
+    return sink, first, second
+
+
+async def test_lone_batch_gets_every_core_and_busy_siblings_keep_their_share(
+        make_harness: MakeHarness) -> None:
+    h = make_harness()
+    sink, first, second = await _first_of_two_ready(h)
     ((work,),) = [h.works(first)]
     assert work.threads == 2  # nothing else runs: both cores
 
@@ -58,12 +65,7 @@ async def test_lone_batch_gets_every_core_and_busy_siblings_keep_their_share(
 async def test_the_parts_of_a_split_request_keep_their_share_and_a_lone_part_gets_all(
         make_harness: MakeHarness) -> None:
     h = make_harness(cold_start_workers=2, max_batch=2)
-    _two_cores(h)
-    sink = h.sink()
-    h.embed(sink, ["a"])
-    await h.settle()
-    first, second = h.workers("emb")
-    h.ready(first)
+    sink, first, second = await _first_of_two_ready(h)
     h.ready(second)
     (work,) = h.works(first)
     h.reply_embeddings(first, work.items[0].job_id, 0.5)
