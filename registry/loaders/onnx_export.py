@@ -72,18 +72,45 @@ class _Scored(torch.nn.Module):
         return torch.sigmoid(logits) if self.sigmoid else logits
 
 
-class _Embedder:
-    """What the export of a sentence embedder takes from its eager model."""
+class _Kind:
+    """What an export takes from its eager model; each capability's below."""
 
-    output, method = "vectors", "embed"  # the graph's output; what runs the model
-    samples: tuple[str, ...] = onnx_embedding.REFERENCE_TEXTS
+    output: str  # the graph's output
+    method: str  # what runs a model, eager or exported, on a list of samples
+    samples: tuple[Any, ...]  # the reference inputs
+    runner: type[OnnxRunner]
+    check, check_field = "", ""  # the check's words (a format) and its manifest field
+
+    def __init__(self, eager: Any, max_length: int) -> None:
+        self.eager, self.model, self.tokenizer = eager, eager.model, eager.tokenizer
+        self.max_length = max_length
+
+    def checked(self, value: float) -> tuple[str, dict[str, float]]:
+        return self.check.format(value), {self.check_field: value}
+
+    def tokenize(self, samples: list[Any]) -> Any:
+        """Samples as eager's tokenizer makes them (torch tensors)."""
+        raise NotImplementedError
+
+    def graph(self, inputs: list[str]) -> torch.nn.Module:
+        """What is exported: the model and what eager does with its output."""
+        raise NotImplementedError
+
+    def manifest(self, inputs: list[str]) -> Manifest:
+        """The entry's manifest before the export is checked and timed."""
+        raise NotImplementedError
+
+
+class _Embedder(_Kind):
+    output, method, samples = "vectors", "embed", onnx_embedding.REFERENCE_TEXTS
+    runner = onnx_embedding.OnnxEmbedder
+    check, check_field = "min cosine {:.6f}", "min_cosine"
 
     def __init__(self, spec: ModelSpec, model_dir: Path) -> None:
         from modelpool.registry.loaders import sentence_embedding
 
-        self.eager: SentenceEmbedder = sentence_embedding.load(spec, model_dir)
-        self.model, self.tokenizer = self.eager.model, self.eager.tokenizer
-        self.max_length = self.eager.max_seq_length
+        eager: SentenceEmbedder = sentence_embedding.load(spec, model_dir)
+        super().__init__(eager, eager.max_seq_length)
 
     def tokenize(self, texts: list[str]) -> Any:
         return self.tokenizer(texts, padding=True, truncation=True,
@@ -96,27 +123,17 @@ class _Embedder:
         return Manifest(choice="onnx", reason="", inputs=inputs, lowercase=self.eager.lowercase,
                         max_seq_length=self.max_length, dim=self.eager.dim)
 
-    @staticmethod
-    def candidate(work: Path, manifest: Manifest, threads: int) -> OnnxRunner:
-        return onnx_embedding.OnnxEmbedder(work, manifest, threads)
 
-    @staticmethod
-    def checked(value: float) -> tuple[str, dict[str, float]]:
-        return f"min cosine {value:.6f}", {"min_cosine": value}
-
-
-class _Reranker:
-    """What the export of a rerank cross-encoder takes from its eager model."""
-
-    output, method = "scores", "score"
-    samples: tuple[tuple[str, str], ...] = onnx_rerank.REFERENCE_PAIRS
+class _Reranker(_Kind):
+    output, method, samples = "scores", "score", onnx_rerank.REFERENCE_PAIRS
+    runner = onnx_rerank.OnnxReranker
+    check, check_field = "max score error {:.1e}", "max_score_error"
 
     def __init__(self, spec: ModelSpec, model_dir: Path) -> None:
         from modelpool.registry.loaders import cross_encoder
 
-        self.eager: CrossEncoder = cross_encoder.load(spec, model_dir)
-        self.model, self.tokenizer = self.eager.model, self.eager.tokenizer
-        self.max_length = self.eager.max_length
+        eager: CrossEncoder = cross_encoder.load(spec, model_dir)
+        super().__init__(eager, eager.max_length)
 
     def tokenize(self, pairs: list[tuple[str, str]]) -> Any:
         return self.tokenizer([q for q, _ in pairs], [d for _, d in pairs], padding=True,
@@ -130,16 +147,7 @@ class _Reranker:
         return Manifest(choice="onnx", reason="", inputs=inputs,
                         max_seq_length=self.max_length, activation=self.eager.activation)
 
-    @staticmethod
-    def candidate(work: Path, manifest: Manifest, threads: int) -> OnnxRunner:
-        return onnx_rerank.OnnxReranker(work, manifest, threads)
 
-    @staticmethod
-    def checked(value: float) -> tuple[str, dict[str, float]]:
-        return f"max score error {value:.1e}", {"max_score_error": value}
-
-
-_Kind = _Embedder | _Reranker
 KINDS: dict[str, type[_Embedder] | type[_Reranker]] = {
     "text_embedding": _Embedder, "rerank": _Reranker}
 
@@ -255,7 +263,7 @@ def _decide(kind: _Kind, work: Path, manifest: Manifest) -> Manifest:
     """Check the export against eager, then time both on the same threads: "auto" runs
     the export only when its outputs match and it is faster."""
     threads = torch.get_num_threads()
-    candidate = kind.candidate(work, manifest, threads)
+    candidate = kind.runner(work, manifest, threads)
     try:
         value = candidate.verify()
     except OutputsDiffer as exc:
