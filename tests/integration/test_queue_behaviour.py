@@ -179,11 +179,11 @@ def test_a_flood_is_rejected_fast_and_memory_stays_bounded(make_daemon: MakeDaem
     supervisor = psutil.Process(daemon.process.pid)
     rss_before = supervisor.memory_info().rss
     started = time.monotonic()
-    ok, rejected, latencies = _flood(daemon.socket_path, 1_000_000)
+    ok, rejected, latencies = _flood(daemon.socket_path, 300_000)
     # All but the bound: the queue (100) and what one worker of batches of 32 every
     # 0.2 s served while the flood lasted (longer on a busy machine).
     served = 100 + 32 * ((time.monotonic() - started) / 0.2 + 1)
-    assert ok + rejected == 1_000_000 and ok <= served, (ok, served)
+    assert ok + rejected == 300_000 and ok <= served, (ok, served)
     assert supervisor.memory_info().rss - rss_before < 200 * 2**20
     assert np.percentile(latencies, 50) < 5.0  # includes time queued in our own socket
     with daemon.client() as c:  # still serving
