@@ -201,14 +201,19 @@ class Launcher:
         await asyncio.get_running_loop().run_in_executor(None, forkserver.ensure_running)
 
     async def close(self, grace_s: float = 1.0) -> None:
-        """Stop the forkserver so no process outlives the daemon. It notices on its own
-        only after finishing its imports, which may take seconds."""
+        """Stop the forkserver so no process outlives the daemon. Told only by its pipe's
+        closing, it would notice after finishing its imports, which may take seconds, and
+        then free its preloaded heap object by object (torch's: ~0.4 s of every stop
+        here); it holds nothing to save, so SIGTERM, which it leaves at its default, ends
+        it at once."""
         from multiprocessing import forkserver
 
         server = forkserver._forkserver  # CPython has no public API for this
         pid = getattr(server, "_forkserver_pid", None)
         if pid is None:
             return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
         loop = asyncio.get_running_loop()
         stopping = loop.run_in_executor(None, server._stop)
         try:

@@ -4,7 +4,11 @@ whole frame, and stops at one it cannot read."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,3 +87,40 @@ def test_pipe_refuses_a_frame_over_the_limit() -> None:
     assert delivered == []
     assert refused == [f"frame of {MAX_FRAME_BYTES + 1} bytes exceeds the limit of "
                        f"{MAX_FRAME_BYTES} bytes"]
+
+
+# A process of its own: the forkserver is one per process, and pytest's must stay as it is.
+FORKSERVER_CLOSED = """
+import asyncio, pathlib, sys, time
+from modelpool.supervisor.workers import Launcher, forkserver_context
+
+async def main():
+    launcher = Launcher(forkserver_context(["ends_quietly"]))
+    await launcher.warm_up()
+    imported = pathlib.Path(sys.argv[1], "imported")
+    deadline = time.monotonic() + 30
+    while not imported.exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await launcher.close(grace_s=30)
+    print("closed after the preload" if imported.exists() else "not preloaded")
+
+asyncio.run(main())
+"""
+PRELOAD = """
+import atexit, pathlib
+here = pathlib.Path(__file__).parent
+atexit.register((here / "torn-down").write_text, "freed its heap")
+(here / "imported").write_text("")
+"""
+
+
+def test_the_forkserver_ends_at_once_without_its_exit_handlers(tmp_path: Path) -> None:
+    """Its preloaded heap (torch's) is not freed object by object at every stop: an exit
+    handler of a preloaded module never runs, as for a process ended by a signal."""
+    (tmp_path / "ends_quietly.py").write_text(PRELOAD)
+    done = subprocess.run([sys.executable, "-c", FORKSERVER_CLOSED, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})  # the forkserver's
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "closed after the preload"
+    assert not (tmp_path / "torn-down").exists()
