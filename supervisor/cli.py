@@ -149,25 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (AlreadyRunning, UnsafeSocketDir, ActivationError) as exc:
         print(f"modelpool: {exc}", file=sys.stderr)
         return 1
-    return _exit_without_teardown(0)
-
-
-def _exit_without_teardown(code: int) -> int:
-    """End the stopped daemon as Python's exit would (its exit handlers run: logs flushed,
-    multiprocessing's finalizers), but without that exit's last step, freeing the
-    daemon's objects one by one and module by module: 90-160 ms of every stop here,
-    which nothing needs (the kernel takes the memory back whole). While a thread of its
-    own still runs, Python's exit, which waits for it, is left to do it all."""
-    import atexit
-    import threading
-
-    if any(thread is not threading.main_thread() and not thread.daemon
-           for thread in threading.enumerate()):
-        return code
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return eventloop.exit_without_teardown(0)
 
 
 def _status(args: argparse.Namespace) -> None:

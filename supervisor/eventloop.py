@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
@@ -41,3 +43,22 @@ def running_loop_name() -> str:
     """"uvloop" or "asyncio", for the log line that says the daemon is serving."""
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") \
         else "asyncio"
+
+
+def exit_without_teardown(code: int) -> int:
+    """End a process whose loop has stopped (the daemon, the HTTP front door) as Python's
+    exit would (its exit handlers run: logs flushed, multiprocessing's finalizers), but
+    without that exit's last step, freeing its objects one by one and module by module:
+    90-160 ms of every stop of the daemon here, which nothing needs (the kernel takes
+    the memory back whole). While a thread of its own still runs, Python's exit, which
+    waits for it, is left to do it all."""
+    import atexit
+    import threading
+
+    if any(thread is not threading.main_thread() and not thread.daemon
+           for thread in threading.enumerate()):
+        return code
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     os.dup2(2, 1)
     with contextlib.suppress(KeyboardInterrupt):
         eventloop.run(_serve_process(sock, launch, let_go), launch.event_loop)
-    return 0
+    return eventloop.exit_without_teardown(0)
 
 
 if __name__ == "__main__":

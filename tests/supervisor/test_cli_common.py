@@ -112,32 +112,3 @@ def test_a_failed_part_fails_the_whole_request() -> None:
         merged(call, replies)
     assert err.value.code is ErrorCode.MODEL_ERROR
 
-
-# The daemon's exit, in a process of its own: a module-level object is freed only by the
-# interpreter's teardown, an exit handler runs before it.
-STOPPED_DAEMON_EXITS = """
-import atexit, sys, threading, time
-from modelpool.supervisor.cli import _exit_without_teardown
-
-class Freed:
-    def __del__(self):
-        print("heap freed", flush=True)
-
-kept = Freed()
-atexit.register(print, "exit handler ran", flush=True)
-if sys.argv[1] == "thread":
-    threading.Thread(target=time.sleep, args=(0.5,)).start()  # Python's exit waits for it
-sys.exit(_exit_without_teardown(3))
-"""
-
-
-@pytest.mark.parametrize(("running", "lines"), [
-    ("none", ["exit handler ran"]),
-    ("thread", ["exit handler ran", "heap freed"]),
-])
-def test_a_stopped_daemon_exits_without_freeing_its_heap(running: str,
-                                                          lines: list[str]) -> None:
-    done = subprocess.run([sys.executable, "-c", STOPPED_DAEMON_EXITS, running],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 3, done.stderr
-    assert done.stdout.splitlines() == lines
