@@ -1,5 +1,6 @@
 """Which asyncio event loop the daemon's processes run on: uvloop (libuv's loop, the
-standard fast drop-in for asyncio's) where it is installed, else asyncio's own.
+standard fast drop-in for asyncio's) where it is installed, else asyncio's own; and how
+a process ends once its loop has stopped.
 
 Each wake of the loop is most of what a lone request costs the supervisor: with asyncio's
 loop an echo over a Unix socket took ~45 us of CPU per round trip on the 2-core test

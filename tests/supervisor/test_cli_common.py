@@ -111,4 +111,3 @@ def test_a_failed_part_fails_the_whole_request() -> None:
     with pytest.raises(PoolError) as err:
         merged(call, replies)
     assert err.value.code is ErrorCode.MODEL_ERROR
-
