@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ needs_analyze = pytest.mark.skipif(
     ANALYZE is None, reason="systemd-analyze is absent (Debian's `systemd` package has it; "
     ".ci/run installs it)")
 MAX_EXPOSURE = 3.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def installed(tmp_path: Path, scope: str, capsys: pytest.CaptureFixture[str]) -> Path:
@@ -104,6 +106,27 @@ def test_an_installation_in_a_home_directory_is_flagged(
     warnings = cli_service.system_warnings()
     assert any("/home/alice/.venv/bin/python is under a home directory" in w
                for w in warnings)
+
+
+def test_a_built_wheel_carries_the_units_and_the_catalog_without_a_packaging_warning(
+        tmp_path: Path) -> None:
+    """What `pip install` of the project gets, not the checkout the other tests read: the
+    unit templates and the catalog are package data, and setuptools warns (and says that
+    it may drop them) when a data directory is not a package it was told of."""
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "tests", "build", "*.egg-info", "__pycache__", ".*_cache"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "-w", str(tmp_path / "wheel"), str(source)],
+        capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "Warning" not in built.stdout + built.stderr, built.stdout + built.stderr
+    (wheel,) = (tmp_path / "wheel").glob("modelpool-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"modelpool/supervisor/units/modelpool-{scope}.{unit}.in"
+            for scope in ("user", "system") for unit in ("service", "socket")} <= names
+    assert "modelpool/registry/catalog.toml" in names
 
 
 def analyze(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
