@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from modelpool.protocol.messages import Sampling
+from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 # Padded prompt tokens per prefill pass at least (short prompts share one, a long one is
@@ -157,6 +158,7 @@ class ContinuousDecoder:
 
     def __init__(self, model: Any, tokenizer: Any, eos_ids: set[int]) -> None:
         self.model = model
+        self.cache_keyword = kv_cache_keyword(model)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
@@ -261,7 +263,7 @@ class ContinuousDecoder:
             ids = inputs["input_ids"]
             mask = inputs.pop("attention_mask", torch.ones_like(ids))
             out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-            return out.logits[:, -1], out.past_key_values, mask.to("cpu", torch.long)
+            return out.logits[:, -1], kv_cache_of(out), mask.to("cpu", torch.long)
         length = max(s.left for s in group)
         ids = torch.full((len(group), length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(group), length), dtype=torch.long)
@@ -273,15 +275,15 @@ class ContinuousDecoder:
         out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
                          position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(device),
                          use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], out.past_key_values, mask
+        return out.logits[:, -1], kv_cache_of(out), mask
 
     def _prefill_chunk(self, seq: _Seq) -> list[Emitted]:
         """One chunk of a long prompt into the sequence's own cache; the last chunk joins
         it to the batch and samples its first token."""
         ids = seq.prepared.inputs["input_ids"][:, seq.fed:seq.fed + self.prefill_tokens]
-        out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True,
+        out = self.model(input_ids=ids, **{self.cache_keyword: seq.cache}, use_cache=True,
                          logits_to_keep=1)
-        seq.cache, seq.fed = out.past_key_values, seq.fed + ids.shape[1]
+        seq.cache, seq.fed = kv_cache_of(out), seq.fed + ids.shape[1]
         if seq.left > 0:
             return []
         self.waiting.remove(seq)
@@ -299,8 +301,8 @@ class ContinuousDecoder:
         try:
             out = self.model(
                 input_ids=ids, attention_mask=None if bool(mask.all()) else mask.to(device),
-                position_ids=rows.positions[:, None].to(device), past_key_values=rows.cache,
-                use_cache=True, logits_to_keep=1)
+                position_ids=rows.positions[:, None].to(device),
+                **{self.cache_keyword: rows.cache}, use_cache=True, logits_to_keep=1)
         except Exception as exc:
             failed, self.rows = rows.seqs, _Rows()
             return [Emitted(s.seq_id, error=exc) for s in failed]

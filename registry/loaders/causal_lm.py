@@ -17,6 +17,8 @@ from modelpool.registry.loaders import batched_decode
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.common import (
     configured_tokens,
+    kv_cache_keyword,
+    kv_cache_of,
     own_tokens,
     place,
     pretrained_kwargs,
@@ -93,10 +95,11 @@ def decode(model: Any, first_inputs: dict[str, Any],
     generator = torch.Generator().manual_seed(seed)
     detok = IncrementalDecoder(tokenizer)
     step_inputs, past = first_inputs, None
+    cache_keyword = kv_cache_keyword(model)
     stats.finish_reason = "length"
     for _ in range(budget):
-        out = model(**step_inputs, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(**step_inputs, **{cache_keyword: past}, use_cache=True)
+        past = kv_cache_of(out)
         token = sample(out.logits[0, -1].float().cpu(), temperature, top_p, generator)
         if token in eos_ids and not sampling.ignore_eos:
             stats.finish_reason = "stop"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from pathlib import Path
 from typing import Any
@@ -66,3 +67,16 @@ def pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
         "trust_remote_code": spec.trust_remote_code,
         "local_files_only": True,
     }
+
+
+def kv_cache_keyword(model: Any) -> str:
+    """The keyword a causal LM's forward takes its KV cache by: `cache` where transformers
+    has renamed it (5.x warns on `past_key_values`, and 5.40 drops it), else
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else (
+        "past_key_values")
+
+
+def kv_cache_of(output: Any) -> Any:
+    """The KV cache a forward returned, under whichever name its transformers gives it."""
+    return output["cache"] if "cache" in output else output["past_key_values"]

@@ -13,7 +13,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ChatMessage, Generate
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM, IncrementalDecoder, sample
-from modelpool.registry.loaders.common import configured_tokens
+from modelpool.registry.loaders.common import configured_tokens, kv_cache_keyword, kv_cache_of
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -255,3 +255,19 @@ def test_incremental_decoder_never_splits_a_character(llm: CausalLM) -> None:
     assert "".join(pieces) == text == llm.tokenizer.decode(ids)
     assert any("é" in p for p in pieces)
     assert decoder.flush() == ""
+
+
+def test_the_kv_cache_goes_by_the_name_the_models_forward_takes() -> None:
+    """transformers 5 calls it `cache` (and drops `past_key_values` in 5.40); older
+    releases and remote-code models, `past_key_values`. The decoding loops ask each."""
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, cache: object = None) -> None: ...
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: object = None) -> None: ...
+
+    assert kv_cache_keyword(Renamed()) == "cache"
+    assert kv_cache_keyword(Older()) == "past_key_values"
+    assert kv_cache_of({"logits": 0, "cache": "new"}) == "new"
+    assert kv_cache_of({"logits": 0, "past_key_values": "old"}) == "old"
