@@ -73,8 +73,8 @@ def kv_cache_keyword(model: Any) -> str:
     """The keyword a causal LM's forward takes its KV cache by: `cache` where transformers
     has renamed it (5.x warns on `past_key_values`, and 5.40 drops it), else
     `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else (
-        "past_key_values")
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def kv_cache_of(output: Any) -> Any:

@@ -115,7 +115,8 @@ def test_a_built_wheel_carries_the_units_and_the_catalog_without_a_packaging_war
     it may drop them) when a data directory is not a package it was told of."""
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "tests", "build", "*.egg-info", "__pycache__", ".*_cache"))
+        ".git", ".venv", "tests", "models", "build", "*.egg-info", "__pycache__", ".*_cache",
+        ".hypothesis"))
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
          "--no-index", "-w", str(tmp_path / "wheel"), str(source)],
