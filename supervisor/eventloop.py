@@ -10,9 +10,11 @@ machine, with uvloop ~16-20 (a blocking loop with no event loop at all, ~10).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
@@ -53,9 +55,6 @@ def exit_without_teardown(code: int) -> int:
     90-160 ms of every stop of the daemon here, which nothing needs (the kernel takes
     the memory back whole). While a thread of its own still runs, Python's exit, which
     waits for it, is left to do it all."""
-    import atexit
-    import threading
-
     if any(thread is not threading.main_thread() and not thread.daemon
            for thread in threading.enumerate()):
         return code
