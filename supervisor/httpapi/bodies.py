@@ -1,9 +1,9 @@
 """The HTTP API's request bodies (OpenAI's shapes, and our extensions) and what each
 asks of the pool: an operation of the one table of request kinds and its arguments.
 
-Unknown fields are ignored, as OpenAI-compatible servers do, except those that would
-change the answer if silently dropped (`n`, `dimensions`, `logprobs`, ...): those are
-refused by name.
+Unknown fields are ignored, as OpenAI-compatible servers do. OpenAI's fields that would
+change the answer if silently dropped (`n`, `dimensions`, `tools`, `response_format`, ...)
+are declared, and refused by name unless they ask for nothing: each body's `refused`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -23,10 +23,25 @@ Texts = Annotated[list[str], msgspec.Meta(min_length=1)]
 ImageUrlText = Annotated[str, msgspec.Meta(pattern="^(data:|https?://)")]
 Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # an int64
+# Each refused field: the values that ask for nothing, and why any other is refused.
+Refused = dict[str, tuple[tuple[Any, ...], str]]
+NO_TOOLS = "not supported: no model here is given tools or calls them"
+
+
+def refused_note(why: str) -> Any:
+    """A field's type note in /openapi.json: taken only to be refused."""
+    return msgspec.Meta(description=f"refused unless it asks for nothing ({why})")
+
+
+NoPenalty = Annotated[float | None, refused_note("no penalties")]
+NoTools = Annotated[list[Any] | None, refused_note("no tool calls")]
+NoToolChoice = Annotated[str | dict[str, Any] | None, refused_note("no tool calls")]
 
 
 class Options(msgspec.Struct, kw_only=True):
     """Extensions every endpoint takes (also as X-Modelpool-* headers)."""
+
+    refused: ClassVar[Refused] = {}
 
     priority: Priority | None = None
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
@@ -40,6 +55,8 @@ class EmbeddingsBody(Options, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    refused: ClassVar[Refused] = {
+        "dimensions": ((None,), "not supported: vectors have the model's own size")}
 
 
 class ImageEmbeddingsBody(Options, kw_only=True):
@@ -81,18 +98,53 @@ class Sampling(Options, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: NoPenalty = None
+    frequency_penalty: NoPenalty = None
+    logit_bias: Annotated[dict[str, float] | None, refused_note("no biases")] = None
     user: str | None = None
+    refused: ClassVar[Refused] = {
+        "n": ((1,), "only n = 1 is supported; send several requests"),
+        "logprobs": ((None, False), "not supported"),
+        "top_logprobs": ((None, 0), "not supported"),
+        "presence_penalty": ((None, 0), "not supported: sampling here has no penalties"),
+        "frequency_penalty": ((None, 0), "not supported: sampling here has no penalties"),
+        "logit_bias": ((None, {}), "not supported"),
+    }
 
 
 class ChatBody(Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Tokens | None = None
+    tools: NoTools = None
+    tool_choice: NoToolChoice = None
+    functions: NoTools = None
+    function_call: NoToolChoice = None
+    response_format: Annotated[dict[str, Any] | None, refused_note("text only")] = None
+    modalities: Annotated[list[str] | None, refused_note("text only")] = None
+    audio: Annotated[dict[str, Any] | None, refused_note("text only")] = None
+    refused: ClassVar[Refused] = {
+        **Sampling.refused,
+        "tools": ((None, []), NO_TOOLS),
+        "tool_choice": ((None, "none", "auto"), NO_TOOLS),
+        "functions": ((None, []), NO_TOOLS),
+        "function_call": ((None, "none", "auto"), NO_TOOLS),
+        "response_format": ((None, {"type": "text"}),
+                            "only text: no model here holds its output to JSON or a schema"),
+        "modalities": ((None, ["text"]), "only text"),
+        "audio": ((None,), "not supported: only text"),
+    }
 
 
 class CompletionBody(Sampling, kw_only=True):
     prompt: NonEmpty | Annotated[list[NonEmpty], msgspec.Meta(min_length=1, max_length=1)]
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+    refused: ClassVar[Refused] = {
+        **Sampling.refused, "echo": ((False,), "not supported"),
+        "suffix": ((None, ""), "not supported"),
+        "best_of": ((None, 1), "only 1 is supported; send several requests")}
 
 
 class ImagesBody(Options, kw_only=True):
@@ -104,7 +156,15 @@ class ImagesBody(Options, kw_only=True):
     seed: Seed | None = None  # extension
     steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None  # extension
     negative_prompt: str = ""  # extension
+    output_format: Annotated[str | None, refused_note("png only")] = None
+    background: Annotated[str | None, refused_note("opaque only")] = None
     user: str | None = None
+    refused: ClassVar[Refused] = {
+        "n": ((1,), "only n = 1 is supported; send several requests"),
+        "response_format": (("b64_json",), "only b64_json: the daemon keeps no image files"),
+        "output_format": ((None, "png"), "only png"),
+        "background": ((None, "auto", "opaque"), "only opaque images"),
+    }
 
 
 class RerankBody(Options, kw_only=True):
@@ -143,14 +203,21 @@ def bad(field: str, message: str) -> PoolError:
     return PoolError(ErrorCode.BAD_REQUEST, f"{field}: {message}")
 
 
+def refuse_unsupported(body: Options) -> None:
+    """A field of its body's `refused` set to anything but asking for nothing is refused
+    by name: dropped, it would change the answer."""
+    for name, (asks_nothing, why) in body.refused.items():
+        if getattr(body, name) not in asks_nothing:
+            raise bad(name, why)
+
+
 def options(body: Options) -> dict[str, Any]:
     return {name: getattr(body, name) for name in ("priority", "timeout_s", "deadline_s")
             if getattr(body, name) is not None}
 
 
 def embeddings_call(body: EmbeddingsBody) -> PoolCall:
-    if body.dimensions is not None:
-        raise bad("dimensions", "not supported: vectors have the model's own size")
+    refuse_unsupported(body)
     if isinstance(body.input, list) and any(not isinstance(x, str) for x in body.input):
         raise bad("input", "token arrays are not supported; send text")
     texts = [body.input] if isinstance(body.input, str) else body.input
@@ -180,10 +247,7 @@ def image_from_url(url: str, field: str) -> ImageInput:
 
 
 def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
-    if body.n != 1:
-        raise bad("n", "only n = 1 is supported; send several requests")
-    if body.logprobs:
-        raise bad("logprobs", "not supported")
+    refuse_unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {"model": body.model or None, "max_tokens": max_tokens or body.max_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
@@ -215,17 +279,12 @@ def _text_of(message: ChatMessage) -> str:
 
 
 def completion_call(body: CompletionBody) -> PoolCall:
-    if body.echo or body.suffix:
-        raise bad("echo" if body.echo else "suffix", "not supported")
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     return PoolCall("generate", (prompt,), {**_sampling(body, None), "raw": True})
 
 
 def images_call(body: ImagesBody) -> PoolCall:
-    if body.n != 1:
-        raise bad("n", "only n = 1 is supported; send several requests")
-    if body.response_format != "b64_json":
-        raise bad("response_format", "only b64_json: the daemon keeps no image files")
+    refuse_unsupported(body)
     width = height = None
     if body.size is not None and body.size != "auto":
         width, height = _size(body.size)

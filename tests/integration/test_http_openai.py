@@ -162,6 +162,12 @@ def test_errors_map_to_the_sdks_exceptions(served: tuple[Daemon, str],
         sdk.chat.completions.create(model="tiny-llm", n=2,
                                     messages=[{"role": "user", "content": "hi"}])
     assert bad.value.body["param"] == "n"
+    for refused in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                    {"response_format": {"type": "json_object"}}, {"presence_penalty": 1}):
+        with pytest.raises(openai.BadRequestError) as dropped:
+            sdk.chat.completions.create(model="tiny-llm", **refused,  # type: ignore[call-overload]
+                                        messages=[{"role": "user", "content": "hi"}])
+        assert dropped.value.body["param"] == next(iter(refused))
     with pytest.raises(openai.BadRequestError) as wrong:
         sdk.embeddings.create(model="tiny-llm", input="x")
     assert wrong.value.body["code"] == "wrong_capability"

@@ -74,6 +74,52 @@ def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
     assert bodies.completion_call(body(bodies.CompletionBody, prompt=["p"])).kwargs["raw"]
 
 
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+SAMPLING = {"n": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.5,
+            "frequency_penalty": -1.0, "logit_bias": {"50256": -100}}
+ASKING = [  # a body, then each field with a value that asks for what no model here does
+    (bodies.ChatBody, CHAT, {
+        **SAMPLING, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "required", "functions": [{"name": "f"}],
+        "function_call": {"name": "f"}, "response_format": {"type": "json_object"},
+        "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
+    (bodies.CompletionBody, {"prompt": "p"}, {
+        **SAMPLING, "echo": True, "suffix": "end", "best_of": 2}),
+    (bodies.ImagesBody, {"prompt": "p"}, {
+        "n": 2, "response_format": "url", "output_format": "jpeg",
+        "background": "transparent"}),
+    (bodies.EmbeddingsBody, {"input": "a"}, {"dimensions": 8}),
+]
+CALLS = {bodies.ChatBody: bodies.chat_call, bodies.CompletionBody: bodies.completion_call,
+         bodies.ImagesBody: bodies.images_call, bodies.EmbeddingsBody: bodies.embeddings_call}
+
+
+@pytest.mark.parametrize(("kind", "base", "field", "value"), [
+    (kind, base, field, value) for kind, base, asking in ASKING
+    for field, value in asking.items()])
+def test_a_field_no_model_here_honours_is_refused_by_name(
+        kind: type, base: dict, field: str, value: object) -> None:
+    with pytest.raises(PoolError, match=rf"^BAD_REQUEST: {field}: "):
+        CALLS[kind](body(kind, **base, **{field: value}))
+    assert field in kind.refused  # each field of the table is tried above
+    assert set(kind.refused) <= {f for k, _, asking in ASKING if k is kind for f in asking}
+
+
+def test_what_asks_for_nothing_is_taken() -> None:
+    """The values clients send as defaults are no request: they pass."""
+    chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, n=1, logprobs=False,
+                                 presence_penalty=0, frequency_penalty=0.0, logit_bias={},
+                                 tools=[], tool_choice="none", function_call="auto",
+                                 response_format={"type": "text"}, modalities=["text"]))
+    assert chat.op == "generate"
+    completion = bodies.completion_call(body(bodies.CompletionBody, prompt="p", best_of=1,
+                                             echo=False, suffix=""))
+    assert completion.args == ("p",)
+    image = bodies.images_call(body(bodies.ImagesBody, prompt="p", output_format="png",
+                                    background="opaque"))
+    assert image.op == "generate_image"
+
+
 @pytest.mark.parametrize(("code", "status"), [
     (ErrorCode.UNKNOWN_MODEL, 404), (ErrorCode.BAD_REQUEST, 400), (ErrorCode.QUEUE_FULL, 429),
     (ErrorCode.OVERLOADED, 429), (ErrorCode.INSUFFICIENT_MEMORY, 503),
