@@ -25,7 +25,10 @@ MAX_TEXTS = 4096
 MAX_TOKENS = 1 << 20
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 Steps = Annotated[int, msgspec.Meta(ge=1, le=1000)]
-ImageSide = Annotated[int, msgspec.Meta(ge=8, le=4096, multiple_of=8)]
+IMAGE_SIDE_MIN, IMAGE_SIDE_MAX, IMAGE_SIDE_STEP = 8, 4096, 8  # pixels
+ImageSide = Annotated[int, msgspec.Meta(ge=IMAGE_SIDE_MIN, le=IMAGE_SIDE_MAX,
+                                        multiple_of=IMAGE_SIDE_STEP)]
+Stops = Annotated[list[str], msgspec.Meta(max_length=16)]
 Guidance = Annotated[float, msgspec.Meta(ge=0, le=100)]
 
 
@@ -67,7 +70,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None  # 0: greedy
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     seed: int | None = None  # None: a random seed per request
-    stop: Annotated[list[str], msgspec.Meta(max_length=16)] = []  # cut from the output
+    stop: Stops = []  # cut from the output
     ignore_eos: bool = False
 
 

@@ -16,7 +16,16 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import MAX_TOKENS, ImageInput, Priority
+from modelpool.protocol.messages import (
+    IMAGE_SIDE_MAX,
+    IMAGE_SIDE_MIN,
+    IMAGE_SIDE_STEP,
+    MAX_TOKENS,
+    ImageInput,
+    Priority,
+    Steps,
+    Stops,
+)
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 Texts = Annotated[list[str], msgspec.Meta(min_length=1)]
@@ -92,7 +101,7 @@ class Sampling(Options, kw_only=True):
     max_tokens: Tokens | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    stop: str | list[str] | None = None
+    stop: str | Stops | None = None
     seed: Seed | None = None
     n: int = 1
     stream: bool = False
@@ -154,7 +163,7 @@ class ImagesBody(Options, kw_only=True):
     size: str | None = None  # "WIDTHxHEIGHT"
     response_format: Literal["b64_json", "url"] = "b64_json"
     seed: Seed | None = None  # extension
-    steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None  # extension
+    steps: Steps | None = None  # extension
     negative_prompt: str = ""  # extension
     output_format: Annotated[str | None, refused_note("png only")] = None
     background: Annotated[str | None, refused_note("opaque only")] = None
@@ -295,10 +304,12 @@ def images_call(body: ImagesBody) -> PoolCall:
 
 def _size(size: str) -> tuple[int, int]:
     width, _, height = size.partition("x")
-    if not (width.isdigit() and height.isdigit()) or not (0 < int(width) <= 4096
-                                                          and 0 < int(height) <= 4096):
-        raise bad("size", "WIDTHxHEIGHT in pixels, each 1 to 4096 (e.g. 512x512)")
-    return int(width), int(height)
+    sides = [int(side) for side in (width, height) if side.isdigit()]
+    if len(sides) != 2 or not all(IMAGE_SIDE_MIN <= side <= IMAGE_SIDE_MAX
+                                  and side % IMAGE_SIDE_STEP == 0 for side in sides):
+        raise bad("size", f"WIDTHxHEIGHT in pixels, each a multiple of {IMAGE_SIDE_STEP} "
+                          f"from {IMAGE_SIDE_MIN} to {IMAGE_SIDE_MAX} (e.g. 512x512)")
+    return sides[0], sides[1]
 
 
 def rerank_call(body: RerankBody) -> PoolCall:

@@ -120,6 +120,19 @@ def test_what_asks_for_nothing_is_taken() -> None:
     assert image.op == "generate_image"
 
 
+@pytest.mark.parametrize("size", ["100x100", "4x4", "8x4104", "64x", "ax64"])
+def test_an_image_size_the_pipeline_cannot_make_is_refused_as_size(size: str) -> None:
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: size: .*multiple of 8 from 8 to 4096"):
+        bodies.images_call(body(bodies.ImagesBody, prompt="x", size=size))
+
+
+def test_the_pools_own_bounds_are_checked_on_the_fields_the_client_sent() -> None:
+    with pytest.raises(msgspec.ValidationError, match=r"length <= 16 - at `\$.stop`"):
+        body(bodies.ChatBody, **CHAT, stop=[str(i) for i in range(17)])
+    with pytest.raises(msgspec.ValidationError, match=r"<= 1000 - at `\$.steps`"):
+        body(bodies.ImagesBody, prompt="x", steps=1001)
+
+
 @pytest.mark.parametrize(("code", "status"), [
     (ErrorCode.UNKNOWN_MODEL, 404), (ErrorCode.BAD_REQUEST, 400), (ErrorCode.QUEUE_FULL, 429),
     (ErrorCode.OVERLOADED, 429), (ErrorCode.INSUFFICIENT_MEMORY, 503),
