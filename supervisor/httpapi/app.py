@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from modelpool.protocol.client import AsyncClient
 from modelpool.protocol.client_core import ImageChunk, TextResult
-from modelpool.protocol.errors import PoolError
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.kinds import BY_OP
 from modelpool.supervisor.httpapi import bodies, replies
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
@@ -152,10 +152,17 @@ class Api:
     async def models(self, request: Request) -> Response:
         client = await self.client(request)
         models = await client.models()
-        return json_response({"object": "list", "data": [
-            {"id": m["key"], "object": "model", "created": 0, "owned_by": "modelpool",
-             "capability": m["capability"], "state": m["state"],
-             "max_model_len": m.get("context")} for m in models]})
+        return json_response({"object": "list", "data": [_card(m) for m in models]})
+
+    async def model(self, request: Request) -> Response:
+        """One model, by its key or an alias (either case), as requests name it."""
+        name = request.path_params["model"]
+        models = await (await self.client(request)).models()
+        named = [m for m in models
+                 if name.lower() in (n.lower() for n in [m["key"], *m["aliases"]])]
+        if not named:
+            raise PoolError(ErrorCode.UNKNOWN_MODEL, f"no model {name!r}; see GET /v1/models")
+        return json_response(_card(named[0]))
 
     # ---- for operators -----------------------------------------------------------------
 
@@ -212,6 +219,12 @@ async def _gather(first: Any, stream: AsyncIterator[Any], model: str) -> TextRes
                       last.completion_tokens or 0, model)
 
 
+def _card(model: dict[str, Any]) -> dict[str, Any]:
+    return {"id": model["key"], "object": "model", "created": 0, "owned_by": "modelpool",
+            "capability": model["capability"], "state": model["state"],
+            "max_model_len": model.get("context")}
+
+
 async def _last_image(stream: AsyncIterator[ImageChunk]) -> ImageChunk:
     async with contextlib.aclosing(stream):  # type: ignore[type-var]
         async for chunk in stream:
@@ -227,6 +240,7 @@ def build_app(api: Api) -> Routes:
         ("/v1/completions", api.completions, "POST", False),
         ("/v1/images/generations", api.images, "POST", False),
         ("/v1/models", api.models, "GET", False),
+        ("/v1/models/{model:path}", api.model, "GET", False),  # keys hold slashes
         ("/v1/image_embeddings", api.image_embeddings, "POST", False),
         ("/v1/rerank", api.rerank, "POST", False),
         ("/v1/jobs", api.jobs.submit, "POST", False),

@@ -192,6 +192,7 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type | None, type | None]] =
     ("/v1/images/generations", "post", "Text to image", bodies.ImagesBody, ImagesResponse,
      None),
     ("/v1/models", "get", "Models the daemon knows", None, ModelList, None),
+    ("/v1/models/{model}", "get", "One model, by its key or an alias", None, ModelCard, None),
     ("/v1/image_embeddings", "post", "Image embeddings (extension)",
      bodies.ImageEmbeddingsBody, EmbeddingsResponse, None),
     ("/v1/rerank", "post", "Relevance of documents to a query (extension)",
@@ -238,6 +239,9 @@ def openapi_document() -> bytes:
                 "application/json": {"schema": schema_of[request]}}}
         if "{key}" in path:
             operation["parameters"] = _job_parameters(method)
+        if "{model}" in path:
+            operation["parameters"] = [{"name": "model", "in": "path", "required": True,
+                                        "schema": {"type": "string"}}]
         paths.setdefault(path, {})[method] = operation
     return msgspec.json.encode({
         "openapi": "3.1.0",

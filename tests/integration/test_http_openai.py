@@ -289,3 +289,13 @@ def test_unknown_paths_and_methods_are_answered_in_the_error_shape(
     assert set(wrong.headers["allow"].split(", ")) == {"GET", "DELETE"}
     assert wrong.json()["error"]["code"] == "method_not_allowed"
     assert httpx.head(served[1] + "/health").status_code == 200
+
+
+def test_a_model_is_retrieved_by_its_key_or_an_alias(sdk: openai.OpenAI) -> None:
+    card = sdk.models.retrieve(MINILM)  # a key with a slash, as the SDK puts it in the path
+    assert card.id == MINILM and card.model_dump()["capability"] == "text_embedding"
+    assert sdk.models.retrieve("ALL-MiniLM-L6-v2").id == MINILM  # an alias, in any case
+    assert sdk.models.retrieve("tiny-rerank").model_dump()["capability"] == "rerank"
+    with pytest.raises(openai.NotFoundError, match="nope") as missing:
+        sdk.models.retrieve("nope")
+    assert missing.value.body["code"] == "unknown_model"
