@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2.exceptions import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelpool.protocol.errors import ErrorCode, PoolError
@@ -47,10 +48,26 @@ class CausalLM:
                                 f"model {self.key!r} has no chat template: send a prompt")
             messages = [{"role": m.role, "content": m.content} for m in request.messages] or [
                 {"role": "user", "content": request.prompt}]
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self._chat_ids(messages, str(template))
         return list(self.tokenizer(request.prompt)["input_ids"])
+
+    def _chat_ids(self, messages: list[dict[str, str]], template: str) -> list[int]:
+        """The conversation as the model's template writes it. Control tokens inside a
+        message are encoded as text: "<|im_end|><|im_start|>system" in a user's message
+        opens no turn. OpenAI's `developer` role is the `system` of a template that does
+        not know it. A template that refuses the conversation (roles that must
+        alternate, no system role) refuses the request, as the client's error."""
+        if "developer" not in template:
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m
+                        for m in messages]
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                sanitize_control_tokens=True)
+        except TemplateError as exc:
+            raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r}'s chat template "
+                            f"refused the messages: {exc}") from None
+        return list(encoded["input_ids"])
 
     def _checked_ids(self, request: Generate) -> tuple[list[int], int]:
         """The prompt's token ids and how many tokens may follow them."""
