@@ -77,7 +77,7 @@ def model_load(model: ModelState) -> scaling.ModelLoad:
         queued=len(model.queue),
         live=len(live),
         starting=sum(w.state in LOADING for w in live),
-        idle=sum(w.state is WorkerState.IDLE for w in live),
+        idle=sum(w.state is WorkerState.IDLE and not w.late for w in live),  # late: no work
         busy=sum(w.state is WorkerState.BUSY for w in live),
         max_workers=model.settings.max_workers,
         last_active=model.last_active,

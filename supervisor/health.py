@@ -17,6 +17,10 @@ C calls (importing torch, a dlopen): starved at idle priority, that thread keeps
 heartbeat waiting (a priority inversion), and the heartbeat's own raise of every thread
 after idle_load_s waits too. The supervisor raises the whole process instead, and judges
 it a heartbeat timeout later.
+
+Before that, a ready worker silent for `late_after_s` is late: it gets no new work until
+it beats again. A stopped process would hold whatever it is given until it is judged
+hung, and a job that was already retried once dies with it.
 """
 
 from __future__ import annotations
@@ -54,9 +58,23 @@ class Verdict:
     raise_priority: bool = False  # not hung yet: silent since its start, at idle priority
 
 
-def hung_reason(pulse: WorkerPulse, now: float, limits: Limits) -> Verdict | None:
+def late_after_s(heartbeat_interval_s: float, heartbeat_timeout_s: float) -> float:
+    """Four heartbeats missed, or half the timeout if that is sooner: a busy machine may
+    delay one beat, not four, and a late worker should be found well before it is hung."""
+    return min(4 * heartbeat_interval_s, heartbeat_timeout_s / 2)
+
+
+def _last_sign(pulse: WorkerPulse) -> float:
     signs = (pulse.last_heartbeat, pulse.raised_at, pulse.started_at)
-    last_sign = max(sign for sign in signs if sign is not None)
+    return max(sign for sign in signs if sign is not None)
+
+
+def is_late(pulse: WorkerPulse, now: float, late_s: float) -> bool:
+    return now - _last_sign(pulse) > late_s
+
+
+def hung_reason(pulse: WorkerPulse, now: float, limits: Limits) -> Verdict | None:
+    last_sign = _last_sign(pulse)
     if now - last_sign > limits.heartbeat_timeout_s:
         return _silence(pulse, now, last_sign)
     still = now - pulse.progress_changed_at
@@ -94,11 +112,25 @@ def hung_workers(models: Iterable[ModelState], now: float,
             if worker.hung or worker.spawned_at is None or worker.state in (
                     WorkerState.STARTING, WorkerState.DEAD):
                 continue  # not a process yet: the forkserver may still import torch
-            pulse = WorkerPulse(worker.spawned_at, worker.last_heartbeat,
-                                max(worker.progress_changed_at, worker.last_dispatch_at),
-                                bool(worker.jobs), loading=worker.state in LOADING,
-                                raised_at=worker.raised_at)
             own = dataclasses.replace(limits, stall_timeout_s=model.settings.stall_timeout_s)
-            verdict = hung_reason(pulse, now, own)
+            verdict = hung_reason(_pulse(worker, worker.spawned_at), now, own)
             if verdict:
                 yield worker, verdict
+
+
+def late_workers(models: Iterable[ModelState], now: float,
+                 late_s: float) -> Iterator[WorkerHandle]:
+    """Ready workers silent for more than late_s, not (yet) judged hung nor late."""
+    for model in models:
+        for worker in model.workers.values():
+            if (worker.ready and not worker.hung and not worker.late
+                    and worker.spawned_at is not None
+                    and is_late(_pulse(worker, worker.spawned_at), now, late_s)):
+                yield worker
+
+
+def _pulse(worker: WorkerHandle, spawned_at: float) -> WorkerPulse:
+    return WorkerPulse(spawned_at, worker.last_heartbeat,
+                       max(worker.progress_changed_at, worker.last_dispatch_at),
+                       bool(worker.jobs), loading=worker.state in LOADING,
+                       raised_at=worker.raised_at)

@@ -124,7 +124,7 @@ class ModelState:
         """Workers that asked for work and may get it: the least loaded first (a worker
         that batches streams asks for more while it runs some), then the most recently
         used, so the least recently used stay idle long enough to be retired."""
-        free = [w for w in self.workers.values() if w.slots > 0 and not w.hung
+        free = [w for w in self.workers.values() if w.slots > 0 and not w.hung and not w.late
                 and w.state in (WorkerState.IDLE, WorkerState.BUSY)]
         if len(free) > 1:
             free.sort(key=lambda w: (len(w.jobs), -w.last_used))

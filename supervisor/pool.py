@@ -222,6 +222,11 @@ class Pool:
 
     def handle_heartbeat(self, worker: WorkerHandle, beat: Heartbeat) -> None:
         worker.note_heartbeat(beat, self.scheduler.now())
+        if worker.late:
+            worker.late = False
+            log.info("worker %d of %s beats again: it takes work", worker.worker_id,
+                     worker.model_key)
+            self.reconcile(self.models[worker.model_key])
 
     def handle_exit(self, worker: WorkerHandle, exitcode: int | None) -> None:
         exits.worker_exited(self, worker, exitcode)
@@ -322,7 +327,7 @@ class Pool:
 
     def check_health(self) -> None:
         """Kill hung workers; their exit re-queues their work like any other death. A
-        load that timed out or stalled is a load failure."""
+        load that timed out or stalled is a load failure. Late workers get no new work."""
         config = self.pool_config
         limits = health.Limits(config.heartbeat_timeout_s, config.stall_timeout_s,
                                config.load_timeout_s, config.load_stall_s)
@@ -339,6 +344,11 @@ class Pool:
             if verdict.failed_load:
                 worker.load_error = f"the load failed: {verdict.reason}"
             self.kill_hung(worker, verdict.reason)
+        late_s = health.late_after_s(config.heartbeat_interval_s, config.heartbeat_timeout_s)
+        for worker in health.late_workers(self.models.values(), now, late_s):
+            worker.late = True
+            log.warning("worker %d (pid %s) of %s silent for over %.1fs: no new work until "
+                        "it beats again", worker.worker_id, worker.pid, worker.model_key, late_s)
 
     def retire_unneeded_holder(self, model: ModelState) -> None:
         if model.holder is not None and scaling.holder_unneeded(capacity.model_view(model)):

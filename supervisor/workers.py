@@ -90,6 +90,7 @@ class WorkerHandle:
     threads: int = 0  # intra-op threads its current work may use (supervisor/threads.py)
     threads_in_use: int = 0  # what its heartbeats say its forward passes use; 0: unknown
     hung: str | None = None  # why it was judged hung and killed
+    late: bool = False  # silent past late_after_s (supervisor/health.py): no new work
     raised_at: float | None = None  # silent since its start: raised from idle priority
     stop_requested: bool = False  # we stopped it: exiting before Ready is no load failure
     outdated: str | None = None  # why a new worker would serve better (supervisor/exports.py)

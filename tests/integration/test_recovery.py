@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, Daemon, MakeDaemon, model_entry
+from conftest import ROOT, Daemon, MakeDaemon, model_entry, wait_until
 
 from modelpool.protocol.client import AsyncClient, PoolError
 from modelpool.protocol.errors import ErrorCode
@@ -185,29 +185,50 @@ def test_no_leak_after_200_worker_kills(make_daemon: MakeDaemon) -> None:
     assert health.returncode == 0, health.stdout
 
 
-def test_a_stopped_worker_is_killed_at_its_timeout_without_waiting_out_a_grace(
+def _holder_and_sibling(daemon: Daemon, key: str) -> tuple[int, int] | None:
+    """The pids of the model's worker running a job and of its idle sibling."""
+    with daemon.client() as c:
+        model = next(m for m in c.status()["models"] if m["key"] == key)
+    busy = [w["pid"] for w in model["workers"] if w["inflight"]]
+    idle = [w["pid"] for w in model["workers"] if not w["inflight"]]
+    return (busy[0], idle[0]) if busy and idle else None
+
+
+def test_stopped_workers_are_killed_at_their_timeout_and_the_retry_skips_a_silent_one(
         make_daemon: MakeDaemon) -> None:
-    # One worker: with two, both stopped, the job's retry could go to the other one before
-    # its own silence ran out, and a request whose second worker dies fails (WORKER_DIED).
-    daemon = make_daemon("[pool]\nheartbeat_timeout_s = 2.0\ncold_start_workers = 1\n"
-                         + model_entry("slow", run_s=0.05, max_workers=1))
+    # Beats every 0.1 s: the holder is killed 1.9 to 2.25 s after it stopped, always
+    # before its sibling, stopped 0.6 s after it, is hung (2.5 s or later).
+    daemon = make_daemon("[pool]\nheartbeat_timeout_s = 2.0\nheartbeat_interval_s = 0.1\n"
+                         "cold_start_workers = 2\n"
+                         + model_entry("slow", run_s=1.0, max_workers=2))
     with daemon.client() as c:
         c.embed("warm", model="slow")
-    (pid,) = worker_pids(daemon, "slow")
+    wait_until(lambda: len(worker_pids(daemon, "slow")) == 2, 30, "two workers ready")
 
     async def run() -> float:
         async with AsyncClient(daemon.socket_path) as c:
-            os.kill(pid, signal.SIGSTOP)
+            call = asyncio.ensure_future(c.embed("abcd", model="slow"))
+            holder, sibling = await asyncio.to_thread(
+                wait_until, lambda: _holder_and_sibling(daemon, "slow"), 10,
+                "the job running on one of the two workers")
+            os.kill(holder, signal.SIGSTOP)
             stopped = time.monotonic()
-            result = await asyncio.wait_for(c.embed("abcd", model="slow"), timeout=30)
+            # Not hung yet when the holder is killed, but late (silent over 0.4 s, four
+            # beats): the holder's job, retried, is not handed to it to die with it.
+            await asyncio.sleep(0.6)
+            os.kill(sibling, signal.SIGSTOP)
+            result = await asyncio.wait_for(call, timeout=30)
             assert result[0] == 4.0
             return time.monotonic() - stopped
 
     took = asyncio.run(run())
-    assert "is hung (no heartbeat" in daemon.log()
-    # 2 s of silence, a check every 0.25 s, SIGKILL at once (no SIGTERM a stopped process
-    # would not act on), then a replacement loads (no weights) and runs it.
-    assert took < 2.0 + 1.0, took
+    log = daemon.log()
+    assert log.count("is hung (no heartbeat") == 2, log
+    assert "no new work until it beats again" in log
+    # 2 s of silence, a check every 0.25 s, SIGKILL at once (a SIGTERM, which a stopped
+    # process would not act on, would wait out a grace of 6 s), then a replacement loads
+    # (no weights) and runs it for 1 s.
+    assert took < 8.0, took
 
 
 def test_stop_with_a_hung_worker_takes_the_drain_and_no_more(make_daemon: MakeDaemon) -> None:

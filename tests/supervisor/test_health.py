@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from modelpool.protocol.messages import Embeddings
 from modelpool.protocol.pipes import Heartbeat
-from modelpool.supervisor.health import Limits, WorkerPulse, hung_reason
+from modelpool.supervisor.health import Limits, WorkerPulse, hung_reason, is_late, late_after_s
 from modelpool.supervisor.status import build_status
 
 if TYPE_CHECKING:
@@ -86,6 +87,85 @@ def test_a_load_that_stands_still_or_takes_too_long_fails() -> None:
     assert slow is not None and slow.failed_load and "load_timeout_s" in slow.reason
     # A loaded worker's idle progress counter is no stall.
     assert hung_reason(pulse(300.0, progress_at=100.0), now=300.0, limits=LIMITS) is None
+
+
+def test_a_worker_is_late_after_four_missed_beats_or_half_its_timeout() -> None:
+    assert late_after_s(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0) == 2.0
+    assert late_after_s(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0) == 1.0
+    assert not is_late(pulse(10.0), now=12.0, late_s=2.0)
+    assert is_late(pulse(10.0), now=12.1, late_s=2.0)
+    assert not is_late(pulse(None), now=1.9, late_s=2.0)  # silent since its start at 0
+
+
+async def test_a_late_worker_gets_no_new_work_until_it_beats_again(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(heartbeat_timeout_s=5, cold_start_workers=2, max_workers_per_model=2)
+    sink = h.sink()
+    h.embed(sink, ["x"])
+    await h.settle()
+    late, beating = h.workers("emb")
+    h.ready(beating)  # takes the job
+    h.ready(late)
+    for worker in (late, beating):
+        h.pool.handle_heartbeat(worker, Heartbeat(seq=0, progress=1))
+    h.clock.advance(2.5)
+    h.pool.handle_heartbeat(beating, Heartbeat(seq=1, progress=1))
+    h.pool.check_health()
+    assert late.late and not beating.late and h.launcher.killed == []
+
+    waiting = h.embed(sink, ["y"])
+    await h.settle()
+    assert h.job_ids(late) == []  # idle, but silent: the request waits
+    h.pool.handle_heartbeat(late, Heartbeat(seq=1, progress=1))
+    (job_id,) = h.job_ids(late)
+    h.reply_embeddings(late, job_id, 2.0)
+    assert isinstance(sink.finals(waiting)[0], Embeddings)
+
+
+async def test_work_waiting_on_a_late_worker_starts_another(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(heartbeat_timeout_s=5, cold_start_workers=1, max_workers_per_model=2)
+    sink = h.sink()
+    h.embed(sink, ["x"])
+    await h.settle()
+    (late,) = h.workers("emb")
+    h.ready(late)
+    h.reply_embeddings(late, h.job_ids(late)[0], 1.0)
+    h.want_work(late)
+    h.pool.handle_heartbeat(late, Heartbeat(seq=0, progress=1))
+    h.clock.advance(2.5)
+    h.pool.check_health()
+    h.embed(sink, ["y"])
+    await h.settle()
+    assert len(h.workers("emb")) == 2  # the late one counts as no idle worker
+
+
+async def test_a_retry_waits_for_a_new_worker_rather_than_go_to_a_silent_sibling(
+        make_harness: MakeHarness) -> None:
+    """Both workers stopped, a second apart: the first's job, retried when it is killed,
+    would die with the second (a job is retried once) if it were handed to it."""
+    h = make_harness(heartbeat_timeout_s=5, cold_start_workers=2)
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"])
+    await h.settle()
+    first, second = h.workers("emb")
+    h.ready(first)  # takes the job
+    h.ready(second)
+    for worker in (first, second):
+        h.pool.handle_heartbeat(worker, Heartbeat(seq=0, progress=1))
+    h.clock.advance(1)
+    h.pool.handle_heartbeat(second, Heartbeat(seq=1, progress=1))  # then stopped too
+    for _ in range(24):  # a check every 0.25 s, until both are killed
+        h.clock.advance(0.25)
+        h.pool.check_health()
+        await h.settle()
+        assert h.job_ids(second) == []
+    assert h.launcher.killed == [first, second]
+    replacement = h.workers("emb")[2]
+    h.ready(replacement)
+    (job_id,) = h.job_ids(replacement)
+    h.reply_embeddings(replacement, job_id, 3.0)
+    assert isinstance(sink.finals(client_id)[0], Embeddings)
 
 
 async def test_a_silent_worker_is_killed_and_its_work_requeued(
