@@ -256,6 +256,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     tokens_per_s: float | None = None  # generated, over the last seconds
     threads: int | None = None  # intra-op threads its forward passes use now (heartbeats)
     replacing: str | None = None  # why a new worker takes its place once one has loaded
+    late: bool = False  # silent for four heartbeats: given no new work until it beats
     info: dict[str, Any] = {}  # what its loaded model says of itself (dim, execution, ...)
 
 

@@ -199,10 +199,10 @@ def _model_text(model: dict[str, Any]) -> list[str]:
 
 
 def _worker_text(worker: dict[str, Any]) -> str:
-    """"4101:busy 2 threads 3/16 seq": pid, state, the intra-op threads it last reported
-    (adaptive workers change them with load) and, for a worker that batches streams,
-    its active sequences of its maximum."""
-    text = f"{worker['pid']}:{worker['state']}"
+    """"4101:busy 2 threads 3/16 seq": pid, state ("idle silent": late, given no work),
+    the intra-op threads it last reported (adaptive workers change them with load) and,
+    for a worker that batches streams, its active sequences of its maximum."""
+    text = f"{worker['pid']}:{worker['state']}" + (" silent" if worker.get("late") else "")
     threads = worker.get("threads")
     if threads:
         text += f" {threads} thread" + ("s" if threads > 1 else "")

@@ -116,6 +116,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
             holds_weights=w is model.holder,
             threads=w.threads_in_use or None,
             replacing=w.outdated,
+            late=w.late,
             **_generation(w, now),
             info=w.info,
         )

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from modelpool.protocol.messages import Embeddings
 from modelpool.protocol.pipes import Heartbeat
+from modelpool.supervisor.cli import _worker_text
 from modelpool.supervisor.health import Limits, WorkerPulse, hung_reason, is_late, late_after_s
 from modelpool.supervisor.status import build_status
 
@@ -112,6 +115,9 @@ async def test_a_late_worker_gets_no_new_work_until_it_beats_again(
     h.pool.handle_heartbeat(beating, Heartbeat(seq=1, progress=1))
     h.pool.check_health()
     assert late.late and not beating.late and h.launcher.killed == []
+    status = msgspec.to_builtins(build_status(h.pool, "/s", h.clock.now()))
+    texts = [_worker_text(w) for m in status["models"] for w in m["workers"]]
+    assert sorted(texts) == sorted([f"{late.pid}:idle silent", f"{beating.pid}:busy"])
 
     waiting = h.embed(sink, ["y"])
     await h.settle()
