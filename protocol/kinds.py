@@ -117,14 +117,15 @@ def embed(texts: str | list[str], model: str | None = None) -> tuple[Fields, boo
 
 def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
              max_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None,
-             stop: list[str] | None = None, ignore_eos: bool = False,
-             raw: bool = False) -> tuple[Fields, bool]:
+             top_p: float | None = None, top_k: int = 0, min_p: float = 0.0,
+             seed: int | None = None, stop: list[str] | None = None,
+             ignore_eos: bool = False, raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, or a chat as [{"role", "content"}, ...].
-    Temperature 0 is greedy. Breaking out of the stream cancels it."""
+    Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out. Breaking out of
+    the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw,
-                      "sampling": _sampling(max_tokens, temperature, top_p, seed, stop,
-                                            ignore_eos)}
+                      "sampling": _sampling(max_tokens, temperature, top_p, top_k, min_p,
+                                            seed, stop, ignore_eos)}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     else:
@@ -143,11 +144,12 @@ def embed_image(images: ImageLike | list[ImageLike],
 
 def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              max_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, seed: int | None = None,
-             stop: list[str] | None = None, ignore_eos: bool = False) -> tuple[Fields, bool]:
-    """Stream text about an image; no query asks for a caption."""
+             top_p: float | None = None, top_k: int = 0, min_p: float = 0.0,
+             seed: int | None = None, stop: list[str] | None = None,
+             ignore_eos: bool = False) -> tuple[Fields, bool]:
+    """Stream text about an image; no query asks for a caption. Sampling as generate's."""
     return {"model": model or "", "image": image_input(image), "prompt": query,
-            "sampling": _sampling(max_tokens, temperature, top_p, seed, stop,
+            "sampling": _sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
                                   ignore_eos)}, False
 
 
@@ -167,9 +169,11 @@ def rerank(query: str, documents: list[str], model: str | None = None) -> tuple[
 
 
 def _sampling(max_tokens: int | None, temperature: float | None, top_p: float | None,
-              seed: int | None, stop: list[str] | None, ignore_eos: bool) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                    stop=stop or [], ignore_eos=ignore_eos)
+              top_k: int, min_p: float, seed: int | None, stop: list[str] | None,
+              ignore_eos: bool) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                    top_k=top_k, min_p=min_p, seed=seed, stop=stop or [],
+                    ignore_eos=ignore_eos)
 
 
 # ---- what the daemon checks and decides per kind ---------------------------------------

@@ -69,6 +69,8 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None  # 0: greedy
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # the k likeliest tokens only; 0: all
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0  # below min_p x the likeliest: out
     seed: int | None = None  # None: a random seed per request
     stop: Stops = []  # cut from the output
     ignore_eos: bool = False

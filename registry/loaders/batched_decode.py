@@ -5,8 +5,8 @@ A new sequence is prefilled (short text prompts several in one padded pass, a lo
 chunks, so that a pass costs about a few decode steps and stalls the others no longer), then
 its KV cache joins the running batch, left-padded to the batch's length; a sequence that
 ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
-(temperature, top_p, seed, ignore_eos), with the same `sample` and the same detokenizer
-as the one-at-a-time loop in causal_lm.py.
+(temperature, top_p, top_k, min_p, seed, ignore_eos), with the same `sample` and the same
+detokenizer as the one-at-a-time loop in causal_lm.py.
 
 It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
 sliding window or recurrent state) and whose positions are one index per token, taken
@@ -321,7 +321,8 @@ class ContinuousDecoder:
             sampling = seq.prepared.sampling
             assert sampling.temperature is not None and sampling.top_p is not None
             token = greedy[row] if sampling.temperature < GREEDY_BELOW else sample(
-                logits[row], sampling.temperature, sampling.top_p, seq.generator)
+                logits[row], sampling.temperature, sampling.top_p, seq.generator,
+                sampling.top_k, sampling.min_p)
             events.append(self._take(seq, token))
         ended = {e.seq_id for e in events if e.stats is not None}
         if ended:

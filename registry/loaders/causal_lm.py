@@ -117,7 +117,8 @@ def decode(model: Any, first_inputs: dict[str, Any],
     for _ in range(budget):
         out = model(**step_inputs, **{cache_keyword: past}, use_cache=True)
         past = kv_cache_of(out)
-        token = sample(out.logits[0, -1].float().cpu(), temperature, top_p, generator)
+        token = sample(out.logits[0, -1].float().cpu(), temperature, top_p, generator,
+                       sampling.top_k, sampling.min_p)
         if token in eos_ids and not sampling.ignore_eos:
             stats.finish_reason = "stop"
             break
@@ -164,19 +165,27 @@ GREEDY_BELOW = 1e-5
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float,
-           generator: torch.Generator) -> int:
+           generator: torch.Generator, top_k: int = 0, min_p: float = 0.0) -> int:
     """Greedy at temperature 0 (or so close to it that float32 cannot divide by it),
-    else temperature + nucleus (top_p) sampling."""
+    else temperature sampling among the top_k likeliest tokens (0: all), then within
+    the nucleus (top_p) of those, leaving out any less likely than min_p times the
+    likeliest: transformers' and vLLM's order."""
     if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     # From the largest logit down: a tiny temperature sends the others to -inf, not the
     # largest to +inf (inf - inf would be NaN probabilities).
     probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
+    if 0 < top_k < probs.numel():
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, 0.0)
+        probs /= probs.sum()  # the nucleus is a share of what is left
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if min_p > 0.0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

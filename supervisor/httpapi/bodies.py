@@ -101,6 +101,8 @@ class Sampling(Options, kw_only=True):
     max_tokens: Tokens | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # extension, vLLM's; -1, 0: all
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # extension, vLLM's
     stop: str | Stops | None = None
     seed: Seed | None = None
     n: int = 1
@@ -110,6 +112,7 @@ class Sampling(Options, kw_only=True):
     top_logprobs: int | None = None
     presence_penalty: NoPenalty = None
     frequency_penalty: NoPenalty = None
+    repetition_penalty: NoPenalty = None  # vLLM's
     logit_bias: Annotated[dict[str, float] | None, refused_note("no biases")] = None
     user: str | None = None
     refused: ClassVar[Refused] = {
@@ -118,6 +121,7 @@ class Sampling(Options, kw_only=True):
         "top_logprobs": ((None, 0), "not supported"),
         "presence_penalty": ((None, 0), "not supported: sampling here has no penalties"),
         "frequency_penalty": ((None, 0), "not supported: sampling here has no penalties"),
+        "repetition_penalty": ((None, 1), "not supported: sampling here has no penalties"),
         "logit_bias": ((None, {}), "not supported"),
     }
 
@@ -259,7 +263,8 @@ def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
     refuse_unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {"model": body.model or None, "max_tokens": max_tokens or body.max_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
+            "temperature": body.temperature, "top_p": body.top_p,
+            "top_k": max(body.top_k or 0, 0), "min_p": body.min_p or 0.0, "seed": body.seed,
             "stop": stop, **options(body)}
 
 

@@ -78,6 +78,27 @@ def test_chat_whole_and_streamed_equal_the_socket_clients(served: tuple[Daemon, 
     assert parts[-1].usage is not None and parts[-1].usage.completion_tokens > 0
 
 
+def test_top_k_narrows_sampling_through_the_sdk_and_the_socket_client(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """top_k 1 is greedy at any temperature; vLLM's extension, in the SDK's extra_body."""
+    messages = [{"role": "user", "content": "tell me about workers"}]
+    with served[0].client() as c:
+        greedy = "".join(ch.text for ch in c.generate(messages, model="tiny-llm",
+                                                      max_tokens=12, temperature=0))
+        narrowed = "".join(ch.text for ch in c.generate(
+            messages, model="tiny-llm", max_tokens=12, temperature=1.5, seed=3, top_k=1))
+    assert narrowed == greedy
+    replies = {sdk.chat.completions.create(
+        model="tiny-llm", messages=messages, max_tokens=12, temperature=1.5, seed=seed,
+        extra_body=extra).choices[0].message.content for seed in (4, 5)
+        for extra in ({"top_k": 1}, {"min_p": 1.0})}
+    assert replies == {greedy}
+    with pytest.raises(openai.BadRequestError) as penalty:
+        sdk.chat.completions.create(model="tiny-llm", messages=messages,
+                                    extra_body={"repetition_penalty": 1.2})
+    assert penalty.value.body["param"] == "repetition_penalty"
+
+
 def test_async_sdk_streams_chunk_by_chunk(served: tuple[Daemon, str]) -> None:
     async def run() -> tuple[list[str], list[float]]:
         sdk = openai.AsyncOpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0)

@@ -105,6 +105,22 @@ def test_sampled_sequences_with_seeds_equal_one_at_a_time(llm: CausalLM) -> None
     assert together == {i: _alone(llm, r) for i, r in enumerate(requests)}
 
 
+def test_top_k_and_min_p_apply_batched_as_one_at_a_time(llm: CausalLM) -> None:
+    """top_k 1 and min_p 1 are greedy at any temperature and seed; top_k 5 with min_p is
+    sampled, the same batched as alone."""
+    greedy = [_request(i, max_tokens=30, ignore_eos=True) for i in range(2)]
+    narrowed = [_request(i, max_tokens=30, ignore_eos=True, temperature=1.5, seed=7 + s,
+                         **narrow) for i in range(2) for s, narrow in
+                enumerate([{"top_k": 1}, {"min_p": 1.0}, {"top_k": 5, "min_p": 0.05}])]
+    decoder = llm.decoder()
+    assert decoder is not None
+    together, _ = _run(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(narrowed)]})
+    assert together == {i: _alone(llm, r) for i, r in enumerate(narrowed)}
+    for i in range(2):
+        assert together[3 * i] == together[3 * i + 1] == _alone(llm, greedy[i])
+    assert together[2][0] != _alone(llm, greedy[0])[0]  # sampled: not greedy
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(
         llm: CausalLM) -> None:
     long = kinds.build("generate", "tiny model " * 400, max_tokens=12, temperature=0,

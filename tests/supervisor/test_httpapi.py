@@ -76,7 +76,8 @@ def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 SAMPLING = {"n": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.5,
-            "frequency_penalty": -1.0, "logit_bias": {"50256": -100}}
+            "frequency_penalty": -1.0, "repetition_penalty": 1.1,
+            "logit_bias": {"50256": -100}}
 ASKING = [  # a body, then each field with a value that asks for what no model here does
     (bodies.ChatBody, CHAT, {
         **SAMPLING, "tools": [{"type": "function", "function": {"name": "f"}}],
@@ -111,7 +112,8 @@ def test_every_field_a_body_refuses_is_tried_above() -> None:
 def test_what_asks_for_nothing_is_taken() -> None:
     """The values clients send as defaults are no request: they pass."""
     chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, n=1, logprobs=False,
-                                 presence_penalty=0, frequency_penalty=0.0, logit_bias={},
+                                 presence_penalty=0, frequency_penalty=0.0,
+                                 repetition_penalty=1.0, logit_bias={},
                                  tools=[], tool_choice="none", function_call="auto",
                                  response_format={"type": "text"}, modalities=["text"]))
     assert chat.op == "generate"
@@ -121,6 +123,19 @@ def test_what_asks_for_nothing_is_taken() -> None:
     image = bodies.images_call(body(bodies.ImagesBody, prompt="p", output_format="png",
                                     background="opaque"))
     assert image.op == "generate_image"
+
+
+def test_vllms_top_k_and_min_p_reach_the_sampler() -> None:
+    chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, top_k=5, min_p=0.1))
+    assert (chat.kwargs["top_k"], chat.kwargs["min_p"]) == (5, 0.1)
+    for everything in (-1, 0, None):  # vLLM's -1 and an unset one: every token
+        completion = bodies.completion_call(body(bodies.CompletionBody, prompt="p",
+                                                 top_k=everything))
+        assert (completion.kwargs["top_k"], completion.kwargs["min_p"]) == (0, 0.0)
+    with pytest.raises(msgspec.ValidationError, match="top_k"):
+        body(bodies.ChatBody, **CHAT, top_k=-2)
+    with pytest.raises(msgspec.ValidationError, match="min_p"):
+        body(bodies.ChatBody, **CHAT, min_p=1.5)
 
 
 @pytest.mark.parametrize("size", ["100x100", "4x4", "8x4104", "64x", "ax64"])
