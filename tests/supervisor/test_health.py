@@ -15,7 +15,9 @@ from modelpool.supervisor.status import build_status
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from conftest import Harness
+    from conftest import FakeSink, Harness
+
+    from modelpool.supervisor.workers import WorkerHandle
 
     MakeHarness = Callable[..., Harness]
 
@@ -100,17 +102,25 @@ def test_a_worker_is_late_after_four_missed_beats_or_half_its_timeout() -> None:
     assert not is_late(pulse(None), now=1.9, late_s=2.0)  # silent since its start at 0
 
 
+async def _two_workers_one_running(h: Harness) -> tuple[FakeSink, int, WorkerHandle,
+                                                          WorkerHandle]:
+    """A request and the two workers it started: the first runs it, the second is idle;
+    both have beaten once."""
+    sink = h.sink()
+    client_id = h.embed(sink, ["x"])
+    await h.settle()
+    first, second = h.workers("emb")
+    h.ready(first)  # takes the job
+    h.ready(second)
+    for worker in (first, second):
+        h.pool.handle_heartbeat(worker, Heartbeat(seq=0, progress=1))
+    return sink, client_id, first, second
+
+
 async def test_a_late_worker_gets_no_new_work_until_it_beats_again(
         make_harness: MakeHarness) -> None:
     h = make_harness(heartbeat_timeout_s=5, cold_start_workers=2, max_workers_per_model=2)
-    sink = h.sink()
-    h.embed(sink, ["x"])
-    await h.settle()
-    late, beating = h.workers("emb")
-    h.ready(beating)  # takes the job
-    h.ready(late)
-    for worker in (late, beating):
-        h.pool.handle_heartbeat(worker, Heartbeat(seq=0, progress=1))
+    sink, _, beating, late = await _two_workers_one_running(h)
     h.clock.advance(2.5)
     h.pool.handle_heartbeat(beating, Heartbeat(seq=1, progress=1))
     h.pool.check_health()
@@ -151,14 +161,7 @@ async def test_a_retry_waits_for_a_new_worker_rather_than_go_to_a_silent_sibling
     """Both workers stopped, a second apart: the first's job, retried when it is killed,
     would die with the second (a job is retried once) if it were handed to it."""
     h = make_harness(heartbeat_timeout_s=5, cold_start_workers=2)
-    sink = h.sink()
-    client_id = h.embed(sink, ["x"])
-    await h.settle()
-    first, second = h.workers("emb")
-    h.ready(first)  # takes the job
-    h.ready(second)
-    for worker in (first, second):
-        h.pool.handle_heartbeat(worker, Heartbeat(seq=0, progress=1))
+    sink, client_id, first, second = await _two_workers_one_running(h)
     h.clock.advance(1)
     h.pool.handle_heartbeat(second, Heartbeat(seq=1, progress=1))  # then stopped too
     for _ in range(24):  # a check every 0.25 s, until both are killed
@@ -177,14 +180,7 @@ async def test_a_retry_waits_for_a_new_worker_rather_than_go_to_a_silent_sibling
 async def test_a_silent_worker_is_killed_and_its_work_requeued(
         make_harness: MakeHarness) -> None:
     h = make_harness(heartbeat_timeout_s=5, cold_start_workers=2)
-    sink = h.sink()
-    client_id = h.embed(sink, ["x"])
-    await h.settle()
-    first, second = h.workers("emb")
-    h.ready(first)  # takes the job
-    h.ready(second, want_work=True)
-    for worker in (first, second):
-        h.pool.handle_heartbeat(worker, Heartbeat(seq=0, progress=1))
+    sink, client_id, first, second = await _two_workers_one_running(h)
     h.clock.advance(4)
     h.pool.handle_heartbeat(second, Heartbeat(seq=1, progress=1))
     h.pool.check_health()
