@@ -30,6 +30,8 @@ ImageSide = Annotated[int, msgspec.Meta(ge=IMAGE_SIDE_MIN, le=IMAGE_SIDE_MAX,
                                         multiple_of=IMAGE_SIDE_STEP)]
 Stops = Annotated[list[str], msgspec.Meta(max_length=16)]
 Guidance = Annotated[float, msgspec.Meta(ge=0, le=100)]
+TOP_K_MAX = 2**31 - 1  # any k at least the vocabulary is all of it
+TopK = Annotated[int, msgspec.Meta(ge=0, le=TOP_K_MAX)]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defaults=True):
@@ -69,7 +71,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None  # 0: greedy
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # the k likeliest tokens only; 0: all
+    top_k: TopK = 0  # the k likeliest tokens only; 0: all
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0  # below min_p x the likeliest: out
     seed: int | None = None  # None: a random seed per request
     stop: Stops = []  # cut from the output

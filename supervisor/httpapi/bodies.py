@@ -21,6 +21,7 @@ from modelpool.protocol.messages import (
     IMAGE_SIDE_MIN,
     IMAGE_SIDE_STEP,
     MAX_TOKENS,
+    TOP_K_MAX,
     ImageInput,
     Priority,
     Steps,
@@ -101,7 +102,7 @@ class Sampling(Options, kw_only=True):
     max_tokens: Tokens | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # extension, vLLM's; -1, 0: all
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=TOP_K_MAX)] | None = None  # vLLM's; -1, 0: all
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # extension, vLLM's
     stop: str | Stops | None = None
     seed: Seed | None = None
