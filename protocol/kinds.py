@@ -117,12 +117,14 @@ def embed(texts: str | list[str], model: str | None = None) -> tuple[Fields, boo
 
 def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
              max_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, top_k: int = 0, min_p: float = 0.0,
-             seed: int | None = None, stop: list[str] | None = None,
+             top_p: float | None = None, top_k: int | None = None,
+             min_p: float | None = None, seed: int | None = None,
+             stop: list[str] | None = None,
              ignore_eos: bool = False, raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, or a chat as [{"role", "content"}, ...].
-    Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out. Breaking out of
-    the stream cancels it."""
+    Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; unset, each is the
+    model's recommendation or the daemon's default. Breaking out of the stream cancels
+    it."""
     fields: Fields = {"model": model or "", "raw": raw,
                       "sampling": _sampling(max_tokens, temperature, top_p, top_k, min_p,
                                             seed, stop, ignore_eos)}
@@ -144,8 +146,9 @@ def embed_image(images: ImageLike | list[ImageLike],
 
 def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              max_tokens: int | None = None, temperature: float | None = None,
-             top_p: float | None = None, top_k: int = 0, min_p: float = 0.0,
-             seed: int | None = None, stop: list[str] | None = None,
+             top_p: float | None = None, top_k: int | None = None,
+             min_p: float | None = None, seed: int | None = None,
+             stop: list[str] | None = None,
              ignore_eos: bool = False) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. Sampling as generate's."""
     return {"model": model or "", "image": image_input(image), "prompt": query,
@@ -169,8 +172,8 @@ def rerank(query: str, documents: list[str], model: str | None = None) -> tuple[
 
 
 def _sampling(max_tokens: int | None, temperature: float | None, top_p: float | None,
-              top_k: int, min_p: float, seed: int | None, stop: list[str] | None,
-              ignore_eos: bool) -> Sampling:
+              top_k: int | None, min_p: float | None, seed: int | None,
+              stop: list[str] | None, ignore_eos: bool) -> Sampling:
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     top_k=top_k, min_p=min_p, seed=seed, stop=stop or [],
                     ignore_eos=ignore_eos)
@@ -214,11 +217,13 @@ class CapabilityFacts:
     kinds: tuple[Kind, ...]  # what a model of this capability serves
     batched: bool  # some of them coalesce into batches
     streaming: bool  # some of them stream
+    sampled: bool  # some of them sample tokens (a `sampling` field)
 
 
 def _capability(name: str) -> CapabilityFacts:
     kinds = tuple(k for k in KINDS if name in k.served_by)
-    return CapabilityFacts(kinds, any(k.batched for k in kinds), any(k.streaming for k in kinds))
+    return CapabilityFacts(kinds, any(k.batched for k in kinds), any(k.streaming for k in kinds),
+                           any("sampling" in k.request.__struct_fields__ for k in kinds))
 
 
 CAPABILITIES: dict[str, CapabilityFacts] = {

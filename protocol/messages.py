@@ -32,6 +32,7 @@ Stops = Annotated[list[str], msgspec.Meta(max_length=16)]
 Guidance = Annotated[float, msgspec.Meta(ge=0, le=100)]
 TOP_K_MAX = 2**31 - 1  # any k at least the vocabulary is all of it
 TopK = Annotated[int, msgspec.Meta(ge=0, le=TOP_K_MAX)]
+MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="op", omit_defaults=True):
@@ -65,14 +66,15 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """How generate and describe pick their tokens. None: the daemon's configured default
-    (see RequestDefaults), filled in when the request is admitted."""
+    """How generate and describe pick their tokens. None: the model's recommendation
+    (its generation_config.json), else the daemon's configured default (RequestDefaults),
+    filled in when the request is admitted."""
 
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None  # 0: greedy
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: TopK = 0  # the k likeliest tokens only; 0: all
-    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0  # below min_p x the likeliest: out
+    top_k: TopK | None = None  # the k likeliest tokens only; 0: all
+    min_p: MinP | None = None  # tokens below min_p x the likeliest's probability: out
     seed: int | None = None  # None: a random seed per request
     stop: Stops = []  # cut from the output
     ignore_eos: bool = False
@@ -121,6 +123,8 @@ class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 256
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
     steps: Steps = 25
     width: ImageSide = 512
     height: ImageSide = 512

@@ -1,13 +1,23 @@
-"""A model's files on this machine: where they are, downloading a hub model into the
-Hugging Face cache, and removing cached files that fail their integrity check."""
+"""A model's files on this machine: where they are, what its generation config
+recommends, downloading a hub model into the Hugging Face cache, and removing cached
+files that fail their integrity check."""
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import RequestDefaults
 from modelpool.registry.spec import ModelSpec
+
+log = logging.getLogger("modelpool.registry")
+RECOMMENDABLE = ("temperature", "top_p", "top_k", "min_p")  # of a generation_config.json
 
 
 def model_dir(spec: ModelSpec) -> Path:
@@ -27,6 +37,38 @@ def model_dir(spec: ModelSpec) -> Path:
         raise PoolError(ErrorCode.BAD_REQUEST, f"model {spec.key!r} has a custom loader "
                         f"and no files to check")
     return resolved
+
+
+def recommended_sampling(spec: ModelSpec) -> dict[str, Any]:
+    """What the model's generation_config.json sets of temperature, top_p, top_k and
+    min_p (as vLLM reads it: the fields present; `do_sample` and the rest are not
+    sampling this daemon does). Nothing when its files are not here (yet) or the file is
+    absent; a value out of range is left out, with a warning."""
+    from modelpool.registry.download import ModelSourceError, resolve_model_dir
+    from modelpool.registry.sources import cached_snapshot
+
+    try:
+        if spec.repo:
+            snapshot = cached_snapshot(spec.repo, spec.revision)
+            directory = snapshot / spec.subdir if snapshot else None
+        else:
+            directory = resolve_model_dir(spec)
+        if directory is None:
+            return {}
+        config = json.loads((directory / "generation_config.json").read_bytes())
+    except (OSError, ValueError, ModelSourceError):
+        return {}
+    recommended = {}
+    for name in RECOMMENDABLE:
+        value = config.get(name) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        try:  # checked as the [defaults] value it stands in for
+            recommended[name] = getattr(msgspec.convert({name: value}, RequestDefaults), name)
+        except msgspec.ValidationError as exc:
+            log.warning("model %s: its generation_config.json's %s is not used: %s",
+                        spec.key, name, exc)
+    return recommended
 
 
 def delete_corrupt(spec: ModelSpec) -> list[tuple[Path, str]]:

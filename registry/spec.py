@@ -52,6 +52,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # Streams one text_to_text or vision worker decodes together (continuous batching);
     # None: sized from the model and memory (at most 16); 1: one at a time.
     max_active_sequences: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # text_to_text, vision: the sampling its generation_config.json recommends (temperature,
+    # top_p, top_k, min_p) is what a request that leaves them unset gets, before [defaults].
+    generation_config: bool = True
 
     def __post_init__(self) -> None:
         if self.capability not in CAPABILITIES:

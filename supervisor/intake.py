@@ -91,9 +91,11 @@ class Intake:
                                                       float | None]:
         kind = KIND_OF[type(request)]
         spec = admission.resolve(self.registry, kind, request)
-        request = with_defaults(request, self.config().defaults)
+        model = self.models[spec.key] if spec else None
+        defaults = self.config().defaults
+        request = with_defaults(request, model.request_defaults(defaults) if model else defaults)
         deadline_in = admission.deadline_in(request, self.scheduler.wall())
-        return kind, spec, self.models[spec.key] if spec else None, request, deadline_in
+        return kind, spec, model, request, deadline_in
 
     def _static_refusal(self, kind: Kind, request: WorkRequest,
                         spec: ModelSpec | RemoteModel | None, deadline_in: float | None,

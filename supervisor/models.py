@@ -7,11 +7,16 @@ Owned by the Pool, which alone calls the methods that change it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
+from modelpool.protocol.kinds import CAPABILITIES
+from modelpool.protocol.messages import RequestDefaults
 from modelpool.protocol.pipes import ImagePolicy, Ready, SharedWeights, WorkerSettings
+from modelpool.registry.model_files import recommended_sampling
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import memory, scaling
 from modelpool.supervisor.ageing import Ageing
@@ -22,6 +27,7 @@ from modelpool.supervisor.shm import weights_segment
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
 
 LOADING = (WorkerState.STARTING, WorkerState.LOADING)
+log = logging.getLogger("modelpool.pool")
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,10 @@ class ModelState:
     batch_waited: bool = False
     # A reload removed it: it serves what it has, then its workers stop (reload.py).
     retiring: bool = False
+    # What its generation_config.json recommends for a request's unset sampling fields,
+    # and the daemon's defaults with those in place, for the defaults they were made of.
+    recommended: dict[str, Any] = field(default_factory=dict)
+    _defaults: tuple[RequestDefaults, RequestDefaults] | None = None
 
     @property
     def key(self) -> str:
@@ -226,6 +236,28 @@ class ModelState:
 
     # ---- changes -------------------------------------------------------------------
 
+    def request_defaults(self, daemon: RequestDefaults) -> RequestDefaults:
+        """What a request for this model gets for a field it leaves unset: what the model
+        recommends, else the daemon's default."""
+        if not self.recommended:
+            return daemon
+        made = self._defaults
+        if made is None or made[0] is not daemon:
+            made = self._defaults = (daemon, msgspec.structs.replace(daemon, **self.recommended))
+        return made[1]
+
+    def read_recommended(self) -> None:
+        """Its generation_config.json's sampling, read (again: a hub model's files may
+        have come since a worker downloaded them)."""
+        sampled = self.spec.generation_config and CAPABILITIES[self.spec.capability].sampled
+        recommended = recommended_sampling(self.spec) if sampled else {}
+        if recommended != self.recommended:
+            self.recommended, self._defaults = recommended, None
+            if recommended:
+                log.info("model %s: its generation_config.json recommends %s for requests "
+                         "that leave them unset", self.key,
+                         ", ".join(f"{k} {v}" for k, v in recommended.items()))
+
     def note_ready(self, worker: WorkerHandle, msg: Ready, now: float) -> None:
         worker.info, worker.load_s = msg.info, round(msg.load_s, 3)
         worker.last_used = worker.ready_at = now
@@ -238,6 +270,7 @@ class ModelState:
             return
         if msg.weights_mb is not None:
             self.measured_weights_mb = msg.weights_mb
+        self.read_recommended()
         self.note_uss(worker, msg.uss_mb)
         self.note_vram(msg.vram_mb)
 

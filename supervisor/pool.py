@@ -92,9 +92,11 @@ class Pool:
         self.dispatcher.batch_wait_s = config.max_batch_wait_ms / 1000
 
     def model_state(self, spec: ModelSpec) -> ModelState:
-        return ModelState(spec, ModelSettings.of(spec, self.pool_config, self.cpus),
-                          resolve_device(spec.device, self.gpus),
-                          queue=JobQueue(self.queued_totals))
+        state = ModelState(spec, ModelSettings.of(spec, self.pool_config, self.cpus),
+                           resolve_device(spec.device, self.gpus),
+                           queue=JobQueue(self.queued_totals))
+        state.read_recommended()
+        return state
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -232,6 +232,7 @@ def _adopt(pool: Pool, spec: ModelSpec) -> None:
     model, fresh = pool.models[spec.key], pool.model_state(spec)
     old, model.retiring = model.spec, False
     model.spec = spec
+    model.read_recommended()  # generation_config switched, or the file changed
     _retune(model, fresh.settings)
     if any(getattr(old, f) != getattr(spec, f) for f in LOAD_FIELDS):
         model.device = fresh.device

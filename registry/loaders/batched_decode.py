@@ -322,7 +322,7 @@ class ContinuousDecoder:
             assert sampling.temperature is not None and sampling.top_p is not None
             token = greedy[row] if sampling.temperature < GREEDY_BELOW else sample(
                 logits[row], sampling.temperature, sampling.top_p, seq.generator,
-                sampling.top_k, sampling.min_p)
+                sampling.top_k or 0, sampling.min_p or 0.0)
             events.append(self._take(seq, token))
         ended = {e.seq_id for e in events if e.stats is not None}
         if ended:

@@ -118,7 +118,7 @@ def decode(model: Any, first_inputs: dict[str, Any],
         out = model(**step_inputs, **{cache_keyword: past}, use_cache=True)
         past = kv_cache_of(out)
         token = sample(out.logits[0, -1].float().cpu(), temperature, top_p, generator,
-                       sampling.top_k, sampling.min_p)
+                       sampling.top_k or 0, sampling.min_p or 0.0)
         if token in eos_ids and not sampling.ignore_eos:
             stats.finish_reason = "stop"
             break

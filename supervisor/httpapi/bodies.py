@@ -265,7 +265,8 @@ def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {"model": body.model or None, "max_tokens": max_tokens or body.max_tokens,
             "temperature": body.temperature, "top_p": body.top_p,
-            "top_k": max(body.top_k or 0, 0), "min_p": body.min_p or 0.0, "seed": body.seed,
+            "top_k": None if body.top_k is None else max(body.top_k, 0), "min_p": body.min_p,
+            "seed": body.seed,
             "stop": stop, **options(body)}
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from modelpool.registry import sources
+from modelpool.registry.model_files import recommended_sampling
 from modelpool.registry.spec import ModelSpec
 
 COMMIT = "a" * 40
@@ -80,3 +81,19 @@ def test_a_partial_blob_means_a_download_under_way(tmp_path: Path) -> None:
     (blobs / "abc.incomplete").write_bytes(b"x")
     assert sources.partial_downloads("org/m", tmp_path)
     assert not sources.partial_downloads("org/none", tmp_path)
+
+
+def test_a_hub_models_recommended_sampling_is_read_once_its_snapshot_is_here(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    spec = ModelSpec(key="org/llm", capability="text_to_text", repo="org/llm")
+    assert recommended_sampling(spec) == {}  # not downloaded yet
+    snapshot = tmp_path / "models--org--llm" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--org--llm" / "refs").mkdir()
+    (tmp_path / "models--org--llm" / "refs" / "main").write_text("abc")
+    assert recommended_sampling(spec) == {}  # no generation_config.json
+    (snapshot / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 2,'
+        ' "repetition_penalty": 1.05}')
+    assert recommended_sampling(spec) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}

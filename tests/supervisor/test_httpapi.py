@@ -128,10 +128,12 @@ def test_what_asks_for_nothing_is_taken() -> None:
 def test_vllms_top_k_and_min_p_reach_the_sampler() -> None:
     chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, top_k=5, min_p=0.1))
     assert (chat.kwargs["top_k"], chat.kwargs["min_p"]) == (5, 0.1)
-    for everything in (-1, 0, None):  # vLLM's -1 and an unset one: every token
+    for everything in (-1, 0):  # vLLM's -1: every token
         completion = bodies.completion_call(body(bodies.CompletionBody, prompt="p",
-                                                 top_k=everything))
+                                                 top_k=everything, min_p=0))
         assert (completion.kwargs["top_k"], completion.kwargs["min_p"]) == (0, 0.0)
+    unset = bodies.completion_call(body(bodies.CompletionBody, prompt="p"))
+    assert (unset.kwargs["top_k"], unset.kwargs["min_p"]) == (None, None)  # the defaults
     for out_of_range in (-2, 2**31, 10**23):  # one the wire could not carry, too
         with pytest.raises(msgspec.ValidationError, match="top_k"):
             body(bodies.ChatBody, **CHAT, top_k=out_of_range)

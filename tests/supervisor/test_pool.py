@@ -7,7 +7,9 @@ pool.on_worker_message / pool.on_worker_exit and each client through a FakeSink.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -23,6 +25,7 @@ from modelpool.protocol.messages import (
     RequestDefaults,
     Sampling,
 )
+from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -267,11 +270,59 @@ async def test_unset_parameters_reach_the_worker_as_the_configured_defaults(
     worker = h.workers("gen")[0]
     h.ready(worker)
     ((job_id, first),) = h.items(h.works(worker)[0])
-    assert first.sampling == Sampling(max_tokens=9, temperature=0.0, top_p=1.0)
+    assert first.sampling == Sampling(max_tokens=9, temperature=0.0, top_p=1.0, top_k=0,
+                                      min_p=0.0)
     h.end(worker, job_id)
     h.want_work(worker)
     ((_, second),) = h.items(h.works(worker)[1])
-    assert second.sampling == Sampling(max_tokens=2, temperature=0.7, top_p=1.0, seed=1)
+    assert second.sampling == Sampling(max_tokens=2, temperature=0.7, top_p=1.0, top_k=0,
+                                       min_p=0.0, seed=1)
+
+
+def _recommending(tmp_path: Path, config: object, read: bool = True) -> ModelSpec:
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    return ModelSpec(key="gen", capability="text_to_text", path=str(tmp_path),
+                     weights_mb=10, per_worker_mb=10, generation_config=read)
+
+
+async def test_what_a_models_generation_config_recommends_comes_before_the_defaults(
+        make_harness: MakeHarness, tmp_path: Path) -> None:
+    recommends = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True,
+                  "repetition_penalty": 1.05, "bos_token_id": 1}
+    h = make_harness(models=[_recommending(tmp_path, recommends)],
+                     defaults=RequestDefaults(max_tokens=9, min_p=0.05))
+    sink = h.sink()
+    h.generate(sink, "a")
+    h.generate(sink, "b", temperature=0.0, top_k=0)  # what a request sets wins
+    await h.settle()
+    worker = h.workers("gen")[0]
+    h.ready(worker)
+    ((job_id, first),) = h.items(h.works(worker)[0])
+    assert first.sampling == Sampling(max_tokens=9, temperature=0.6, top_p=0.9, top_k=20,
+                                      min_p=0.05)
+    h.end(worker, job_id)
+    h.want_work(worker)
+    ((_, second),) = h.items(h.works(worker)[1])
+    assert second.sampling == Sampling(max_tokens=9, temperature=0.0, top_p=0.9, top_k=0,
+                                       min_p=0.05)
+
+
+@pytest.mark.parametrize(("config", "read"), [
+    ({"temperature": 0.6}, False),  # generation_config = false: the daemon's defaults
+    ({"temperature": -1, "top_k": "many"}, True),  # out of range: left out
+    ([1, 2], True),
+])
+async def test_a_generation_config_not_read_or_not_valid_leaves_the_defaults(
+        make_harness: MakeHarness, tmp_path: Path, config: object, read: bool) -> None:
+    h = make_harness(models=[_recommending(tmp_path, config, read)])
+    sink = h.sink()
+    h.generate(sink, "a")
+    await h.settle()
+    worker = h.workers("gen")[0]
+    h.ready(worker)
+    ((_, request),) = h.items(h.works(worker)[0])
+    assert request.sampling == Sampling(max_tokens=256, temperature=1.0, top_p=1.0, top_k=0,
+                                        min_p=0.0)
 
 
 async def test_an_unset_parameter_and_its_default_are_the_same_request(

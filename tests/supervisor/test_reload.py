@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -316,6 +317,28 @@ async def test_defaults_and_images_apply_at_once(make_harness: MakeHarness) -> N
     new_worker = h.pool.model_state(image).worker_settings(0, False, h.pool.pool_config,
                                                            h.pool.config.images)
     assert new_worker.images.max_bytes == 1
+
+
+async def test_a_models_generation_config_switched_off_applies_at_once(
+        make_harness: MakeHarness, tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20}')
+    gen = spec("gen", capability="text_to_text", path=str(tmp_path))
+    h = make_harness(models=[gen], cold_start_workers=1)
+    sink = h.sink()
+    h.generate(sink, model="gen")
+    await h.settle()
+    (worker,) = h.workers("gen")
+    h.ready(worker)
+    (before,) = [request for _, request in h.items(h.works(worker)[-1])]
+    assert (before.sampling.temperature, before.sampling.top_k) == (0.6, 20)
+    h.end(worker, h.job_ids(worker)[-1])
+    h.want_work(worker)
+
+    summary = reload(h, msgspec.structs.replace(gen, generation_config=False))
+    assert summary == "updated: gen" and worker.outdated is None  # nothing to reload
+    h.generate(sink, model="gen")
+    (after,) = [request for _, request in h.items(h.works(worker)[-1])]
+    assert (after.sampling.temperature, after.sampling.top_k) == (1.0, 0)
 
 
 async def test_pool_settings_apply_at_once_and_workers_started_otherwise_are_replaced(
