@@ -100,9 +100,9 @@ class ModelState:
     # A reload removed it: it serves what it has, then its workers stop (reload.py).
     retiring: bool = False
     # What its generation_config.json recommends for a request's unset sampling fields,
-    # and the daemon's defaults with those in place, for the defaults they were made of.
+    # and the daemon's defaults with those in place, with what they were made of.
     recommended: dict[str, Any] = field(default_factory=dict)
-    _defaults: tuple[RequestDefaults, RequestDefaults] | None = None
+    _defaults: tuple[RequestDefaults, dict[str, Any], RequestDefaults] | None = None
 
     @property
     def key(self) -> str:
@@ -239,12 +239,14 @@ class ModelState:
     def request_defaults(self, daemon: RequestDefaults) -> RequestDefaults:
         """What a request for this model gets for a field it leaves unset: what the model
         recommends, else the daemon's default."""
-        if not self.recommended:
+        recommended = self.recommended
+        if not recommended:
             return daemon
         made = self._defaults
-        if made is None or made[0] is not daemon:
-            made = self._defaults = (daemon, msgspec.structs.replace(daemon, **self.recommended))
-        return made[1]
+        if made is None or made[0] is not daemon or made[1] is not recommended:
+            made = self._defaults = (daemon, recommended,
+                                     msgspec.structs.replace(daemon, **recommended))
+        return made[2]
 
     def read_recommended(self) -> None:
         """Its generation_config.json's sampling, read (again: a hub model's files may
@@ -252,7 +254,7 @@ class ModelState:
         sampled = self.spec.generation_config and CAPABILITIES[self.spec.capability].sampled
         recommended = recommended_sampling(self.spec) if sampled else {}
         if recommended != self.recommended:
-            self.recommended, self._defaults = recommended, None
+            self.recommended = recommended
             if recommended:
                 log.info("model %s: its generation_config.json recommends %s for requests "
                          "that leave them unset", self.key,

@@ -231,8 +231,7 @@ def _adopt(pool: Pool, spec: ModelSpec) -> None:
     workers loaded as before are replaced when what it loads changed."""
     model, fresh = pool.models[spec.key], pool.model_state(spec)
     old, model.retiring = model.spec, False
-    model.spec = spec
-    model.read_recommended()  # generation_config switched, or the file changed
+    model.spec, model.recommended = spec, fresh.recommended  # read again, as it may change
     _retune(model, fresh.settings)
     if any(getattr(old, f) != getattr(spec, f) for f in LOAD_FIELDS):
         model.device = fresh.device
