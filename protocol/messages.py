@@ -303,6 +303,7 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     export_waits_for_mb: float | None = None  # its ONNX export's expected peak, while the
     # memory budget has no room for it (eager PyTorch serves meanwhile)
     exporting: bool = False  # its ONNX export is being made in the background
+    recommended: dict[str, Any] = {}  # sampling its generation_config.json recommends
 
 
 class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):

@@ -189,6 +189,10 @@ def _model_text(model: dict[str, Any]) -> list[str]:
     if replacing:
         lines.append(f"    replacing {len(replacing)} worker(s), one at a time as memory "
                      f"allows: {replacing[0]['replacing']}")
+    if model.get("recommended"):
+        lines.append("    unless a request sets them: " + ", ".join(
+            f"{name} {value}" for name, value in model["recommended"].items())
+                     + " (its generation_config.json)")
     if model.get("tokens_per_s") is not None:
         lines.append(f"    generating: {model['tokens_per_s']:.1f} tokens/s")
     if model["health"] != "ok":

@@ -140,6 +140,7 @@ def _model_status(pool: Pool, model: ModelState, now: float) -> ModelStatus:
         tokens=sum(w.tokens.total for w in generating),
         export_waits_for_mb=pool.exports.waits_for_memory(model),
         exporting=pool.exports.making(model),
+        recommended=model.recommended,
     )
 
 

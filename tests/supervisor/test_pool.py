@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import pytest
 
 from modelpool.protocol.errors import ErrorCode
@@ -26,6 +27,8 @@ from modelpool.protocol.messages import (
     Sampling,
 )
 from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.cli import _model_text
+from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -214,8 +217,6 @@ async def test_scale_up_when_work_still_waits_after_cold_start_workers_took_thei
 
 
 async def test_scale_up_respects_per_model_max_workers(make_harness: MakeHarness) -> None:
-    from modelpool.registry.spec import ModelSpec
-
     spec = ModelSpec(key="emb", capability="text_embedding", path="/nonexistent",
                      max_workers=1)
     h = make_harness(models=[spec])
@@ -305,6 +306,10 @@ async def test_what_a_models_generation_config_recommends_comes_before_the_defau
     ((_, second),) = h.items(h.works(worker)[1])
     assert second.sampling == Sampling(max_tokens=9, temperature=0.0, top_p=0.9, top_k=0,
                                        min_p=0.05)
+    status = msgspec.to_builtins(build_status(h.pool, "/s", h.clock.now()))
+    (gen,) = [m for m in status["models"] if m["key"] == "gen"]
+    assert "    unless a request sets them: temperature 0.6, top_p 0.9, top_k 20 (its " \
+           "generation_config.json)" in _model_text(gen)
 
 
 @pytest.mark.parametrize(("config", "read"), [
