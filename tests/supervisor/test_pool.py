@@ -10,7 +10,7 @@ import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pytest
@@ -261,23 +261,31 @@ async def test_work_queued_behind_waiting_work_with_no_free_worker_is_not_reconc
 # ---- defaults --------------------------------------------------------------------------
 
 
-async def test_unset_parameters_reach_the_worker_as_the_configured_defaults(
-        make_harness: MakeHarness) -> None:
-    h = make_harness(defaults=RequestDefaults(max_tokens=9, temperature=0.0))
+async def _samplings(h: Harness, *requests: dict[str, Any]) -> list[Sampling]:
+    """The sampling each generate request (its keyword arguments) reached the worker with,
+    sent one after another."""
     sink = h.sink()
-    h.generate(sink, "a")
-    h.generate(sink, "b", max_tokens=2, temperature=0.7, seed=1)
+    for i, fields in enumerate(requests):
+        h.generate(sink, f"p{i}", **fields)
     await h.settle()
     worker = h.workers("gen")[0]
     h.ready(worker)
-    ((job_id, first),) = h.items(h.works(worker)[0])
-    assert first.sampling == Sampling(max_tokens=9, temperature=0.0, top_p=1.0, top_k=0,
-                                      min_p=0.0)
-    h.end(worker, job_id)
-    h.want_work(worker)
-    ((_, second),) = h.items(h.works(worker)[1])
-    assert second.sampling == Sampling(max_tokens=2, temperature=0.7, top_p=1.0, top_k=0,
-                                       min_p=0.0, seed=1)
+    samplings = []
+    for work in range(len(requests)):
+        ((job_id, request),) = h.items(h.works(worker)[work])
+        samplings.append(request.sampling)
+        h.end(worker, job_id)
+        h.want_work(worker)
+    return samplings
+
+
+async def test_unset_parameters_reach_the_worker_as_the_configured_defaults(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(defaults=RequestDefaults(max_tokens=9, temperature=0.0))
+    first, second = await _samplings(h, {}, {"max_tokens": 2, "temperature": 0.7, "seed": 1})
+    assert first == Sampling(max_tokens=9, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+    assert second == Sampling(max_tokens=2, temperature=0.7, top_p=1.0, top_k=0, min_p=0.0,
+                              seed=1)
 
 
 def _recommending(tmp_path: Path, config: object, read: bool = True) -> ModelSpec:
@@ -292,20 +300,10 @@ async def test_what_a_models_generation_config_recommends_comes_before_the_defau
                   "repetition_penalty": 1.05, "bos_token_id": 1}
     h = make_harness(models=[_recommending(tmp_path, recommends)],
                      defaults=RequestDefaults(max_tokens=9, min_p=0.05))
-    sink = h.sink()
-    h.generate(sink, "a")
-    h.generate(sink, "b", temperature=0.0, top_k=0)  # what a request sets wins
-    await h.settle()
-    worker = h.workers("gen")[0]
-    h.ready(worker)
-    ((job_id, first),) = h.items(h.works(worker)[0])
-    assert first.sampling == Sampling(max_tokens=9, temperature=0.6, top_p=0.9, top_k=20,
-                                      min_p=0.05)
-    h.end(worker, job_id)
-    h.want_work(worker)
-    ((_, second),) = h.items(h.works(worker)[1])
-    assert second.sampling == Sampling(max_tokens=9, temperature=0.0, top_p=0.9, top_k=0,
-                                       min_p=0.05)
+    # What a request sets wins.
+    first, second = await _samplings(h, {}, {"temperature": 0.0, "top_k": 0})
+    assert first == Sampling(max_tokens=9, temperature=0.6, top_p=0.9, top_k=20, min_p=0.05)
+    assert second == Sampling(max_tokens=9, temperature=0.0, top_p=0.9, top_k=0, min_p=0.05)
     status = msgspec.to_builtins(build_status(h.pool, "/s", h.clock.now()))
     (gen,) = [m for m in status["models"] if m["key"] == "gen"]
     assert "    unless a request sets them: temperature 0.6, top_p 0.9, top_k 20 (its " \
@@ -320,14 +318,8 @@ async def test_what_a_models_generation_config_recommends_comes_before_the_defau
 async def test_a_generation_config_not_read_or_not_valid_leaves_the_defaults(
         make_harness: MakeHarness, tmp_path: Path, config: object, read: bool) -> None:
     h = make_harness(models=[_recommending(tmp_path, config, read)])
-    sink = h.sink()
-    h.generate(sink, "a")
-    await h.settle()
-    worker = h.workers("gen")[0]
-    h.ready(worker)
-    ((_, request),) = h.items(h.works(worker)[0])
-    assert request.sampling == Sampling(max_tokens=256, temperature=1.0, top_p=1.0, top_k=0,
-                                        min_p=0.0)
+    (sampling,) = await _samplings(h, {})
+    assert sampling == Sampling(max_tokens=256, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
 
 
 async def test_an_unset_parameter_and_its_default_are_the_same_request(
