@@ -44,19 +44,11 @@ def recommended_sampling(spec: ModelSpec) -> dict[str, Any]:
     min_p (as vLLM reads it: the fields present; `do_sample` and the rest are not
     sampling this daemon does). Nothing when its files are not here (yet) or the file is
     absent; a value out of range is left out, with a warning."""
-    from modelpool.registry.download import ModelSourceError, resolve_model_dir
-    from modelpool.registry.sources import cached_snapshot
+    from modelpool.registry.download import ModelSourceError
 
     try:
-        if spec.repo:
-            snapshot = cached_snapshot(spec.repo, spec.revision)
-            directory = snapshot / spec.subdir if snapshot else None
-        else:
-            directory = resolve_model_dir(spec)
-        if directory is None:
-            return {}
-        config = json.loads((directory / "generation_config.json").read_bytes())
-    except (OSError, ValueError, ModelSourceError):
+        config = json.loads((model_dir(spec) / "generation_config.json").read_bytes())
+    except (OSError, ValueError, ModelSourceError, PoolError):  # no files, or no such file
         return {}
     recommended = {}
     for name in RECOMMENDABLE:
