@@ -92,10 +92,15 @@ class Intake:
         kind = KIND_OF[type(request)]
         spec = admission.resolve(self.registry, kind, request)
         model = self.models[spec.key] if spec else None
-        defaults = self.config().defaults
-        request = with_defaults(request, model.request_defaults(defaults) if model else defaults)
+        request = self.with_defaults(request, model)
         deadline_in = admission.deadline_in(request, self.scheduler.wall())
         return kind, spec, model, request, deadline_in
+
+    def with_defaults(self, request: WorkRequest, model: ModelState | None) -> WorkRequest:
+        """The request with what it leaves unset filled in: the model's recommendation,
+        else the daemon's default."""
+        defaults = self.config().defaults
+        return with_defaults(request, model.request_defaults(defaults) if model else defaults)
 
     def _static_refusal(self, kind: Kind, request: WorkRequest,
                         spec: ModelSpec | RemoteModel | None, deadline_in: float | None,

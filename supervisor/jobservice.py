@@ -28,7 +28,7 @@ from modelpool.protocol.jobs import (
     PoolStats,
     Submit,
 )
-from modelpool.protocol.kinds import KIND_OF, with_defaults
+from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
     Embeddings,
     Error,
@@ -120,10 +120,8 @@ class JobService:
         model = spec.key if spec else remote.key if remote else request.model
         # Only nodes configured alike run it, and only its like joins it.
         variant = remote.variant if remote else self.variant(model)
-        defaults = self.pool.config.defaults
-        if spec is not None:
-            defaults = self.pool.models[spec.key].request_defaults(defaults)
-        dedup = dedup_key(kind, with_defaults(request, defaults), model)
+        filled = self.pool.intake.with_defaults(request, self.pool.models.get(model))
+        dedup = dedup_key(kind, filled, model)
         now = self.pool.scheduler.wall()
         deadline_in = admission.deadline_in(request, now)
         record = JobRecord(key=key or new_key(), uid=uid, op=kind.op, stream_to=stream_to,
