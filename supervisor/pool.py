@@ -30,7 +30,7 @@ from modelpool.protocol.pipes import (
     WorkerSettings,
 )
 from modelpool.registry.spec import ModelSpec, Registry
-from modelpool.supervisor import capacity, exits, health, pressure, scaling
+from modelpool.supervisor import capacity, exits, pressure, scaling, watch
 from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config, PoolConfig
@@ -328,29 +328,8 @@ class Pool:
                 del self.models[model.key]
 
     def check_health(self) -> None:
-        """Kill hung workers; their exit re-queues their work like any other death. A
-        load that timed out or stalled is a load failure. Late workers get no new work."""
-        config = self.pool_config
-        limits = health.Limits(config.heartbeat_timeout_s, config.stall_timeout_s,
-                               config.load_timeout_s, config.load_stall_s)
-        now = self.scheduler.now()
-        for worker, verdict in list(health.hung_workers(self.models.values(), now, limits)):
-            if verdict.raise_priority:
-                log.warning("worker %d (pid %s) of %s: %s: raising it to normal priority",
-                            worker.worker_id, worker.pid, worker.model_key, verdict.reason)
-                worker.raised_at = now
-                self.launcher.raise_priority(worker)
-                continue
-            log.warning("worker %d (pid %s) of %s is hung (%s): killing it",
-                        worker.worker_id, worker.pid, worker.model_key, verdict.reason)
-            if verdict.failed_load:
-                worker.load_error = f"the load failed: {verdict.reason}"
-            self.kill_hung(worker, verdict.reason)
-        late_s = health.late_after_s(config.heartbeat_interval_s, config.heartbeat_timeout_s)
-        for worker in health.late_workers(self.models.values(), now, late_s):
-            worker.late = True
-            log.warning("worker %d (pid %s) of %s silent for over %.1fs: no new work until "
-                        "it beats again", worker.worker_id, worker.pid, worker.model_key, late_s)
+        """Act on hung, starved and late workers (watch.py)."""
+        watch.check(self)
 
     def retire_unneeded_holder(self, model: ModelState) -> None:
         if model.holder is not None and scaling.holder_unneeded(capacity.model_view(model)):
