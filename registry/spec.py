@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from modelpool.protocol.fields import Capability
 from modelpool.protocol.kinds import CAPABILITIES
-from modelpool.protocol.messages import Capability
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -18,17 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.fields import PRIORITIES, Priority
 from modelpool.protocol.jobs import Submit
 from modelpool.protocol.kinds import KIND_OF
-from modelpool.protocol.messages import (
-    PRIORITIES,
-    Error,
-    LoadModel,
-    Priority,
-    ReloadConfig,
-    StopDaemon,
-    UnloadModel,
-)
+from modelpool.protocol.messages import Error, LoadModel, ReloadConfig, StopDaemon, UnloadModel
 from modelpool.protocol.peers import Peer, uid_of, user_name
 from modelpool.supervisor.config import AccessConfig, gid_of
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from modelpool.protocol.messages import PRIORITIES
+from modelpool.protocol.fields import PRIORITIES
 from modelpool.supervisor.queueing import PRIORITY_RANK, JobQueue
 
 PROMOTION_FLOOR = PRIORITY_RANK["high"]  # ageing never lifts work into `critical`

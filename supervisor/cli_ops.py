@@ -17,8 +17,8 @@ import types
 import typing
 from typing import Any
 
+from modelpool.protocol.fields import PRIORITIES
 from modelpool.protocol.kinds import KINDS, Kind
-from modelpool.protocol.messages import PRIORITIES
 from modelpool.supervisor.cli_common import Stdin, from_stdin, on_terminal
 
 SubParsers = Any  # argparse's _SubParsersAction, which has no public name

@@ -22,7 +22,8 @@ import msgspec
 
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.jobs import PoolStats
-from modelpool.protocol.messages import ClusterStatus, ModelInfo, ModelLoad, NodeStatus
+from modelpool.protocol.messages import ModelInfo
+from modelpool.protocol.status import ClusterStatus, ModelLoad, NodeStatus
 from modelpool.registry.content import content_digests
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.admission import RemoteModel

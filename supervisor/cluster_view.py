@@ -21,7 +21,8 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.jobs import PoolStats
-from modelpool.protocol.messages import ModelInfo, ModelLoad
+from modelpool.protocol.messages import ModelInfo
+from modelpool.protocol.status import ModelLoad
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import memory
 from modelpool.supervisor.admission import RemoteModel

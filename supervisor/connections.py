@@ -21,8 +21,9 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import FrameReader, frame
-from modelpool.protocol.messages import ClientsStatus, Error, encoder
+from modelpool.protocol.messages import Error, encoder
 from modelpool.protocol.peers import Peer
+from modelpool.protocol.status import ClientsStatus
 from modelpool.supervisor.acceptor import auto_max_connections
 from modelpool.supervisor.access import (
     REFUSED_HELLO_BYTES,

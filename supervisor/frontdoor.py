@@ -40,13 +40,13 @@ from modelpool.protocol.messages import (
     ListModels,
     LoadModel,
     ModelsReply,
-    PoolStatus,
     ReloadConfig,
     StatusReply,
     StopDaemon,
     UnloadModel,
     Welcome,
 )
+from modelpool.protocol.status import PoolStatus
 from modelpool.protocol.wire import client_decoder
 from modelpool.supervisor import admission, control, status
 from modelpool.supervisor.cluster import ClusterNode

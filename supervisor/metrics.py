@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import PRIORITIES, Error, PriorityStats
+from modelpool.protocol.fields import PRIORITIES
+from modelpool.protocol.messages import Error
+from modelpool.protocol.status import PriorityStats
 from modelpool.protocol.totals import HistogramTotals, ModelTotals, OutcomeCount
 
 LATENCY_WINDOW = 1000  # recent completions kept per priority for percentiles

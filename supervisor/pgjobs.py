@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.fields import PRIORITIES
 from modelpool.protocol.jobs import ENDED
-from modelpool.protocol.messages import PRIORITIES
 from modelpool.supervisor import pgbatches
 from modelpool.supervisor.groupcommit import GroupCommit
 from modelpool.supervisor.mailbox import JobRecord, MailboxFull

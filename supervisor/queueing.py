@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 import msgspec
 
+from modelpool.protocol.fields import PRIORITIES
 from modelpool.protocol.kinds import Kind
-from modelpool.protocol.messages import PRIORITIES, WorkRequest
+from modelpool.protocol.messages import WorkRequest
 
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
 FINISH_TAGS_KEPT = 4096  # owners' finish tags kept before the idle ones are dropped

@@ -19,12 +19,9 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import frame
-from modelpool.protocol.messages import (
-    Error,
-    PoolStatus,
-    encoder,
-)
+from modelpool.protocol.messages import Error, encoder
 from modelpool.protocol.peers import peer_of
+from modelpool.protocol.status import PoolStatus
 from modelpool.registry import sources
 from modelpool.supervisor import (
     access,

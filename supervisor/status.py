@@ -16,16 +16,16 @@ from typing import Any
 
 import psutil
 
-from modelpool.protocol.messages import (
+from modelpool.protocol.messages import ModelInfo
+from modelpool.protocol.pipes import token_limit
+from modelpool.protocol.status import (
     ClusterStatus,
     DeviceMemory,
     MemoryStatus,
-    ModelInfo,
     ModelStatus,
     PoolStatus,
     WorkerStatus,
 )
-from modelpool.protocol.pipes import token_limit
 from modelpool.registry import sources
 from modelpool.supervisor import gpus, memory
 from modelpool.supervisor.models import LOADING, ModelState

@@ -16,17 +16,17 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import (
+from modelpool.protocol.fields import (
     IMAGE_SIDE_MAX,
     IMAGE_SIDE_MIN,
     IMAGE_SIDE_STEP,
     MAX_TOKENS,
     TOP_K_MAX,
-    ImageInput,
     Priority,
     Steps,
     Stops,
 )
+from modelpool.protocol.messages import ImageInput
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 Texts = Annotated[list[str], msgspec.Meta(min_length=1)]

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import PRIORITIES
+from modelpool.protocol.fields import PRIORITIES
 from modelpool.supervisor.httpapi.guard import departure_of
 from modelpool.supervisor.httpapi.replies import HttpError
 from modelpool.supervisor.httpapi.settings import HttpSettings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from modelpool.protocol.messages import Priority
+from modelpool.protocol.fields import Priority
 
 STOP_GRACE_S = 5.0  # what a stop of the daemon gives the front door's requests in flight
 

@@ -48,11 +48,8 @@ from modelpool.protocol.messages import (
     ImageProgress,
     ListModels,
     LoadModel,
-    MemoryStatus,
     ModelInfo,
     ModelsReply,
-    ModelStatus,
-    PoolStatus,
     ReloadConfig,
     Rerank,
     Sampling,
@@ -61,9 +58,9 @@ from modelpool.protocol.messages import (
     StopDaemon,
     UnloadModel,
     Welcome,
-    WorkerStatus,
     encoder,
 )
+from modelpool.protocol.status import MemoryStatus, ModelStatus, PoolStatus, WorkerStatus
 from modelpool.protocol.wire import ClientMessage, ServerMessage, client_decoder, server_decoder
 
 CLIENT_MESSAGES: list[msgspec.Struct] = [

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import Embed, Embeddings, Error, ModelStatus
+from modelpool.protocol.messages import Embed, Embeddings, Error
+from modelpool.protocol.status import ModelStatus
 from modelpool.supervisor.status import build_status
 
 if TYPE_CHECKING:

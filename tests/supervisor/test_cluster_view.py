@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from modelpool.protocol.messages import ModelLoad
+from modelpool.protocol.status import ModelLoad
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.cluster_view import (
     Peer,

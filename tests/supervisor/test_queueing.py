@@ -10,8 +10,9 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from modelpool.protocol.fields import PRIORITIES, Priority
 from modelpool.protocol.kinds import KIND_OF
-from modelpool.protocol.messages import PRIORITIES, Embed, Generate, Priority
+from modelpool.protocol.messages import Embed, Generate
 from modelpool.supervisor.ageing import Ageing
 from modelpool.supervisor.queueing import (
     PRIORITY_RANK,

@@ -10,8 +10,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelpool.protocol.fields import Priority
 from modelpool.protocol.kinds import KIND_OF
-from modelpool.protocol.messages import Embed, Generate, Priority
+from modelpool.protocol.messages import Embed, Generate
 from modelpool.supervisor.queueing import Job, JobQueue, JobState
 
 OWNERS: list[Hashable] = [(1, "a"), (1, "b"), (2, "a"), "solo"]

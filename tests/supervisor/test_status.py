@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import pytest
 
-from modelpool.protocol.messages import ModelStatus
+from modelpool.protocol.status import ModelStatus
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.status import build_status, models_info, refresh_memory
 

@@ -1,0 +1,31 @@
+"""The value types the socket's messages share: priorities, capabilities, and the bounds
+a request's numbers are checked against when it is decoded."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+Priority = Literal["critical", "high", "normal", "low", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("critical", "high", "normal", "low", "batch")
+Capability = str  # a capability named in protocol/kinds.py, e.g. "text_embedding"
+
+MAX_TEXTS = 4096
+MAX_TOKENS = 1 << 20
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+Steps = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+IMAGE_SIDE_MIN, IMAGE_SIDE_MAX, IMAGE_SIDE_STEP = 8, 4096, 8  # pixels
+ImageSide = Annotated[int, msgspec.Meta(ge=IMAGE_SIDE_MIN, le=IMAGE_SIDE_MAX,
+                                        multiple_of=IMAGE_SIDE_STEP)]
+Stops = Annotated[list[str], msgspec.Meta(max_length=16)]
+Guidance = Annotated[float, msgspec.Meta(ge=0, le=100)]
+TOP_K_MAX = 2**31 - 1  # any k at least the vocabulary is all of it
+TopK = Annotated[int, msgspec.Meta(ge=0, le=TOP_K_MAX)]
+MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
+# OpenAI's: taken from the logit of a token once it is in the output (presence), or once
+# for each time it is (frequency)
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+# vLLM's and transformers': the logit of a token already in the prompt or the output is
+# divided by it if positive, multiplied if negative; 1: none
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0, le=100)]
