@@ -118,16 +118,20 @@ def embed(texts: str | list[str], model: str | None = None) -> tuple[Fields, boo
 def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
              max_tokens: int | None = None, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None,
-             min_p: float | None = None, seed: int | None = None,
+             min_p: float | None = None, presence_penalty: float | None = None,
+             frequency_penalty: float | None = None,
+             repetition_penalty: float | None = None, seed: int | None = None,
              stop: list[str] | None = None,
              ignore_eos: bool = False, raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, or a chat as [{"role", "content"}, ...].
-    Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; unset, each is the
-    model's recommendation or the daemon's default. Breaking out of the stream cancels
-    it."""
-    fields: Fields = {"model": model or "", "raw": raw,
-                      "sampling": _sampling(max_tokens, temperature, top_p, top_k, min_p,
-                                            seed, stop, ignore_eos)}
+    Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; penalties 0 (and
+    repetition_penalty 1) change nothing; unset, each is the model's recommendation or
+    the daemon's default. Breaking out of the stream cancels it."""
+    fields: Fields = {"model": model or "", "raw": raw, "sampling": Sampling(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
+        ignore_eos=ignore_eos)}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     else:
@@ -147,13 +151,18 @@ def embed_image(images: ImageLike | list[ImageLike],
 def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              max_tokens: int | None = None, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None,
-             min_p: float | None = None, seed: int | None = None,
+             min_p: float | None = None, presence_penalty: float | None = None,
+             frequency_penalty: float | None = None,
+             repetition_penalty: float | None = None, seed: int | None = None,
              stop: list[str] | None = None,
              ignore_eos: bool = False) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. Sampling as generate's."""
     return {"model": model or "", "image": image_input(image), "prompt": query,
-            "sampling": _sampling(max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-                                  ignore_eos)}, False
+            "sampling": Sampling(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                min_p=min_p, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                seed=seed, stop=stop or [], ignore_eos=ignore_eos)}, False
 
 
 def generate_image(prompt: str, model: str | None = None, *, steps: int | None = None,
@@ -169,14 +178,6 @@ def generate_image(prompt: str, model: str | None = None, *, steps: int | None =
 def rerank(query: str, documents: list[str], model: str | None = None) -> tuple[Fields, bool]:
     """float32 relevance scores, one per document, in order (higher: more relevant)."""
     return {"model": model or "", "query": query, "documents": documents}, False
-
-
-def _sampling(max_tokens: int | None, temperature: float | None, top_p: float | None,
-              top_k: int | None, min_p: float | None, seed: int | None,
-              stop: list[str] | None, ignore_eos: bool) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    top_k=top_k, min_p=min_p, seed=seed, stop=stop or [],
-                    ignore_eos=ignore_eos)
 
 
 # ---- what the daemon checks and decides per kind ---------------------------------------

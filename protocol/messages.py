@@ -20,8 +20,10 @@ from modelpool.protocol.fields import (
     Guidance,
     ImageSide,
     MinP,
+    Penalty,
     PositiveSeconds,
     Priority,
+    RepetitionPenalty,
     Steps,
     Stops,
     TopK,
@@ -72,6 +74,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: TopK | None = None  # the k likeliest tokens only; 0: all
     min_p: MinP | None = None  # tokens below min_p x the likeliest's probability: out
+    presence_penalty: Penalty | None = None  # 0: none
+    frequency_penalty: Penalty | None = None  # 0: none
+    repetition_penalty: RepetitionPenalty | None = None  # 1: none
     seed: int | None = None  # None: a random seed per request
     stop: Stops = []  # cut from the output
     ignore_eos: bool = False
@@ -122,6 +127,9 @@ class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     top_k: TopK = 0
     min_p: MinP = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     steps: Steps = 25
     width: ImageSide = 512
     height: ImageSide = 512

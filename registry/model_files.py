@@ -17,7 +17,8 @@ from modelpool.protocol.messages import RequestDefaults
 from modelpool.registry.spec import ModelSpec
 
 log = logging.getLogger("modelpool.registry")
-RECOMMENDABLE = ("temperature", "top_p", "top_k", "min_p")  # of a generation_config.json
+# What vLLM takes of a generation_config.json as the defaults of a request
+RECOMMENDABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def model_dir(spec: ModelSpec) -> Path:
@@ -40,10 +41,10 @@ def model_dir(spec: ModelSpec) -> Path:
 
 
 def recommended_sampling(spec: ModelSpec) -> dict[str, Any]:
-    """What the model's generation_config.json sets of temperature, top_p, top_k and
-    min_p (as vLLM reads it: the fields present; `do_sample` and the rest are not
-    sampling this daemon does). Nothing when its files are not here (yet) or the file is
-    absent; a value out of range is left out, with a warning."""
+    """What the model's generation_config.json sets of temperature, top_p, top_k, min_p
+    and repetition_penalty (as vLLM reads it: the fields present; `do_sample` and the rest
+    are not sampling this daemon does). Nothing when its files are not here (yet) or the
+    file is absent; a value out of range is left out, with a warning."""
     from modelpool.registry.download import ModelSourceError
 
     try:

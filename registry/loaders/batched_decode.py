@@ -5,8 +5,8 @@ A new sequence is prefilled (short text prompts several in one padded pass, a lo
 chunks, so that a pass costs about a few decode steps and stalls the others no longer), then
 its KV cache joins the running batch, left-padded to the batch's length; a sequence that
 ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
-(temperature, top_p, top_k, min_p, seed, ignore_eos), with the same `sample` and the same
-detokenizer as the one-at-a-time loop in causal_lm.py.
+(temperature, top_p, top_k, min_p, penalties, seed, ignore_eos), with the same
+`next_token` and the same detokenizer as the one-at-a-time loop in causal_lm.py.
 
 It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
 sliding window or recurrent state) and whose positions are one index per token, taken
@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicLayer
 
 from modelpool.protocol.messages import Sampling
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
+from modelpool.registry.loaders.penalties import Penalties
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 # Padded prompt tokens per prefill pass at least (short prompts share one, a long one is
@@ -78,6 +79,7 @@ class _Seq:
     fed: int = 0  # prompt tokens prefilled so far (chunked prefill)
     cache: DynamicCache | None = None  # its own cache while its prompt is fed in chunks
     token: int = -1  # the last sampled token: the input of its next decode step
+    penalties: Penalties | None = None
 
     @property
     def plain(self) -> bool:
@@ -181,8 +183,10 @@ class ContinuousDecoder:
 
         sampling = prepared.sampling
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
-        self.waiting.append(_Seq(seq_id, prepared, torch.Generator().manual_seed(seed),
-                                 IncrementalDecoder(self.tokenizer)))
+        self.waiting.append(_Seq(
+            seq_id, prepared, torch.Generator().manual_seed(seed),
+            IncrementalDecoder(self.tokenizer),
+            penalties=Penalties.of(sampling, prepared.inputs["input_ids"])))
 
     def drop(self, seq_id: int) -> GenerationStats | None:
         """It leaves now (aborted, or a stop string ended it): its stats so far, or None
@@ -312,17 +316,17 @@ class ContinuousDecoder:
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> list[Emitted]:
         """Sample each sequence's next token from its row of logits (rows in the order of
         seqs); the sequences that end leave the batch."""
-        from modelpool.registry.loaders.causal_lm import GREEDY_BELOW, sample
+        from modelpool.registry.loaders.causal_lm import GREEDY_BELOW, next_token
 
         logits = logits.float().cpu()
         greedy = logits.argmax(dim=-1).tolist()
         events = []
         for row, seq in enumerate(seqs):
             sampling = seq.prepared.sampling
-            assert sampling.temperature is not None and sampling.top_p is not None
-            token = greedy[row] if sampling.temperature < GREEDY_BELOW else sample(
-                logits[row], sampling.temperature, sampling.top_p, seq.generator,
-                sampling.top_k or 0, sampling.min_p or 0.0)
+            assert sampling.temperature is not None
+            plain_greedy = sampling.temperature < GREEDY_BELOW and seq.penalties is None
+            token = greedy[row] if plain_greedy else next_token(
+                logits[row], sampling, seq.generator, seq.penalties)
             events.append(self._take(seq, token))
         ended = {e.seq_id for e in events if e.stats is not None}
         if ended:

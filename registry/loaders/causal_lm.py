@@ -25,6 +25,7 @@ from modelpool.registry.loaders.common import (
     pretrained_kwargs,
     require_dir,
 )
+from modelpool.registry.loaders.penalties import Penalties
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -106,10 +107,9 @@ def decode(model: Any, first_inputs: dict[str, Any],
            eos_ids: set[int], tokenizer: Any, stats: GenerationStats) -> Iterator[str]:
     """Token by token with a KV cache: the first step runs the whole prompt, each later
     one only the new token. Yields one text piece per token (maybe "")."""
-    temperature, top_p = sampling.temperature, sampling.top_p
-    assert temperature is not None and top_p is not None, "the daemon fills in defaults"
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
     generator = torch.Generator().manual_seed(seed)
+    penalties = Penalties.of(sampling, first_inputs["input_ids"])
     detok = IncrementalDecoder(tokenizer)
     step_inputs, past = first_inputs, None
     cache_keyword = kv_cache_keyword(model)
@@ -117,8 +117,7 @@ def decode(model: Any, first_inputs: dict[str, Any],
     for _ in range(budget):
         out = model(**step_inputs, **{cache_keyword: past}, use_cache=True)
         past = kv_cache_of(out)
-        token = sample(out.logits[0, -1].float().cpu(), temperature, top_p, generator,
-                       sampling.top_k or 0, sampling.min_p or 0.0)
+        token = next_token(out.logits[0, -1].float().cpu(), sampling, generator, penalties)
         if token in eos_ids and not sampling.ignore_eos:
             stats.finish_reason = "stop"
             break
@@ -162,6 +161,21 @@ class IncrementalDecoder:
 
 
 GREEDY_BELOW = 1e-5
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator,
+               penalties: Penalties | None) -> int:
+    """A sequence's next token from its logits (one row, float32): penalized, then
+    sampled; the penalties then count it."""
+    temperature, top_p = sampling.temperature, sampling.top_p
+    assert temperature is not None and top_p is not None, "the daemon fills in defaults"
+    if penalties is not None:
+        logits = penalties.apply(logits)
+    token = sample(logits, temperature, top_p, generator, sampling.top_k or 0,
+                   sampling.min_p or 0.0)
+    if penalties is not None:
+        penalties.add(token)
+    return token
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float,

@@ -22,7 +22,9 @@ from modelpool.protocol.fields import (
     IMAGE_SIDE_STEP,
     MAX_TOKENS,
     TOP_K_MAX,
+    Penalty,
     Priority,
+    RepetitionPenalty,
     Steps,
     Stops,
 )
@@ -43,7 +45,6 @@ def refused_note(why: str) -> Any:
     return msgspec.Meta(description=f"refused unless it asks for nothing ({why})")
 
 
-NoPenalty = Annotated[float | None, refused_note("no penalties")]
 NoTools = Annotated[list[Any] | None, refused_note("no tool calls")]
 NoToolChoice = Annotated[str | dict[str, Any] | None, refused_note("no tool calls")]
 
@@ -111,18 +112,15 @@ class Sampling(Options, kw_only=True):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    presence_penalty: NoPenalty = None
-    frequency_penalty: NoPenalty = None
-    repetition_penalty: NoPenalty = None  # vLLM's
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM's
     logit_bias: Annotated[dict[str, float] | None, refused_note("no biases")] = None
     user: str | None = None
     refused: ClassVar[Refused] = {
         "n": ((1,), "only n = 1 is supported; send several requests"),
         "logprobs": ((None, False), "not supported"),
         "top_logprobs": ((None, 0), "not supported"),
-        "presence_penalty": ((None, 0), "not supported: sampling here has no penalties"),
-        "frequency_penalty": ((None, 0), "not supported: sampling here has no penalties"),
-        "repetition_penalty": ((None, 1), "not supported: sampling here has no penalties"),
         "logit_bias": ((None, {}), "not supported"),
     }
 
@@ -266,7 +264,9 @@ def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
     return {"model": body.model or None, "max_tokens": max_tokens or body.max_tokens,
             "temperature": body.temperature, "top_p": body.top_p,
             "top_k": None if body.top_k is None else max(body.top_k, 0), "min_p": body.min_p,
-            "seed": body.seed,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty, "seed": body.seed,
             "stop": stop, **options(body)}
 
 

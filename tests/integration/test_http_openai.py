@@ -93,10 +93,28 @@ def test_top_k_narrows_sampling_through_the_sdk_and_the_socket_client(
         extra_body=extra).choices[0].message.content for seed in (4, 5)
         for extra in ({"top_k": 1}, {"min_p": 1.0})}
     assert replies == {greedy}
-    with pytest.raises(openai.BadRequestError) as penalty:
-        sdk.chat.completions.create(model="tiny-llm", messages=messages,
-                                    extra_body={"repetition_penalty": 1.2})
-    assert penalty.value.body["param"] == "repetition_penalty"
+
+
+def test_penalties_through_the_sdk_equal_the_socket_clients(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """OpenAI's presence and frequency penalties, and vLLM's repetition_penalty in the
+    SDK's extra_body, steer greedy decoding as the socket client's do."""
+    messages = [{"role": "user", "content": "tell me about workers"}]
+    openais = {"frequency_penalty": 1.0, "presence_penalty": 0.5}
+    with served[0].client() as c:
+        texts = ["".join(ch.text for ch in c.generate(
+            messages, model="tiny-llm", max_tokens=16, temperature=0, **penalties))
+            for penalties in ({}, openais, {"repetition_penalty": 2.0})]
+    greedy, penalized, repeated = texts
+    assert penalized != greedy and repeated != greedy
+    assert sdk.chat.completions.create(
+        model="tiny-llm", messages=messages, max_tokens=16, temperature=0,
+        **openais).choices[0].message.content == penalized  # type: ignore[call-overload]
+    assert sdk.chat.completions.create(
+        model="tiny-llm", messages=messages, max_tokens=16, temperature=0,
+        extra_body={"repetition_penalty": 2.0}).choices[0].message.content == repeated
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        sdk.chat.completions.create(model="tiny-llm", messages=messages, presence_penalty=3)
 
 
 def test_async_sdk_streams_chunk_by_chunk(served: tuple[Daemon, str]) -> None:
@@ -184,7 +202,7 @@ def test_errors_map_to_the_sdks_exceptions(served: tuple[Daemon, str],
                                     messages=[{"role": "user", "content": "hi"}])
     assert bad.value.body["param"] == "n"
     for refused in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                    {"response_format": {"type": "json_object"}}, {"presence_penalty": 1}):
+                    {"response_format": {"type": "json_object"}}, {"logit_bias": {"1": 5}}):
         with pytest.raises(openai.BadRequestError) as dropped:
             sdk.chat.completions.create(model="tiny-llm", **refused,  # type: ignore[call-overload]
                                         messages=[{"role": "user", "content": "hi"}])

@@ -77,10 +77,13 @@ def test_generate_needs_a_prompt_or_messages() -> None:
 
 
 def test_unset_parameters_get_the_daemons_defaults_and_set_ones_stay() -> None:
-    defaults = RequestDefaults(max_tokens=7, temperature=0.5, top_k=40, steps=3, width=64)
-    generate = with_defaults(Generate(id=1, prompt="x", sampling=Sampling(top_p=0.9)), defaults)
+    defaults = RequestDefaults(max_tokens=7, temperature=0.5, top_k=40, frequency_penalty=0.5,
+                               steps=3, width=64)
+    generate = with_defaults(Generate(id=1, prompt="x", sampling=Sampling(
+        top_p=0.9, repetition_penalty=1.2)), defaults)
     assert generate.sampling == Sampling(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40,
-                                         min_p=0.0)
+                                         min_p=0.0, presence_penalty=0.0,
+                                         frequency_penalty=0.5, repetition_penalty=1.2)
     image = with_defaults(GenerateImage(id=1, prompt="x", height=128), defaults)
     assert (image.steps, image.width, image.height, image.guidance) == (3, 64, 128, 7.5)
     embed = Embed(id=1, texts=["a"])

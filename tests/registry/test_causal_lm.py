@@ -54,6 +54,24 @@ def _decode_without_cache(llm: CausalLM, ids: list[int], steps: int,
     return out
 
 
+def _penalized_without_cache(llm: CausalLM, ids: list[int], steps: int, repetition: float = 1,
+                             frequency: float = 0, presence: float = 0) -> list[int]:
+    """Reference greedy decoding with penalties, written out token by token."""
+    seq, out = list(ids), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = llm.model(input_ids=torch.tensor([seq])).logits[0, -1].float().tolist()
+            for token in set(seq):
+                logit = logits[token]
+                logits[token] = logit / repetition if logit > 0 else logit * repetition
+            for token in set(out):
+                logits[token] -= frequency * out.count(token) + presence
+            token = max(range(len(logits)), key=logits.__getitem__)
+            seq.append(token)
+            out.append(token)
+    return out
+
+
 def test_info(llm: CausalLM) -> None:
     assert llm.info() == {"context": 2048, "chat_template": True}
     assert llm.tokenizer.eos_token_id in llm.eos_ids
@@ -93,6 +111,21 @@ def test_tiny_top_p_behaves_like_greedy(llm: CausalLM) -> None:
     greedy = _text(llm, temperature=0.0, **common)
     assert _text(llm, temperature=1.0, top_p=1e-6, seed=3, **common) == greedy
     assert _text(llm, temperature=1.0, top_p=1e-6, seed=4, **common) == greedy
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition_penalty": 2.0}, {"frequency_penalty": 1.0, "presence_penalty": 0.5}])
+def test_penalties_steer_decoding_as_written_out_token_by_token(
+        llm: CausalLM, penalties: dict[str, float]) -> None:
+    ids = llm.prompt_ids(Generate(id=1, prompt=PROMPT, raw=True))
+    plain = _decode_without_cache(llm, ids, 16)
+    expected = _penalized_without_cache(llm, ids, 16, penalties.get("repetition_penalty", 1),
+                                        penalties.get("frequency_penalty", 0),
+                                        penalties.get("presence_penalty", 0))
+    assert expected != plain  # random weights repeat themselves: there is what to penalize
+    text = _text(llm, prompt=PROMPT, raw=True, temperature=0.0, max_tokens=16,
+                 ignore_eos=True, **penalties)
+    assert text == llm.tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_ignore_eos_runs_to_max_tokens(llm: CausalLM) -> None:

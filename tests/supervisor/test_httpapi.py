@@ -75,9 +75,7 @@ def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
 
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
-SAMPLING = {"n": 2, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.5,
-            "frequency_penalty": -1.0, "repetition_penalty": 1.1,
-            "logit_bias": {"50256": -100}}
+SAMPLING = {"n": 2, "logprobs": True, "top_logprobs": 3, "logit_bias": {"50256": -100}}
 ASKING = [  # a body, then each field with a value that asks for what no model here does
     (bodies.ChatBody, CHAT, {
         **SAMPLING, "tools": [{"type": "function", "function": {"name": "f"}}],
@@ -139,6 +137,19 @@ def test_vllms_top_k_and_min_p_reach_the_sampler() -> None:
             body(bodies.ChatBody, **CHAT, top_k=out_of_range)
     with pytest.raises(msgspec.ValidationError, match="min_p"):
         body(bodies.ChatBody, **CHAT, min_p=1.5)
+
+
+def test_penalties_reach_the_sampler_within_their_bounds() -> None:
+    penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, presence_penalty=0.5,
+                                 frequency_penalty=-1.0, repetition_penalty=1.1))
+    assert [chat.kwargs[name] for name in penalties] == [0.5, -1.0, 1.1]
+    unset = bodies.completion_call(body(bodies.CompletionBody, prompt="p"))
+    assert [unset.kwargs[name] for name in penalties] == [None] * 3  # the defaults
+    for name, out_of_range in (("presence_penalty", 2.5), ("frequency_penalty", -3),
+                               ("repetition_penalty", 0)):
+        with pytest.raises(msgspec.ValidationError, match=name):
+            body(bodies.ChatBody, **CHAT, **{name: out_of_range})
 
 
 @pytest.mark.parametrize("size", ["100x100", "4x4", "8x4104", "64x", "ax64"])

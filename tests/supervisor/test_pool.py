@@ -261,6 +261,9 @@ async def test_work_queued_behind_waiting_work_with_no_free_worker_is_not_reconc
 # ---- defaults --------------------------------------------------------------------------
 
 
+NO_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 async def _samplings(h: Harness, *requests: dict[str, Any]) -> list[Sampling]:
     """The sampling each generate request (its keyword arguments) reached the worker with,
     sent one after another."""
@@ -283,9 +286,10 @@ async def test_unset_parameters_reach_the_worker_as_the_configured_defaults(
         make_harness: MakeHarness) -> None:
     h = make_harness(defaults=RequestDefaults(max_tokens=9, temperature=0.0))
     first, second = await _samplings(h, {}, {"max_tokens": 2, "temperature": 0.7, "seed": 1})
-    assert first == Sampling(max_tokens=9, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
+    assert first == Sampling(max_tokens=9, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                             **NO_PENALTIES)
     assert second == Sampling(max_tokens=2, temperature=0.7, top_p=1.0, top_k=0, min_p=0.0,
-                              seed=1)
+                              seed=1, **NO_PENALTIES)
 
 
 def _recommending(tmp_path: Path, config: object, read: bool = True) -> ModelSpec:
@@ -298,16 +302,20 @@ async def test_what_a_models_generation_config_recommends_comes_before_the_defau
         make_harness: MakeHarness, tmp_path: Path) -> None:
     recommends = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True,
                   "repetition_penalty": 1.05, "bos_token_id": 1}
+    penalties = {**NO_PENALTIES, "repetition_penalty": 1.05}
     h = make_harness(models=[_recommending(tmp_path, recommends)],
                      defaults=RequestDefaults(max_tokens=9, min_p=0.05))
     # What a request sets wins.
-    first, second = await _samplings(h, {}, {"temperature": 0.0, "top_k": 0})
-    assert first == Sampling(max_tokens=9, temperature=0.6, top_p=0.9, top_k=20, min_p=0.05)
-    assert second == Sampling(max_tokens=9, temperature=0.0, top_p=0.9, top_k=0, min_p=0.05)
+    first, second = await _samplings(h, {}, {"temperature": 0.0, "top_k": 0,
+                                             "repetition_penalty": 1.0})
+    assert first == Sampling(max_tokens=9, temperature=0.6, top_p=0.9, top_k=20, min_p=0.05,
+                             **penalties)
+    assert second == Sampling(max_tokens=9, temperature=0.0, top_p=0.9, top_k=0, min_p=0.05,
+                              **NO_PENALTIES)
     status = msgspec.to_builtins(build_status(h.pool, "/s", h.clock.now()))
     (gen,) = [m for m in status["models"] if m["key"] == "gen"]
-    assert "    unless a request sets them: temperature 0.6, top_p 0.9, top_k 20 (its " \
-           "generation_config.json)" in _model_text(gen)
+    assert "    unless a request sets them: temperature 0.6, top_p 0.9, top_k 20, " \
+           "repetition_penalty 1.05 (its generation_config.json)" in _model_text(gen)
 
 
 @pytest.mark.parametrize(("config", "read"), [
@@ -319,7 +327,8 @@ async def test_a_generation_config_not_read_or_not_valid_leaves_the_defaults(
         make_harness: MakeHarness, tmp_path: Path, config: object, read: bool) -> None:
     h = make_harness(models=[_recommending(tmp_path, config, read)])
     (sampling,) = await _samplings(h, {})
-    assert sampling == Sampling(max_tokens=256, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
+    assert sampling == Sampling(max_tokens=256, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                                **NO_PENALTIES)
 
 
 async def test_an_unset_parameter_and_its_default_are_the_same_request(
