@@ -8,6 +8,7 @@ steps every stream together every step_s without a model."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -37,12 +38,29 @@ def _counter(key: str, step_s: float = 0.05, sequences: int = 8) -> str:
                        max_workers=1, step_s=step_s, max_sequences=sequences)
 
 
+RECOMMENDED = {"temperature": 1.5, "top_k": 1, "repetition_penalty": 2.0}
+
+
+def _recommending(tiny_llm_dir: Path, into: Path) -> Path:
+    """tiny-llm's files, with a generation_config.json that recommends RECOMMENDED:
+    greedy (top_k 1, whatever the temperature), with a repetition penalty."""
+    into.mkdir()
+    for made in tiny_llm_dir.iterdir():
+        if made.name != "generation_config.json":
+            (into / made.name).symlink_to(made)
+    config = json.loads((tiny_llm_dir / "generation_config.json").read_text())
+    (into / "generation_config.json").write_text(json.dumps({**config, **RECOMMENDED}))
+    return into
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llm_dir: Path) -> Iterator[Daemon]:
     """One daemon for the module; each test has models of its own."""
+    recommending = _recommending(tiny_llm_dir, tmp_path_factory.mktemp("rec") / "tiny-llm")
     config = ("[pool]\ncold_start_workers = 1\n"
               + LLM.format(key="batched", path=tiny_llm_dir, n=8)
               + LLM.format(key="single", path=tiny_llm_dir, n=1)
+              + LLM.format(key="recommending", path=recommending, n=8)
               + _counter("join") + _counter("leave") + _counter("kill")
               + _counter("deadline") + _counter("slots", step_s=0.02, sequences=3))
     daemon = start_daemon(tmp_path_factory.mktemp("continuous"), config)
@@ -105,6 +123,28 @@ def test_greedy_streams_batched_equal_one_at_a_time(daemon: Daemon) -> None:
     assert worker["max_sequences"] == 8 and worker["sequences"] >= 2
     after = status["after"]
     assert after["tokens_per_s"] > 0 and after["workers"][0]["tokens_per_s"] > 0
+
+
+def test_what_a_models_generation_config_recommends_is_what_an_unset_request_gets(
+        daemon: Daemon) -> None:
+    kw: dict[str, Any] = {"max_tokens": 20, "raw": True, "ignore_eos": True}
+    prompt = "Once upon a time"
+
+    async def run() -> tuple[list[tuple[str, str]], dict[str, Any]]:
+        async with AsyncClient(daemon.socket_path) as c:
+            texts = [
+                await _stream(c, prompt, "recommending", **kw),  # unseeded: greedy anyway
+                await _stream(c, prompt, "recommending", **kw),
+                await _stream(c, prompt, "single", temperature=0, repetition_penalty=2.0, **kw),
+                await _stream(c, prompt, "single", temperature=0, **kw),
+                await _stream(c, prompt, "recommending", top_k=0, temperature=0,
+                              repetition_penalty=1.0, **kw)]  # what a request sets wins
+            return texts, _model(await c.status(), "recommending")
+
+    (unset, again, penalized, plain, overridden), status = asyncio.run(run())
+    assert unset == again == penalized and penalized[0] != plain[0]
+    assert overridden == plain
+    assert status["recommended"] == RECOMMENDED
 
 
 def test_a_stream_joins_while_others_are_mid_way(daemon: Daemon) -> None:
