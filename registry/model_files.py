@@ -17,8 +17,11 @@ from modelpool.protocol.messages import RequestDefaults
 from modelpool.registry.spec import ModelSpec
 
 log = logging.getLogger("modelpool.registry")
-# What vLLM takes of a generation_config.json as the defaults of a request
-RECOMMENDABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# What vLLM takes of a generation_config.json as the defaults of a request: its name
+# there, and the request's field it stands for
+RECOMMENDABLE = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                 "max_new_tokens": "max_tokens"}
 
 
 def model_dir(spec: ModelSpec) -> Path:
@@ -41,10 +44,11 @@ def model_dir(spec: ModelSpec) -> Path:
 
 
 def recommended_sampling(spec: ModelSpec) -> dict[str, Any]:
-    """What the model's generation_config.json sets of temperature, top_p, top_k, min_p
-    and repetition_penalty (as vLLM reads it: the fields present; `do_sample` and the rest
-    are not sampling this daemon does). Nothing when its files are not here (yet) or the
-    file is absent; a value out of range is left out, with a warning."""
+    """What the model's generation_config.json sets of temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens (as max_tokens), by the request field each
+    stands for (as vLLM reads it: the fields present; `do_sample` and the rest are not
+    sampling this daemon does). Nothing when its files are not here (yet) or the file is
+    absent; a value out of range is left out, with a warning."""
     from modelpool.registry.download import ModelSourceError
 
     try:
@@ -52,12 +56,13 @@ def recommended_sampling(spec: ModelSpec) -> dict[str, Any]:
     except (OSError, ValueError, ModelSourceError, PoolError):  # no files, or no such file
         return {}
     recommended = {}
-    for name in RECOMMENDABLE:
+    for name, field in RECOMMENDABLE.items():
         value = config.get(name) if isinstance(config, dict) else None
         if value is None:
             continue
         try:  # checked as the [defaults] value it stands in for
-            recommended[name] = getattr(msgspec.convert({name: value}, RequestDefaults), name)
+            recommended[field] = getattr(msgspec.convert({field: value}, RequestDefaults),
+                                         field)
         except msgspec.ValidationError as exc:
             log.warning("model %s: its generation_config.json's %s is not used: %s",
                         spec.key, name, exc)

@@ -53,8 +53,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # None: sized from the model and memory (at most 16); 1: one at a time.
     max_active_sequences: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # text_to_text, vision: the sampling its generation_config.json recommends (temperature,
-    # top_p, top_k, min_p, repetition_penalty) is what a request that leaves them unset
-    # gets, before [defaults].
+    # top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) is what a
+    # request that leaves them unset gets, before [defaults].
     generation_config: bool = True
 
     def __post_init__(self) -> None:

@@ -95,6 +95,6 @@ def test_a_hub_models_recommended_sampling_is_read_once_its_snapshot_is_here(
     assert recommended_sampling(spec) == {}  # no generation_config.json
     (snapshot / "generation_config.json").write_text(
         '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 2,'
-        ' "repetition_penalty": 1.05}')
+        ' "repetition_penalty": 1.05, "max_new_tokens": 512, "max_length": 4096}')
     assert recommended_sampling(spec) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                                          "repetition_penalty": 1.05}
+                                          "repetition_penalty": 1.05, "max_tokens": 512}

@@ -301,21 +301,22 @@ def _recommending(tmp_path: Path, config: object, read: bool = True) -> ModelSpe
 async def test_what_a_models_generation_config_recommends_comes_before_the_defaults(
         make_harness: MakeHarness, tmp_path: Path) -> None:
     recommends = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True,
-                  "repetition_penalty": 1.05, "bos_token_id": 1}
+                  "repetition_penalty": 1.05, "max_new_tokens": 33, "bos_token_id": 1}
     penalties = {**NO_PENALTIES, "repetition_penalty": 1.05}
     h = make_harness(models=[_recommending(tmp_path, recommends)],
                      defaults=RequestDefaults(max_tokens=9, min_p=0.05))
     # What a request sets wins.
     first, second = await _samplings(h, {}, {"temperature": 0.0, "top_k": 0,
-                                             "repetition_penalty": 1.0})
-    assert first == Sampling(max_tokens=9, temperature=0.6, top_p=0.9, top_k=20, min_p=0.05,
+                                             "repetition_penalty": 1.0, "max_tokens": 4})
+    assert first == Sampling(max_tokens=33, temperature=0.6, top_p=0.9, top_k=20, min_p=0.05,
                              **penalties)
-    assert second == Sampling(max_tokens=9, temperature=0.0, top_p=0.9, top_k=0, min_p=0.05,
+    assert second == Sampling(max_tokens=4, temperature=0.0, top_p=0.9, top_k=0, min_p=0.05,
                               **NO_PENALTIES)
     status = msgspec.to_builtins(build_status(h.pool, "/s", h.clock.now()))
     (gen,) = [m for m in status["models"] if m["key"] == "gen"]
     assert "    unless a request sets them: temperature 0.6, top_p 0.9, top_k 20, " \
-           "repetition_penalty 1.05 (its generation_config.json)" in _model_text(gen)
+           "repetition_penalty 1.05, max_tokens 33 (its generation_config.json)" \
+           in _model_text(gen)
 
 
 @pytest.mark.parametrize(("config", "read"), [
