@@ -120,7 +120,9 @@ class JobService:
         model = spec.key if spec else remote.key if remote else request.model
         # Only nodes configured alike run it, and only its like joins it.
         variant = remote.variant if remote else self.variant(model)
-        filled = self.pool.intake.with_defaults(request, self.pool.models.get(model))
+        # The node that runs a model fills in its defaults: one it lacks joins as sent.
+        here = self.pool.models.get(model)
+        filled = request if here is None else self.pool.intake.with_defaults(request, here)
         dedup = dedup_key(kind, filled, model)
         now = self.pool.scheduler.wall()
         deadline_in = admission.deadline_in(request, now)

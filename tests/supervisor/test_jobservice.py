@@ -11,11 +11,12 @@ import pytest
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import Completion, Submit
-from modelpool.protocol.messages import Embed, Embeddings, Generate, Sampling
+from modelpool.protocol.messages import Embed, Embeddings, Generate, RequestDefaults, Sampling
 from modelpool.protocol.pipes import Abort, WantWork
+from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.jobservice import JobService, new_key
-from modelpool.supervisor.mailbox import MemoryMailbox
+from modelpool.supervisor.mailbox import JobRecord, MemoryMailbox
 from modelpool.supervisor.tasks import MemoryTaskQueue
 
 if TYPE_CHECKING:
@@ -234,6 +235,33 @@ async def test_submit_refuses_what_a_direct_call_would(make_harness: MakeHarness
     with pytest.raises(PoolError) as err:
         await jobs.submit(ME, Submit(id=1, request=Generate(id=1, model="gen")), 1)
     assert err.value.code is ErrorCode.BAD_REQUEST  # no prompt
+
+
+async def test_a_job_for_another_nodes_model_joins_only_one_sent_alike(
+        make_harness: MakeHarness) -> None:
+    """Here a field left unset and the same field set to this daemon's default are one
+    request; for a model only another node runs, whose generation config may fill in
+    another value, they are not."""
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+    jobs.elsewhere = lambda name: RemoteModel("far", "text_to_text") if name == "far" else None
+    put: list[bytes | None] = []
+    store = jobs.queue.put
+
+    async def recording(record: JobRecord) -> None:
+        put.append(record.dedup)
+        await store(record)
+
+    jobs.queue.put = recording  # type: ignore[method-assign]
+    for model in ("gen", "far"):
+        for sampling in (Sampling(seed=1), Sampling(seed=1),
+                         Sampling(seed=1, temperature=RequestDefaults().temperature)):
+            request = Generate(id=1, model=model, prompt="hi", sampling=sampling)
+            await jobs.submit(ME, Submit(id=1, request=request), 100)
+    here, far = put[:3], put[3:]
+    assert None not in put
+    assert here[0] == here[1] == here[2]
+    assert far[0] == far[1] != far[2]
 
 
 async def test_jobs_wait_in_their_own_queue_in_priority_order(
