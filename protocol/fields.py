@@ -27,5 +27,6 @@ MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
 # for each time it is (frequency)
 Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 # vLLM's and transformers': the logit of a token already in the prompt or the output is
-# divided by it if positive, multiplied if negative; 1: none
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0, le=100)]
+# divided by it if positive, multiplied if negative; 1: none. At least 0.01: dividing by
+# a tiny one (5e-324) sends a positive logit to infinity and the sampler to NaN.
+RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100)]

@@ -147,7 +147,7 @@ def test_penalties_reach_the_sampler_within_their_bounds() -> None:
     unset = bodies.completion_call(body(bodies.CompletionBody, prompt="p"))
     assert [unset.kwargs[name] for name in penalties] == [None] * 3  # the defaults
     for name, out_of_range in (("presence_penalty", 2.5), ("frequency_penalty", -3),
-                               ("repetition_penalty", 0)):
+                               ("repetition_penalty", 0), ("repetition_penalty", 5e-324)):
         with pytest.raises(msgspec.ValidationError, match=name):
             body(bodies.ChatBody, **CHAT, **{name: out_of_range})
 
