@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from PIL import Image
@@ -174,8 +175,10 @@ def test_vision_sequences_batch_like_text(tiny_models_dir: Path) -> None:
                                  path=str(tiny_models_dir / "tiny-vision")))
     assert isinstance(model, VisionLM)
     images = [Image.new("RGB", (32, 32), (40 * i, 90, 200 - 30 * i)) for i in range(4)]
+    penalties = {"repetition_penalty": 2.0, "frequency_penalty": 0.5}  # on the odd ones
     requests = [kinds.build("describe", b"unused", f"what is {i}?", max_tokens=20 + 5 * i,
-                            temperature=0, ignore_eos=True) for i in range(4)]
+                            temperature=0, ignore_eos=True, **(penalties if i % 2 else {}))
+                for i in range(4)]
     alone = []
     for image, request in zip(images, requests, strict=True):
         stats = GenerationStats()
@@ -187,6 +190,9 @@ def test_vision_sequences_batch_like_text(tiny_models_dir: Path) -> None:
     together, _ = _run(decoder, {0: [(0, prepared[0]), (1, prepared[1])],
                                  4: [(2, prepared[2]), (3, prepared[3])]})
     assert together == dict(enumerate(alone))
+    plain = msgspec.structs.replace(requests[1], sampling=msgspec.structs.replace(
+        requests[1].sampling, repetition_penalty=1.0, frequency_penalty=0.0))
+    assert "".join(model.describe(images[1], plain, GenerationStats())) != alone[1][0]  # type: ignore[arg-type]
 
 
 def test_models_that_cannot_batch_say_why() -> None:
