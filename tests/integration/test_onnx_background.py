@@ -48,6 +48,15 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
+def _idle_soon(pid: int) -> bool:
+    """The process runs at SCHED_IDLE within a second: the supervisor sets it as soon as
+    the process is started, which a test polling for it may see first."""
+    deadline = time.monotonic() + 1
+    while os.sched_getscheduler(pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.sched_getscheduler(pid) == os.SCHED_IDLE
+
+
 def _export_process(daemon: Daemon) -> list[int]:
     return [p.pid for p in daemon.running("onnx_export")]
 
@@ -62,7 +71,7 @@ def test_the_export_is_made_from_the_start_while_eager_serves_then_workers_are_r
         while not _export_process(daemon) and time.monotonic() < deadline:
             time.sleep(0.1)
         (export,) = _export_process(daemon)  # before any request: one, at idle priority
-        assert os.sched_getscheduler(export) == os.SCHED_IDLE
+        assert _idle_soon(export)
         with daemon.client(timeout_s=120) as c:
             first = np.asarray(c.embed(TEXTS))
             infos = [w["info"] for w in _workers(c) if w["info"]]
