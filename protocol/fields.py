@@ -30,3 +30,8 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 # divided by it if positive, multiplied if negative; 1: none. At least 0.01: dividing by
 # a tiny one (5e-324) sends a positive logit to infinity and the sampler to NaN.
 RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100)]
+# OpenAI's: added to a token's logit before sampling, by token id; -100 bans it in effect,
+# 100 all but forces it
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOP_K_MAX)]
+LogitBias = Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100, le=100)]],
+                      msgspec.Meta(max_length=1024)]

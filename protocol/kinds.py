@@ -120,18 +120,20 @@ def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
              top_p: float | None = None, top_k: int | None = None,
              min_p: float | None = None, presence_penalty: float | None = None,
              frequency_penalty: float | None = None,
-             repetition_penalty: float | None = None, seed: int | None = None,
+             repetition_penalty: float | None = None,
+             logit_bias: dict[int, float] | None = None, seed: int | None = None,
              stop: list[str] | None = None,
              ignore_eos: bool = False, raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, or a chat as [{"role", "content"}, ...].
     Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; penalties 0 (and
-    repetition_penalty 1) change nothing; unset, each is the model's recommendation or
-    the daemon's default. Breaking out of the stream cancels it."""
+    repetition_penalty 1) change nothing; logit_bias adds to the logits of those token
+    ids; unset, each is the model's recommendation or the daemon's default. Breaking out
+    of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": Sampling(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
-        ignore_eos=ignore_eos)}
+        repetition_penalty=repetition_penalty, logit_bias=logit_bias, seed=seed,
+        stop=stop or [], ignore_eos=ignore_eos)}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     else:
@@ -153,7 +155,8 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              top_p: float | None = None, top_k: int | None = None,
              min_p: float | None = None, presence_penalty: float | None = None,
              frequency_penalty: float | None = None,
-             repetition_penalty: float | None = None, seed: int | None = None,
+             repetition_penalty: float | None = None,
+             logit_bias: dict[int, float] | None = None, seed: int | None = None,
              stop: list[str] | None = None,
              ignore_eos: bool = False) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. Sampling as generate's."""
@@ -162,7 +165,8 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=min_p, presence_penalty=presence_penalty,
                 frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                seed=seed, stop=stop or [], ignore_eos=ignore_eos)}, False
+                logit_bias=logit_bias, seed=seed, stop=stop or [],
+                ignore_eos=ignore_eos)}, False
 
 
 def generate_image(prompt: str, model: str | None = None, *, steps: int | None = None,

@@ -19,6 +19,7 @@ from modelpool.protocol.fields import (
     Capability,
     Guidance,
     ImageSide,
+    LogitBias,
     MinP,
     Penalty,
     PositiveSeconds,
@@ -77,6 +78,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     presence_penalty: Penalty | None = None  # 0: none
     frequency_penalty: Penalty | None = None  # 0: none
     repetition_penalty: RepetitionPenalty | None = None  # 1: none
+    logit_bias: LogitBias | None = None  # added to those tokens' logits, first
     seed: int | None = None  # None: a random seed per request
     stop: Stops = []  # cut from the output
     ignore_eos: bool = False

@@ -5,8 +5,8 @@ A new sequence is prefilled (short text prompts several in one padded pass, a lo
 chunks, so that a pass costs about a few decode steps and stalls the others no longer), then
 its KV cache joins the running batch, left-padded to the batch's length; a sequence that
 ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
-(temperature, top_p, top_k, min_p, penalties, seed, ignore_eos), with the same
-`next_token` and the same detokenizer as the one-at-a-time loop in causal_lm.py.
+(temperature, top_p, top_k, min_p, biases and penalties, seed, ignore_eos), with the
+same `next_token` and detokenizer as the one-at-a-time loop in causal_lm.py.
 
 It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
 sliding window or recurrent state) and whose positions are one index per token, taken

@@ -24,8 +24,9 @@ from modelpool.registry.loaders.common import (
     place,
     pretrained_kwargs,
     require_dir,
+    vocab_size,
 )
-from modelpool.registry.loaders.penalties import Penalties
+from modelpool.registry.loaders.penalties import Penalties, check_logit_bias
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -37,6 +38,7 @@ class CausalLM:
         self.model = model.eval()
         self.context = context  # prompt and output tokens together
         self.eos_ids = eos_ids_of(model, tokenizer)
+        self.vocab = vocab_size(model)
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template)}
@@ -72,6 +74,7 @@ class CausalLM:
 
     def _checked_ids(self, request: Generate) -> tuple[list[int], int]:
         """The prompt's token ids and how many tokens may follow them."""
+        check_logit_bias(request.sampling, self.vocab, self.key)
         ids = self.prompt_ids(request)
         if len(ids) >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {len(ids)} tokens; model "

@@ -69,6 +69,16 @@ def pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
+def vocab_size(model: Any) -> int | None:
+    """How many tokens the model's logits cover (None: it does not say)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    size = getattr(model.config.get_text_config(), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
 def kv_cache_keyword(model: Any) -> str:
     """The keyword a causal LM's forward takes its KV cache by: `cache` where transformers
     has renamed it (5.x warns on `past_key_values`, and 5.40 drops it), else

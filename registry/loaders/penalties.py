@@ -1,26 +1,30 @@
-"""Penalties on the tokens a sequence has seen: the repetition penalty (vLLM's and
-transformers') on its prompt and output, then OpenAI's frequency and presence penalties on
-its output, in vLLM's order, taken off the raw logits before temperature and the cuts. A
-sequence that asks for none has no Penalties and pays nothing."""
+"""What a sequence asks to be done to its logits before sampling, in vLLM's order: OpenAI's
+logit_bias, then the repetition penalty (vLLM's and transformers') on the tokens of its
+prompt and output, then OpenAI's frequency and presence penalties on its output; all
+taken off the raw logits, before temperature and the cuts. A sequence that asks for none
+has no Penalties and pays nothing."""
 
 from __future__ import annotations
 
 import torch
 
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Sampling
 
 
 class Penalties:
-    """One sequence's penalties and what they need of its tokens: how often each was
-    output, and which appeared at all (prompt included)."""
+    """One sequence's biases and penalties, and what the penalties need of its tokens:
+    how often each was output, and which appeared at all (prompt included)."""
 
     def __init__(self, prompt_ids: torch.Tensor, presence: float, frequency: float,
-                 repetition: float) -> None:
+                 repetition: float, bias: dict[int, float] | None = None) -> None:
         self.presence, self.frequency, self.repetition = presence, frequency, repetition
+        self.bias = bias or {}
         self.prompt_ids = prompt_ids.flatten().cpu()
         # Made at the first step, once the logits tell the vocabulary's size.
         self.counts = torch.zeros(0)  # output tokens, by id
         self.seen = torch.zeros(0, dtype=torch.bool)  # in the prompt or the output
+        self.biases = torch.zeros(0)  # by id
 
     @classmethod
     def of(cls, sampling: Sampling, prompt_ids: torch.Tensor) -> Penalties | None:
@@ -28,19 +32,18 @@ class Penalties:
         presence = sampling.presence_penalty or 0.0
         frequency = sampling.frequency_penalty or 0.0
         repetition = sampling.repetition_penalty or 1.0
-        if presence == 0.0 and frequency == 0.0 and repetition == 1.0:
+        if (presence == 0.0 and frequency == 0.0 and repetition == 1.0
+                and not sampling.logit_bias):
             return None
-        return cls(prompt_ids, presence, frequency, repetition)
+        return cls(prompt_ids, presence, frequency, repetition, sampling.logit_bias)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sequence's next-token logits (one row, float32) with its penalties taken
-        off, as a new tensor."""
+        """The sequence's next-token logits (one row, float32) with its biases added and
+        its penalties taken off, as a new tensor."""
         if not self.seen.numel():
-            vocab = logits.numel()
-            self.counts = torch.zeros(vocab)
-            self.seen = torch.zeros(vocab, dtype=torch.bool)
-            ids = self.prompt_ids
-            self.seen[ids[(ids >= 0) & (ids < vocab)]] = True
+            self._start(logits.numel())
+        if self.bias:
+            logits = logits + self.biases
         if self.repetition != 1.0:
             logits = torch.where(self.seen, torch.where(logits > 0, logits / self.repetition,
                                                         logits * self.repetition), logits)
@@ -50,8 +53,26 @@ class Penalties:
             logits = logits - self.presence * (self.counts > 0)
         return logits
 
+    def _start(self, vocab: int) -> None:
+        self.counts = torch.zeros(vocab)
+        self.seen = torch.zeros(vocab, dtype=torch.bool)
+        ids = self.prompt_ids
+        self.seen[ids[(ids >= 0) & (ids < vocab)]] = True
+        self.biases = torch.zeros(vocab)
+        for token, bias in self.bias.items():
+            if token < vocab:  # check_logit_bias refused the others at admission
+                self.biases[token] = bias
+
     def add(self, token: int) -> None:
         """The sequence output this token."""
         if 0 <= token < self.counts.numel():
             self.counts[token] += 1
             self.seen[token] = True
+
+
+def check_logit_bias(sampling: Sampling, vocab: int | None, key: str) -> None:
+    """Refuse a logit_bias naming a token the model does not have (as vLLM does)."""
+    outside = [t for t in sampling.logit_bias or {} if vocab is not None and t >= vocab]
+    if outside:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"logit_bias names token {outside[0]}; "
+                        f"model {key!r} has {vocab} tokens")

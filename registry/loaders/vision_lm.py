@@ -25,7 +25,9 @@ from modelpool.registry.loaders.common import (
     place,
     pretrained_kwargs,
     require_dir,
+    vocab_size,
 )
+from modelpool.registry.loaders.penalties import check_logit_bias
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -41,6 +43,7 @@ class VisionLM:
         self.context = context  # prompt (image tokens too) and output tokens together
         self.eos_ids = (eos_ids_of(model, self.tokenizer)
                         | _config_eos(model.config.get_text_config()))
+        self.vocab = vocab_size(model)
 
     def info(self) -> dict[str, Any]:
         vision = getattr(self.model.config, "vision_config", None)
@@ -69,6 +72,7 @@ class VisionLM:
     def _checked_inputs(self, image: Image.Image, request: Describe
                         ) -> tuple[dict[str, torch.Tensor], int, int]:
         """The model's inputs, the prompt's length and how many tokens may follow it."""
+        check_logit_bias(request.sampling, self.vocab, self.key)
         inputs = self.prompt_inputs(image, request.prompt)
         n_prompt = int(inputs["input_ids"].shape[1])  # image tokens included: they use context
         if n_prompt >= self.context:

@@ -13,10 +13,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from modelpool.protocol.client import AsyncClient
-from modelpool.protocol.client_core import ImageChunk, TextResult
+from modelpool.protocol.client_core import ImageChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.kinds import BY_OP
-from modelpool.supervisor.httpapi import bodies, replies
+from modelpool.supervisor.httpapi import bodies, choices, replies
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
 from modelpool.supervisor.httpapi.jobs_api import JobsApi
 from modelpool.supervisor.httpapi.link import DaemonLink
@@ -124,21 +124,19 @@ class Api:
                     chat: bool) -> Response:
         kwargs = with_header_options(request, call.kwargs, self.settings)
         client = await self.client(request)
-        stream = getattr(client, call.op)(*call.args, **kwargs)
-        # The first chunk before the answer's status: an unknown model is a 404, not an
+        streams = [getattr(client, call.op)(*call.args, **choice)
+                   for choice in bodies.choice_kwargs(kwargs, body.n)]
+        # The first chunks before the answer's status: an unknown model is a 404, not an
         # error event inside a 200 stream.
-        try:
-            first = await unless_disconnected(request.scope, anext(stream))
-        except BaseException:
-            await stream.aclose()
-            raise
+        firsts = await unless_disconnected(request.scope, choices.firsts(streams))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         shape = replies.StreamShape(chat, model_name(body.model, self.settings, call.op),
-                                    include_usage)
+                                    include_usage, body.n)
         if body.stream:
-            return EventStream(_events(shape, first, stream))
-        text = await unless_disconnected(request.scope, _gather(first, stream, shape.model))
-        return json_response(replies.completion(text, chat, shape.model))
+            return EventStream(_events(shape, choices.chunks(firsts, streams)))
+        texts = await unless_disconnected(request.scope,
+                                          choices.gather_all(firsts, streams, shape.model))
+        return json_response(replies.completion(texts, chat, shape.model))
 
     async def images(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImagesBody)
@@ -195,28 +193,17 @@ def model_name(asked: str, settings: HttpSettings, op: str) -> str:
     return asked or settings.default_models.get(BY_OP[op].served_by[0], "")
 
 
-async def _events(shape: replies.StreamShape, first: Any,
-                  stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    async with contextlib.aclosing(stream):  # type: ignore[type-var]
-        yield shape.event(first)
+async def _events(shape: replies.StreamShape,
+                  chunks: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         try:
-            async for chunk in stream:
-                yield shape.event(chunk)
+            async for index, chunk in chunks:
+                yield shape.event(chunk, index)
         except PoolError as exc:  # mid-stream: the status is sent; say it in the stream
             status, body, _ = replies.pool_error(exc)
             yield b"data: " + body + b"\n\n"
             log.info("stream ended by %s (%d)", exc.code.value, status)
         yield replies.SSE_DONE
-
-
-async def _gather(first: Any, stream: AsyncIterator[Any], model: str) -> TextResult:
-    parts, last = [first.text], first
-    async with contextlib.aclosing(stream):  # type: ignore[type-var]
-        async for chunk in stream:
-            parts.append(chunk.text)
-            last = chunk
-    return TextResult("".join(parts), last.finish_reason or "stop", last.prompt_tokens or 0,
-                      last.completion_tokens or 0, model)
 
 
 def _card(model: dict[str, Any]) -> dict[str, Any]:

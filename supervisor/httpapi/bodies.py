@@ -22,6 +22,7 @@ from modelpool.protocol.fields import (
     IMAGE_SIDE_STEP,
     MAX_TOKENS,
     TOP_K_MAX,
+    LogitBias,
     Penalty,
     Priority,
     RepetitionPenalty,
@@ -35,6 +36,10 @@ Texts = Annotated[list[str], msgspec.Meta(min_length=1)]
 ImageUrlText = Annotated[str, msgspec.Meta(pattern="^(data:|https?://)")]
 Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # an int64
+# n: each choice is a stream of its own, run like that many requests; a bound keeps one
+# body from holding more of a model's sequences than a few requests would
+MAX_CHOICES = 16
+Choices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
 # Each refused field: the values that ask for nothing, and why any other is refused.
 Refused = dict[str, tuple[tuple[Any, ...], str]]
 NO_TOOLS = "not supported: no model here is given tools or calls them"
@@ -107,7 +112,7 @@ class Sampling(Options, kw_only=True):
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # extension, vLLM's
     stop: str | Stops | None = None
     seed: Seed | None = None
-    n: int = 1
+    n: Choices = 1  # seeded: choice i takes seed + i
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
@@ -115,13 +120,11 @@ class Sampling(Options, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's
-    logit_bias: Annotated[dict[str, float] | None, refused_note("no biases")] = None
+    logit_bias: LogitBias | None = None  # token ids as strings, as JSON keys are
     user: str | None = None
     refused: ClassVar[Refused] = {
-        "n": ((1,), "only n = 1 is supported; send several requests"),
         "logprobs": ((None, False), "not supported"),
         "top_logprobs": ((None, 0), "not supported"),
-        "logit_bias": ((None, {}), "not supported"),
     }
 
 
@@ -266,8 +269,17 @@ def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
             "top_k": None if body.top_k is None else max(body.top_k, 0), "min_p": body.min_p,
             "presence_penalty": body.presence_penalty,
             "frequency_penalty": body.frequency_penalty,
-            "repetition_penalty": body.repetition_penalty, "seed": body.seed,
+            "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
+            "seed": body.seed,
             "stop": stop, **options(body)}
+
+
+def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The calls' arguments for n choices: a seeded one's i-th takes seed + i, so that
+    they differ as a sampled request's do and each can be asked for again alone."""
+    seed = kwargs.get("seed")
+    return [kwargs if seed is None or i == 0 else {**kwargs, "seed": seed + i}
+            for i in range(n)]
 
 
 def chat_call(body: ChatBody) -> PoolCall:

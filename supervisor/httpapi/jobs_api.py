@@ -45,7 +45,7 @@ class JobsApi:
         job = await self.api.body(request, bodies.JobBody)
         kind, make_call = OPERATIONS[job.operation]
         try:
-            body = msgspec.convert(job.body, type=kind)
+            body = msgspec.convert(job.body, type=kind, str_keys=True)  # JSON keys
         except msgspec.ValidationError as exc:
             raise HttpError(400, f"body: {exc}", "invalid_request", "body") from None
         if getattr(body, "stream", False):

@@ -109,17 +109,22 @@ def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str,
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion(text: TextResult, chat: bool, model: str) -> dict[str, Any]:
-    """A whole generation as chat.completion or text_completion."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(text.finish_reason)}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text.text}
-    else:
-        choice.update(text=text.text, logprobs=None)
+def completion(texts: list[TextResult], chat: bool, model: str) -> dict[str, Any]:
+    """Whole generations, one a choice, as chat.completion or text_completion; the prompt
+    counted once, as OpenAI does."""
+    choices = []
+    for index, text in enumerate(texts):
+        choice: dict[str, Any] = {"index": index, "finish_reason": _finish(text.finish_reason)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text.text}
+        else:
+            choice.update(text=text.text, logprobs=None)
+        choices.append(choice)
     return {"id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": text.model or model, "choices": [choice],
-            "usage": usage(text.prompt_tokens, text.completion_tokens)}
+            "created": int(time.time()), "model": texts[0].model or model,
+            "choices": choices, "usage": usage(texts[0].prompt_tokens,
+                                               sum(t.completion_tokens for t in texts))}
 
 
 def _finish(reason: str | None) -> str | None:
@@ -128,28 +133,32 @@ def _finish(reason: str | None) -> str | None:
 
 
 class StreamShape:
-    """The chunks of one streamed completion, as server-sent events."""
+    """The chunks of one streamed completion's choices, as server-sent events; with
+    include_usage, the usage of them all once the last has ended."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, choices: int = 1) -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
-        self.first = True
+        self.started: set[int] = set()  # choices that have sent their first chunk
+        self.running = choices
+        self.prompt_tokens = self.completion_tokens = 0
 
-    def event(self, chunk: TextChunk) -> bytes:
-        delta: dict[str, Any] = {}
+    def event(self, chunk: TextChunk, index: int = 0) -> bytes:
+        choice: dict[str, Any] = {"index": index, "finish_reason": _finish(chunk.finish_reason)}
         if self.chat:
-            delta = {"role": "assistant", "content": chunk.text} if self.first else {
-                "content": chunk.text}
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(chunk.finish_reason)}
-        if self.chat:
-            choice["delta"] = delta
+            choice["delta"] = {"content": chunk.text} if index in self.started else {
+                "role": "assistant", "content": chunk.text}
         else:
             choice.update(text=chunk.text, logprobs=None)
-        self.first = False
+        self.started.add(index)
         out = sse(self._wrap([choice], None))
-        if chunk.finish_reason is not None and self.include_usage:
-            out += sse(self._wrap([], usage(chunk.prompt_tokens, chunk.completion_tokens)))
+        if chunk.finish_reason is not None:
+            self.running -= 1
+            self.prompt_tokens = chunk.prompt_tokens or 0
+            self.completion_tokens += chunk.completion_tokens or 0
+            if self.running == 0 and self.include_usage:
+                out += sse(self._wrap([], usage(self.prompt_tokens, self.completion_tokens)))
         return out
 
     def _wrap(self, choices: list[dict[str, Any]], use: dict[str, int] | None) -> dict[str, Any]:

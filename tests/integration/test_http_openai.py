@@ -117,6 +117,51 @@ def test_penalties_through_the_sdk_equal_the_socket_clients(
         sdk.chat.completions.create(model="tiny-llm", messages=messages, presence_penalty=3)
 
 
+def test_n_choices_whole_and_streamed_are_the_seeded_requests_alone(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """Choice i of a seeded request is the same request alone with seed + i; the prompt
+    is counted once, the completions of them all."""
+    messages = [{"role": "user", "content": "tell me about workers"}]
+    kw: dict[str, Any] = {"max_tokens": 10, "temperature": 1.0}
+    with served[0].client() as c:
+        alone = [list(c.generate(messages, model="tiny-llm", seed=40 + i, **kw))
+                 for i in range(3)]
+    whole = sdk.chat.completions.create(model="tiny-llm", messages=messages, n=3, seed=40,
+                                        **kw)
+    assert [ch.index for ch in whole.choices] == [0, 1, 2]
+    texts = ["".join(c.text for c in chunks) for chunks in alone]
+    assert [ch.message.content for ch in whole.choices] == texts
+    assert len(set(texts)) > 1  # sampled with different seeds
+    assert whole.usage.prompt_tokens == alone[0][-1].prompt_tokens
+    assert whole.usage.completion_tokens == sum(a[-1].completion_tokens for a in alone)
+    stream = sdk.chat.completions.create(model="tiny-llm", messages=messages, n=3, seed=40,
+                                         stream=True, stream_options={"include_usage": True},
+                                         **kw)
+    streamed, usages = ["", "", ""], []
+    for part in stream:
+        for choice in part.choices:
+            streamed[choice.index] += choice.delta.content or ""
+        usages += [part.usage] if part.usage else []
+    assert streamed == texts
+    assert [u.completion_tokens for u in usages] == [whole.usage.completion_tokens]
+
+
+def test_a_logit_bias_through_the_sdk_steers_as_the_socket_clients_does(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    prompt = "tell me about workers"
+    with served[0].client() as c:
+        texts = ["".join(ch.text for ch in c.generate(
+            prompt, model="tiny-llm", max_tokens=8, temperature=0, raw=True, **bias))
+            for bias in ({}, {"logit_bias": {100: 100.0}})]
+    assert texts[1] != texts[0]
+    biased = sdk.completions.create(model="tiny-llm", prompt=prompt, max_tokens=8,
+                                    temperature=0, logit_bias={"100": 100})
+    assert biased.choices[0].text == texts[1]
+    with pytest.raises(openai.BadRequestError, match="logit_bias names token 99999999"):
+        sdk.completions.create(model="tiny-llm", prompt=prompt, max_tokens=8,
+                               logit_bias={"99999999": 1})
+
+
 def test_async_sdk_streams_chunk_by_chunk(served: tuple[Daemon, str]) -> None:
     async def run() -> tuple[list[str], list[float]]:
         sdk = openai.AsyncOpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0)
@@ -198,11 +243,11 @@ def test_errors_map_to_the_sdks_exceptions(served: tuple[Daemon, str],
     with pytest.raises(openai.NotFoundError, match="nope"):
         sdk.embeddings.create(model="nope", input="x")
     with pytest.raises(openai.BadRequestError) as bad:
-        sdk.chat.completions.create(model="tiny-llm", n=2,
+        sdk.chat.completions.create(model="tiny-llm", n=17,
                                     messages=[{"role": "user", "content": "hi"}])
     assert bad.value.body["param"] == "n"
     for refused in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                    {"response_format": {"type": "json_object"}}, {"logit_bias": {"1": 5}}):
+                    {"response_format": {"type": "json_object"}}, {"logprobs": True}):
         with pytest.raises(openai.BadRequestError) as dropped:
             sdk.chat.completions.create(model="tiny-llm", **refused,  # type: ignore[call-overload]
                                         messages=[{"role": "user", "content": "hi"}])

@@ -60,6 +60,22 @@ def test_a_job_outlives_its_connection(served: tuple[Daemon, str]) -> None:
     assert missing.status_code == 404
 
 
+def test_a_jobs_body_takes_a_logit_bias_keyed_by_strings_as_the_endpoint_does(
+        served: tuple[Daemon, str]) -> None:
+    created = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
+        "operation": "completions", "body": {"model": "tiny-llm", "prompt": "x",
+                                             "max_tokens": 4, "temperature": 0,
+                                             "logit_bias": {"100": 100}}})
+    assert created.status_code == 202, created.text
+    key = created.json()["id"]
+    shown = httpx.get(f"{served[1]}/v1/jobs/{key}?wait=30", headers=AUTH, timeout=60).json()
+    with served[0].client() as c:
+        expected = "".join(ch.text for ch in c.generate(
+            "x", model="tiny-llm", max_tokens=4, temperature=0, raw=True,
+            logit_bias={100: 100.0}))
+    assert shown["status"] == "done" and shown["result"]["text"] == expected
+
+
 def test_a_job_cancelled_over_http(served: tuple[Daemon, str]) -> None:
     key = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
         "operation": "completions", "body": {"model": "counter", "prompt": "x",

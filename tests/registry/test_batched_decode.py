@@ -126,15 +126,16 @@ def test_penalties_apply_batched_as_one_at_a_time(llm: CausalLM) -> None:
     """Greedy and sampled sequences with penalties beside ones without: each as alone,
     and greedy with a penalty is not plain greedy."""
     penalties = [{"repetition_penalty": 2.0}, {"frequency_penalty": 1.0},
-                 {"presence_penalty": 1.5, "temperature": 0.9, "seed": 3}, {}]
+                 {"presence_penalty": 1.5, "temperature": 0.9, "seed": 3},
+                 {"logit_bias": {100: 50.0, 409: -100.0}}, {}]
     requests = [_request(i, max_tokens=30, ignore_eos=True, **fields)
                 for i in range(2) for fields in penalties]
     decoder = llm.decoder()
     assert decoder is not None
     together, _ = _run(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(requests)]})
     assert together == {i: _alone(llm, r) for i, r in enumerate(requests)}
-    for i in (0, 1, 4, 5):
-        assert together[i][0] != together[4 * (i // 4) + 3][0]
+    for i in (0, 1, 3, 5, 6, 8):
+        assert together[i][0] != together[5 * (i // 5) + 4][0]
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(

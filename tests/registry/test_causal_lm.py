@@ -128,6 +128,20 @@ def test_penalties_steer_decoding_as_written_out_token_by_token(
     assert text == llm.tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_a_logit_bias_steers_decoding_and_one_the_model_lacks_is_refused(
+        llm: CausalLM) -> None:
+    common = {"prompt": PROMPT, "raw": True, "max_tokens": 8, "ignore_eos": True}
+    plain = _text(llm, temperature=0.0, **common)
+    forced = llm.tokenizer.decode([100] * 8, skip_special_tokens=True)
+    assert plain != forced
+    assert _text(llm, temperature=0.0, logit_bias={100: 100}, **common) == forced
+    assert _text(llm, temperature=1.0, seed=2, logit_bias={100: 100}, **common) == forced
+    assert llm.vocab == llm.model.config.vocab_size
+    with pytest.raises(PoolError) as err:
+        _text(llm, logit_bias={llm.vocab: 1.0}, **common)
+    assert err.value.code is ErrorCode.BAD_REQUEST and "logit_bias" in err.value.message
+
+
 def test_ignore_eos_runs_to_max_tokens(llm: CausalLM) -> None:
     pieces, stats = _generate(llm, prompt=PROMPT, raw=True, temperature=1.0, seed=11,
                               max_tokens=12, ignore_eos=True)

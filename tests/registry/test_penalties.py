@@ -1,17 +1,18 @@
-"""Penalties on a sequence's tokens so far, on hand-made logits."""
+"""Biases and penalties on a sequence's logits, on hand-made ones."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Sampling
-from modelpool.registry.loaders.penalties import Penalties
+from modelpool.registry.loaders.penalties import Penalties, check_logit_bias
 
 PROMPT = torch.tensor([[1, 1, 3]])  # the (1, n) input_ids a sequence starts from
 
 
-def _penalties(**fields: float) -> Penalties:
+def _penalties(**fields: object) -> Penalties:
     made = Penalties.of(Sampling(**fields), PROMPT)  # type: ignore[arg-type]
     assert made is not None
     return made
@@ -63,3 +64,24 @@ def test_ids_outside_the_vocabulary_are_not_counted() -> None:
     assert penalties.apply(torch.ones(2)).tolist() == [0.5, 1.0]
     penalties.add(5)
     assert penalties.apply(torch.ones(2)).tolist() == [0.5, 1.0]
+
+
+def test_a_logit_bias_is_added_to_its_tokens_before_the_penalties() -> None:
+    penalties = _penalties(logit_bias={0: 4.0, 2: -100.0}, repetition_penalty=2.0)
+    # token 1 is in the prompt: halved; token 0 biased to 5, not in the prompt
+    assert penalties.apply(torch.tensor([1.0, 2.0, 1.0])).tolist() == [5.0, 1.0, -99.0]
+    penalties.add(0)  # (1 + 4) / 2, not 1 / 2 + 4
+    assert penalties.apply(torch.tensor([1.0, 2.0, 1.0])).tolist() == [2.5, 1.0, -99.0]
+
+
+def test_a_logit_bias_alone_is_a_penalty_and_an_empty_one_is_none() -> None:
+    assert Penalties.of(Sampling(logit_bias={}), PROMPT) is None
+    assert Penalties.of(Sampling(logit_bias={3: 1.0}), PROMPT) is not None
+
+
+def test_a_logit_bias_for_a_token_the_model_lacks_is_refused() -> None:
+    check_logit_bias(Sampling(logit_bias={9: 1.0}), 10, "m")
+    check_logit_bias(Sampling(logit_bias={10: 1.0}), None, "m")  # a model that does not say
+    with pytest.raises(PoolError, match="logit_bias names token 10; model 'm' has 10") as err:
+        check_logit_bias(Sampling(logit_bias={3: 1.0, 10: 1.0}), 10, "m")
+    assert err.value.code is ErrorCode.BAD_REQUEST

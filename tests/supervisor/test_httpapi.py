@@ -28,7 +28,7 @@ from modelpool.supervisor.metrics import Histogram, ModelMetrics
 
 
 def body(kind: type, **fields: object) -> object:
-    return msgspec.convert(fields, type=kind)
+    return msgspec.convert(fields, type=kind, str_keys=True)  # as JSON gives them
 
 
 def test_embeddings_take_one_text_or_many_and_refuse_tokens() -> None:
@@ -63,8 +63,9 @@ def test_an_image_is_never_a_local_file(url: str) -> None:
 
 
 def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
-    with pytest.raises(PoolError, match=r"^BAD_REQUEST: n:"):
-        bodies.chat_call(body(bodies.ChatBody, n=2, messages=[{"role": "user", "content": "x"}]))
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: logprobs:"):
+        bodies.chat_call(body(bodies.ChatBody, logprobs=True,
+                              messages=[{"role": "user", "content": "x"}]))
     with pytest.raises(PoolError, match="response_format"):
         bodies.images_call(body(bodies.ImagesBody, prompt="x", response_format="url"))
     with pytest.raises(PoolError, match="size"):
@@ -75,7 +76,7 @@ def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
 
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
-SAMPLING = {"n": 2, "logprobs": True, "top_logprobs": 3, "logit_bias": {"50256": -100}}
+SAMPLING = {"logprobs": True, "top_logprobs": 3}
 ASKING = [  # a body, then each field with a value that asks for what no model here does
     (bodies.ChatBody, CHAT, {
         **SAMPLING, "tools": [{"type": "function", "function": {"name": "f"}}],
@@ -139,15 +140,20 @@ def test_vllms_top_k_and_min_p_reach_the_sampler() -> None:
         body(bodies.ChatBody, **CHAT, min_p=1.5)
 
 
-def test_penalties_reach_the_sampler_within_their_bounds() -> None:
-    penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+def test_penalties_and_biases_reach_the_sampler_within_their_bounds() -> None:
+    penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
     chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, presence_penalty=0.5,
-                                 frequency_penalty=-1.0, repetition_penalty=1.1))
-    assert [chat.kwargs[name] for name in penalties] == [0.5, -1.0, 1.1]
+                                 frequency_penalty=-1.0, repetition_penalty=1.1,
+                                 logit_bias={"50256": -100, "7": 2.5}))
+    assert [chat.kwargs[name] for name in penalties] == [0.5, -1.0, 1.1,
+                                                         {50256: -100.0, 7: 2.5}]
     unset = bodies.completion_call(body(bodies.CompletionBody, prompt="p"))
-    assert [unset.kwargs[name] for name in penalties] == [None] * 3  # the defaults
+    assert [unset.kwargs[name] for name in penalties] == [None] * 4  # the defaults
     for name, out_of_range in (("presence_penalty", 2.5), ("frequency_penalty", -3),
-                               ("repetition_penalty", 0), ("repetition_penalty", 5e-324)):
+                               ("repetition_penalty", 0), ("repetition_penalty", 5e-324),
+                               ("logit_bias", {"7": 101}), ("logit_bias", {"x": 1}),
+                               ("logit_bias", {"-1": 1}),
+                               ("logit_bias", {str(i): 1 for i in range(1025)})):
         with pytest.raises(msgspec.ValidationError, match=name):
             body(bodies.ChatBody, **CHAT, **{name: out_of_range})
 
