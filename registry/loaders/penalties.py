@@ -1,7 +1,7 @@
 """What a sequence asks to be done to its logits before sampling, in vLLM's order: OpenAI's
 logit_bias, then the repetition penalty (vLLM's and transformers') on the tokens of its
 prompt and output, then OpenAI's frequency and presence penalties on its output; all
-taken off the raw logits, before temperature and the cuts. A sequence that asks for none
+on the raw logits, before temperature and the cuts. A sequence that asks for none
 has no Penalties and pays nothing."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Penalties:
         self.seen[ids[(ids >= 0) & (ids < vocab)]] = True
         self.biases = torch.zeros(vocab)
         for token, bias in self.bias.items():
-            if token < vocab:  # check_logit_bias refused the others at admission
+            if token < vocab:  # check_logit_bias refused the others when it was prepared
                 self.biases[token] = bias
 
     def add(self, token: int) -> None:
