@@ -35,3 +35,5 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOP_K_MAX)]
 LogitBias = Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100, le=100)]],
                       msgspec.Meta(max_length=1024)]
+# vLLM's: tokens that end a sequence as its end-of-sequence does, not output
+StopTokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=64)]

@@ -27,6 +27,7 @@ from modelpool.protocol.fields import (
     RepetitionPenalty,
     Steps,
     Stops,
+    StopTokenIds,
     TopK,
 )
 from modelpool.protocol.status import PoolStatus
@@ -81,6 +82,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     logit_bias: LogitBias | None = None  # added to those tokens' logits, first
     seed: int | None = None  # None: a random seed per request
     stop: Stops = []  # cut from the output
+    stop_token_ids: StopTokenIds = []  # end it as end-of-sequence does, ignore_eos or not
     ignore_eos: bool = False
 
 

@@ -5,8 +5,9 @@ A new sequence is prefilled (short text prompts several in one padded pass, a lo
 chunks, so that a pass costs about a few decode steps and stalls the others no longer), then
 its KV cache joins the running batch, left-padded to the batch's length; a sequence that
 ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
-(temperature, top_p, top_k, min_p, biases and penalties, seed, ignore_eos), with the
-same `next_token` and detokenizer as the one-at-a-time loop in causal_lm.py.
+(temperature, top_p, top_k, min_p, biases and penalties, seed, stop tokens,
+ignore_eos), with the same `next_token` and detokenizer as the one-at-a-time loop in
+causal_lm.py.
 
 It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
 sliding window or recurrent state) and whose positions are one index per token, taken
@@ -334,9 +335,11 @@ class ContinuousDecoder:
         return events
 
     def _take(self, seq: _Seq, token: int) -> Emitted:
+        from modelpool.registry.loaders.causal_lm import ends
+
         stats = seq.stats
         stats.prompt_tokens = seq.prepared.prompt_tokens
-        if token in self.eos_ids and not seq.prepared.sampling.ignore_eos:
+        if ends(token, seq.prepared.sampling, self.eos_ids):
             stats.finish_reason = "stop"
             return Emitted(seq.seq_id, seq.detok.flush(), stats)
         stats.completion_tokens += 1

@@ -121,7 +121,7 @@ def decode(model: Any, first_inputs: dict[str, Any],
         out = model(**step_inputs, **{cache_keyword: past}, use_cache=True)
         past = kv_cache_of(out)
         token = next_token(out.logits[0, -1].float().cpu(), sampling, generator, penalties)
-        if token in eos_ids and not sampling.ignore_eos:
+        if ends(token, sampling, eos_ids):
             stats.finish_reason = "stop"
             break
         stats.completion_tokens += 1
@@ -164,6 +164,12 @@ class IncrementalDecoder:
 
 
 GREEDY_BELOW = 1e-5
+
+
+def ends(token: int, sampling: Sampling, eos_ids: set[int]) -> bool:
+    """Whether the token ends its sequence (and is not output): end-of-sequence unless
+    the request ignores it, or one of the request's stop_token_ids."""
+    return (token in eos_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator,

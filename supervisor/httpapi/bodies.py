@@ -28,6 +28,7 @@ from modelpool.protocol.fields import (
     RepetitionPenalty,
     Steps,
     Stops,
+    StopTokenIds,
 )
 from modelpool.protocol.messages import ImageInput
 
@@ -111,6 +112,7 @@ class Sampling(Options, kw_only=True):
     top_k: Annotated[int, msgspec.Meta(ge=-1, le=TOP_K_MAX)] | None = None  # vLLM's; -1, 0: all
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # extension, vLLM's
     stop: str | Stops | None = None
+    stop_token_ids: StopTokenIds | None = None  # extension, vLLM's
     seed: Seed | None = None
     n: Choices = 1  # seeded: choice i takes seed + i
     stream: bool = False
@@ -270,8 +272,8 @@ def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
             "presence_penalty": body.presence_penalty,
             "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
-            "seed": body.seed,
-            "stop": stop, **options(body)}
+            "seed": body.seed, "stop": stop, "stop_token_ids": body.stop_token_ids,
+            **options(body)}
 
 
 def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:

@@ -146,6 +146,19 @@ def test_n_choices_whole_and_streamed_are_the_seeded_requests_alone(
     assert [u.completion_tokens for u in usages] == [whole.usage.completion_tokens]
 
 
+def test_vllms_stop_token_ids_through_the_sdk_end_the_completion(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """A bias makes token 100 every token; as a stop token it ends the completion at
+    once, unseen."""
+    kw: dict[str, Any] = {"model": "tiny-llm", "prompt": "tell me about workers",
+                          "max_tokens": 12, "temperature": 0, "logit_bias": {"100": 100}}
+    forced = sdk.completions.create(**kw)
+    assert forced.choices[0].finish_reason == "length" and forced.choices[0].text
+    stopped = sdk.completions.create(**kw, extra_body={"stop_token_ids": [7, 100]})
+    assert (stopped.choices[0].finish_reason, stopped.choices[0].text) == ("stop", "")
+    assert stopped.usage.completion_tokens == 0
+
+
 def test_a_logit_bias_through_the_sdk_steers_as_the_socket_clients_does(
         served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
     prompt = "tell me about workers"

@@ -138,6 +138,21 @@ def test_penalties_apply_batched_as_one_at_a_time(llm: CausalLM) -> None:
         assert together[i][0] != together[5 * (i // 5) + 4][0]
 
 
+def test_stop_tokens_end_batched_sequences_as_they_end_alone(llm: CausalLM) -> None:
+    """Each greedy sequence's stop token is the one it outputs fourth: it ends by its
+    fourth token (sooner if that token came before), beside one that has none."""
+    plain = [_request(i, max_tokens=30, ignore_eos=True) for i in range(4)]
+    requests = [_request(i, max_tokens=30, ignore_eos=True,
+                         stop_token_ids=[_greedy_token(llm, plain[i], 3)]) for i in range(3)]
+    requests.append(plain[3])
+    decoder = llm.decoder()
+    assert decoder is not None
+    together, _ = _run(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(requests)]})
+    assert together == {i: _alone(llm, r) for i, r in enumerate(requests)}
+    assert [(o[1], o[3] <= 3) for o in together.values()] == [("stop", True)] * 3 + [
+        ("length", False)]
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(
         llm: CausalLM) -> None:
     long = kinds.build("generate", "tiny model " * 400, max_tokens=12, temperature=0,

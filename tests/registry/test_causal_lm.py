@@ -128,6 +128,17 @@ def test_penalties_steer_decoding_as_written_out_token_by_token(
     assert text == llm.tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_a_stop_token_ends_the_sequence_unseen_even_when_eos_is_ignored(
+        llm: CausalLM) -> None:
+    ids = llm.prompt_ids(Generate(id=1, prompt=PROMPT, raw=True))
+    expected = _decode_without_cache(llm, ids, 16, temperature=1.0, seed=5)
+    at = next(i for i in range(2, 16) if expected[i] not in expected[:i])
+    pieces, stats = _generate(llm, prompt=PROMPT, raw=True, temperature=1.0, seed=5,
+                              max_tokens=16, ignore_eos=True, stop_token_ids=[expected[at]])
+    assert "".join(pieces) == llm.tokenizer.decode(expected[:at], skip_special_tokens=True)
+    assert (stats.finish_reason, stats.completion_tokens) == ("stop", at)
+
+
 def test_a_logit_bias_steers_decoding_and_one_the_model_lacks_is_refused(
         llm: CausalLM) -> None:
     common = {"prompt": PROMPT, "raw": True, "max_tokens": 8, "ignore_eos": True}

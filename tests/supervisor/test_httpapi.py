@@ -140,6 +140,15 @@ def test_vllms_top_k_and_min_p_reach_the_sampler() -> None:
         body(bodies.ChatBody, **CHAT, min_p=1.5)
 
 
+def test_vllms_stop_token_ids_reach_the_sampler() -> None:
+    chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, stop_token_ids=[2, 128009]))
+    assert chat.kwargs["stop_token_ids"] == [2, 128009]
+    assert bodies.chat_call(body(bodies.ChatBody, **CHAT)).kwargs["stop_token_ids"] is None
+    for wrong in ([-1], list(range(65))):
+        with pytest.raises(msgspec.ValidationError, match="stop_token_ids"):
+            body(bodies.ChatBody, **CHAT, stop_token_ids=wrong)
+
+
 def test_penalties_and_biases_reach_the_sampler_within_their_bounds() -> None:
     penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
     chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, presence_penalty=0.5,
