@@ -83,6 +83,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     seed: int | None = None  # None: a random seed per request
     stop: Stops = []  # cut from the output
     stop_token_ids: StopTokenIds = []  # end it as end-of-sequence does, ignore_eos or not
+    # nothing ends it before this many tokens: eos and stop tokens are not sampled, stop
+    # strings not looked for
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
     ignore_eos: bool = False
 
 

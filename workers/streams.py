@@ -159,7 +159,8 @@ class StreamLoop:
                 self.freed += 1
                 continue
             self.decoder.add(item.job_id, prepared)
-            self.streams[item.job_id] = _Stream(StopMatcher(item.request.sampling.stop))
+            sampling = item.request.sampling
+            self.streams[item.job_id] = _Stream(StopMatcher(sampling.stop, sampling.min_tokens))
         self.worker.image_bytes = {}
 
     def _step(self) -> None:

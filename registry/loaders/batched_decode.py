@@ -187,7 +187,7 @@ class ContinuousDecoder:
         self.waiting.append(_Seq(
             seq_id, prepared, torch.Generator().manual_seed(seed),
             IncrementalDecoder(self.tokenizer),
-            penalties=Penalties.of(sampling, prepared.inputs["input_ids"])))
+            penalties=Penalties.of(sampling, prepared.inputs["input_ids"], self.eos_ids)))
 
     def drop(self, seq_id: int) -> GenerationStats | None:
         """It leaves now (aborted, or a stop string ended it): its stats so far, or None

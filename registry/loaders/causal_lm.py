@@ -112,7 +112,7 @@ def decode(model: Any, first_inputs: dict[str, Any],
     one only the new token. Yields one text piece per token (maybe "")."""
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
     generator = torch.Generator().manual_seed(seed)
-    penalties = Penalties.of(sampling, first_inputs["input_ids"])
+    penalties = Penalties.of(sampling, first_inputs["input_ids"], eos_ids)
     detok = IncrementalDecoder(tokenizer)
     step_inputs, past = first_inputs, None
     cache_keyword = kv_cache_keyword(model)

@@ -1,8 +1,9 @@
 """What a sequence asks to be done to its logits before sampling, in vLLM's order: OpenAI's
 logit_bias, then the repetition penalty (vLLM's and transformers') on the tokens of its
 prompt and output, then OpenAI's frequency and presence penalties on its output; all
-on the raw logits, before temperature and the cuts. A sequence that asks for none
-has no Penalties and pays nothing."""
+on the raw logits, before temperature and the cuts. Until it has min_tokens, the tokens
+that would end it are left out. A sequence that asks for none of these has no Penalties
+and pays nothing."""
 
 from __future__ import annotations
 
@@ -17,25 +18,33 @@ class Penalties:
     how often each was output, and which appeared at all (prompt included)."""
 
     def __init__(self, prompt_ids: torch.Tensor, presence: float, frequency: float,
-                 repetition: float, bias: dict[int, float] | None = None) -> None:
+                 repetition: float, bias: dict[int, float] | None = None,
+                 ends: set[int] | None = None, min_tokens: int = 0) -> None:
         self.presence, self.frequency, self.repetition = presence, frequency, repetition
         self.bias = bias or {}
+        self.ends = sorted(ends or ())  # left out until min_tokens are output
+        self.min_tokens, self.output = min_tokens, 0
         self.prompt_ids = prompt_ids.flatten().cpu()
         # Made at the first step, once the logits tell the vocabulary's size.
         self.counts = torch.zeros(0)  # output tokens, by id
         self.seen = torch.zeros(0, dtype=torch.bool)  # in the prompt or the output
         self.biases = torch.zeros(0)  # by id
+        self.ending = torch.zeros(0, dtype=torch.long)  # ends' ids within the vocabulary
 
     @classmethod
-    def of(cls, sampling: Sampling, prompt_ids: torch.Tensor) -> Penalties | None:
+    def of(cls, sampling: Sampling, prompt_ids: torch.Tensor,
+           eos_ids: set[int]) -> Penalties | None:
         """The sequence's penalties, or None when it asks for none."""
         presence = sampling.presence_penalty or 0.0
         frequency = sampling.frequency_penalty or 0.0
         repetition = sampling.repetition_penalty or 1.0
+        ends = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_ids)
+        min_tokens = sampling.min_tokens if ends else 0
         if (presence == 0.0 and frequency == 0.0 and repetition == 1.0
-                and not sampling.logit_bias):
+                and not sampling.logit_bias and not min_tokens):
             return None
-        return cls(prompt_ids, presence, frequency, repetition, sampling.logit_bias)
+        return cls(prompt_ids, presence, frequency, repetition, sampling.logit_bias, ends,
+                   min_tokens)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The sequence's next-token logits (one row, float32) with its biases added and
@@ -51,6 +60,8 @@ class Penalties:
             logits = logits - self.frequency * self.counts
         if self.presence:
             logits = logits - self.presence * (self.counts > 0)
+        if self.output < self.min_tokens:
+            logits = logits.index_fill(0, self.ending, float("-inf"))
         return logits
 
     def _start(self, vocab: int) -> None:
@@ -62,9 +73,11 @@ class Penalties:
         for token, bias in self.bias.items():
             if token < vocab:  # check_logit_bias refused the others when it was prepared
                 self.biases[token] = bias
+        self.ending = torch.tensor([t for t in self.ends if t < vocab], dtype=torch.long)
 
     def add(self, token: int) -> None:
         """The sequence output this token."""
+        self.output += 1
         if 0 <= token < self.counts.numel():
             self.counts[token] += 1
             self.seen[token] = True

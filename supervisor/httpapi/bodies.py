@@ -113,6 +113,7 @@ class Sampling(Options, kw_only=True):
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # extension, vLLM's
     stop: str | Stops | None = None
     stop_token_ids: StopTokenIds | None = None  # extension, vLLM's
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0  # extension, vLLM's
     seed: Seed | None = None
     n: Choices = 1  # seeded: choice i takes seed + i
     stream: bool = False
@@ -273,7 +274,7 @@ def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
             "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
             "seed": body.seed, "stop": stop, "stop_token_ids": body.stop_token_ids,
-            **options(body)}
+            "min_tokens": body.min_tokens, **options(body)}
 
 
 def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:

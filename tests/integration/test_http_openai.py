@@ -146,10 +146,10 @@ def test_n_choices_whole_and_streamed_are_the_seeded_requests_alone(
     assert [u.completion_tokens for u in usages] == [whole.usage.completion_tokens]
 
 
-def test_vllms_stop_token_ids_through_the_sdk_end_the_completion(
+def test_vllms_stop_token_ids_and_min_tokens_through_the_sdk(
         served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
     """A bias makes token 100 every token; as a stop token it ends the completion at
-    once, unseen."""
+    once, unseen, or once min_tokens are out."""
     kw: dict[str, Any] = {"model": "tiny-llm", "prompt": "tell me about workers",
                           "max_tokens": 12, "temperature": 0, "logit_bias": {"100": 100}}
     forced = sdk.completions.create(**kw)
@@ -157,6 +157,8 @@ def test_vllms_stop_token_ids_through_the_sdk_end_the_completion(
     stopped = sdk.completions.create(**kw, extra_body={"stop_token_ids": [7, 100]})
     assert (stopped.choices[0].finish_reason, stopped.choices[0].text) == ("stop", "")
     assert stopped.usage.completion_tokens == 0
+    held = sdk.completions.create(**kw, extra_body={"stop_token_ids": [100], "min_tokens": 4})
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
 
 
 def test_a_logit_bias_through_the_sdk_steers_as_the_socket_clients_does(

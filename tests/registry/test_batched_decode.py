@@ -145,12 +145,16 @@ def test_stop_tokens_end_batched_sequences_as_they_end_alone(llm: CausalLM) -> N
     requests = [_request(i, max_tokens=30, ignore_eos=True,
                          stop_token_ids=[_greedy_token(llm, plain[i], 3)]) for i in range(3)]
     requests.append(plain[3])
+    # a fifth whose stop token is every token it would output: min_tokens hold it off
+    requests.append(_request(4, max_tokens=30, logit_bias={100: 100}, stop_token_ids=[100],
+                             min_tokens=5))
     decoder = llm.decoder()
     assert decoder is not None
     together, _ = _run(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(requests)]})
     assert together == {i: _alone(llm, r) for i, r in enumerate(requests)}
-    assert [(o[1], o[3] <= 3) for o in together.values()] == [("stop", True)] * 3 + [
-        ("length", False)]
+    assert [(together[i][1], together[i][3] <= 3) for i in range(5)] == [
+        ("stop", True)] * 3 + [("length", False), ("stop", False)]
+    assert together[4][3] == 5
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(

@@ -139,6 +139,18 @@ def test_a_stop_token_ends_the_sequence_unseen_even_when_eos_is_ignored(
     assert (stats.finish_reason, stats.completion_tokens) == ("stop", at)
 
 
+def test_min_tokens_keep_a_stop_token_out_until_then(llm: CausalLM) -> None:
+    """A bias makes token 100 every token; as a stop token it ends the output at once,
+    unless min_tokens leave it out until then."""
+    common = {"prompt": PROMPT, "raw": True, "temperature": 0.0, "max_tokens": 8,
+              "logit_bias": {100: 100}, "stop_token_ids": [100]}
+    pieces, stats = _generate(llm, **common)
+    assert (pieces, stats.finish_reason, stats.completion_tokens) == ([], "stop", 0)
+    pieces, stats = _generate(llm, min_tokens=3, **common)
+    assert (stats.finish_reason, stats.completion_tokens) == ("stop", 3)
+    assert "".join(pieces) and 100 not in llm.tokenizer("".join(pieces))["input_ids"][1:]
+
+
 def test_a_logit_bias_steers_decoding_and_one_the_model_lacks_is_refused(
         llm: CausalLM) -> None:
     common = {"prompt": PROMPT, "raw": True, "max_tokens": 8, "ignore_eos": True}

@@ -13,7 +13,7 @@ PROMPT = torch.tensor([[1, 1, 3]])  # the (1, n) input_ids a sequence starts fro
 
 
 def _penalties(**fields: object) -> Penalties:
-    made = Penalties.of(Sampling(**fields), PROMPT)  # type: ignore[arg-type]
+    made = Penalties.of(Sampling(**fields), PROMPT, set())  # type: ignore[arg-type]
     assert made is not None
     return made
 
@@ -21,7 +21,7 @@ def _penalties(**fields: object) -> Penalties:
 @pytest.mark.parametrize("fields", [
     {}, {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}])
 def test_a_sequence_that_asks_for_no_penalty_has_none(fields: dict[str, float]) -> None:
-    assert Penalties.of(Sampling(**fields), PROMPT) is None  # type: ignore[arg-type]
+    assert Penalties.of(Sampling(**fields), PROMPT, set()) is None  # type: ignore[arg-type]
 
 
 def test_repetition_divides_a_seen_tokens_positive_logit_and_multiplies_a_negative_one(
@@ -75,8 +75,8 @@ def test_a_logit_bias_is_added_to_its_tokens_before_the_penalties() -> None:
 
 
 def test_a_logit_bias_alone_is_a_penalty_and_an_empty_one_is_none() -> None:
-    assert Penalties.of(Sampling(logit_bias={}), PROMPT) is None
-    assert Penalties.of(Sampling(logit_bias={3: 1.0}), PROMPT) is not None
+    assert Penalties.of(Sampling(logit_bias={}), PROMPT, set()) is None
+    assert Penalties.of(Sampling(logit_bias={3: 1.0}), PROMPT, set()) is not None
 
 
 def test_a_logit_bias_for_a_token_the_model_lacks_is_refused() -> None:
@@ -85,3 +85,22 @@ def test_a_logit_bias_for_a_token_the_model_lacks_is_refused() -> None:
     with pytest.raises(PoolError, match="logit_bias names token 10; model 'm' has 10") as err:
         check_logit_bias(Sampling(logit_bias={3: 1.0, 10: 1.0}), 10, "m")
     assert err.value.code is ErrorCode.BAD_REQUEST
+
+
+def test_until_min_tokens_the_tokens_that_would_end_it_are_left_out() -> None:
+    made = Penalties.of(Sampling(min_tokens=2, stop_token_ids=[1]), PROMPT, {3})
+    assert made is not None
+    logits = torch.tensor([0.0, 5.0, 0.0, 5.0])
+    for _ in range(2):
+        assert made.apply(logits).tolist() == [0.0, float("-inf"), 0.0, float("-inf")]
+        made.add(0)
+    assert made.apply(logits).tolist() == [0.0, 5.0, 0.0, 5.0]
+
+
+def test_min_tokens_leave_eos_alone_when_it_is_ignored_and_alone_are_nothing_to_do() -> None:
+    made = Penalties.of(Sampling(min_tokens=2, ignore_eos=True), PROMPT, {3})
+    assert made is None  # no token would end it: nothing to leave out
+    made = Penalties.of(Sampling(min_tokens=2, ignore_eos=True, stop_token_ids=[2]), PROMPT,
+                        {3})
+    assert made is not None
+    assert made.apply(torch.ones(4)).tolist() == [1.0, 1.0, float("-inf"), 1.0]

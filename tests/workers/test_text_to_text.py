@@ -105,6 +105,12 @@ def test_earliest_of_several_stops_wins() -> None:
     assert hit and "".join(emitted) == "one "
 
 
+def test_no_stop_string_ends_the_first_min_tokens_pieces() -> None:
+    matcher = StopMatcher(["STOP"], min_tokens=2)
+    emitted, hit = _feed_all(matcher, ["aSTOP", "b", "cSTOP", "d"])
+    assert hit and "".join(emitted) == "aSTOPbc"  # the first STOP came in piece 1 of 2
+
+
 def test_empty_stop_list_passes_everything_through() -> None:
     for stops in ([], [""]):
         matcher = StopMatcher(stops)

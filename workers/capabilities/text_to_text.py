@@ -32,17 +32,21 @@ class TextGenerationModel(Protocol):
 
 
 class StopMatcher:
-    """Cuts the stream at the first stop string, holding back text that may start one."""
+    """Cuts the stream at the first stop string, holding back text that may start one;
+    none is looked for in the first min_tokens pieces (one piece a token)."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], min_tokens: int = 0) -> None:
         self.stops = [s for s in stops if s]
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
+        self.unstoppable = min_tokens  # pieces still to come that no stop string may end
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Text safe to emit now, and whether a stop string was hit."""
         self.pending += piece
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        self.unstoppable -= 1
+        hits = [] if self.unstoppable >= 0 else [
+            i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:
             text, self.pending = self.pending[: min(hits)], ""
             return text, True
@@ -84,14 +88,13 @@ def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
         return
     stats = GenerationStats()
     stream_text(item.job_id, lambda: model.generate(request, stats), stats,
-                request.sampling.stop, out)
+                StopMatcher(request.sampling.stop, request.sampling.min_tokens), out)
 
 
 def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: GenerationStats,
-                stops: list[str], out: Outbox) -> None:
+                stop: StopMatcher, out: Outbox) -> None:
     """Run a token stream to its end, a stop string or an abort: Chunks, then one End
     (or one Error if the model fails)."""
-    stop = StopMatcher(stops)
     seq = 0
     try:
         for piece in start():

@@ -12,7 +12,11 @@ from modelpool.protocol.pipes import WorkItem
 from modelpool.workers.capabilities import text_limits
 from modelpool.workers.capabilities.base import Outbox, error_reply
 from modelpool.workers.capabilities.images import working_side
-from modelpool.workers.capabilities.text_to_text import GenerationStats, stream_text
+from modelpool.workers.capabilities.text_to_text import (
+    GenerationStats,
+    StopMatcher,
+    stream_text,
+)
 
 
 class VisionModel(Protocol):
@@ -47,4 +51,5 @@ def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) 
             continue
         stats = GenerationStats()
         stream_text(item.job_id, lambda i=image, r=request, s=stats: model.describe(i, r, s),
-                    stats, request.sampling.stop, out)
+                    stats, StopMatcher(request.sampling.stop, request.sampling.min_tokens),
+                    out)
