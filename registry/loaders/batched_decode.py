@@ -5,7 +5,7 @@ A new sequence is prefilled (short text prompts several in one padded pass, a lo
 chunks, so that a pass costs about a few decode steps and stalls the others no longer), then
 its KV cache joins the running batch, left-padded to the batch's length; a sequence that
 ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
-(temperature, top_p, top_k, min_p, biases and penalties, seed, stop tokens,
+(temperature, top_p, top_k, min_p, logit rules, seed, stop tokens,
 ignore_eos), with the same `next_token` and detokenizer as the one-at-a-time loop in
 causal_lm.py.
 
@@ -31,7 +31,7 @@ from transformers.cache_utils import DynamicLayer
 
 from modelpool.protocol.messages import Sampling
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
-from modelpool.registry.loaders.penalties import Penalties
+from modelpool.registry.loaders.logit_rules import LogitRules
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 # Padded prompt tokens per prefill pass at least (short prompts share one, a long one is
@@ -80,7 +80,7 @@ class _Seq:
     fed: int = 0  # prompt tokens prefilled so far (chunked prefill)
     cache: DynamicCache | None = None  # its own cache while its prompt is fed in chunks
     token: int = -1  # the last sampled token: the input of its next decode step
-    penalties: Penalties | None = None
+    rules: LogitRules | None = None  # biases, penalties, min_tokens: None when none
 
     @property
     def plain(self) -> bool:
@@ -187,7 +187,7 @@ class ContinuousDecoder:
         self.waiting.append(_Seq(
             seq_id, prepared, torch.Generator().manual_seed(seed),
             IncrementalDecoder(self.tokenizer),
-            penalties=Penalties.of(sampling, prepared.inputs["input_ids"], self.eos_ids)))
+            rules=LogitRules.of(sampling, prepared.inputs["input_ids"], self.eos_ids)))
 
     def drop(self, seq_id: int) -> GenerationStats | None:
         """It leaves now (aborted, or a stop string ended it): its stats so far, or None
@@ -325,9 +325,9 @@ class ContinuousDecoder:
         for row, seq in enumerate(seqs):
             sampling = seq.prepared.sampling
             assert sampling.temperature is not None
-            plain_greedy = sampling.temperature < GREEDY_BELOW and seq.penalties is None
+            plain_greedy = sampling.temperature < GREEDY_BELOW and seq.rules is None
             token = greedy[row] if plain_greedy else next_token(
-                logits[row], sampling, seq.generator, seq.penalties)
+                logits[row], sampling, seq.generator, seq.rules)
             events.append(self._take(seq, token))
         ended = {e.seq_id for e in events if e.stats is not None}
         if ended:

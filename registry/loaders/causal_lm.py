@@ -26,7 +26,7 @@ from modelpool.registry.loaders.common import (
     require_dir,
     vocab_size,
 )
-from modelpool.registry.loaders.penalties import Penalties, check_logit_bias
+from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -112,7 +112,7 @@ def decode(model: Any, first_inputs: dict[str, Any],
     one only the new token. Yields one text piece per token (maybe "")."""
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
     generator = torch.Generator().manual_seed(seed)
-    penalties = Penalties.of(sampling, first_inputs["input_ids"], eos_ids)
+    rules = LogitRules.of(sampling, first_inputs["input_ids"], eos_ids)
     detok = IncrementalDecoder(tokenizer)
     step_inputs, past = first_inputs, None
     cache_keyword = kv_cache_keyword(model)
@@ -120,7 +120,7 @@ def decode(model: Any, first_inputs: dict[str, Any],
     for _ in range(budget):
         out = model(**step_inputs, **{cache_keyword: past}, use_cache=True)
         past = kv_cache_of(out)
-        token = next_token(out.logits[0, -1].float().cpu(), sampling, generator, penalties)
+        token = next_token(out.logits[0, -1].float().cpu(), sampling, generator, rules)
         if ends(token, sampling, eos_ids):
             stats.finish_reason = "stop"
             break
@@ -173,17 +173,17 @@ def ends(token: int, sampling: Sampling, eos_ids: set[int]) -> bool:
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator,
-               penalties: Penalties | None) -> int:
-    """A sequence's next token from its logits (one row, float32): penalized, then
-    sampled; the penalties then count it."""
+               rules: LogitRules | None) -> int:
+    """A sequence's next token from its logits (one row, float32): biased, penalized and
+    held off its end as it asks, then sampled; the rules then count it."""
     temperature, top_p = sampling.temperature, sampling.top_p
     assert temperature is not None and top_p is not None, "the daemon fills in defaults"
-    if penalties is not None:
-        logits = penalties.apply(logits)
+    if rules is not None:
+        logits = rules.apply(logits)
     token = sample(logits, temperature, top_p, generator, sampling.top_k or 0,
                    sampling.min_p or 0.0)
-    if penalties is not None:
-        penalties.add(token)
+    if rules is not None:
+        rules.add(token)
     return token
 
 

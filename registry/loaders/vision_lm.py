@@ -27,7 +27,7 @@ from modelpool.registry.loaders.common import (
     require_dir,
     vocab_size,
 )
-from modelpool.registry.loaders.penalties import check_logit_bias
+from modelpool.registry.loaders.logit_rules import check_logit_bias
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 

@@ -2,7 +2,7 @@
 logit_bias, then the repetition penalty (vLLM's and transformers') on the tokens of its
 prompt and output, then OpenAI's frequency and presence penalties on its output; all
 on the raw logits, before temperature and the cuts. Until it has min_tokens, the tokens
-that would end it are left out. A sequence that asks for none of these has no Penalties
+that would end it are left out. A sequence that asks for none of these has no LogitRules
 and pays nothing."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Sampling
 
 
-class Penalties:
-    """One sequence's biases and penalties, and what the penalties need of its tokens:
-    how often each was output, and which appeared at all (prompt included)."""
+class LogitRules:
+    """One sequence's biases, penalties and ending tokens held off, and what they need of
+    its tokens: how often each was output, which appeared at all (prompt included), how
+    many were output."""
 
     def __init__(self, prompt_ids: torch.Tensor, presence: float, frequency: float,
                  repetition: float, bias: dict[int, float] | None = None,
@@ -33,8 +34,8 @@ class Penalties:
 
     @classmethod
     def of(cls, sampling: Sampling, prompt_ids: torch.Tensor,
-           eos_ids: set[int]) -> Penalties | None:
-        """The sequence's penalties, or None when it asks for none."""
+           eos_ids: set[int]) -> LogitRules | None:
+        """The sequence's rules, or None when it asks for none."""
         presence = sampling.presence_penalty or 0.0
         frequency = sampling.frequency_penalty or 0.0
         repetition = sampling.repetition_penalty or 1.0
@@ -47,8 +48,8 @@ class Penalties:
                    min_tokens)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sequence's next-token logits (one row, float32) with its biases added and
-        its penalties taken off, as a new tensor."""
+        """The sequence's next-token logits (one row, float32) with its biases added, its
+        penalties taken off and its ending tokens held off, as a new tensor."""
         if not self.seen.numel():
             self._start(logits.numel())
         if self.bias:
