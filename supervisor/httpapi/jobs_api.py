@@ -50,6 +50,8 @@ class JobsApi:
             raise HttpError(400, f"body: {exc}", "invalid_request", "body") from None
         if getattr(body, "stream", False):
             raise bodies.bad("body.stream", "a job's result is fetched whole, not streamed")
+        if getattr(body, "n", 1) != 1:
+            raise bodies.bad("body.n", "a job has one result: submit a job for each choice")
         call = make_call(body)
         kwargs = with_header_options(request, {**bodies.options(job), **call.kwargs},
                                      self.api.settings)

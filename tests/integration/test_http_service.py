@@ -74,6 +74,9 @@ def test_a_jobs_body_takes_a_logit_bias_keyed_by_strings_as_the_endpoint_does(
             "x", model="tiny-llm", max_tokens=4, temperature=0, raw=True,
             logit_bias={100: 100.0}))
     assert shown["status"] == "done" and shown["result"]["text"] == expected
+    several = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
+        "operation": "completions", "body": {"model": "tiny-llm", "prompt": "x", "n": 2}})
+    assert several.status_code == 400 and several.json()["error"]["param"] == "body.n"
 
 
 def test_a_job_cancelled_over_http(served: tuple[Daemon, str]) -> None:
