@@ -37,7 +37,7 @@ from modelpool.protocol.messages import (
     WorkRequest,
     encoder,
 )
-from modelpool.supervisor import admission, pool_stats
+from modelpool.supervisor import admission, jobroom, pool_stats
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.jobs import dedup_key
@@ -50,12 +50,6 @@ from modelpool.supervisor.tasks import QueueFull, TaskQueue
 log = logging.getLogger("modelpool.jobs")
 
 KEY_BYTES = 16  # 128 random bits: keys cannot be guessed
-# Jobs waiting per worker in a model's queue in the pool, the rest waiting outside: small
-# jobs of a batched model coalesce there; a stream or an image holds its worker for its
-# whole length, so one waits beside each worker and the rest go to whichever daemon frees
-# a worker first.
-JOB_BACKLOG = 8
-UNBATCHED_BACKLOG = 1
 # What keeps the pool from taking a claimed job now, not the job from ever running.
 WAITS_AGAIN = (ErrorCode.QUEUE_FULL, ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
 
@@ -134,7 +128,8 @@ class JobService:
                            deadline_at=None if deadline_in is None else now + deadline_in)
         # Shared: with a worker free for it here it is claimed as it is written (no other
         # node is woken, no claim follows); else it waits for whichever node is free first.
-        claim = self.shared and not self.pool.shutting_down and self._free_now(model)
+        claim = (self.shared and not self.pool.shutting_down
+                 and jobroom.free_now(self.pool, model))
         try:
             await self.mailbox.add(record, claim)
         except MailboxFull as exc:
@@ -231,7 +226,8 @@ class JobService:
     async def _pump_once(self) -> None:
         if self.pool.shutting_down:
             return
-        rooms = {key: room for key in self.pool.models if (room := self._room(key)) > 0}
+        rooms = {key: room for key in self.pool.models
+                 if (room := jobroom.room(self.pool, key, self.shared, self.may_load)) > 0}
         full: set[str] = set()  # models the pool had no room for after all
         for record in await self.queue.claim(rooms):
             if record.model in full:
@@ -252,32 +248,6 @@ class JobService:
         else:  # it cannot run at all (its deadline passed, its model failed): say why
             await self._store(record, sink.refusal)
         return False
-
-    def _room(self, key: str) -> int:
-        """Jobs of the model that may join its queue in the pool: what its workers (or
-        the ones a first job starts) can start now and a backlog that keeps them busy,
-        and no more, so that the rest wait in the job queue, in priority order."""
-        model = self.pool.models.get(key)
-        if model is None or model.retiring:
-            return 0
-        live = model.live_workers()
-        if not live and not self.may_load(key):
-            return 0  # in a cluster: another daemon serves it, or there is no room here
-        if self.shared and not any(w.ready for w in live):
-            # A load comes first: take the one job that starts it and leave the rest to
-            # the nodes that have the model loaded, so that none waits behind this load.
-            return max(0, 1 - len(model.queue))
-        if model.spec.batched:
-            return max(0, JOB_BACKLOG * max(1, len(live)) - len(model.queue))
-        running = sum(len(w.jobs) for w in live)
-        at_once = sum(_streams_at_once(w) for w in live) or 1
-        return max(0, at_once + UNBATCHED_BACKLOG * max(1, len(live)) - running
-                   - len(model.queue))
-
-    def _free_now(self, key: str) -> bool:
-        """A worker of the model would take one more job at once: none waits for it."""
-        model = self.pool.models.get(key)
-        return model is not None and not len(model.queue) and bool(model.free_workers())
 
     def _cancel_here(self, key: str) -> None:
         sink = self._running.get(key)
@@ -387,13 +357,6 @@ class JobService:
         if record is None or record.uid != uid:
             raise _not_found(key)  # another user's key is one that does not exist
         return record
-
-
-def _streams_at_once(worker: Any) -> int:
-    """How many jobs a worker of a model that does not batch runs at once: the streams
-    it decodes together (continuous batching, as its loader reports), else one."""
-    streams = worker.info.get("max_active_sequences")
-    return streams if isinstance(streams, int) and streams > 0 else 1
 
 
 def _not_found(key: str) -> PoolError:
