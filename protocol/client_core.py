@@ -24,6 +24,7 @@ from modelpool.protocol.messages import (
     End,
     Error,
     ImageProgress,
+    TokenLogprob,
     Welcome,
     encoder,
 )
@@ -36,6 +37,8 @@ class TextChunk:
     finish_reason: str | None = None  # set on the last chunk only
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # with logprobs asked for: the tokens made since the last chunk (see messages.Chunk)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class TextResult:
     prompt_tokens: int
     completion_tokens: int
     model: str
+    logprobs: list[TokenLogprob] | None = None  # every output token's, if asked for
 
 
 def job_result(reply: JobResult) -> Any:
@@ -68,7 +72,7 @@ def job_result(reply: JobResult) -> Any:
     result = reply.result
     if isinstance(result, Completion):
         return TextResult(result.text, result.finish_reason, result.prompt_tokens,
-                          result.completion_tokens, result.model)
+                          result.completion_tokens, result.model, result.logprobs)
     if isinstance(result, ImageMsg):
         return image_chunk(result)
     array = np.frombuffer(result.data, dtype=_little_endian(result.dtype))
@@ -191,7 +195,7 @@ def op_signature(kind: Kind, is_method: bool = True) -> inspect.Signature:
 
 def text_chunk(msg: Any) -> TextChunk:
     if isinstance(msg, Chunk):
-        return TextChunk(text=msg.text)
+        return TextChunk(text=msg.text, logprobs=msg.logprobs)
     assert isinstance(msg, End)
     return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
                      completion_tokens=msg.completion_tokens)

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from modelpool.protocol.messages import Embeddings, Image, Scores, WorkRequest
+from modelpool.protocol.messages import Embeddings, Image, Scores, TokenLogprob, WorkRequest
 
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
 ENDED: frozenset[str] = frozenset({"done", "failed", "cancelled"})
@@ -54,6 +54,7 @@ class Completion(_Msg, frozen=True, kw_only=True, tag="completion"):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     model: str = ""
+    logprobs: list[TokenLogprob] | None = None  # every output token's, if asked for
 
 
 class JobResult(_Msg, frozen=True, kw_only=True, tag="job_result"):

@@ -29,6 +29,7 @@ from modelpool.protocol.fields import (
     Stops,
     StopTokenIds,
     TopK,
+    TopLogprobs,
 )
 from modelpool.protocol.status import PoolStatus
 
@@ -87,6 +88,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # strings not looked for
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
     ignore_eos: bool = False
+    # each output token's log-probability and this many likeliest alternatives, from the
+    # model's raw logits (before biases, penalties and temperature); None: none
+    logprobs: TopLogprobs | None = None
 
 
 class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
@@ -219,10 +223,30 @@ class Scores(_Msg, frozen=True, kw_only=True, tag="scores"):
     model: str = ""
 
 
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token: str  # as the tokenizer decodes it alone
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One output token: its text, id and log-probability, and the likeliest tokens at
+    its place (as many as the request's logprobs asked, likeliest first)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class Chunk(_Msg, frozen=True, kw_only=True, tag="chunk"):
+    """Text of a stream; with logprobs asked for, the tokens made since the last chunk
+    (their text may still be held back by a stop string, or cut by one: then the
+    chunk's text is "")."""
+
     id: int
     seq: int
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class End(_Msg, frozen=True, kw_only=True, tag="end"):

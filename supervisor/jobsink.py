@@ -7,7 +7,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from modelpool.protocol.jobs import Completion
-from modelpool.protocol.messages import Chunk, Embeddings, End, Error, Image, Scores
+from modelpool.protocol.messages import (
+    Chunk,
+    Embeddings,
+    End,
+    Error,
+    Image,
+    Scores,
+    TokenLogprob,
+)
 from modelpool.supervisor.mailbox import JobRecord
 from modelpool.supervisor.queueing import JobState
 
@@ -41,6 +49,7 @@ class MailboxSink:
         self.refusal: Error | None = None  # the pool refused to queue it
         self._text: list[str] = []
         self._chars = 0  # of text so far
+        self._logprobs: list[TokenLogprob] = []  # of its tokens so far, if asked for
 
     @property
     def running(self) -> bool:
@@ -51,16 +60,18 @@ class MailboxSink:
         if self.lost:
             return
         match msg:
-            case Chunk(text=text):
-                if self.record.stream_to is not None:  # a relayed stream: sent on as made
+            case Chunk(text=text, logprobs=logprobs):
+                if self.record.stream_to is not None and text:  # a relayed stream
                     self.service.stream_piece(self.record, self._chars, text)
                 self._text.append(text)
                 self._chars += len(text)
+                if logprobs is not None:
+                    self._logprobs.extend(logprobs)
             case End():
                 self.service.ended(self, Completion(
                     text="".join(self._text), finish_reason=msg.finish_reason,
                     prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-                    model=msg.model))
+                    model=msg.model, logprobs=self._logprobs or None))
             case Error() if not self.jobs.registered:
                 self.refusal = msg  # answered at once, never queued
             case Error() | Embeddings() | Scores() | Image():

@@ -14,7 +14,7 @@ import msgspec
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import Completion, JobResult, Submit
 from modelpool.protocol.kinds import KIND_OF
-from modelpool.protocol.messages import Chunk, End, Error, WorkRequest
+from modelpool.protocol.messages import Chunk, Describe, End, Error, Generate, WorkRequest
 from modelpool.supervisor.jobservice import new_key
 from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece
 
@@ -29,7 +29,10 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
                 send: Callable[[Any], None]) -> list[Any]:
     """The final replies; a stream's chunks go to `send` as they come."""
     rid, key = request.id, new_key()
-    streams = jobs.streams if KIND_OF[type(request)].streaming else None
+    # Pieces relayed as made carry text only: a stream with logprobs comes whole, at its end.
+    streams = jobs.streams if KIND_OF[type(request)].streaming and not (
+        isinstance(request, Generate | Describe) and request.sampling.logprobs is not None
+    ) else None
     assembly = StreamAssembly()
     try:
         pieces = streams.followers.follow(key) if streams else None
@@ -97,4 +100,6 @@ def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
                       "stream went away after sending part of it; it was run again")]
     end = End(id=rid, finish_reason=reply.finish_reason, prompt_tokens=reply.prompt_tokens,
               completion_tokens=reply.completion_tokens, model=reply.model)
-    return [Chunk(id=rid, seq=assembly.chunks, text=rest), end] if rest else [end]
+    if not rest and not reply.logprobs:
+        return [end]
+    return [Chunk(id=rid, seq=assembly.chunks, text=rest, logprobs=reply.logprobs), end]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelpool.protocol.messages import Chunk, End
+from modelpool.protocol.messages import Chunk, End, TokenLogprob
 from modelpool.protocol.pipes import (
     Abort,
     Shutdown,
@@ -36,6 +36,7 @@ class Emitted(Protocol):
 
     seq_id: int
     text: str
+    logprob: TokenLogprob | None  # its token's, if the stream asks for logprobs
     stats: GenerationStats | None  # set when it ended (it has left the decoder)
     error: BaseException | None  # set when it failed (it has left the decoder)
 
@@ -187,8 +188,9 @@ class StreamLoop:
             stats = self.decoder.drop(job_id) or GenerationStats()
         if stats is not None and not hit:
             text += stream.stop.flush()
-        if text:
-            self.worker.send(Chunk(id=job_id, seq=stream.seq, text=text))
+        logprobs = None if event.logprob is None else [event.logprob]
+        if text or logprobs:
+            self.worker.send(Chunk(id=job_id, seq=stream.seq, text=text, logprobs=logprobs))
             stream.seq += 1
         if stats is not None:
             reason = "stop" if hit else stats.finish_reason

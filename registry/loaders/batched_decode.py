@@ -5,9 +5,8 @@ A new sequence is prefilled (short text prompts several in one padded pass, a lo
 chunks, so that a pass costs about a few decode steps and stalls the others no longer), then
 its KV cache joins the running batch, left-padded to the batch's length; a sequence that
 ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
-(temperature, top_p, top_k, min_p, logit rules, seed, stop tokens,
-ignore_eos), with the same `next_token` and detokenizer as the one-at-a-time loop in
-causal_lm.py.
+(temperature, top_p, top_k, min_p, logit rules, seed, stop tokens, ignore_eos, logprobs),
+with the same `next_token`, detokenizer and token logprobs as causal_lm.py's loop.
 
 It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
 sliding window or recurrent state) and whose positions are one index per token, taken
@@ -29,9 +28,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from modelpool.protocol.messages import Sampling
+from modelpool.protocol.messages import Sampling, TokenLogprob
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
 from modelpool.registry.loaders.logit_rules import LogitRules
+from modelpool.registry.loaders.token_logprobs import token_logprob
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 # Padded prompt tokens per prefill pass at least (short prompts share one, a long one is
@@ -61,11 +61,12 @@ class Prepared:
 
 @dataclass
 class Emitted:
-    """What one step did for one sequence: a text piece (maybe ""), and its end if it ended
-    (stats set) or failed (error set). An ended sequence has left the batch."""
+    """What one step did for one sequence: a text piece (maybe ""), its token's logprob if
+    asked for, its end if it ended (stats set) or failed (error set: it has left)."""
 
     seq_id: int
     text: str = ""
+    logprob: TokenLogprob | None = None
     stats: GenerationStats | None = None
     error: BaseException | None = None
 
@@ -328,27 +329,29 @@ class ContinuousDecoder:
             plain_greedy = sampling.temperature < GREEDY_BELOW and seq.rules is None
             token = greedy[row] if plain_greedy else next_token(
                 logits[row], sampling, seq.generator, seq.rules)
-            events.append(self._take(seq, token))
+            events.append(self._take(seq, token, logits[row]))
         ended = {e.seq_id for e in events if e.stats is not None}
         if ended:
             self.rows.keep([i for i, s in enumerate(self.rows.seqs) if s.seq_id not in ended])
         return events
 
-    def _take(self, seq: _Seq, token: int) -> Emitted:
+    def _take(self, seq: _Seq, token: int, logits: torch.Tensor) -> Emitted:
         from modelpool.registry.loaders.causal_lm import ends
 
-        stats = seq.stats
+        stats, sampling = seq.stats, seq.prepared.sampling
         stats.prompt_tokens = seq.prepared.prompt_tokens
-        if ends(token, seq.prepared.sampling, self.eos_ids):
+        if ends(token, sampling, self.eos_ids):
             stats.finish_reason = "stop"
-            return Emitted(seq.seq_id, seq.detok.flush(), stats)
+            return Emitted(seq.seq_id, seq.detok.flush(), stats=stats)
         stats.completion_tokens += 1
         seq.token = token
         text = seq.detok.add(token)
+        logprob = None if sampling.logprobs is None else token_logprob(
+            logits, token, sampling.logprobs, self.tokenizer)
         if stats.completion_tokens >= seq.prepared.budget:
             stats.finish_reason = "length"
-            return Emitted(seq.seq_id, text + seq.detok.flush(), stats)
-        return Emitted(seq.seq_id, text)
+            return Emitted(seq.seq_id, text + seq.detok.flush(), logprob, stats)
+        return Emitted(seq.seq_id, text, logprob)
 
 
 def _average(mean: float, sample: float) -> float:

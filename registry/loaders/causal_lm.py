@@ -27,6 +27,7 @@ from modelpool.registry.loaders.common import (
     vocab_size,
 )
 from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
+from modelpool.registry.loaders.token_logprobs import token_logprob
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -120,11 +121,14 @@ def decode(model: Any, first_inputs: dict[str, Any],
     for _ in range(budget):
         out = model(**step_inputs, **{cache_keyword: past}, use_cache=True)
         past = kv_cache_of(out)
-        token = next_token(out.logits[0, -1].float().cpu(), sampling, generator, rules)
+        logits = out.logits[0, -1].float().cpu()
+        token = next_token(logits, sampling, generator, rules)
         if ends(token, sampling, eos_ids):
             stats.finish_reason = "stop"
             break
         stats.completion_tokens += 1
+        if sampling.logprobs is not None:
+            stats.logprob = token_logprob(logits, token, sampling.logprobs, tokenizer)
         yield detok.add(token)  # maybe "": the adapter still ticks and checks aborts
         step_inputs = next_inputs(token)
     if tail := detok.flush():

@@ -91,6 +91,12 @@ def test_a_client_of_one_node_streams_a_model_another_node_runs_as_it_is_made(
     # long before the last.
     assert len([part for part in got if part.text]) >= 4
     assert arrived[-1] - arrived[0] > 0.5
+    # Relayed pieces carry text only: with logprobs, the stream comes whole at its end.
+    with beta.client() as c:
+        whole = list(c.generate("hello", model="gen", max_tokens=3, logprobs=0))
+    assert [part.text for part in whole] == ["tok0 tok1 tok2 ", ""]
+    assert [(e.token, e.logprob) for e in whole[0].logprobs or []] == [
+        ("tok0 ", 0.0), ("tok1 ", -1.0), ("tok2 ", -2.0)]
 
 
 def test_a_cancelled_relayed_stream_stops_on_the_node_that_runs_it(

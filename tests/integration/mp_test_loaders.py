@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from modelpool.protocol.messages import Generate
+from modelpool.protocol.messages import Generate, TokenLogprob
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -63,8 +63,16 @@ class CountingGenerator:
         for i in range(request.sampling.max_tokens or 0):
             time.sleep(self.step_s)
             stats.completion_tokens += 1
+            stats.logprob = _entry(request, i)
             yield f"tok{i} "
         stats.finish_reason = "length"
+
+
+def _entry(request: Generate, i: int) -> TokenLogprob | None:
+    """Token i's stand-in entry (log-probability -i), when the request asks for them."""
+    if request.sampling.logprobs is None:
+        return None
+    return TokenLogprob(f"tok{i} ", i, -float(i))
 
 
 def slow_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowEmbedder:
@@ -115,6 +123,7 @@ class Emitted:
 
     seq_id: int
     text: str = ""
+    logprob: TokenLogprob | None = None
     stats: GenerationStats | None = None
     error: BaseException | None = None
 
@@ -143,7 +152,8 @@ class CountingDecoder:
         time.sleep(self.step_s)
         events = []
         for seq_id, (request, stats) in list(self.streams.items()):
-            event = Emitted(seq_id, f"tok{stats.completion_tokens} ")
+            event = Emitted(seq_id, f"tok{stats.completion_tokens} ",
+                            _entry(request, stats.completion_tokens))
             stats.completion_tokens += 1
             if stats.completion_tokens >= (request.sampling.max_tokens or 0):
                 stats.finish_reason, event.stats = "length", stats

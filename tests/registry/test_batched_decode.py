@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from modelpool.protocol import kinds
-from modelpool.protocol.messages import Generate
+from modelpool.protocol.messages import Generate, TokenLogprob
 from modelpool.registry.loaders import batched_decode, load_model
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder
 from modelpool.registry.loaders.causal_lm import CausalLM
@@ -47,9 +47,12 @@ def _alone(llm: CausalLM, request: Generate) -> Outcome:
 
 
 def _run(decoder: ContinuousDecoder, arrivals: dict[int, list[tuple[int, Any]]],
-         drop: dict[int, list[int]] | None = None) -> tuple[dict[int, Outcome], int]:
+         drop: dict[int, list[int]] | None = None,
+         logprobs: dict[int, list[TokenLogprob]] | None = None
+         ) -> tuple[dict[int, Outcome], int]:
     """Step until every sequence ended: arrivals[step] join before that step, drop[step]
-    leave before it. Returns each one's outcome and the steps taken."""
+    leave before it. Returns each one's outcome and the steps taken; each one's token
+    entries go to `logprobs`."""
     texts: dict[int, str] = {}
     outcomes: dict[int, Outcome] = {}
     step = 0
@@ -62,6 +65,8 @@ def _run(decoder: ContinuousDecoder, arrivals: dict[int, list[tuple[int, Any]]],
         for event in decoder.step():
             assert event.error is None
             texts[event.seq_id] += event.text
+            if event.logprob is not None and logprobs is not None:
+                logprobs.setdefault(event.seq_id, []).append(event.logprob)
             if event.stats is not None:
                 s = event.stats
                 outcomes[event.seq_id] = (texts[event.seq_id], s.finish_reason,
@@ -136,6 +141,30 @@ def test_penalties_apply_batched_as_one_at_a_time(llm: CausalLM) -> None:
     assert together == {i: _alone(llm, r) for i, r in enumerate(requests)}
     for i in (0, 1, 3, 5, 6, 8):
         assert together[i][0] != together[5 * (i // 5) + 4][0]
+
+
+def test_logprobs_batched_are_as_one_at_a_time(llm: CausalLM) -> None:
+    """Sequences asking for logprobs beside ones that do not: the same tokens and
+    entries as alone (log-probabilities to float precision: rows share padded passes)."""
+    requests = [_request(i, max_tokens=12, ignore_eos=True, **fields) for i in range(2)
+                for fields in ({"logprobs": 2}, {"logprobs": 0, "temperature": 0.9,
+                                                 "seed": 4}, {})]
+    decoder = llm.decoder()
+    assert decoder is not None
+    entries: dict[int, list[TokenLogprob]] = {}
+    together, _ = _run(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(requests)]},
+                       logprobs=entries)
+    assert together == {i: _alone(llm, r) for i, r in enumerate(requests)}
+    assert sorted(entries) == [0, 1, 3, 4]
+    for i, got in entries.items():
+        stats = GenerationStats()
+        alone = []
+        for _ in llm.generate(requests[i], stats):
+            alone.extend(stats.take_logprobs() or [])
+        assert [(e.token, e.token_id, [t.token for t in e.top]) for e in got] == [
+            (e.token, e.token_id, [t.token for t in e.top]) for e in alone]
+        assert len(got) == 12 and len(got[0].top) == requests[i].sampling.logprobs
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got, alone, strict=True)) < 1e-4
 
 
 def test_stop_tokens_end_batched_sequences_as_they_end_alone(llm: CausalLM) -> None:

@@ -47,6 +47,7 @@ class Replies:
     text: dict[int, str] = field(default_factory=lambda: defaultdict(str))
     seqs: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     endings: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    logprobs: dict[int, list[Any]] = field(default_factory=lambda: defaultdict(list))
     slots: int = 0  # granted by WantWork
 
 
@@ -71,9 +72,10 @@ class StreamChild:
         match msg:
             case WantWork(slots=slots):
                 self.replies.slots += slots
-            case Chunk(id=job, seq=seq, text=text):
+            case Chunk(id=job, seq=seq, text=text, logprobs=logprobs):
                 self.replies.text[job] += text
                 self.replies.seqs[job].append(seq)
+                self.replies.logprobs[job].extend(logprobs or [])
             case End(id=job) | Error(id=job):
                 self.replies.endings[job].append(msg)
         return msg
@@ -152,6 +154,29 @@ def test_streams_share_steps_each_with_its_own_ending(child: StreamChild) -> Non
     assert all(len(r.endings[j]) == 1 for j in range(1, 6))  # one ending each
     assert all(r.seqs[j] == list(range(len(r.seqs[j]))) for j in range(1, 5))
     child.until(lambda r: r.slots == 9)  # every slot granted back, none twice
+    child.send(Shutdown())
+    assert child.exitcode() == exitcodes.OK
+
+
+def test_a_streams_chunks_carry_each_of_its_tokens_logprob_once(child: StreamChild) -> None:
+    """Held back by a stop string, then cut by it: the tokens' entries still come, in
+    order, each once (a chunk whose text is held back has text "")."""
+    child.send(Work(items=[_item(1, "Once upon a time", max_tokens=30, ignore_eos=True,
+                                 logprobs=1)]))
+    child.until(_ended(1))
+    whole, entries = child.replies.text[1], child.replies.logprobs[1]
+    assert len(entries) == 30 and all(len(e.top) == 1 for e in entries)
+    assert "".join(e.token for e in entries) == whole
+    stop = whole[len(whole) // 2:len(whole) // 2 + 4]
+    child.send(Work(items=[_item(2, "Once upon a time", max_tokens=30, ignore_eos=True,
+                                 logprobs=1, stop=[stop]),
+                           _item(3, "Once upon a time", max_tokens=30, ignore_eos=True)]))
+    child.until(_ended(2, 3))
+    r = child.replies
+    assert r.text[2] == whole[:whole.index(stop)] and r.text[3] == whole
+    (end,) = r.endings[2]
+    assert len(r.logprobs[2]) == end.completion_tokens < 30
+    assert r.logprobs[2] == entries[:end.completion_tokens] and not r.logprobs[3]
     child.send(Shutdown())
     assert child.exitcode() == exitcodes.OK
 

@@ -10,7 +10,7 @@ import pytest
 
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Chunk, End, Error, Generate
+from modelpool.protocol.messages import Chunk, End, Error, Generate, TokenLogprob
 from modelpool.protocol.pipes import WorkItem
 from modelpool.workers.capabilities import text_to_text
 from modelpool.workers.capabilities.text_to_text import GenerationStats, StopMatcher
@@ -150,6 +150,31 @@ def test_stop_string_ends_the_stream_with_stop() -> None:
     assert isinstance(end, End) and end.finish_reason == "stop"
     assert model.pulled == 3  # generation stopped right at the stop string
     assert sum(isinstance(m, End) for m in out.sent) == 1
+
+
+class LogprobModel(FakeModel):
+    """Gives each piece's token an entry when the request asks for logprobs."""
+
+    def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
+        for i, piece in enumerate(super().generate(request, stats)):
+            if request.sampling.logprobs is not None:
+                stats.logprob = TokenLogprob(piece, i, -float(i))
+            yield piece
+
+
+def test_each_tokens_logprob_goes_once_with_the_chunk_after_it() -> None:
+    """Text held back for a stop string, then cut by it: every token's entry still goes,
+    in order, in a chunk of its own step (text "" while its text is held back)."""
+    pieces = ["The answer", "", " is 42.\nQ", "uestion: more", " and more"]
+    out = FakeOutbox()
+    _run(LogprobModel(pieces), out, stop=["\nQuestion:"], logprobs=0)
+    chunks = out.chunks()
+    assert [c.text for c in chunks] == ["T", "", "he answer", " is 42."]
+    assert [[e.token for e in c.logprobs or []] for c in chunks] == [[p] for p in pieces[:4]]
+    assert [c.seq for c in chunks] == [0, 1, 2, 3]
+    out = FakeOutbox()
+    _run(LogprobModel(pieces), out)  # not asked: none, and no empty chunk
+    assert all(c.logprobs is None and c.text for c in out.chunks())
 
 
 def test_held_back_text_is_flushed_at_the_end() -> None:

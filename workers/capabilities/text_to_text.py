@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from modelpool.protocol.errors import PoolError
-from modelpool.protocol.messages import Chunk, End, Generate
+from modelpool.protocol.messages import Chunk, End, Generate, TokenLogprob
 from modelpool.protocol.pipes import WorkItem
 from modelpool.workers.capabilities import text_limits
 from modelpool.workers.capabilities.base import Outbox, error_reply
@@ -20,6 +20,13 @@ class GenerationStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str = "length"  # the model sets "stop" when it emits end-of-sequence
+    # the last token's, when the request asks for logprobs: the adapter takes it
+    logprob: TokenLogprob | None = None
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The last token's entry for the next chunk, once (None: none)."""
+        entry, self.logprob = self.logprob, None
+        return None if entry is None else [entry]
 
 
 class TextGenerationModel(Protocol):
@@ -103,8 +110,9 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
                 stats.finish_reason = "cancelled"
                 break
             text, hit = stop.feed(piece)
-            if text:
-                out.send(Chunk(id=job_id, seq=seq, text=text))
+            logprobs = stats.take_logprobs()
+            if text or logprobs:
+                out.send(Chunk(id=job_id, seq=seq, text=text, logprobs=logprobs))
                 seq += 1
             if hit:
                 stats.finish_reason = "stop"

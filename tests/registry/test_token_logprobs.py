@@ -1,0 +1,103 @@
+"""An output token's log-probability and its alternatives: from hand-made logits, and
+from the tiny random-weight Llama decoding one token at a time."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelpool.protocol import kinds
+from modelpool.protocol.messages import Generate, TokenLogprob, TopLogprob
+from modelpool.registry.loaders import load_model
+from modelpool.registry.loaders.causal_lm import CausalLM
+from modelpool.registry.loaders.token_logprobs import FLOOR, token_logprob
+from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities.text_to_text import GenerationStats
+
+PROMPT = "Once upon a time, there was a tiny model"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models_dir: Path) -> CausalLM:
+    model = load_model(ModelSpec(key="tiny-llm", capability="text_to_text",
+                                 path=str(tiny_models_dir / "tiny-llm")))
+    assert isinstance(model, CausalLM)
+    return model
+
+
+class Letters:
+    """A tokenizer whose token i is the letter chr(97 + i)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(97 + i) for i in ids)
+
+
+def _log_softmax(values: list[float]) -> list[float]:
+    total = math.log(sum(math.exp(v) for v in values))
+    return [v - total for v in values]
+
+
+def test_the_tokens_logprob_and_the_likeliest_first() -> None:
+    values = [1.0, 3.0, 0.5, 2.0]
+    expected = _log_softmax(values)
+    entry = token_logprob(torch.tensor(values), 2, 2, Letters())
+    assert (entry.token, entry.token_id) == ("c", 2)
+    assert math.isclose(entry.logprob, expected[2], rel_tol=1e-6)
+    assert [t.token for t in entry.top] == ["b", "d"]  # likeliest first; c is not among them
+    assert all(math.isclose(t.logprob, expected[ord(t.token) - 97], rel_tol=1e-6)
+               for t in entry.top)
+    assert token_logprob(torch.tensor(values), 2, 0, Letters()).top == []
+    everything = token_logprob(torch.tensor(values), 0, 20, Letters())  # more than there are
+    assert [t.token for t in everything.top] == ["b", "d", "a", "c"]
+
+
+def test_a_token_the_model_rules_out_is_reported_at_the_floor_not_minus_infinity() -> None:
+    entry = token_logprob(torch.tensor([0.0, float("-inf"), 0.0]), 1, 3, Letters())
+    assert entry.logprob == FLOOR and entry.top[-1] == TopLogprob("b", FLOOR)
+    assert math.isclose(entry.top[0].logprob, math.log(0.5), rel_tol=1e-6)
+
+
+def _with_logprobs(llm: CausalLM, **fields: object) -> tuple[str, list[TokenLogprob]]:
+    """The text and each piece's token entry, as the stream adapter takes them."""
+    stats, text, entries = GenerationStats(), "", []
+    prompt = fields.pop("prompt")
+    for piece in llm.generate(kinds.build("generate", prompt, **fields), stats):
+        text += piece
+        entries.extend(stats.take_logprobs() or [])
+    assert len(entries) == (0 if fields.get("logprobs") is None else stats.completion_tokens)
+    return text, entries
+
+
+def _raw_logprobs(llm: CausalLM, ids: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The model's own log-probabilities at each output position, without a KV cache."""
+    with torch.inference_mode():
+        logits = llm.model(input_ids=torch.tensor([ids + tokens])).logits[0].float()
+    return [torch.log_softmax(logits[len(ids) - 1 + i], -1) for i in range(len(tokens))]
+
+
+def test_logprobs_are_each_output_tokens_and_the_likeliest_from_the_raw_logits(
+        llm: CausalLM) -> None:
+    common = {"prompt": PROMPT, "raw": True, "max_tokens": 10, "ignore_eos": True}
+    ids = llm.prompt_ids(Generate(id=1, prompt=PROMPT, raw=True))
+    text, entries = _with_logprobs(llm, temperature=0.0, logprobs=3, **common)
+    tokens = [e.token_id for e in entries]
+    assert text == llm.tokenizer.decode(tokens, skip_special_tokens=True)
+    for entry, reference in zip(entries, _raw_logprobs(llm, ids, tokens), strict=True):
+        assert entry.token_id == int(reference.argmax())  # greedy, as without a cache
+        assert entry.token == llm.tokenizer.decode([entry.token_id])
+        assert abs(entry.logprob - float(reference[entry.token_id])) < 1e-4
+        assert [t.token for t in entry.top] == [llm.tokenizer.decode([int(i)]) for i in
+                                                reference.topk(3).indices]
+        assert entry.top[0].logprob == entry.logprob  # greedy: the likeliest
+    # Forced by a bias, the tokens keep the model's own (low) log-probability.
+    _, forced = _with_logprobs(llm, temperature=0.0, logprobs=0, logit_bias={100: 100},
+                               **common)
+    assert [e.token_id for e in forced] == [100] * 10 and all(not e.top for e in forced)
+    reference = _raw_logprobs(llm, ids, [100] * 10)
+    assert all(abs(e.logprob - float(r[100])) < 1e-4 for e, r in zip(forced, reference,
+                                                                     strict=True))
+    assert max(e.logprob for e in forced) < -1
+    assert _with_logprobs(llm, temperature=0.0, **common)[1] == []  # not asked: none
