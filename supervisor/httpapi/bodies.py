@@ -29,6 +29,7 @@ from modelpool.protocol.fields import (
     Steps,
     Stops,
     StopTokenIds,
+    TopLogprobs,
 )
 from modelpool.protocol.messages import ImageInput
 
@@ -118,17 +119,14 @@ class Sampling(Options, kw_only=True):
     n: Choices = 1  # seeded: choice i takes seed + i
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    # chat: true or false, with top_logprobs alternatives; completions: the alternatives
+    logprobs: bool | TopLogprobs | None = None
+    top_logprobs: TopLogprobs | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's
     logit_bias: LogitBias | None = None  # token ids as strings, as JSON keys are
     user: str | None = None
-    refused: ClassVar[Refused] = {
-        "logprobs": ((None, False), "not supported"),
-        "top_logprobs": ((None, 0), "not supported"),
-    }
 
 
 class ChatBody(Sampling, kw_only=True):
@@ -142,7 +140,6 @@ class ChatBody(Sampling, kw_only=True):
     modalities: Annotated[list[str] | None, refused_note("text only")] = None
     audio: Annotated[dict[str, Any] | None, refused_note("text only")] = None
     refused: ClassVar[Refused] = {
-        **Sampling.refused,
         "tools": ((None, []), NO_TOOLS),
         "tool_choice": ((None, "none", "auto"), NO_TOOLS),
         "functions": ((None, []), NO_TOOLS),
@@ -160,7 +157,8 @@ class CompletionBody(Sampling, kw_only=True):
     suffix: str | None = None
     best_of: int | None = None
     refused: ClassVar[Refused] = {
-        **Sampling.refused, "echo": ((False,), "not supported"),
+        "echo": ((False,), "not supported"),
+        "top_logprobs": ((None, 0), "chat's: a completion takes logprobs: N"),
         "suffix": ((None, ""), "not supported"),
         "best_of": ((None, 1), "only 1 is supported; send several requests")}
 
@@ -264,7 +262,7 @@ def image_from_url(url: str, field: str) -> ImageInput:
         raise bad(field, "not valid base64") from None
 
 
-def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
+def _sampling(body: Sampling, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
     refuse_unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {"model": body.model or None, "max_tokens": max_tokens or body.max_tokens,
@@ -274,7 +272,7 @@ def _sampling(body: Sampling, max_tokens: int | None) -> dict[str, Any]:
             "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
             "seed": body.seed, "stop": stop, "stop_token_ids": body.stop_token_ids,
-            "min_tokens": body.min_tokens, **options(body)}
+            "min_tokens": body.min_tokens, "logprobs": logprobs, **options(body)}
 
 
 def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:
@@ -286,7 +284,7 @@ def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 
 def chat_call(body: ChatBody) -> PoolCall:
-    sampling = _sampling(body, body.max_completion_tokens)
+    sampling = _sampling(body, body.max_completion_tokens, _chat_logprobs(body))
     images = [(i, part) for i, m in enumerate(body.messages) if isinstance(m.content, list)
               for part in m.content if part.type == "image_url"]
     if not images:
@@ -303,6 +301,17 @@ def chat_call(body: ChatBody) -> PoolCall:
     return PoolCall("describe", (image, _text_of(body.messages[index])), sampling)
 
 
+def _chat_logprobs(body: ChatBody) -> int | None:
+    """The alternatives a chat asks for beside each token's logprob, None for none."""
+    if body.logprobs is not None and not isinstance(body.logprobs, bool):
+        raise bad("logprobs", "true or false in a chat (top_logprobs: how many alternatives)")
+    if not body.logprobs:
+        if body.top_logprobs:
+            raise bad("top_logprobs", "needs logprobs: true")
+        return None
+    return body.top_logprobs or 0
+
+
 def _text_of(message: ChatMessage) -> str:
     if isinstance(message.content, str):
         return message.content
@@ -311,7 +320,11 @@ def _text_of(message: ChatMessage) -> str:
 
 def completion_call(body: CompletionBody) -> PoolCall:
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    return PoolCall("generate", (prompt,), {**_sampling(body, None), "raw": True})
+    if isinstance(body.logprobs, bool):
+        raise bad("logprobs", "the number of likeliest alternatives in a completion, "
+                              "from 0 to 20")
+    return PoolCall("generate", (prompt,), {**_sampling(body, None, body.logprobs),
+                                            "raw": True})
 
 
 def images_call(body: ImagesBody) -> PoolCall:

@@ -89,10 +89,11 @@ async def gather_all(first: list[Any], streams: list[Stream], model: str) -> lis
 
 
 async def gather(first: Any, stream: Stream, model: str) -> TextResult:
-    parts, last = [first.text], first
+    parts, logprobs, last = [first.text], list(first.logprobs or ()), first
     async with contextlib.aclosing(stream):
         async for chunk in stream:
             parts.append(chunk.text)
+            logprobs.extend(chunk.logprobs or ())
             last = chunk
     return TextResult("".join(parts), last.finish_reason or "stop", last.prompt_tokens or 0,
-                      last.completion_tokens or 0, model)
+                      last.completion_tokens or 0, model, logprobs or None)

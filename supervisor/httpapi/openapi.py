@@ -51,10 +51,36 @@ class AssistantMessage(msgspec.Struct):
     content: str
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+    refusal: None
+
+
+class TextLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # the chosen token's too
+    text_offset: list[int]
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     finish_reason: Literal["stop", "length"] | None
     message: AssistantMessage
+    logprobs: ChatLogprobs | None  # with logprobs: true
 
 
 class ChatCompletion(msgspec.Struct):
@@ -70,7 +96,7 @@ class TextChoice(msgspec.Struct):
     index: int
     finish_reason: Literal["stop", "length"] | None
     text: str
-    logprobs: None
+    logprobs: TextLogprobs | None  # with logprobs: N
 
 
 class TextCompletion(msgspec.Struct):
@@ -91,6 +117,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     finish_reason: Literal["stop", "length"] | None
     delta: Delta
+    logprobs: ChatLogprobs | None  # this chunk's tokens', with logprobs: true
 
 
 class ChatChunk(msgspec.Struct):

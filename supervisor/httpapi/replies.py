@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from modelpool.protocol.client_core import ImageChunk, TextChunk, TextResult
 from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.supervisor.httpapi import logprobs
 
 # The status of each error code. 429s and 503s carry Retry-After.
 STATUS: dict[ErrorCode, int] = {
@@ -116,9 +117,10 @@ def completion(texts: list[TextResult], chat: bool, model: str) -> dict[str, Any
     for index, text in enumerate(texts):
         choice: dict[str, Any] = {"index": index, "finish_reason": _finish(text.finish_reason)}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text.text}
+            choice.update(message={"role": "assistant", "content": text.text},
+                          logprobs=logprobs.chat(text.logprobs))
         else:
-            choice.update(text=text.text, logprobs=None)
+            choice.update(text=text.text, logprobs=logprobs.completion(text.logprobs)[0])
         choices.append(choice)
     return {"id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
@@ -143,14 +145,18 @@ class StreamShape:
         self.started: set[int] = set()  # choices that have sent their first chunk
         self.running = choices
         self.prompt_tokens = self.completion_tokens = 0
+        self.offsets: dict[int, int] = {}  # by choice: its tokens' text so far, in chars
 
     def event(self, chunk: TextChunk, index: int = 0) -> bytes:
         choice: dict[str, Any] = {"index": index, "finish_reason": _finish(chunk.finish_reason)}
         if self.chat:
             choice["delta"] = {"content": chunk.text} if index in self.started else {
                 "role": "assistant", "content": chunk.text}
+            choice["logprobs"] = logprobs.chat(chunk.logprobs)
         else:
-            choice.update(text=chunk.text, logprobs=None)
+            listed, self.offsets[index] = logprobs.completion(chunk.logprobs,
+                                                              self.offsets.get(index, 0))
+            choice.update(text=chunk.text, logprobs=listed)
         self.started.add(index)
         out = sse(self._wrap([choice], None))
         if chunk.finish_reason is not None:
@@ -184,7 +190,7 @@ def job_result(op: str, result: Any) -> dict[str, Any]:
     """A finished job's result, by what its operation returns."""
     if isinstance(result, TextResult):
         return {"text": result.text, "finish_reason": _finish(result.finish_reason),
-                "model": result.model,
+                "model": result.model, "logprobs": logprobs.chat(result.logprobs),
                 "usage": usage(result.prompt_tokens, result.completion_tokens)}
     if isinstance(result, ImageChunk):
         assert result.png is not None

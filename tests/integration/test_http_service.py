@@ -60,7 +60,7 @@ def test_a_job_outlives_its_connection(served: tuple[Daemon, str]) -> None:
     assert missing.status_code == 404
 
 
-def test_a_jobs_body_takes_a_logit_bias_keyed_by_strings_as_the_endpoint_does(
+def test_a_jobs_body_takes_a_logit_bias_and_logprobs_as_the_endpoint_does(
         served: tuple[Daemon, str]) -> None:
     created = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
         "operation": "completions", "body": {"model": "tiny-llm", "prompt": "x",
@@ -74,6 +74,18 @@ def test_a_jobs_body_takes_a_logit_bias_keyed_by_strings_as_the_endpoint_does(
             "x", model="tiny-llm", max_tokens=4, temperature=0, raw=True,
             logit_bias={100: 100.0}))
     assert shown["status"] == "done" and shown["result"]["text"] == expected
+    with_logprobs = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
+        "operation": "chat.completions", "body": {
+            "model": "tiny-llm", "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 1}})
+    assert with_logprobs.status_code == 202, with_logprobs.text
+    done = httpx.get(f"{served[1]}/v1/jobs/{with_logprobs.json()['id']}?wait=30",
+                     headers=AUTH, timeout=60).json()["result"]
+    tokens = done["logprobs"]["content"]
+    assert len(tokens) == done["usage"]["completion_tokens"] == 4
+    assert "".join(t["token"] for t in tokens) == done["text"]
+    assert all(t["top_logprobs"][0]["logprob"] == t["logprob"] for t in tokens)  # greedy
+    assert shown["result"]["logprobs"] is None  # not asked
     several = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
         "operation": "completions", "body": {"model": "tiny-llm", "prompt": "x", "n": 2}})
     assert several.status_code == 400 and several.json()["error"]["param"] == "body.n"

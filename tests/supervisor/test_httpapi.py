@@ -63,9 +63,9 @@ def test_an_image_is_never_a_local_file(url: str) -> None:
 
 
 def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
-    with pytest.raises(PoolError, match=r"^BAD_REQUEST: logprobs:"):
-        bodies.chat_call(body(bodies.ChatBody, logprobs=True,
-                              messages=[{"role": "user", "content": "x"}]))
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: echo:"):
+        bodies.completion_call(body(bodies.CompletionBody, prompt="p", echo=True,
+                                    logprobs=1))
     with pytest.raises(PoolError, match="response_format"):
         bodies.images_call(body(bodies.ImagesBody, prompt="x", response_format="url"))
     with pytest.raises(PoolError, match="size"):
@@ -76,15 +76,14 @@ def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
 
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
-SAMPLING = {"logprobs": True, "top_logprobs": 3}
 ASKING = [  # a body, then each field with a value that asks for what no model here does
     (bodies.ChatBody, CHAT, {
-        **SAMPLING, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "required", "functions": [{"name": "f"}],
         "function_call": {"name": "f"}, "response_format": {"type": "json_object"},
         "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
     (bodies.CompletionBody, {"prompt": "p"}, {
-        **SAMPLING, "echo": True, "suffix": "end", "best_of": 2}),
+        "top_logprobs": 3, "echo": True, "suffix": "end", "best_of": 2}),
     (bodies.ImagesBody, {"prompt": "p"}, {
         "n": 2, "response_format": "url", "output_format": "jpeg",
         "background": "transparent"}),
@@ -234,7 +233,7 @@ def test_a_stream_is_chunks_then_usage() -> None:
               if e]
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
     assert events[1]["choices"][0] == {"index": 0, "finish_reason": "length",
-                                       "delta": {"content": "lo"}}
+                                       "delta": {"content": "lo"}, "logprobs": None}
     assert events[2]["choices"] == [] and events[2]["usage"]["total_tokens"] == 5
     assert len({e["id"] for e in events}) == 1
 
