@@ -11,13 +11,12 @@ with the same `next_token`, detokenizer and token logprobs as causal_lm.py's loo
 It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
 sliding window or recurrent state) and whose positions are one index per token, taken
 from `position_ids`: Llama, Mistral without a sliding window, Qwen2/3, Phi-3, GPT-2,
-LLaVA on any of those. `unsupported` says why another model is not, and it then runs one
-sequence at a time as before.
+LLaVA on any of those. `batch_fit.unsupported` says why another model is not, and it then
+runs one sequence at a time as before.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,9 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from modelpool.protocol.messages import Sampling, TokenLogprob
+from modelpool.registry.loaders.batch_fit import default_max_sequences
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
 from modelpool.registry.loaders.logit_rules import LogitRules
 from modelpool.registry.loaders.token_logprobs import token_logprob
@@ -45,8 +44,6 @@ PREFILL_TOKENS_GPU = 1024
 # none runs, so that prompts arriving together start together.
 STALL_STEPS = 4
 IDLE_FACTOR = 8
-DEFAULT_MAX_SEQUENCES = 16  # the default cap; fewer when their KV caches would not fit
-KV_MEMORY_FRACTION = 0.25  # of the memory available at load, for full-context KV caches
 
 
 @dataclass
@@ -210,7 +207,9 @@ class ContinuousDecoder:
             self.prefilled_last = True
             self.prefill_tokens = self.prefill_budget()
             group = self._next_group()
-            tokens = len(group) * min(max(s.left for s in group) or 1, self.prefill_tokens)
+            longest = max(s.left for s in group) or 1
+            tokens = len(group) * (min(longest, self.prefill_tokens) if self._chunked(group)
+                                   else longest)
             events = self._prefill(group)
             self.token_s = _average(self.token_s, (time.perf_counter() - started) / tokens)
             return events
@@ -236,7 +235,7 @@ class ContinuousDecoder:
 
     def _prefill(self, group: list[_Seq]) -> list[Emitted]:
         try:
-            if len(group) == 1 and (group[0].left > self.prefill_tokens or group[0].fed):
+            if self._chunked(group):
                 return self._prefill_chunk(group[0])
             logits, cache, mask = self._prefill_whole(group)
         except Exception as exc:
@@ -245,6 +244,13 @@ class ContinuousDecoder:
         self.waiting = [s for s in self.waiting if s not in group]
         self.rows.join(group, cache, mask)
         return self._advance(group, logits)
+
+    def _chunked(self, group: list[_Seq]) -> bool:
+        """Whether this prefill is the next chunk of one long prompt: text only, whose ids
+        alone are its inputs (an image's prompt is prefilled whole)."""
+        first = group[0]
+        return len(group) == 1 and first.plain and (first.left > self.prefill_tokens
+                                                    or bool(first.fed))
 
     def _next_group(self) -> list[_Seq]:
         """The first waiting sequence, with the short text prompts that follow it when it
@@ -357,44 +363,3 @@ class ContinuousDecoder:
 def _average(mean: float, sample: float) -> float:
     """A moving average that follows the last ten or so samples."""
     return sample if not mean else 0.8 * mean + 0.2 * sample
-
-
-def unsupported(model: Any) -> str | None:
-    """Why this model cannot be batched this way, or None if it can."""
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        return "an encoder-decoder model"
-    try:
-        layers = DynamicCache(config=config).layers
-    except Exception as exc:  # a config the cache cannot read: do not guess
-        return f"its cache layout is unknown ({type(exc).__name__})"
-    if any(type(layer) is not DynamicLayer for layer in layers):
-        return "its cache is not plain full attention (sliding window, hybrid, recurrent)"
-    inner = getattr(model, "model", None)
-    if hasattr(model, "get_rope_index") or hasattr(inner, "get_rope_index"):
-        return "its positions are multimodal (mrope)"
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        return "its forward takes no position_ids"
-    return None
-
-
-def default_max_sequences(model: Any) -> int:
-    """DEFAULT_MAX_SEQUENCES, or fewer if that many full-context KV caches would take
-    more than KV_MEMORY_FRACTION of the memory available now."""
-    config = model.config.get_text_config(decoder=True)
-    heads = int(getattr(config, "num_attention_heads", 1) or 1)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    layers = int(config.num_hidden_layers)
-    context = int(getattr(config, "max_position_embeddings", 0) or 2048)
-    per_sequence = 2 * layers * kv_heads * head_dim * context * model.dtype.itemsize
-    return max(1, min(DEFAULT_MAX_SEQUENCES,
-                      int(KV_MEMORY_FRACTION * _available_bytes(model.device) // per_sequence)))
-
-
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    import psutil
-
-    return int(psutil.virtual_memory().available)

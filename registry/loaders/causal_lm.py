@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Generate, Sampling
-from modelpool.registry.loaders import batched_decode
+from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.common import (
     configured_tokens,
@@ -85,7 +85,7 @@ class CausalLM:
 
     def decoder(self) -> ContinuousDecoder | None:
         """Continuous batching of many sequences, if this model allows it."""
-        if batched_decode.unsupported(self.model) is not None:
+        if batch_fit.unsupported(self.model) is not None:
             return None
         return ContinuousDecoder(self.model, self.tokenizer, self.eos_ids)
 

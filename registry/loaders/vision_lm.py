@@ -16,7 +16,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Describe
-from modelpool.registry.loaders import batched_decode
+from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
 from modelpool.registry.loaders.common import (
@@ -84,7 +84,7 @@ class VisionLM:
     def decoder(self) -> ContinuousDecoder | None:
         """Continuous batching of the language model's sequences, if it allows it: each
         prompt (image included) is prefilled alone, then decoded with the others."""
-        if batched_decode.unsupported(self.model) is not None:
+        if batch_fit.unsupported(self.model) is not None:
             return None
         return ContinuousDecoder(self.model, self.tokenizer, self.eos_ids)
 

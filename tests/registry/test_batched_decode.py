@@ -13,7 +13,7 @@ from PIL import Image
 
 from modelpool.protocol import kinds
 from modelpool.protocol.messages import Generate, TokenLogprob
-from modelpool.registry.loaders import batched_decode, load_model
+from modelpool.registry.loaders import batch_fit, batched_decode, load_model
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder
 from modelpool.registry.loaders.causal_lm import CausalLM
 from modelpool.registry.loaders.vision_lm import VisionLM
@@ -242,6 +242,15 @@ def test_vision_sequences_batch_like_text(tiny_models_dir: Path) -> None:
     plain = msgspec.structs.replace(requests[1], sampling=msgspec.structs.replace(
         requests[1].sampling, repetition_penalty=1.0, frequency_penalty=0.0))
     assert "".join(model.describe(images[1], plain, GenerationStats())) != alone[1][0]  # type: ignore[arg-type]
+    # A prompt longer than a prefill pass takes is still prefilled whole, image and all,
+    # while text sequences run: chunks of its ids alone would leave the image out.
+    decoder = model.decoder()
+    assert decoder is not None
+    decoder.least_prefill = 4
+    decoder.prefill_budget = lambda: 4  # type: ignore[method-assign]
+    assert all(p.prompt_tokens > 4 for p in prepared)
+    together, _ = _run(decoder, {0: [(0, prepared[0])], 2: [(1, prepared[1])]})
+    assert together == {0: alone[0], 1: alone[1]}
 
 
 def test_models_that_cannot_batch_say_why() -> None:
@@ -252,9 +261,9 @@ def test_models_that_cannot_batch_say_why() -> None:
     with torch.random.fork_rng(devices=[]):
         llama = LlamaForCausalLM(LlamaConfig(**small))
         windowed = MistralForCausalLM(MistralConfig(sliding_window=8, **small))
-    assert batched_decode.unsupported(llama) is None
-    assert "sliding window" in (batched_decode.unsupported(windowed) or "")
-    assert 1 <= batched_decode.default_max_sequences(llama) <= batched_decode.DEFAULT_MAX_SEQUENCES
+    assert batch_fit.unsupported(llama) is None
+    assert "sliding window" in (batch_fit.unsupported(windowed) or "")
+    assert 1 <= batch_fit.default_max_sequences(llama) <= batch_fit.DEFAULT_MAX_SEQUENCES
 
 
 def test_a_fast_model_prefills_more_at_once_and_most_when_nothing_runs(llm: CausalLM) -> None:
