@@ -39,6 +39,7 @@ class TextChunk:
     completion_tokens: int | None = None
     # with logprobs asked for: the tokens made since the last chunk (see messages.Chunk)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # the last chunk's, if asked for
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class TextResult:
     completion_tokens: int
     model: str
     logprobs: list[TokenLogprob] | None = None  # every output token's, if asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, if asked for
 
 
 def job_result(reply: JobResult) -> Any:
@@ -72,7 +74,8 @@ def job_result(reply: JobResult) -> Any:
     result = reply.result
     if isinstance(result, Completion):
         return TextResult(result.text, result.finish_reason, result.prompt_tokens,
-                          result.completion_tokens, result.model, result.logprobs)
+                          result.completion_tokens, result.model, result.logprobs,
+                          result.prompt_logprobs)
     if isinstance(result, ImageMsg):
         return image_chunk(result)
     array = np.frombuffer(result.data, dtype=_little_endian(result.dtype))
@@ -198,7 +201,8 @@ def text_chunk(msg: Any) -> TextChunk:
         return TextChunk(text=msg.text, logprobs=msg.logprobs)
     assert isinstance(msg, End)
     return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
-                     completion_tokens=msg.completion_tokens)
+                     completion_tokens=msg.completion_tokens,
+                     prompt_logprobs=msg.prompt_logprobs)
 
 
 def image_chunk(msg: Any) -> ImageChunk:

@@ -55,6 +55,7 @@ class Completion(_Msg, frozen=True, kw_only=True, tag="completion"):
     completion_tokens: int = 0
     model: str = ""
     logprobs: list[TokenLogprob] | None = None  # every output token's, if asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, if asked for
 
 
 class JobResult(_Msg, frozen=True, kw_only=True, tag="job_result"):

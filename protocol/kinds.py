@@ -124,19 +124,20 @@ def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
              logit_bias: dict[int, float] | None = None, seed: int | None = None,
              stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
              min_tokens: int = 0, ignore_eos: bool = False, logprobs: int | None = None,
-             raw: bool = False) -> tuple[Fields, bool]:
+             prompt_logprobs: int | None = None, raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, or a chat as [{"role", "content"}, ...].
     Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; penalties 0 (and
     repetition_penalty 1) change nothing; logit_bias adds to the logits of those token
     ids; unset, each is the model's recommendation or the daemon's default. logprobs: each
     chunk's tokens with their log-probabilities and that many likeliest alternatives
-    (TextChunk.logprobs). Breaking out of the stream cancels it."""
+    (TextChunk.logprobs); prompt_logprobs: the prompt's tokens alike, on the last chunk.
+    Breaking out of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": Sampling(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, logit_bias=logit_bias, seed=seed,
         stop=stop or [], stop_token_ids=stop_token_ids or [], min_tokens=min_tokens,
-        ignore_eos=ignore_eos, logprobs=logprobs)}
+        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     else:
@@ -161,8 +162,8 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              repetition_penalty: float | None = None,
              logit_bias: dict[int, float] | None = None, seed: int | None = None,
              stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
-             min_tokens: int = 0, ignore_eos: bool = False,
-             logprobs: int | None = None) -> tuple[Fields, bool]:
+             min_tokens: int = 0, ignore_eos: bool = False, logprobs: int | None = None,
+             prompt_logprobs: int | None = None) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. Sampling as generate's."""
     return {"model": model or "", "image": image_input(image), "prompt": query,
             "sampling": Sampling(
@@ -171,7 +172,8 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
                 frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                 logit_bias=logit_bias, seed=seed, stop=stop or [],
                 stop_token_ids=stop_token_ids or [], min_tokens=min_tokens,
-                ignore_eos=ignore_eos, logprobs=logprobs)}, False
+                ignore_eos=ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs)}, False
 
 
 def generate_image(prompt: str, model: str | None = None, *, steps: int | None = None,

@@ -91,6 +91,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # each output token's log-probability and this many likeliest alternatives, from the
     # model's raw logits (before biases, penalties and temperature); None: none
     logprobs: TopLogprobs | None = None
+    prompt_logprobs: TopLogprobs | None = None  # the same for each prompt token (End's)
 
 
 class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
@@ -229,12 +230,13 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
-    """One output token: its text, id and log-probability, and the likeliest tokens at
-    its place (as many as the request's logprobs asked, likeliest first)."""
+    """One token: its text, id and log-probability, and the likeliest tokens at its
+    place (as many as the request asked, likeliest first). A prompt's first token has
+    none (None, and no alternatives): nothing before it predicts it."""
 
     token: str
     token_id: int
-    logprob: float
+    logprob: float | None
     top: list[TopLogprob] = []
 
 
@@ -255,6 +257,7 @@ class End(_Msg, frozen=True, kw_only=True, tag="end"):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     model: str = ""
+    prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs asked for
 
 
 class ImageProgress(_Msg, frozen=True, kw_only=True, tag="image_progress"):

@@ -71,7 +71,8 @@ class MailboxSink:
                 self.service.ended(self, Completion(
                     text="".join(self._text), finish_reason=msg.finish_reason,
                     prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-                    model=msg.model, logprobs=self._logprobs or None))
+                    model=msg.model, logprobs=self._logprobs or None,
+                    prompt_logprobs=msg.prompt_logprobs))
             case Error() if not self.jobs.registered:
                 self.refusal = msg  # answered at once, never queued
             case Error() | Embeddings() | Scores() | Image():

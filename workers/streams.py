@@ -196,7 +196,8 @@ class StreamLoop:
             reason = "stop" if hit else stats.finish_reason
             self._close(job_id, End(id=job_id, finish_reason=reason,
                                     prompt_tokens=stats.prompt_tokens,
-                                    completion_tokens=stats.completion_tokens))
+                                    completion_tokens=stats.completion_tokens,
+                                    prompt_logprobs=stats.prompt_logprobs))
 
     def _cancel(self, job_id: int) -> None:
         stats = self.decoder.drop(job_id) or GenerationStats()

@@ -30,7 +30,7 @@ from modelpool.protocol.messages import Sampling, TokenLogprob
 from modelpool.registry.loaders.batch_fit import default_max_sequences
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
 from modelpool.registry.loaders.logit_rules import LogitRules
-from modelpool.registry.loaders.token_logprobs import token_logprob
+from modelpool.registry.loaders.token_logprobs import prompt_logprobs, token_logprob
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 # Padded prompt tokens per prefill pass at least (short prompts share one, a long one is
@@ -82,8 +82,10 @@ class _Seq:
 
     @property
     def plain(self) -> bool:
-        """Text only: may share a padded prefill pass, or be fed in chunks."""
-        return set(self.prepared.inputs) <= {"input_ids", "attention_mask"}
+        """Text only, and no prompt logprobs (they need the whole prompt's logits): may
+        share a padded prefill pass, or be fed in chunks."""
+        return (set(self.prepared.inputs) <= {"input_ids", "attention_mask"}
+                and self.prepared.sampling.prompt_logprobs is None)
 
     @property
     def left(self) -> int:
@@ -271,10 +273,16 @@ class ContinuousDecoder:
     def _prefill_whole(self, group: list[_Seq]
                        ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
         if len(group) == 1:
-            inputs = dict(group[0].prepared.inputs)
+            seq = group[0]
+            inputs = dict(seq.prepared.inputs)
             ids = inputs["input_ids"]
             mask = inputs.pop("attention_mask", torch.ones_like(ids))
-            out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+            top = seq.prepared.sampling.prompt_logprobs
+            out = self.model(**inputs, use_cache=True, logits_to_keep=0 if top is not None
+                             else 1)
+            if top is not None:
+                seq.stats.prompt_logprobs = prompt_logprobs(out.logits[0], ids[0].tolist(),
+                                                            top, self.tokenizer)
             return out.logits[:, -1], kv_cache_of(out), mask.to("cpu", torch.long)
         length = max(s.left for s in group)
         ids = torch.full((len(group), length), self.pad_id, dtype=torch.long)

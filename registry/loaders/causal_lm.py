@@ -20,6 +20,7 @@ from modelpool.registry.loaders.common import (
     configured_tokens,
     kv_cache_keyword,
     kv_cache_of,
+    last_logits_only,
     own_tokens,
     place,
     pretrained_kwargs,
@@ -27,7 +28,11 @@ from modelpool.registry.loaders.common import (
     vocab_size,
 )
 from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
-from modelpool.registry.loaders.token_logprobs import token_logprob
+from modelpool.registry.loaders.token_logprobs import (
+    check_prompt_logprobs,
+    prompt_logprobs,
+    token_logprob,
+)
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -80,6 +85,7 @@ class CausalLM:
         if len(ids) >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {len(ids)} tokens; model "
                             f"{self.key!r} has a context of {self.context}")
+        check_prompt_logprobs(request.sampling, len(ids), self.vocab, self.key)
         assert request.sampling.max_tokens is not None, "the daemon fills in defaults"
         return ids, min(request.sampling.max_tokens, self.context - len(ids))
 
@@ -117,10 +123,15 @@ def decode(model: Any, first_inputs: dict[str, Any],
     detok = IncrementalDecoder(tokenizer)
     step_inputs, past = first_inputs, None
     cache_keyword = kv_cache_keyword(model)
+    keep = {} if sampling.prompt_logprobs is not None else last_logits_only(model)
     stats.finish_reason = "length"
-    for _ in range(budget):
-        out = model(**step_inputs, **{cache_keyword: past}, use_cache=True)
+    for step in range(budget):
+        out = model(**step_inputs, **{cache_keyword: past}, use_cache=True, **keep)
         past = kv_cache_of(out)
+        if step == 0 and sampling.prompt_logprobs is not None:
+            stats.prompt_logprobs = prompt_logprobs(
+                out.logits[0], first_inputs["input_ids"][0].tolist(), sampling.prompt_logprobs,
+                tokenizer)
         logits = out.logits[0, -1].float().cpu()
         token = next_token(logits, sampling, generator, rules)
         if ends(token, sampling, eos_ids):

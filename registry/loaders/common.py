@@ -87,6 +87,13 @@ def kv_cache_keyword(model: Any) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def last_logits_only(model: Any) -> dict[str, int]:
+    """What asks a causal LM's forward for the last position's logits only (a prompt's
+    all would be its tokens x the vocabulary), where its forward takes it."""
+    takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {"logits_to_keep": 1} if takes else {}
+
+
 def kv_cache_of(output: Any) -> Any:
     """The KV cache a forward returned, under whichever name its transformers gives it."""
     return output["cache"] if "cache" in output else output["past_key_values"]

@@ -28,6 +28,7 @@ from modelpool.registry.loaders.common import (
     vocab_size,
 )
 from modelpool.registry.loaders.logit_rules import check_logit_bias
+from modelpool.registry.loaders.token_logprobs import check_prompt_logprobs
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -78,6 +79,7 @@ class VisionLM:
         if n_prompt >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "
                             f"included); model {self.key!r} has a context of {self.context}")
+        check_prompt_logprobs(request.sampling, n_prompt, self.vocab, self.key)
         assert request.sampling.max_tokens is not None, "the daemon fills in defaults"
         return inputs, n_prompt, min(request.sampling.max_tokens, self.context - n_prompt)
 

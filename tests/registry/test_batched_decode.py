@@ -167,6 +167,37 @@ def test_logprobs_batched_are_as_one_at_a_time(llm: CausalLM) -> None:
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got, alone, strict=True)) < 1e-4
 
 
+def test_a_sequence_asking_for_its_prompts_logprobs_is_prefilled_alone_and_gets_them(
+        llm: CausalLM) -> None:
+    requests = [_request(i, max_tokens=6, **fields) for i, fields in enumerate(
+        [{}, {"prompt_logprobs": 2}, {}, {"prompt_logprobs": 0, "logprobs": 0}])]
+    decoder = llm.decoder()
+    assert decoder is not None
+    for i, request in enumerate(requests):
+        decoder.add(i, llm.prepare(request))
+    ended: dict[int, GenerationStats] = {}
+    prefills = []
+    while len(decoder):
+        waiting = len(decoder.waiting)
+        for event in decoder.step():
+            if event.stats is not None:
+                ended[event.seq_id] = event.stats
+        prefills += [waiting - len(decoder.waiting)] if waiting != len(decoder.waiting) else []
+    assert prefills == [2, 1, 1]  # 0 and 2 share a pass; 1 and 3 each have their own
+    for i, request in enumerate(requests):
+        alone = GenerationStats()
+        list(llm.generate(request, alone))
+        got, expected = ended[i].prompt_logprobs, alone.prompt_logprobs
+        if expected is None:
+            assert got is None
+            continue
+        assert got is not None and len(got) == ended[i].prompt_tokens
+        assert [(e.token_id, [t.token for t in e.top]) for e in got] == [
+            (e.token_id, [t.token for t in e.top]) for e in expected]
+        assert max(abs((a.logprob or 0) - (b.logprob or 0)) for a, b in zip(
+            got, expected, strict=True)) < 1e-4
+
+
 def test_stop_tokens_end_batched_sequences_as_they_end_alone(llm: CausalLM) -> None:
     """Each greedy sequence's stop token is the one it outputs fourth: it ends by its
     fourth token (sooner if that token came before), beside one that has none."""

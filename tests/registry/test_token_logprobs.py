@@ -3,6 +3,7 @@ from the tiny random-weight Llama decoding one token at a time."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -10,10 +11,17 @@ import pytest
 import torch
 
 from modelpool.protocol import kinds
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Generate, TokenLogprob, TopLogprob
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM
-from modelpool.registry.loaders.token_logprobs import FLOOR, token_logprob
+from modelpool.registry.loaders.token_logprobs import (
+    FLOOR,
+    PROMPT_LOGITS_BYTES,
+    check_prompt_logprobs,
+    prompt_logprobs,
+    token_logprob,
+)
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -58,6 +66,59 @@ def test_a_token_the_model_rules_out_is_reported_at_the_floor_not_minus_infinity
     entry = token_logprob(torch.tensor([0.0, float("-inf"), 0.0]), 1, 3, Letters())
     assert entry.logprob == FLOOR and entry.top[-1] == TopLogprob("b", FLOOR)
     assert math.isclose(entry.top[0].logprob, math.log(0.5), rel_tol=1e-6)
+
+
+def test_each_prompt_token_is_predicted_by_the_row_before_it_and_the_first_by_none() -> None:
+    rows = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 3.0], [9.0, 9.0, 9.0]])
+    entries = prompt_logprobs(rows, [1, 0, 2], 1, Letters())
+    assert [(e.token, e.token_id, e.top) for e in entries[:1]] == [("b", 1, [])]
+    assert entries[0].logprob is None and len(entries) == 3
+    assert math.isclose(entries[1].logprob or 0, _log_softmax([2.0, 0, 0])[0], rel_tol=1e-6)
+    assert math.isclose(entries[2].logprob or 0, _log_softmax([0, 0, 3.0])[2], rel_tol=1e-6)
+    assert [e.top[0].token for e in entries[1:]] == ["a", "c"]
+
+
+def test_prompt_logprobs_of_a_prompt_whose_logits_would_not_fit_are_refused() -> None:
+    asked = kinds.build("generate", "p", prompt_logprobs=0).sampling  # type: ignore[attr-defined]
+    vocab = 32_000
+    fits = PROMPT_LOGITS_BYTES // (vocab * 4)
+    check_prompt_logprobs(asked, fits, vocab, "m")
+    check_prompt_logprobs(kinds.build("generate", "p").sampling,  # type: ignore[attr-defined]
+                          10 * fits, vocab, "m")  # not asked: any length
+    with pytest.raises(PoolError) as err:
+        check_prompt_logprobs(asked, fits + 1, vocab, "m")
+    assert err.value.code is ErrorCode.BAD_REQUEST and f"up to {fits} tokens" in err.value.message
+
+
+def test_the_prompts_logprobs_keep_its_logits_and_nothing_else_does(
+        llm: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt's pass keeps every position's logits only for prompt_logprobs; each
+    prompt token's entry is the model's own, as computed without a KV cache."""
+    kept: list[int] = []
+    forward = llm.model.forward
+
+    @functools.wraps(forward)  # the same signature: the keywords it takes are read from it
+    def recording(*args: object, **kwargs: object) -> object:
+        out = forward(*args, **kwargs)
+        kept.append(out.logits.shape[1])
+        return out
+
+    monkeypatch.setattr(llm.model, "forward", recording)
+    common = {"prompt": PROMPT, "raw": True, "max_tokens": 3, "temperature": 0.0}
+    ids = llm.prompt_ids(Generate(id=1, prompt=PROMPT, raw=True))
+    request = kinds.build("generate", **common, prompt_logprobs=2)
+    stats = GenerationStats()
+    text = "".join(llm.generate(request, stats))  # type: ignore[arg-type]
+    assert kept == [len(ids), 1, 1]
+    entries = stats.prompt_logprobs or []
+    assert [e.token_id for e in entries] == ids and entries[0].logprob is None
+    reference = _raw_logprobs(llm, ids[:1], ids[1:])
+    assert all(abs((e.logprob or 0) - float(r[e.token_id])) < 1e-4 and len(e.top) == 2
+               for e, r in zip(entries[1:], reference, strict=True))
+    kept.clear()
+    plain = GenerationStats()
+    assert "".join(llm.generate(kinds.build("generate", **common), plain)) == text  # type: ignore[arg-type]
+    assert kept == [1, 1, 1] and plain.prompt_logprobs is None
 
 
 def _with_logprobs(llm: CausalLM, **fields: object) -> tuple[str, list[TokenLogprob]]:

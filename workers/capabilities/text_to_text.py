@@ -22,6 +22,7 @@ class GenerationStats:
     finish_reason: str = "length"  # the model sets "stop" when it emits end-of-sequence
     # the last token's, when the request asks for logprobs: the adapter takes it
     logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # when the request asks for them
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         """The last token's entry for the next chunk, once (None: none)."""
@@ -124,4 +125,5 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
         out.send(error_reply(job_id, exc))
         return
     out.send(End(id=job_id, finish_reason=stats.finish_reason,
-                 prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens))
+                 prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
+                 prompt_logprobs=stats.prompt_logprobs))
