@@ -136,7 +136,8 @@ class Api:
             return EventStream(_events(shape, choices.chunks(firsts, streams)))
         texts = await unless_disconnected(request.scope,
                                           choices.gather_all(firsts, streams, shape.model))
-        return json_response(replies.completion(texts, chat, shape.model))
+        return json_response(replies.completion(texts, chat, shape.model,
+                                                bodies.echoed(body)))
 
     async def images(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImagesBody)

@@ -157,7 +157,6 @@ class CompletionBody(Sampling, kw_only=True):
     suffix: str | None = None
     best_of: int | None = None
     refused: ClassVar[Refused] = {
-        "echo": ((False,), "not supported"),
         "top_logprobs": ((None, 0), "chat's: a completion takes logprobs: N"),
         "suffix": ((None, ""), "not supported"),
         "best_of": ((None, 1), "only 1 is supported; send several requests")}
@@ -318,13 +317,25 @@ def _text_of(message: ChatMessage) -> str:
     return "".join(p.text or "" for p in message.content if p.type == "text")
 
 
+def _prompt(body: CompletionBody) -> str:
+    return body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+
+
+def echoed(body: Sampling) -> str | None:
+    """The prompt a completion asks to have before its text (echo), else None."""
+    return _prompt(body) if isinstance(body, CompletionBody) and body.echo else None
+
+
 def completion_call(body: CompletionBody) -> PoolCall:
-    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    prompt = _prompt(body)
     if isinstance(body.logprobs, bool):
         raise bad("logprobs", "the number of likeliest alternatives in a completion, "
                               "from 0 to 20")
+    if body.echo and body.stream:
+        raise bad("echo", "not streamed: ask for the echoed prompt without stream")
+    echoed = body.logprobs if body.echo else None  # the prompt's logprobs, echoed with it
     return PoolCall("generate", (prompt,), {**_sampling(body, None, body.logprobs),
-                                            "raw": True})
+                                            "prompt_logprobs": echoed, "raw": True})
 
 
 def images_call(body: ImagesBody) -> PoolCall:

@@ -96,4 +96,5 @@ async def gather(first: Any, stream: Stream, model: str) -> TextResult:
             logprobs.extend(chunk.logprobs or ())
             last = chunk
     return TextResult("".join(parts), last.finish_reason or "stop", last.prompt_tokens or 0,
-                      last.completion_tokens or 0, model, logprobs or None)
+                      last.completion_tokens or 0, model, logprobs or None,
+                      last.prompt_logprobs)

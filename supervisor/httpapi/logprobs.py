@@ -1,6 +1,7 @@
-"""Output tokens' log-probabilities in OpenAI's two shapes: chat's list of tokens, each
+"""Tokens' log-probabilities in OpenAI's two shapes: chat's list of output tokens, each
 with its likeliest alternatives, and the completions API's parallel lists (the chosen
-token among its alternatives, as vLLM reports it, and each token's offset in the text)."""
+token among its alternatives, as vLLM reports it, and each token's offset in the text;
+with `echo`, the prompt's tokens first, the first of them with none)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def completion(entries: list[TokenLogprob] | None, offset: int = 0
         offset += len(entry.token)
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top} | {e.token: e.logprob}
+            "top_logprobs": [None if e.logprob is None else
+                             {t.token: t.logprob for t in e.top} | {e.token: e.logprob}
                              for e in entries],
             "text_offset": offsets}, offset

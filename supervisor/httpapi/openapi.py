@@ -71,8 +71,8 @@ class ChatLogprobs(msgspec.Struct):
 
 class TextLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]  # the chosen token's too
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]  # the chosen token's too
     text_offset: list[int]
 
 

@@ -110,9 +110,11 @@ def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str,
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion(texts: list[TextResult], chat: bool, model: str) -> dict[str, Any]:
-    """Whole generations, one a choice, as chat.completion or text_completion; the prompt
-    counted once, as OpenAI does."""
+def completion(texts: list[TextResult], chat: bool, model: str,
+               echo: str | None = None) -> dict[str, Any]:
+    """Whole generations, one a choice, as chat.completion or text_completion (after the
+    prompt when it is echoed, its tokens first in the logprobs); the prompt counted once,
+    as OpenAI does."""
     choices = []
     for index, text in enumerate(texts):
         choice: dict[str, Any] = {"index": index, "finish_reason": _finish(text.finish_reason)}
@@ -120,7 +122,11 @@ def completion(texts: list[TextResult], chat: bool, model: str) -> dict[str, Any
             choice.update(message={"role": "assistant", "content": text.text},
                           logprobs=logprobs.chat(text.logprobs))
         else:
-            choice.update(text=text.text, logprobs=logprobs.completion(text.logprobs)[0])
+            entries = text.logprobs
+            if echo is not None and text.prompt_logprobs is not None:
+                entries = [*text.prompt_logprobs, *(text.logprobs or [])]
+            choice.update(text=(echo or "") + text.text,
+                          logprobs=logprobs.completion(entries)[0])
         choices.append(choice)
     return {"id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
@@ -191,6 +197,7 @@ def job_result(op: str, result: Any) -> dict[str, Any]:
     if isinstance(result, TextResult):
         return {"text": result.text, "finish_reason": _finish(result.finish_reason),
                 "model": result.model, "logprobs": logprobs.chat(result.logprobs),
+                "prompt_logprobs": logprobs.chat(result.prompt_logprobs),
                 "usage": usage(result.prompt_tokens, result.completion_tokens)}
     if isinstance(result, ImageChunk):
         assert result.png is not None

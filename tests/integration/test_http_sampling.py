@@ -161,3 +161,32 @@ def test_logprobs_through_the_sdk_are_the_socket_clients_whole_and_streamed(
         strict=True))
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         sdk.chat.completions.create(messages=messages, top_logprobs=2, **kw)
+
+
+def test_an_echoed_prompts_logprobs_through_the_sdk_as_evaluation_harnesses_ask(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """lm-evaluation-harness scores a continuation by asking for the prompt echoed with its
+    logprobs and one token: the prompt's tokens come first (the first without one), as
+    the socket client's prompt_logprobs give them, then the generated token."""
+    prompt = "tell me about workers"
+    with served[0].client() as c:
+        chunks = list(c.generate(prompt, model="tiny-llm", raw=True, max_tokens=1,
+                                 temperature=0, logprobs=1, prompt_logprobs=1))
+    prompt_entries = chunks[-1].prompt_logprobs or []
+    generated = [e for ch in chunks for e in ch.logprobs or []]
+    assert len(prompt_entries) == chunks[-1].prompt_tokens and len(generated) == 1
+    echoed = sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, logprobs=1,
+                                    max_tokens=1, temperature=0)
+    choice = echoed.choices[0]
+    assert choice.text == prompt + generated[0].token
+    listed = choice.logprobs
+    assert listed is not None and listed.top_logprobs is not None
+    assert listed.tokens == [e.token for e in [*prompt_entries, *generated]]
+    assert listed.token_logprobs == [e.logprob for e in [*prompt_entries, *generated]]
+    assert listed.token_logprobs[0] is None and listed.top_logprobs[0] is None
+    assert all(-100 < lp < 0 for lp in listed.token_logprobs[1:] if lp is not None)
+    plain = sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, max_tokens=1,
+                                   temperature=0)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, stream=True)

@@ -86,6 +86,14 @@ def test_a_jobs_body_takes_a_logit_bias_and_logprobs_as_the_endpoint_does(
     assert "".join(t["token"] for t in tokens) == done["text"]
     assert all(t["top_logprobs"][0]["logprob"] == t["logprob"] for t in tokens)  # greedy
     assert shown["result"]["logprobs"] is None  # not asked
+    echoed = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
+        "operation": "completions", "body": {"model": "tiny-llm", "prompt": "x y z",
+                                             "max_tokens": 1, "echo": True, "logprobs": 0}})
+    result = httpx.get(f"{served[1]}/v1/jobs/{echoed.json()['id']}?wait=30", headers=AUTH,
+                       timeout=60).json()["result"]
+    prompt = result["prompt_logprobs"]["content"]
+    assert len(prompt) == result["usage"]["prompt_tokens"] and prompt[0]["logprob"] is None
+    assert all(t["logprob"] < 0 for t in prompt[1:])
     several = httpx.post(served[1] + "/v1/jobs", headers=AUTH, json={
         "operation": "completions", "body": {"model": "tiny-llm", "prompt": "x", "n": 2}})
     assert several.status_code == 400 and several.json()["error"]["param"] == "body.n"

@@ -63,9 +63,9 @@ def test_an_image_is_never_a_local_file(url: str) -> None:
 
 
 def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
-    with pytest.raises(PoolError, match=r"^BAD_REQUEST: echo:"):
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: echo: not streamed"):
         bodies.completion_call(body(bodies.CompletionBody, prompt="p", echo=True,
-                                    logprobs=1))
+                                    stream=True))
     with pytest.raises(PoolError, match="response_format"):
         bodies.images_call(body(bodies.ImagesBody, prompt="x", response_format="url"))
     with pytest.raises(PoolError, match="size"):
@@ -83,7 +83,7 @@ ASKING = [  # a body, then each field with a value that asks for what no model h
         "function_call": {"name": "f"}, "response_format": {"type": "json_object"},
         "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
     (bodies.CompletionBody, {"prompt": "p"}, {
-        "top_logprobs": 3, "echo": True, "suffix": "end", "best_of": 2}),
+        "top_logprobs": 3, "suffix": "end", "best_of": 2}),
     (bodies.ImagesBody, {"prompt": "p"}, {
         "n": 2, "response_format": "url", "output_format": "jpeg",
         "background": "transparent"}),

@@ -1,5 +1,5 @@
-"""Log-probabilities over HTTP without a server: how each API asks for them, and the
-shapes they are answered in, whole and streamed."""
+"""Log-probabilities over HTTP without a server: how each API asks for them (and the
+completions API's echo), and the shapes they are answered in, whole and streamed."""
 
 from __future__ import annotations
 
@@ -91,3 +91,32 @@ def test_logprobs_in_completions_are_parallel_lists_with_text_offsets() -> None:
     whole = replies.completion([TextResult("Hello", "stop", 1, 2, "m", [HEL, LO])],
                                chat=False, model="m")
     assert whole["choices"][0]["logprobs"]["text_offset"] == [0, 3]
+
+
+def test_echo_asks_for_the_prompts_logprobs_when_logprobs_are_asked_for() -> None:
+    def call(**fields: object) -> bodies.PoolCall:
+        return bodies.completion_call(body(bodies.CompletionBody, prompt=["p"], **fields))
+
+    assert call(echo=True, logprobs=2).kwargs["prompt_logprobs"] == 2
+    assert call(echo=True).kwargs["prompt_logprobs"] is None
+    assert call(logprobs=2).kwargs["prompt_logprobs"] is None
+    echo = body(bodies.CompletionBody, prompt=["p"], echo=True)
+    assert bodies.echoed(echo) == "p"  # type: ignore[arg-type]
+    assert bodies.echoed(body(bodies.CompletionBody, prompt="p")) is None  # type: ignore[arg-type]
+
+
+def test_an_echoed_prompt_comes_first_in_the_text_and_the_logprobs() -> None:
+    first = TokenLogprob("<s>", 1, None)
+    said = TokenLogprob("He", 5, -4.0, [TopLogprob("A", -0.5), TopLogprob("B", -1.0)])
+    result = TextResult("llo", "length", 2, 1, "m", [LO], [first, said])
+    echoed = replies.completion([result], chat=False, model="m", echo="He")["choices"][0]
+    assert echoed["text"] == "Hello"
+    assert echoed["logprobs"] == {
+        "tokens": ["<s>", "He", "lo"], "token_logprobs": [None, -4.0, -2.0],
+        "top_logprobs": [None, {"A": -0.5, "B": -1.0, "He": -4.0}, {"p": -0.5, "lo": -2.0}],
+        "text_offset": [0, 3, 5]}
+    plain = replies.completion([result], chat=False, model="m")["choices"][0]
+    assert plain["text"] == "llo" and plain["logprobs"]["tokens"] == ["lo"]
+    unasked = TextResult("llo", "length", 2, 1, "m")
+    assert replies.completion([unasked], chat=False, model="m", echo="He")["choices"][0][
+        "text"] == "Hello"
