@@ -37,7 +37,7 @@ LogitBias = Annotated[dict[TokenId, Annotated[float, msgspec.Meta(ge=-100, le=10
                       msgspec.Meta(max_length=1024)]
 # vLLM's: tokens that end a sequence as its end-of-sequence does, not output
 StopTokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=64)]
-# OpenAI's top_logprobs, vLLM's logprobs: the likeliest alternatives reported beside each
-# output token's own log-probability (0: its own only)
+# OpenAI's top_logprobs, vLLM's logprobs and prompt_logprobs: the likeliest alternatives
+# reported beside each token's own log-probability (0: its own only)
 MAX_TOP_LOGPROBS = 20
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
