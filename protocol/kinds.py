@@ -115,7 +115,7 @@ def embed(texts: str | list[str], model: str | None = None) -> tuple[Fields, boo
     return {"model": model or "", "texts": [texts] if single else texts}, single
 
 
-def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
+def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None = None, *,
              max_tokens: int | None = None, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None,
              min_p: float | None = None, presence_penalty: float | None = None,
@@ -125,7 +125,8 @@ def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
              stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
              min_tokens: int = 0, ignore_eos: bool = False, logprobs: int | None = None,
              prompt_logprobs: int | None = None, raw: bool = False) -> tuple[Fields, bool]:
-    """Stream generated text; a prompt, or a chat as [{"role", "content"}, ...].
+    """Stream generated text; a prompt, its token ids (given to the model as they are), or
+    a chat as [{"role", "content"}, ...].
     Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; penalties 0 (and
     repetition_penalty 1) change nothing; logit_bias adds to the logits of those token
     ids; unset, each is the model's recommendation or the daemon's default. logprobs: each
@@ -140,8 +141,11 @@ def generate(prompt: str | list[dict[str, str]], model: str | None = None, *,
         ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
+    elif prompt and all(isinstance(token, int) for token in prompt):
+        fields["prompt_ids"] = prompt
     else:
-        fields["messages"] = [ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
+        fields["messages"] = [ChatMessage(role=m["role"], content=m["content"])
+                              for m in prompt if isinstance(m, dict)]
     return fields, False
 
 
@@ -199,7 +203,8 @@ def _greedy_or_seeded(request: Generate | Describe) -> bool:
 
 
 def _prompt_or_messages(request: Generate) -> str | None:
-    return None if request.prompt or request.messages else "generate needs a prompt or messages"
+    given = sum(map(bool, (request.prompt, request.prompt_ids, request.messages)))
+    return None if given == 1 else "generate needs one of a prompt, prompt_ids or messages"
 
 
 KINDS: tuple[Kind, ...] = (

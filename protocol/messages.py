@@ -28,6 +28,7 @@ from modelpool.protocol.fields import (
     Steps,
     Stops,
     StopTokenIds,
+    TokenId,
     TopK,
     TopLogprobs,
 )
@@ -97,6 +98,8 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     prompt: str = ""
     messages: list[ChatMessage] = []
+    # a prompt as token ids, given to the model as they are (an evaluation harness's)
+    prompt_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)] = []
     raw: bool = False  # True: send the prompt as-is, without the model's chat template
     sampling: Sampling = msgspec.field(default_factory=Sampling)
 

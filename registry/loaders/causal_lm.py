@@ -50,6 +50,12 @@ class CausalLM:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template)}
 
     def prompt_ids(self, request: Generate) -> list[int]:
+        if request.prompt_ids:
+            outside = [t for t in request.prompt_ids if self.vocab and t >= self.vocab]
+            if outside:
+                raise PoolError(ErrorCode.BAD_REQUEST, f"prompt_ids: token {outside[0]} is "
+                                f"not one of model {self.key!r}'s {self.vocab}")
+            return list(request.prompt_ids)
         template = self.tokenizer.chat_template
         if request.messages or (template and not request.raw):
             if not template:

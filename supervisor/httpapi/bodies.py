@@ -29,11 +29,13 @@ from modelpool.protocol.fields import (
     Steps,
     Stops,
     StopTokenIds,
+    TokenId,
     TopLogprobs,
 )
 from modelpool.protocol.messages import ImageInput
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
 Texts = Annotated[list[str], msgspec.Meta(min_length=1)]
 ImageUrlText = Annotated[str, msgspec.Meta(pattern="^(data:|https?://)")]
 Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
@@ -152,7 +154,9 @@ class ChatBody(Sampling, kw_only=True):
 
 
 class CompletionBody(Sampling, kw_only=True):
-    prompt: NonEmpty | Annotated[list[NonEmpty], msgspec.Meta(min_length=1, max_length=1)]
+    # one prompt: text, or token ids (as evaluation harnesses send them), alone or in a list
+    prompt: NonEmpty | Annotated[list[NonEmpty | TokenId | TokenIds],
+                                 msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -317,11 +321,20 @@ def _text_of(message: ChatMessage) -> str:
     return "".join(p.text or "" for p in message.content if p.type == "text")
 
 
-def _prompt(body: CompletionBody) -> str:
-    return body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+def _prompt(body: CompletionBody) -> str | list[int]:
+    """The one prompt: its text or its token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if all(isinstance(token, int) for token in prompt):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) == 1 and not isinstance(prompt[0], int):
+        return prompt[0]
+    raise bad("prompt", "one prompt: a string or token ids (send several prompts as several "
+                        "requests)")
 
 
-def echoed(body: Sampling) -> str | None:
+def echoed(body: Sampling) -> str | list[int] | None:
     """The prompt a completion asks to have before its text (echo), else None."""
     return _prompt(body) if isinstance(body, CompletionBody) and body.echo else None
 
@@ -333,6 +346,9 @@ def completion_call(body: CompletionBody) -> PoolCall:
                               "from 0 to 20")
     if body.echo and body.stream:
         raise bad("echo", "not streamed: ask for the echoed prompt without stream")
+    if body.echo and not isinstance(prompt, str) and body.logprobs is None:
+        raise bad("echo", "a prompt of token ids is echoed as its tokens' text, which comes "
+                          "with logprobs: ask for them")
     echoed = body.logprobs if body.echo else None  # the prompt's logprobs, echoed with it
     return PoolCall("generate", (prompt,), {**_sampling(body, None, body.logprobs),
                                             "prompt_logprobs": echoed, "raw": True})

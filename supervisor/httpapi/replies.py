@@ -111,10 +111,10 @@ def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str,
 
 
 def completion(texts: list[TextResult], chat: bool, model: str,
-               echo: str | None = None) -> dict[str, Any]:
+               echo: str | list[int] | None = None) -> dict[str, Any]:
     """Whole generations, one a choice, as chat.completion or text_completion (after the
-    prompt when it is echoed, its tokens first in the logprobs); the prompt counted once,
-    as OpenAI does."""
+    prompt when it is echoed, its tokens first in the logprobs; a prompt of token ids as
+    their text); the prompt counted once, as OpenAI does."""
     choices = []
     for index, text in enumerate(texts):
         choice: dict[str, Any] = {"index": index, "finish_reason": _finish(text.finish_reason)}
@@ -125,7 +125,9 @@ def completion(texts: list[TextResult], chat: bool, model: str,
             entries = text.logprobs
             if echo is not None and text.prompt_logprobs is not None:
                 entries = [*text.prompt_logprobs, *(text.logprobs or [])]
-            choice.update(text=(echo or "") + text.text,
+            prefix = echo if isinstance(echo, str) or echo is None else "".join(
+                e.token for e in text.prompt_logprobs or [])
+            choice.update(text=(prefix or "") + text.text,
                           logprobs=logprobs.completion(entries)[0])
         choices.append(choice)
     return {"id": new_id("chatcmpl" if chat else "cmpl"),

@@ -185,6 +185,10 @@ def test_an_echoed_prompts_logprobs_through_the_sdk_as_evaluation_harnesses_ask(
     assert listed.token_logprobs == [e.logprob for e in [*prompt_entries, *generated]]
     assert listed.token_logprobs[0] is None and listed.top_logprobs[0] is None
     assert all(-100 < lp < 0 for lp in listed.token_logprobs[1:] if lp is not None)
+    ids = [e.token_id for e in prompt_entries]  # as the harness sends them by default
+    tokenized = sdk.completions.create(model="tiny-llm", prompt=ids, echo=True, logprobs=1,
+                                       max_tokens=1, temperature=0).choices[0]
+    assert tokenized.logprobs == listed and tokenized.text == "".join(listed.tokens)
     plain = sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, max_tokens=1,
                                    temperature=0)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None

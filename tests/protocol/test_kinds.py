@@ -10,6 +10,7 @@ import pytest
 from modelpool.protocol import kinds
 from modelpool.protocol.kinds import BY_OP, CAPABILITIES, KIND_OF, KINDS, merge_rows, with_defaults
 from modelpool.protocol.messages import (
+    ChatMessage,
     Describe,
     Embed,
     Embeddings,
@@ -100,3 +101,14 @@ def test_build_makes_what_a_client_would_send_with_defaults_filled() -> None:
 def test_defaults_are_validated_like_the_fields_they_fill() -> None:
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"width": 100}, RequestDefaults)  # not a multiple of 8
+
+
+def test_a_generation_takes_one_of_a_prompt_its_token_ids_or_messages() -> None:
+    ids = kinds.build("generate", [5, 6, 7])
+    assert isinstance(ids, Generate) and ids.prompt_ids == [5, 6, 7] and not ids.prompt
+    check = KIND_OF[Generate].check
+    assert check is not None and check(ids) is None
+    for fields in ({}, {"prompt": "a", "prompt_ids": [1]},
+                   {"prompt_ids": [1], "messages": [ChatMessage(role="user", content="a")]}):
+        assert check(Generate(id=1, **fields)) == (
+            "generate needs one of a prompt, prompt_ids or messages")

@@ -120,3 +120,24 @@ def test_an_echoed_prompt_comes_first_in_the_text_and_the_logprobs() -> None:
     unasked = TextResult("llo", "length", 2, 1, "m")
     assert replies.completion([unasked], chat=False, model="m", echo="He")["choices"][0][
         "text"] == "Hello"
+
+
+def test_a_prompt_of_token_ids_is_taken_as_evaluation_harnesses_send_it() -> None:
+    def call(prompt: object, **fields: object) -> bodies.PoolCall:
+        return bodies.completion_call(body(bodies.CompletionBody, prompt=prompt, **fields))
+
+    assert call([5, 6, 7]).args == ([5, 6, 7],) and call([[5, 6]]).args == ([5, 6],)
+    assert call(["text"]).args == ("text",)
+    for several in (["a", "b"], [[5], [6]], ["a", 5]):
+        with pytest.raises(PoolError, match=r"^BAD_REQUEST: prompt: one prompt"):
+            call(several)
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: echo: .* logprobs"):
+        call([5, 6], echo=True)
+    for bad_ids in ([-1], [[]], []):
+        with pytest.raises(msgspec.ValidationError):
+            body(bodies.CompletionBody, prompt=bad_ids)
+    first = TokenLogprob("<s>", 1, None)
+    result = TextResult("lo", "length", 2, 1, "m", [LO], [first, HEL])
+    echoed = replies.completion([result], chat=False, model="m", echo=[1, 7])["choices"][0]
+    assert echoed["text"] == "<s>Hello"  # the ids' tokens as their text
+    assert echoed["logprobs"]["tokens"] == ["<s>", "Hel", "lo"]
