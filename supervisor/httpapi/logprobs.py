@@ -18,7 +18,7 @@ def chat(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
                         for e in entries], "refusal": None}
 
 
-def _token(token: str, logprob: float) -> dict[str, Any]:
+def _token(token: str, logprob: float | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
