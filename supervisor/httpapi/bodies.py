@@ -349,9 +349,9 @@ def completion_call(body: CompletionBody) -> PoolCall:
     if body.echo and not isinstance(prompt, str) and body.logprobs is None:
         raise bad("echo", "a prompt of token ids is echoed as its tokens' text, which comes "
                           "with logprobs: ask for them")
-    echoed = body.logprobs if body.echo else None  # the prompt's logprobs, echoed with it
+    prompt_logprobs = body.logprobs if body.echo else None  # echoed with the prompt
     return PoolCall("generate", (prompt,), {**_sampling(body, None, body.logprobs),
-                                            "prompt_logprobs": echoed, "raw": True})
+                                            "prompt_logprobs": prompt_logprobs, "raw": True})
 
 
 def images_call(body: ImagesBody) -> PoolCall:
