@@ -138,10 +138,15 @@ def _print_text(chunks: Any, as_json: bool = False) -> None:
 
 
 def _text_line(chunk: Any) -> dict[str, Any]:
-    if chunk.finish_reason is None:
-        return {"text": chunk.text}
-    return {"finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
-            "completion_tokens": chunk.completion_tokens}
+    line: dict[str, Any] = {"text": chunk.text} if chunk.finish_reason is None else {
+        "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
+        "completion_tokens": chunk.completion_tokens}
+    for name in ("logprobs", "prompt_logprobs"):  # with --logprobs / --prompt-logprobs
+        if getattr(chunk, name, None) is not None:
+            line[name] = [{"token": e.token, "token_id": e.token_id, "logprob": e.logprob,
+                           "top": {t.token: t.logprob for t in e.top}}
+                          for e in getattr(chunk, name)]
+    return line
 
 
 def print_text_end(result: Any) -> None:

@@ -98,6 +98,12 @@ def test_stdin_prompt_and_json_lines_for_a_stream(daemon: Daemon) -> None:
     assert [line["text"] for line in lines[:-1]] == ["tok0 ", "tok1 ", "tok2 "]
     assert lines[-1] == {"finish_reason": "length", "prompt_tokens": 4,
                          "completion_tokens": 3}
+    asked = cli(daemon, "generate", "--model", "gen", "--max-tokens", "2", "--logprobs", "0",
+                "--json", "x")
+    assert asked.returncode == 0, asked.stderr
+    assert [json.loads(line).get("logprobs") for line in asked.stdout.splitlines()] == [
+        [{"token": "tok0 ", "token_id": 0, "logprob": 0.0, "top": {}}],
+        [{"token": "tok1 ", "token_id": 1, "logprob": -1.0, "top": {}}], None]
 
 
 def test_describe_prints_the_finish_reason_and_token_counts(daemon: Daemon,
