@@ -74,6 +74,9 @@ class Kind:
     images: Callable[[Any], list[ImageInput]] = _no_images
     with_images: Callable[[Any, list[ImageInput]], Any] | None = None
     check: Callable[[Any], str | None] = _no_check  # what the Struct's types cannot say
+    # whether its stream's chunks are text alone (another node's pieces of it can be
+    # relayed as made): not when they carry each token's logprobs
+    text_only: Callable[[Any], bool] = _always
 
     @property
     def batched(self) -> bool:
@@ -202,6 +205,10 @@ def _greedy_or_seeded(request: Generate | Describe) -> bool:
     return request.sampling.temperature == 0 or request.sampling.seed is not None
 
 
+def _without_logprobs(request: Generate | Describe) -> bool:
+    return request.sampling.logprobs is None
+
+
 def _prompt_or_messages(request: Generate) -> str | None:
     given = sum(map(bool, (request.prompt, request.prompt_ids, request.messages)))
     return None if given == 1 else "generate needs one of a prompt, prompt_ids or messages"
@@ -211,12 +218,14 @@ KINDS: tuple[Kind, ...] = (
     Kind(Embed, "embed", ("text_embedding", "image_embedding"), embed, Embeddings,
          inputs="texts"),
     Kind(Generate, "generate", ("text_to_text",), generate, End, Chunk, reply="text",
-         deterministic=_greedy_or_seeded, check=_prompt_or_messages),
+         deterministic=_greedy_or_seeded, check=_prompt_or_messages,
+         text_only=_without_logprobs),
     Kind(EmbedImage, "embed_image", ("image_embedding",), embed_image, Embeddings,
          inputs="images", images=lambda r: list(r.images),
          with_images=lambda r, images: msgspec.structs.replace(r, images=images)),
     Kind(Describe, "describe", ("vision",), describe, End, Chunk, reply="text",
-         deterministic=_greedy_or_seeded, images=lambda r: [r.image],
+         deterministic=_greedy_or_seeded, text_only=_without_logprobs,
+         images=lambda r: [r.image],
          with_images=lambda r, images: msgspec.structs.replace(r, image=images[0])),
     Kind(GenerateImage, "generate_image", ("text_to_image",), generate_image, Image,
          ImageProgress, reply="image", deterministic=lambda r: r.seed is not None),

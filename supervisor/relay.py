@@ -14,7 +14,7 @@ import msgspec
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import Completion, JobResult, Submit
 from modelpool.protocol.kinds import KIND_OF
-from modelpool.protocol.messages import Chunk, Describe, End, Error, Generate, WorkRequest
+from modelpool.protocol.messages import Chunk, End, Error, WorkRequest
 from modelpool.supervisor.jobservice import new_key
 from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece
 
@@ -30,9 +30,8 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
     """The final replies; a stream's chunks go to `send` as they come."""
     rid, key = request.id, new_key()
     # Pieces relayed as made carry text only: a stream with logprobs comes whole, at its end.
-    streams = jobs.streams if KIND_OF[type(request)].streaming and not (
-        isinstance(request, Generate | Describe) and request.sampling.logprobs is not None
-    ) else None
+    kind = KIND_OF[type(request)]
+    streams = jobs.streams if kind.streaming and kind.text_only(request) else None
     assembly = StreamAssembly()
     try:
         pieces = streams.followers.follow(key) if streams else None
