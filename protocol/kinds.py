@@ -38,6 +38,7 @@ from modelpool.protocol.messages import (
     Rerank,
     Sampling,
     Scores,
+    Structured,
     WorkRequest,
 )
 
@@ -127,7 +128,9 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
              logit_bias: dict[int, float] | None = None, seed: int | None = None,
              stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
              min_tokens: int = 0, ignore_eos: bool = False, logprobs: int | None = None,
-             prompt_logprobs: int | None = None, raw: bool = False) -> tuple[Fields, bool]:
+             prompt_logprobs: int | None = None, json_schema: str | dict[str, Any] | None = None,
+             regex: str | None = None, choice: list[str] | None = None,
+             grammar: str | None = None, raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, its token ids (given to the model as they are), or
     a chat as [{"role", "content"}, ...].
     Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; penalties 0 (and
@@ -135,13 +138,16 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     ids; unset, each is the model's recommendation or the daemon's default. logprobs: each
     chunk's tokens with their log-probabilities and that many likeliest alternatives
     (TextChunk.logprobs); prompt_logprobs: the prompt's tokens alike, on the last chunk.
-    Breaking out of the stream cancels it."""
+    At most one of json_schema (a JSON Schema, as a dict or JSON text), regex, choice (one
+    of these strings) and grammar (Lark) holds the output to that language, and ends it
+    where the language does. Breaking out of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": Sampling(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, logit_bias=logit_bias, seed=seed,
         stop=stop or [], stop_token_ids=stop_token_ids or [], min_tokens=min_tokens,
-        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)}
+        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        structured=structured(json_schema, regex, choice, grammar))}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     elif prompt and all(isinstance(token, int) for token in prompt):
@@ -150,6 +156,18 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
         fields["messages"] = [ChatMessage(role=m["role"], content=m["content"])
                               for m in prompt if isinstance(m, dict)]
     return fields, False
+
+
+def structured(json_schema: str | dict[str, Any] | None = None, regex: str | None = None,
+               choice: list[str] | None = None, grammar: str | None = None
+               ) -> Structured | None:
+    """The language a generation is held to, None for none; a schema given as a dict is
+    sent as its JSON text."""
+    if json_schema is None and regex is None and choice is None and grammar is None:
+        return None
+    if isinstance(json_schema, dict):
+        json_schema = msgspec.json.encode(json_schema).decode()
+    return Structured(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
 
 
 def embed_image(images: ImageLike | list[ImageLike],
@@ -170,7 +188,9 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              logit_bias: dict[int, float] | None = None, seed: int | None = None,
              stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
              min_tokens: int = 0, ignore_eos: bool = False, logprobs: int | None = None,
-             prompt_logprobs: int | None = None) -> tuple[Fields, bool]:
+             prompt_logprobs: int | None = None, json_schema: str | dict[str, Any] | None = None,
+             regex: str | None = None, choice: list[str] | None = None,
+             grammar: str | None = None) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. Sampling as generate's."""
     return {"model": model or "", "image": image_input(image), "prompt": query,
             "sampling": Sampling(
@@ -179,8 +199,8 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
                 frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                 logit_bias=logit_bias, seed=seed, stop=stop or [],
                 stop_token_ids=stop_token_ids or [], min_tokens=min_tokens,
-                ignore_eos=ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs)}, False
+                ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured=structured(json_schema, regex, choice, grammar))}, False
 
 
 def generate_image(prompt: str, model: str | None = None, *, steps: int | None = None,
@@ -211,7 +231,30 @@ def _without_logprobs(request: Generate | Describe) -> bool:
 
 def _prompt_or_messages(request: Generate) -> str | None:
     given = sum(map(bool, (request.prompt, request.prompt_ids, request.messages)))
-    return None if given == 1 else "generate needs one of a prompt, prompt_ids or messages"
+    if given != 1:
+        return "generate needs one of a prompt, prompt_ids or messages"
+    return _one_language(request)
+
+
+def _one_language(request: Generate | Describe) -> str | None:
+    """Structured output asks for one language, and ends where it does."""
+    wanted = request.sampling.structured
+    if wanted is None:
+        return None
+    given = [name for name in Structured.__struct_fields__ if getattr(wanted, name) is not None]
+    if len(given) != 1:
+        return ("structured output takes one of json_schema, regex, choice or grammar, "
+                f"not {' and '.join(given) or 'none'}")
+    if request.sampling.ignore_eos:
+        return "ignore_eos with structured output: the output ends where its language does"
+    if wanted.json_schema is not None:
+        try:
+            schema = msgspec.json.decode(wanted.json_schema)
+        except msgspec.DecodeError:
+            schema = None
+        if not isinstance(schema, dict | bool):
+            return "json_schema: a JSON Schema is a JSON object (or true or false)"
+    return None
 
 
 KINDS: tuple[Kind, ...] = (
@@ -224,7 +267,7 @@ KINDS: tuple[Kind, ...] = (
          inputs="images", images=lambda r: list(r.images),
          with_images=lambda r, images: msgspec.structs.replace(r, images=images)),
     Kind(Describe, "describe", ("vision",), describe, End, Chunk, reply="text",
-         deterministic=_greedy_or_seeded, text_only=_without_logprobs,
+         deterministic=_greedy_or_seeded, check=_one_language, text_only=_without_logprobs,
          images=lambda r: [r.image],
          with_images=lambda r, images: msgspec.structs.replace(r, image=images[0])),
     Kind(GenerateImage, "generate_image", ("text_to_image",), generate_image, Image,

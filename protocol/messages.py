@@ -68,6 +68,17 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     content: str
 
 
+class Structured(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Output held to a language (vLLM's structured outputs): exactly one of these. The
+    output ends where the language does: end-of-sequence is allowed there, and nothing
+    else once the language is complete."""
+
+    json_schema: str | None = None  # a JSON Schema as JSON text; '{"type": "object"}': any
+    regex: str | None = None
+    choice: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None  # Lark syntax, in llguidance's dialect
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How generate and describe pick their tokens. None: the model's recommendation
     (its generation_config.json), else the daemon's configured default (RequestDefaults),
@@ -93,6 +104,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # model's raw logits (before biases, penalties and temperature); None: none
     logprobs: TopLogprobs | None = None
     prompt_logprobs: TopLogprobs | None = None  # the same for each prompt token (End's)
+    structured: Structured | None = None  # None: free text
 
 
 class Generate(_Request, frozen=True, kw_only=True, tag="generate"):

@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from modelpool.protocol.messages import Sampling, TokenLogprob
 from modelpool.registry.loaders.batch_fit import default_max_sequences
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
+from modelpool.registry.loaders.grammar import GrammarMatcher
 from modelpool.registry.loaders.logit_rules import LogitRules
 from modelpool.registry.loaders.token_logprobs import prompt_logprobs, token_logprob
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -54,6 +55,7 @@ class Prepared:
     prompt_tokens: int
     budget: int  # tokens it may generate: max_tokens, cut to the context left
     sampling: Sampling
+    grammar: GrammarMatcher | None = None  # structured output: its place in the language
 
 
 @dataclass
@@ -187,7 +189,8 @@ class ContinuousDecoder:
         self.waiting.append(_Seq(
             seq_id, prepared, torch.Generator().manual_seed(seed),
             IncrementalDecoder(self.tokenizer),
-            rules=LogitRules.of(sampling, prepared.inputs["input_ids"], self.eos_ids)))
+            rules=LogitRules.of(sampling, prepared.inputs["input_ids"], self.eos_ids,
+                                prepared.grammar)))
 
     def drop(self, seq_id: int) -> GenerationStats | None:
         """It leaves now (aborted, or a stop string ended it): its stats so far, or None

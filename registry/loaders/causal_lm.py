@@ -27,6 +27,7 @@ from modelpool.registry.loaders.common import (
     require_dir,
     vocab_size,
 )
+from modelpool.registry.loaders.grammar import GrammarMatcher, Grammars
 from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
 from modelpool.registry.loaders.token_logprobs import (
     check_prompt_logprobs,
@@ -45,6 +46,7 @@ class CausalLM:
         self.context = context  # prompt and output tokens together
         self.eos_ids = eos_ids_of(model, tokenizer)
         self.vocab = vocab_size(model)
+        self.grammars = Grammars(tokenizer, self.vocab, self.eos_ids)
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template)}
@@ -105,7 +107,8 @@ class CausalLM:
         """A sequence for the decoder; raises PoolError for a prompt too long."""
         ids, budget = self._checked_ids(request)
         return Prepared(inputs={"input_ids": torch.tensor([ids], device=self.model.device)},
-                        prompt_tokens=len(ids), budget=budget, sampling=request.sampling)
+                        prompt_tokens=len(ids), budget=budget, sampling=request.sampling,
+                        grammar=self.grammars.matcher(request.sampling.structured))
 
     @torch.inference_mode()
     def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
@@ -115,17 +118,19 @@ class CausalLM:
         device = self.model.device
         yield from decode(self.model, {"input_ids": torch.tensor([ids], device=device)},
                           lambda token: {"input_ids": torch.tensor([[token]], device=device)},
-                          budget, sampling, self.eos_ids, self.tokenizer, stats)
+                          budget, sampling, self.eos_ids, self.tokenizer, stats,
+                          self.grammars.matcher(sampling.structured))
 
 
 def decode(model: Any, first_inputs: dict[str, Any],
            next_inputs: Callable[[int], dict[str, Any]], budget: int, sampling: Sampling,
-           eos_ids: set[int], tokenizer: Any, stats: GenerationStats) -> Iterator[str]:
+           eos_ids: set[int], tokenizer: Any, stats: GenerationStats,
+           grammar: GrammarMatcher | None = None) -> Iterator[str]:
     """Token by token with a KV cache: the first step runs the whole prompt, each later
     one only the new token. Yields one text piece per token (maybe "")."""
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
     generator = torch.Generator().manual_seed(seed)
-    rules = LogitRules.of(sampling, first_inputs["input_ids"], eos_ids)
+    rules = LogitRules.of(sampling, first_inputs["input_ids"], eos_ids, grammar)
     detok = IncrementalDecoder(tokenizer)
     step_inputs, past = first_inputs, None
     cache_keyword = kv_cache_keyword(model)

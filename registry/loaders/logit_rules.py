@@ -2,8 +2,9 @@
 logit_bias, then the repetition penalty (vLLM's and transformers') on the tokens of its
 prompt and output, then OpenAI's frequency and presence penalties on its output; all
 on the raw logits, before temperature and the cuts. Until it has min_tokens, the tokens
-that would end it are left out. A sequence that asks for none of these has no LogitRules
-and pays nothing."""
+that would end it are left out (unless its grammar is complete). Last, its grammar's
+mask (structured output, grammar.py). A sequence that asks for none of these has no
+LogitRules and pays nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Sampling
+from modelpool.registry.loaders.grammar import GrammarMatcher
 
 
 class LogitRules:
@@ -20,11 +22,13 @@ class LogitRules:
 
     def __init__(self, prompt_ids: torch.Tensor, presence: float, frequency: float,
                  repetition: float, bias: dict[int, float] | None = None,
-                 ends: set[int] | None = None, min_tokens: int = 0) -> None:
+                 ends: set[int] | None = None, min_tokens: int = 0,
+                 grammar: GrammarMatcher | None = None) -> None:
         self.presence, self.frequency, self.repetition = presence, frequency, repetition
         self.bias = bias or {}
         self.ends = sorted(ends or ())  # left out until min_tokens are output
         self.min_tokens, self.output = min_tokens, 0
+        self.grammar = grammar
         self.prompt_ids = prompt_ids.flatten().cpu()
         # Made at the first step, once the logits tell the vocabulary's size.
         self.counts = torch.zeros(0)  # output tokens, by id
@@ -34,7 +38,7 @@ class LogitRules:
 
     @classmethod
     def of(cls, sampling: Sampling, prompt_ids: torch.Tensor,
-           eos_ids: set[int]) -> LogitRules | None:
+           eos_ids: set[int], grammar: GrammarMatcher | None = None) -> LogitRules | None:
         """The sequence's rules, or None when it asks for none."""
         presence = sampling.presence_penalty or 0.0
         frequency = sampling.frequency_penalty or 0.0
@@ -42,10 +46,10 @@ class LogitRules:
         ends = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else eos_ids)
         min_tokens = sampling.min_tokens if ends else 0
         if (presence == 0.0 and frequency == 0.0 and repetition == 1.0
-                and not sampling.logit_bias and not min_tokens):
+                and not sampling.logit_bias and not min_tokens and grammar is None):
             return None
         return cls(prompt_ids, presence, frequency, repetition, sampling.logit_bias, ends,
-                   min_tokens)
+                   min_tokens, grammar)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The sequence's next-token logits (one row, float32) with its biases added, its
@@ -61,8 +65,10 @@ class LogitRules:
             logits = logits - self.frequency * self.counts
         if self.presence:
             logits = logits - self.presence * (self.counts > 0)
-        if self.output < self.min_tokens:
+        if self.output < self.min_tokens and not (self.grammar and self.grammar.complete):
             logits = logits.index_fill(0, self.ending, float("-inf"))
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
         return logits
 
     def _start(self, vocab: int) -> None:
@@ -79,6 +85,8 @@ class LogitRules:
     def add(self, token: int) -> None:
         """The sequence output this token."""
         self.output += 1
+        if self.grammar is not None:
+            self.grammar.add(token)
         if 0 <= token < self.counts.numel():
             self.counts[token] += 1
             self.seen[token] = True

@@ -27,6 +27,7 @@ from modelpool.registry.loaders.common import (
     require_dir,
     vocab_size,
 )
+from modelpool.registry.loaders.grammar import Grammars
 from modelpool.registry.loaders.logit_rules import check_logit_bias
 from modelpool.registry.loaders.token_logprobs import check_prompt_logprobs
 from modelpool.registry.spec import ModelSpec
@@ -45,6 +46,7 @@ class VisionLM:
         self.eos_ids = (eos_ids_of(model, self.tokenizer)
                         | _config_eos(model.config.get_text_config()))
         self.vocab = vocab_size(model)
+        self.grammars = Grammars(self.tokenizer, self.vocab, self.eos_ids)
 
     def info(self) -> dict[str, Any]:
         vision = getattr(self.model.config, "vision_config", None)
@@ -93,7 +95,8 @@ class VisionLM:
     def prepare(self, image: Image.Image, request: Describe) -> Prepared:
         inputs, n_prompt, budget = self._checked_inputs(image, request)
         return Prepared(inputs=inputs, prompt_tokens=n_prompt, budget=budget,
-                        sampling=request.sampling)
+                        sampling=request.sampling,
+                        grammar=self.grammars.matcher(request.sampling.structured))
 
     @torch.inference_mode()
     def describe(self, image: Image.Image, request: Describe,
@@ -110,7 +113,8 @@ class VisionLM:
                     "attention_mask": mask}
 
         yield from decode(self.model, inputs, next_inputs, budget, request.sampling,
-                          self.eos_ids, self.tokenizer, stats)
+                          self.eos_ids, self.tokenizer, stats,
+                          self.grammars.matcher(request.sampling.structured))
 
 
 def _config_eos(config: Any) -> set[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typing
+from typing import Any
 
 import msgspec
 import pytest
@@ -19,6 +20,7 @@ from modelpool.protocol.messages import (
     ImageInput,
     RequestDefaults,
     Sampling,
+    Structured,
     WorkRequest,
 )
 
@@ -119,3 +121,27 @@ def test_a_stream_is_text_only_unless_it_carries_each_tokens_logprobs() -> None:
         assert BY_OP[op].text_only(kinds.build(op, *args))
         assert not BY_OP[op].text_only(kinds.build(op, *args, logprobs=0))
     assert BY_OP["generate_image"].text_only(kinds.build("generate_image", "x"))
+
+
+def test_structured_output_asks_for_one_language_that_may_end() -> None:
+    """A schema given as a dict travels as its JSON text; two languages, none, a schema
+    that is not JSON, or ignore_eos (the language's end is the output's) are refused
+    for generate and describe alike, before any worker sees them."""
+    fields, _ = kinds.generate("hi", json_schema={"type": "object"})
+    assert fields["sampling"].structured == Structured(json_schema='{"type":"object"}')
+    assert kinds.generate("hi")[0]["sampling"].structured is None
+    for op, args in (("generate", ("hi",)), ("describe", (b"\x89PNG",))):
+        check = BY_OP[op].check
+
+        def problem(op: str = op, args: tuple[Any, ...] = args, **asks: Any) -> str | None:
+            return BY_OP[op].check(kinds.build(op, *args, **asks))
+
+        assert problem(regex="a+") is None and problem(choice=["a"]) is None
+        assert problem(json_schema="true") is None  # a JSON Schema may be true
+        assert "not regex and choice" in (problem(regex="a", choice=["a"]) or "")
+        assert "ignore_eos" in (problem(grammar='start: "a"', ignore_eos=True) or "")
+        assert "JSON object" in (problem(json_schema="{not json") or "")
+        assert "JSON object" in (problem(json_schema="[1]") or "")
+        empty = msgspec.structs.replace(kinds.build(op, *args),
+                                        sampling=Sampling(structured=Structured()))
+        assert "not none" in (check(empty) or "")

@@ -1,0 +1,106 @@
+"""Structured output: a sequence held to a language (a JSON Schema, a regular expression,
+a choice of strings, a Lark grammar) by llguidance, which says before each step which
+tokens may come next. Its end is where the language allows end-of-sequence; the mask
+leaves the model nothing else once the language is complete.
+
+llguidance bounds what one grammar may cost (its parser limits: the lexer's states, the
+work of one step's mask), so a hostile grammar is refused or cut short, not run without
+end.
+
+llguidance is imported when a request first asks for structure: ~50 ms that a worker
+which never does would pay at its start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import Structured
+
+# JSON as json.dumps writes it: no free whitespace, which a model can otherwise emit
+# without end. A schema's own "x-guidance" options override these (llguidance's order).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(structured: Structured) -> str:
+    """The llguidance grammar of what the request asks (the kinds table checked that it
+    asks exactly one thing)."""
+    from llguidance import LLMatcher
+
+    if structured.json_schema is not None:
+        try:
+            return LLMatcher.grammar_from_json_schema(structured.json_schema,
+                                                      defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise PoolError(ErrorCode.BAD_REQUEST, f"json_schema: {exc}") from None
+    if structured.regex is not None:
+        return LLMatcher.grammar_from_regex(structured.regex)
+    if structured.choice is not None:
+        choices = " | ".join(msgspec.json.encode(c).decode() for c in structured.choice)
+        return LLMatcher.grammar_from_lark(f"start: {choices}")
+    assert structured.grammar is not None
+    return LLMatcher.grammar_from_lark(structured.grammar)
+
+
+class Grammars:
+    """One model's side of structured output: its vocabulary as llguidance reads it (made
+    at the first request that asks, and kept: up to ~1 s for a large vocabulary)."""
+
+    def __init__(self, tokenizer: Any, vocab: int | None, eos_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab = vocab
+        self.eos_ids = eos_ids
+        self._llg_tokenizer: Any = None
+
+    def matcher(self, structured: Structured | None) -> GrammarMatcher | None:
+        """A new sequence's matcher, None when it asks for no structure; raises PoolError
+        for a grammar that is not one."""
+        if structured is None:
+            return None
+        from llguidance import LLMatcher
+
+        grammar = grammar_text(structured)
+        tokenizer = self._tokenizer()
+        problem = LLMatcher.validate_grammar(grammar, tokenizer)
+        if problem:
+            raise PoolError(ErrorCode.BAD_REQUEST, f"structured output: {problem.strip()}")
+        return GrammarMatcher(LLMatcher(tokenizer, grammar, log_level=0))
+
+    def _tokenizer(self) -> Any:
+        if self._llg_tokenizer is None:
+            import llguidance.hf
+
+            self._llg_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab, eos_token=sorted(self.eos_ids))
+        return self._llg_tokenizer
+
+
+class GrammarMatcher:
+    """One sequence's place in its language."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits (one row) with every token the language does not allow next at
+        -inf, as a new tensor."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: logits.numel()]
+        if allowed.size < logits.numel():  # the model's rows past the tokenizer's vocabulary
+            allowed = np.pad(allowed, (0, logits.numel() - allowed.size))
+        return logits.masked_fill(torch.from_numpy(allowed == 0), float("-inf"))
+
+    @property
+    def complete(self) -> bool:
+        """Nothing may follow but end-of-sequence."""
+        return bool(self.matcher.is_stopped())
+
+    def add(self, token: int) -> None:
+        """The sequence output this token (one the mask allowed)."""
+        if not self.matcher.consume_token(token):
+            raise PoolError(ErrorCode.INTERNAL, "structured output: token "
+                            f"{token} left the grammar: {self.matcher.get_error()}")
