@@ -128,7 +128,8 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
              logit_bias: dict[int, float] | None = None, seed: int | None = None,
              stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
              min_tokens: int = 0, ignore_eos: bool = False, logprobs: int | None = None,
-             prompt_logprobs: int | None = None, json_schema: str | dict[str, Any] | None = None,
+             prompt_logprobs: int | None = None,
+             json_schema: str | dict[str, Any] | bool | None = None,
              regex: str | None = None, choice: list[str] | None = None,
              grammar: str | None = None, raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, its token ids (given to the model as they are), or
@@ -139,7 +140,7 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     chunk's tokens with their log-probabilities and that many likeliest alternatives
     (TextChunk.logprobs); prompt_logprobs: the prompt's tokens alike, on the last chunk.
     At most one of json_schema (a JSON Schema, as a dict or JSON text), regex, choice (one
-    of these strings) and grammar (Lark) holds the output to that language, and ends it
+    of these strings) and grammar (Lark or GBNF) holds the output to that language, and ends it
     where the language does. Breaking out of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": Sampling(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -158,14 +159,14 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     return fields, False
 
 
-def structured(json_schema: str | dict[str, Any] | None = None, regex: str | None = None,
-               choice: list[str] | None = None, grammar: str | None = None
-               ) -> Structured | None:
-    """The language a generation is held to, None for none; a schema given as a dict is
-    sent as its JSON text."""
+def structured(json_schema: str | dict[str, Any] | bool | None = None,
+               regex: str | None = None, choice: list[str] | None = None,
+               grammar: str | None = None) -> Structured | None:
+    """The language a generation is held to, None for none; a schema given as a dict (or
+    true or false) is sent as its JSON text."""
     if json_schema is None and regex is None and choice is None and grammar is None:
         return None
-    if isinstance(json_schema, dict):
+    if not isinstance(json_schema, str | None):
         json_schema = msgspec.json.encode(json_schema).decode()
     return Structured(json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
 
@@ -188,7 +189,8 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              logit_bias: dict[int, float] | None = None, seed: int | None = None,
              stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
              min_tokens: int = 0, ignore_eos: bool = False, logprobs: int | None = None,
-             prompt_logprobs: int | None = None, json_schema: str | dict[str, Any] | None = None,
+             prompt_logprobs: int | None = None,
+             json_schema: str | dict[str, Any] | bool | None = None,
              regex: str | None = None, choice: list[str] | None = None,
              grammar: str | None = None) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. Sampling as generate's."""

@@ -76,7 +76,7 @@ class Structured(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     json_schema: str | None = None  # a JSON Schema as JSON text; '{"type": "object"}': any
     regex: str | None = None
     choice: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1024)] | None = None
-    grammar: str | None = None  # Lark syntax, in llguidance's dialect
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF (llama.cpp's)
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

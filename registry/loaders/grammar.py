@@ -29,21 +29,21 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 def grammar_text(structured: Structured) -> str:
     """The llguidance grammar of what the request asks (the kinds table checked that it
     asks exactly one thing)."""
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, grammar_from
 
-    if structured.json_schema is not None:
-        try:
-            return LLMatcher.grammar_from_json_schema(structured.json_schema,
-                                                      defaults=JSON_OPTIONS)  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise PoolError(ErrorCode.BAD_REQUEST, f"json_schema: {exc}") from None
     if structured.regex is not None:
         return LLMatcher.grammar_from_regex(structured.regex)
     if structured.choice is not None:
         choices = " | ".join(msgspec.json.encode(c).decode() for c in structured.choice)
         return LLMatcher.grammar_from_lark(f"start: {choices}")
-    assert structured.grammar is not None
-    return LLMatcher.grammar_from_lark(structured.grammar)
+    try:
+        if structured.json_schema is not None:
+            return LLMatcher.grammar_from_json_schema(structured.json_schema,
+                                                      defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+        assert structured.grammar is not None
+        return grammar_from("grammar", structured.grammar)  # Lark, or GBNF made Lark
+    except ValueError as exc:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"structured output: {exc}") from None
 
 
 class Grammars:

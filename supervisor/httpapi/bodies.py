@@ -33,6 +33,13 @@ from modelpool.protocol.fields import (
     TopLogprobs,
 )
 from modelpool.protocol.messages import ImageInput
+from modelpool.supervisor.httpapi.structured import (
+    GuidedChoice,
+    ResponseFormat,
+    Schema,
+    StructuredOutputs,
+    language,
+)
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
@@ -129,6 +136,13 @@ class Sampling(Options, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None  # vLLM's
     logit_bias: LogitBias | None = None  # token ids as strings, as JSON keys are
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's earlier names of the same
+    guided_json: Schema | None = None
+    guided_regex: str | None = None
+    guided_choice: GuidedChoice | None = None
+    guided_grammar: str | None = None
 
 
 class ChatBody(Sampling, kw_only=True):
@@ -138,7 +152,6 @@ class ChatBody(Sampling, kw_only=True):
     tool_choice: NoToolChoice = None
     functions: NoTools = None
     function_call: NoToolChoice = None
-    response_format: Annotated[dict[str, Any] | None, refused_note("text only")] = None
     modalities: Annotated[list[str] | None, refused_note("text only")] = None
     audio: Annotated[dict[str, Any] | None, refused_note("text only")] = None
     refused: ClassVar[Refused] = {
@@ -146,8 +159,6 @@ class ChatBody(Sampling, kw_only=True):
         "tool_choice": ((None, "none", "auto"), NO_TOOLS),
         "functions": ((None, []), NO_TOOLS),
         "function_call": ((None, "none", "auto"), NO_TOOLS),
-        "response_format": ((None, {"type": "text"}),
-                            "only text: no model here holds its output to JSON or a schema"),
         "modalities": ((None, ["text"]), "only text"),
         "audio": ((None,), "not supported: only text"),
     }
@@ -275,7 +286,11 @@ def _sampling(body: Sampling, max_tokens: int | None, logprobs: int | None) -> d
             "frequency_penalty": body.frequency_penalty,
             "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias,
             "seed": body.seed, "stop": stop, "stop_token_ids": body.stop_token_ids,
-            "min_tokens": body.min_tokens, "logprobs": logprobs, **options(body)}
+            "min_tokens": body.min_tokens, "logprobs": logprobs,
+            **language(body.response_format, body.structured_outputs, guided=(
+                body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar)),
+            **options(body)}
+
 
 
 def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:

@@ -132,6 +132,16 @@ def test_exit_codes_by_error_class(daemon: Daemon) -> None:
     assert failed.returncode == 6 and "MODEL_LOAD_FAILED" in failed.stderr
 
 
+def test_structured_output_flags_reach_the_daemons_checks(daemon: Daemon) -> None:
+    """The builder's json_schema, regex, choice and grammar are flags; the daemon refuses
+    two languages at once, and a schema that is not JSON, naming them."""
+    both = cli(daemon, "generate", "--model", "gen", "--regex", "a+", "--choice", "a",
+               "--choice", "b", "x")
+    assert both.returncode == 5 and "not regex and choice" in both.stderr
+    schema = cli(daemon, "generate", "--model", "gen", "--json-schema", "{oops", "x")
+    assert schema.returncode == 5 and "json_schema: a JSON Schema" in schema.stderr
+
+
 def test_health_separates_live_ready_and_degraded(daemon: Daemon) -> None:
     cli(daemon, "embed", "--model", "broken", "x")  # fails its one allowed load
     report = cli(daemon, "health", "--json")

@@ -163,7 +163,7 @@ def test_errors_map_to_the_sdks_exceptions(served: tuple[Daemon, str],
                                     messages=[{"role": "user", "content": "hi"}])
     assert bad.value.body["param"] == "n"
     for refused in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                    {"response_format": {"type": "json_object"}}, {"top_logprobs": 2}):
+                    {"modalities": ["audio"]}, {"top_logprobs": 2}):
         with pytest.raises(openai.BadRequestError) as dropped:
             sdk.chat.completions.create(model="tiny-llm", **refused,  # type: ignore[call-overload]
                                         messages=[{"role": "user", "content": "hi"}])

@@ -1,14 +1,16 @@
 """Sampling through the OpenAI-compatible HTTP API with the official `openai` package:
 OpenAI's fields and vLLM's extensions (in the SDK's `extra_body`) answer as the socket
-client's same request does, on the tiny random-weight Llama."""
+client's same request does, on the tiny random-weight Llama; structured output too."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
+import pydantic
 import pytest
 from conftest import Daemon
 from http_helpers import KEY, http_daemon
@@ -194,3 +196,42 @@ def test_an_echoed_prompts_logprobs_through_the_sdk_as_evaluation_harnesses_ask(
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="echo"):
         sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, stream=True)
+
+
+class Verdict(pydantic.BaseModel):
+    ok: bool
+    tag: Literal["red", "green"]
+    score: int = pydantic.Field(ge=0, le=99)
+
+
+def test_structured_output_through_the_sdks_parse_and_vllms_fields(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """The SDK's `parse` (a strict json_schema response_format from a pydantic model)
+    gets an object of that model, as the socket client's same schema does; vLLM's
+    fields hold completions, streamed or not; a schema that is none is a 400."""
+    messages = [{"role": "user", "content": "judge this"}]
+    parsed = sdk.chat.completions.parse(model="tiny-llm", messages=messages, max_tokens=60,
+                                        temperature=0, response_format=Verdict)
+    choice = parsed.choices[0]
+    assert isinstance(choice.message.parsed, Verdict) and choice.finish_reason == "stop"
+    schema = openai.lib._pydantic.to_strict_json_schema(Verdict)
+    with served[0].client() as c:
+        same = "".join(ch.text for ch in c.generate(
+            messages, model="tiny-llm", max_tokens=60, temperature=0, json_schema=schema))
+    assert choice.message.content == same
+    kw: dict[str, Any] = {"model": "tiny-llm", "prompt": "code:", "max_tokens": 30,
+                          "temperature": 1.0, "seed": 4}
+    coded = sdk.completions.create(**kw, extra_body={
+        "structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}}).choices[0].text
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", coded)
+    streamed = "".join(part.choices[0].text for part in sdk.completions.create(
+        **kw, stream=True, extra_body={"guided_choice": ["alpha", "beta gamma"]}))
+    assert streamed in ("alpha", "beta gamma")
+    with pytest.raises(openai.BadRequestError, match="structured output"):
+        sdk.chat.completions.create(model="tiny-llm", messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}})
+    with pytest.raises(openai.BadRequestError) as two:
+        sdk.chat.completions.create(model="tiny-llm", messages=messages,
+                                    response_format={"type": "json_object"},
+                                    extra_body={"guided_regex": "a"})
+    assert two.value.body["param"] == "response_format"

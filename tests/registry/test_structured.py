@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Generate
+from modelpool.protocol.messages import Describe, Generate
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM
+from modelpool.registry.loaders.vision_lm import VisionLM
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -94,8 +96,10 @@ def test_regex_choice_and_lark_grammars(llm: CausalLM) -> None:
                                                temperature=1.0, seed=seed))
         assert text in ("yes", "no", "maybe so") and finish == "stop"
     lark = 'start: greeting " " name\ngreeting: "hello" | "hi"\nname: /[A-Z][a-z]{2,5}/'
-    text, finish, _ = _alone(llm, _request(grammar=lark))
-    assert re.fullmatch(r"(hello|hi) [A-Z][a-z]{2,5}", text) and finish == "stop"
+    gbnf = 'root ::= ("hello" | "hi") " " [A-Z] [a-z] [a-z] [a-z]?'
+    for grammar in (lark, gbnf):
+        text, finish, _ = _alone(llm, _request(grammar=grammar))
+        assert re.fullmatch(r"(hello|hi) [A-Z][a-z]{2,5}", text) and finish == "stop"
 
 
 def test_batched_sequences_with_and_without_a_language_equal_one_at_a_time(
@@ -122,6 +126,7 @@ def test_the_language_ends_the_output_before_min_tokens(llm: CausalLM) -> None:
     ({"regex": "[a-z"}, "regex"),
     ({"json_schema": {"type": "wat"}}, "wat"),
     ({"grammar": "start: missing_rule"}, "missing_rule"),
+    ({"grammar": "root ::= ("}, "GBNF"),
 ])
 def test_a_grammar_that_is_not_one_is_a_bad_request(llm: CausalLM, fields: dict[str, Any],
                                                       says: str) -> None:
@@ -130,3 +135,24 @@ def test_a_grammar_that_is_not_one_is_a_bad_request(llm: CausalLM, fields: dict[
         with pytest.raises(PoolError) as caught:
             run()
         assert caught.value.code == ErrorCode.BAD_REQUEST and says in caught.value.message
+
+
+def test_a_vision_model_answers_in_the_language_alone_and_batched(
+        tiny_models_dir: Path) -> None:
+    model = load_model(ModelSpec(key="tiny-vision", capability="vision",
+                                 path=str(tiny_models_dir / "tiny-vision")))
+    assert isinstance(model, VisionLM)
+    image = Image.new("RGB", (32, 32), (40, 90, 200))
+    request = kinds.build("describe", b"unused", "what is it?", max_tokens=60,
+                          temperature=0, json_schema=SCHEMA)
+    assert isinstance(request, Describe)
+    stats = GenerationStats()
+    alone = "".join(model.describe(image, request, stats))
+    assert _valid(alone) and stats.finish_reason == "stop"
+    decoder = model.decoder()
+    assert decoder is not None
+    decoder.add(0, model.prepare(image, request))
+    batched = ""
+    while len(decoder):
+        batched += "".join(event.text for event in decoder.step())
+    assert batched == alone

@@ -80,7 +80,7 @@ ASKING = [  # a body, then each field with a value that asks for what no model h
     (bodies.ChatBody, CHAT, {
         "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "required", "functions": [{"name": "f"}],
-        "function_call": {"name": "f"}, "response_format": {"type": "json_object"},
+        "function_call": {"name": "f"},
         "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
     (bodies.CompletionBody, {"prompt": "p"}, {
         "top_logprobs": 3, "suffix": "end", "best_of": 2}),
