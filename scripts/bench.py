@@ -278,7 +278,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster", "http",
-                                           "targets", "generation", "rerank"))
+                                           "targets", "generation", "rerank", "structured"))
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
@@ -309,6 +309,10 @@ def main() -> None:
         import bench_rerank
 
         report["rerank"] = bench_rerank.figures(args.quick)
+    if args.only in (None, "structured"):
+        import bench_structured
+
+        report["structured"] = bench_structured.figures(args.quick)
     print(json.dumps(report, indent=2))
 
 

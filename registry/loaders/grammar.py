@@ -63,12 +63,11 @@ class Grammars:
             return None
         from llguidance import LLMatcher
 
-        grammar = grammar_text(structured)
-        tokenizer = self._tokenizer()
-        problem = LLMatcher.validate_grammar(grammar, tokenizer)
-        if problem:
-            raise PoolError(ErrorCode.BAD_REQUEST, f"structured output: {problem.strip()}")
-        return GrammarMatcher(LLMatcher(tokenizer, grammar, log_level=0))
+        matcher = LLMatcher(self._tokenizer(), grammar_text(structured), log_level=0)
+        if matcher.is_error():  # llguidance's way of saying the grammar is not one
+            raise PoolError(ErrorCode.BAD_REQUEST,
+                            f"structured output: {matcher.get_error().strip()}")
+        return GrammarMatcher(matcher)
 
     def _tokenizer(self) -> Any:
         if self._llg_tokenizer is None:

@@ -30,7 +30,9 @@ class LogitRules:
         self.min_tokens, self.output = min_tokens, 0
         self.grammar = grammar
         self.prompt_ids = prompt_ids.flatten().cpu()
-        # Made at the first step, once the logits tell the vocabulary's size.
+        # Made at the first step, once the logits tell the vocabulary's size; the counts
+        # only for the penalties, which alone read them.
+        self.vocab = 0
         self.counts = torch.zeros(0)  # output tokens, by id
         self.seen = torch.zeros(0, dtype=torch.bool)  # in the prompt or the output
         self.biases = torch.zeros(0)  # by id
@@ -54,7 +56,7 @@ class LogitRules:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The sequence's next-token logits (one row, float32) with its biases added, its
         penalties taken off and its ending tokens held off, as a new tensor."""
-        if not self.seen.numel():
+        if not self.vocab:
             self._start(logits.numel())
         if self.bias:
             logits = logits + self.biases
@@ -72,10 +74,12 @@ class LogitRules:
         return logits
 
     def _start(self, vocab: int) -> None:
-        self.counts = torch.zeros(vocab)
-        self.seen = torch.zeros(vocab, dtype=torch.bool)
-        ids = self.prompt_ids
-        self.seen[ids[(ids >= 0) & (ids < vocab)]] = True
+        self.vocab = vocab
+        if self.presence or self.frequency or self.repetition != 1.0:
+            self.counts = torch.zeros(vocab)
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            ids = self.prompt_ids
+            self.seen[ids[(ids >= 0) & (ids < vocab)]] = True
         self.biases = torch.zeros(vocab)
         for token, bias in self.bias.items():
             if token < vocab:  # check_logit_bias refused the others when it was prepared
