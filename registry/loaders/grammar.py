@@ -73,8 +73,12 @@ class Grammars:
         if self._llg_tokenizer is None:
             import llguidance.hf
 
-            self._llg_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab, eos_token=sorted(self.eos_ids))
+            try:
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab, eos_token=sorted(self.eos_ids))
+            except ValueError as exc:  # a slow (Python) tokenizer: llguidance reads fast ones
+                raise PoolError(ErrorCode.BAD_REQUEST, "structured output: this model's "
+                                f"tokenizer cannot be read for it: {exc}") from None
         return self._llg_tokenizer
 
 

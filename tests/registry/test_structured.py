@@ -14,9 +14,10 @@ from PIL import Image
 
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Describe, Generate
+from modelpool.protocol.messages import Describe, Generate, Structured
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM
+from modelpool.registry.loaders.grammar import Grammars
 from modelpool.registry.loaders.vision_lm import VisionLM
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -156,3 +157,14 @@ def test_a_vision_model_answers_in_the_language_alone_and_batched(
     while len(decoder):
         batched += "".join(event.text for event in decoder.step())
     assert batched == alone
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_bad_request_not_a_model_error() -> None:
+    """llguidance reads fast (Rust) tokenizers only; a model with another kind refuses
+    the request that asks for a language, and stays up for the rest."""
+    grammars = Grammars(object(), 10, {0})
+    with pytest.raises(PoolError) as caught:
+        grammars.matcher(Structured(regex="a+"))
+    assert caught.value.code == ErrorCode.BAD_REQUEST
+    assert "tokenizer cannot be read" in caught.value.message
+    assert grammars.matcher(None) is None
