@@ -9,6 +9,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +36,19 @@ def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outdir = tmp_path_factory.mktemp("tiny-models")
     assert module.main([str(outdir)]) == 0
     return outdir
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models_dir: Path) -> Any:
+    """tiny-llm loaded by its real loader (a CausalLM), once per test module."""
+    from modelpool.registry.loaders import load_model
+    from modelpool.registry.loaders.causal_lm import CausalLM
+    from modelpool.registry.spec import ModelSpec
+
+    model = load_model(ModelSpec(key="tiny-llm", capability="text_to_text",
+                                 path=str(tiny_models_dir / "tiny-llm")))
+    assert isinstance(model, CausalLM)
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -23,14 +23,6 @@ from modelpool.workers.capabilities.text_to_text import GenerationStats
 Outcome = tuple[str, str, int, int]  # text, finish reason, prompt and completion tokens
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_models_dir: Path) -> CausalLM:
-    model = load_model(ModelSpec(key="tiny-llm", capability="text_to_text",
-                                 path=str(tiny_models_dir / "tiny-llm")))
-    assert isinstance(model, CausalLM)
-    return model
-
-
 def _request(i: int, **fields: Any) -> Generate:
     prompt = f"Once upon a time {'there was a tiny model ' * (i % 4)}number {i}"
     defaults: dict[str, Any] = {"max_tokens": 24 + 7 * i, "temperature": 0, "raw": True,

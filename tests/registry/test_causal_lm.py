@@ -20,15 +20,6 @@ from modelpool.workers.capabilities.text_to_text import GenerationStats
 PROMPT = "Once upon a time, there was a tiny model"
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_models_dir: Path) -> CausalLM:
-    spec = ModelSpec(key="tiny-llm", capability="text_to_text",
-                     path=str(tiny_models_dir / "tiny-llm"))
-    model = load_model(spec)
-    assert isinstance(model, CausalLM)
-    return model
-
-
 def _generate(llm: CausalLM, **fields: object) -> tuple[list[str], GenerationStats]:
     stats = GenerationStats()
     prompt = fields.pop("prompt")

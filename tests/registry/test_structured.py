@@ -28,14 +28,6 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n
                          "tag": {"type": "string", "enum": ["red", "green"]}}}
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_models_dir: Path) -> CausalLM:
-    model = load_model(ModelSpec(key="tiny-llm", capability="text_to_text",
-                                 path=str(tiny_models_dir / "tiny-llm")))
-    assert isinstance(model, CausalLM)
-    return model
-
-
 def _request(prompt: str = "Once upon a time", **fields: Any) -> Generate:
     request = kinds.build("generate", prompt, **{"max_tokens": 60, "temperature": 0,
                                                  "raw": True, **fields})

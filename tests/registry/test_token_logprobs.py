@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ import torch
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Generate, TokenLogprob, TopLogprob
-from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM
 from modelpool.registry.loaders.token_logprobs import (
     FLOOR,
@@ -22,18 +20,9 @@ from modelpool.registry.loaders.token_logprobs import (
     prompt_logprobs,
     token_logprob,
 )
-from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 PROMPT = "Once upon a time, there was a tiny model"
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_models_dir: Path) -> CausalLM:
-    model = load_model(ModelSpec(key="tiny-llm", capability="text_to_text",
-                                 path=str(tiny_models_dir / "tiny-llm")))
-    assert isinstance(model, CausalLM)
-    return model
 
 
 class Letters:
