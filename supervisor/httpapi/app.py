@@ -17,6 +17,7 @@ from modelpool.protocol.client_core import ImageChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.kinds import BY_OP
 from modelpool.supervisor.httpapi import bodies, choices, replies
+from modelpool.supervisor.httpapi.completions import completion_calls, echoed
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
 from modelpool.supervisor.httpapi.jobs_api import JobsApi
 from modelpool.supervisor.httpapi.link import DaemonLink
@@ -114,30 +115,31 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request, bodies.ChatBody)
-        return await self._text(request, body, bodies.chat_call(body), chat=True)
+        return await self._text(request, body, [bodies.chat_call(body)], chat=True)
 
     async def completions(self, request: Request) -> Response:
         body = await self.body(request, bodies.CompletionBody)
-        return await self._text(request, body, bodies.completion_call(body), chat=False)
+        return await self._text(request, body, completion_calls(body), chat=False)
 
-    async def _text(self, request: Request, body: bodies.Sampling, call: bodies.PoolCall,
-                    chat: bool) -> Response:
-        kwargs = with_header_options(request, call.kwargs, self.settings)
+    async def _text(self, request: Request, body: bodies.Sampling,
+                    calls: list[bodies.PoolCall], chat: bool) -> Response:
+        """Each call's `n` choices, in order: choice i is call i // n's."""
         client = await self.client(request)
-        streams = [getattr(client, call.op)(*call.args, **choice)
-                   for choice in bodies.choice_kwargs(kwargs, body.n)]
+        streams = [getattr(client, call.op)(*call.args, **choice) for call in calls
+                   for choice in bodies.choice_kwargs(
+                       with_header_options(request, call.kwargs, self.settings), body.n)]
         # The first chunks before the answer's status: an unknown model is a 404, not an
         # error event inside a 200 stream.
         firsts = await unless_disconnected(request.scope, choices.firsts(streams))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        shape = replies.StreamShape(chat, model_name(body.model, self.settings, call.op),
-                                    include_usage, body.n)
+        shape = replies.StreamShape(chat, model_name(body.model, self.settings, calls[0].op),
+                                    include_usage, len(streams), body.n)
         if body.stream:
             return EventStream(_events(shape, choices.chunks(firsts, streams)))
         texts = await unless_disconnected(request.scope,
                                           choices.gather_all(firsts, streams, shape.model))
         return json_response(replies.completion(texts, chat, shape.model,
-                                                bodies.echoed(body)))
+                                                echoed(body), body.n))
 
     async def images(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImagesBody)

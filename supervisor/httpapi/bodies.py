@@ -165,7 +165,7 @@ class ChatBody(Sampling, kw_only=True):
 
 
 class CompletionBody(Sampling, kw_only=True):
-    # one prompt: text, or token ids (as evaluation harnesses send them), alone or in a list
+    # a prompt (text, or token ids as evaluation harnesses send them), or a list of them
     prompt: NonEmpty | Annotated[list[NonEmpty | TokenId | TokenIds],
                                  msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
     echo: bool = False
@@ -276,7 +276,8 @@ def image_from_url(url: str, field: str) -> ImageInput:
         raise bad(field, "not valid base64") from None
 
 
-def _sampling(body: Sampling, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+def sampling_kwargs(body: Sampling, max_tokens: int | None,
+                    logprobs: int | None) -> dict[str, Any]:
     refuse_unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {"model": body.model or None, "max_tokens": max_tokens or body.max_tokens,
@@ -302,7 +303,7 @@ def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 
 def chat_call(body: ChatBody) -> PoolCall:
-    sampling = _sampling(body, body.max_completion_tokens, _chat_logprobs(body))
+    sampling = sampling_kwargs(body, body.max_completion_tokens, _chat_logprobs(body))
     images = [(i, part) for i, m in enumerate(body.messages) if isinstance(m.content, list)
               for part in m.content if part.type == "image_url"]
     if not images:
@@ -334,39 +335,6 @@ def _text_of(message: ChatMessage) -> str:
     if isinstance(message.content, str):
         return message.content
     return "".join(p.text or "" for p in message.content if p.type == "text")
-
-
-def _prompt(body: CompletionBody) -> str | list[int]:
-    """The one prompt: its text or its token ids."""
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return prompt
-    if all(isinstance(token, int) for token in prompt):
-        return prompt  # type: ignore[return-value]
-    if len(prompt) == 1 and not isinstance(prompt[0], int):
-        return prompt[0]
-    raise bad("prompt", "one prompt: a string or token ids (send several prompts as several "
-                        "requests)")
-
-
-def echoed(body: Sampling) -> str | list[int] | None:
-    """The prompt a completion asks to have before its text (echo), else None."""
-    return _prompt(body) if isinstance(body, CompletionBody) and body.echo else None
-
-
-def completion_call(body: CompletionBody) -> PoolCall:
-    prompt = _prompt(body)
-    if isinstance(body.logprobs, bool):
-        raise bad("logprobs", "the number of likeliest alternatives in a completion, "
-                              "from 0 to 20")
-    if body.echo and body.stream:
-        raise bad("echo", "not streamed: ask for the echoed prompt without stream")
-    if body.echo and not isinstance(prompt, str) and body.logprobs is None:
-        raise bad("echo", "a prompt of token ids is echoed as its tokens' text, which comes "
-                          "with logprobs: ask for them")
-    prompt_logprobs = body.logprobs if body.echo else None  # echoed with the prompt
-    return PoolCall("generate", (prompt,), {**_sampling(body, None, body.logprobs),
-                                            "prompt_logprobs": prompt_logprobs, "raw": True})
 
 
 def images_call(body: ImagesBody) -> PoolCall:

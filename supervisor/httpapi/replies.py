@@ -111,10 +111,11 @@ def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str,
 
 
 def completion(texts: list[TextResult], chat: bool, model: str,
-               echo: str | list[int] | None = None) -> dict[str, Any]:
-    """Whole generations, one a choice, as chat.completion or text_completion (after the
-    prompt when it is echoed, its tokens first in the logprobs; a prompt of token ids as
-    their text); the prompt counted once, as OpenAI does."""
+               echo: list[str | list[int]] | None = None, n: int = 1) -> dict[str, Any]:
+    """Whole generations, one a choice, as chat.completion or text_completion, `n` choices
+    a prompt (choice i is prompt i // n's; after its prompt when they are echoed, the
+    prompt's tokens first in the logprobs; a prompt of token ids as their text); each
+    prompt counted once, as OpenAI does."""
     choices = []
     for index, text in enumerate(texts):
         choice: dict[str, Any] = {"index": index, "finish_reason": _finish(text.finish_reason)}
@@ -122,19 +123,23 @@ def completion(texts: list[TextResult], chat: bool, model: str,
             choice.update(message={"role": "assistant", "content": text.text},
                           logprobs=logprobs.chat(text.logprobs))
         else:
-            entries = text.logprobs
-            if echo is not None and text.prompt_logprobs is not None:
-                entries = [*text.prompt_logprobs, *(text.logprobs or [])]
-            prefix = echo if isinstance(echo, str) or echo is None else "".join(
-                e.token for e in text.prompt_logprobs or [])
-            choice.update(text=(prefix or "") + text.text,
-                          logprobs=logprobs.completion(entries)[0])
+            choice.update(_completion_text(text, None if echo is None else echo[index // n]))
         choices.append(choice)
+    prompt_tokens = sum(t.prompt_tokens for t in texts[::n])
     return {"id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": texts[0].model or model,
-            "choices": choices, "usage": usage(texts[0].prompt_tokens,
+            "choices": choices, "usage": usage(prompt_tokens,
                                                sum(t.completion_tokens for t in texts))}
+
+
+def _completion_text(text: TextResult, echo: str | list[int] | None) -> dict[str, Any]:
+    entries = text.logprobs
+    if echo is not None and text.prompt_logprobs is not None:
+        entries = [*text.prompt_logprobs, *(text.logprobs or [])]
+    prefix = echo if isinstance(echo, str) or echo is None else "".join(
+        e.token for e in text.prompt_logprobs or [])
+    return {"text": (prefix or "") + text.text, "logprobs": logprobs.completion(entries)[0]}
 
 
 def _finish(reason: str | None) -> str | None:
@@ -146,13 +151,15 @@ class StreamShape:
     """The chunks of one streamed completion's choices, as server-sent events; with
     include_usage, the usage of them all once the last has ended."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, choices: int = 1) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, choices: int = 1,
+                 n: int = 1) -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.started: set[int] = set()  # choices that have sent their first chunk
-        self.running = choices
-        self.prompt_tokens = self.completion_tokens = 0
+        self.running, self.n = choices, n  # choice i is prompt i // n's
+        self.prompt_tokens: dict[int, int] = {}  # by prompt
+        self.completion_tokens = 0
         self.offsets: dict[int, int] = {}  # by choice: its tokens' text so far, in chars
 
     def event(self, chunk: TextChunk, index: int = 0) -> bytes:
@@ -169,10 +176,11 @@ class StreamShape:
         out = sse(self._wrap([choice], None))
         if chunk.finish_reason is not None:
             self.running -= 1
-            self.prompt_tokens = chunk.prompt_tokens or 0
+            self.prompt_tokens[index // self.n] = chunk.prompt_tokens or 0
             self.completion_tokens += chunk.completion_tokens or 0
             if self.running == 0 and self.include_usage:
-                out += sse(self._wrap([], usage(self.prompt_tokens, self.completion_tokens)))
+                out += sse(self._wrap([], usage(sum(self.prompt_tokens.values()),
+                                                self.completion_tokens)))
         return out
 
     def _wrap(self, choices: list[dict[str, Any]], use: dict[str, int] | None) -> dict[str, Any]:

@@ -196,6 +196,35 @@ def test_an_echoed_prompts_logprobs_through_the_sdk_as_evaluation_harnesses_ask(
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="echo"):
         sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, stream=True)
+    batch = sdk.completions.create(model="tiny-llm", prompt=[ids, ids[:3]], echo=True,
+                                   logprobs=1, max_tokens=1, temperature=0)
+    assert batch.choices[0].logprobs == listed  # a batch of them, as the harness sends
+    assert batch.choices[1].logprobs.tokens[:3] == listed.tokens[:3]  # type: ignore[union-attr]
+
+
+def test_several_prompts_in_one_body_are_each_the_socket_clients_request(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """A list of prompts: n choices for each, in prompt order, each the socket client's
+    same request (seeded: choice j of a prompt takes seed + j); usage counts each prompt
+    once; streamed alike."""
+    prompts = ["tell me about workers", "a pool of models", "once upon"]
+    with served[0].client() as c:
+        runs = [[list(c.generate(p, model="tiny-llm", raw=True, max_tokens=6,
+                                 temperature=1.0, seed=7 + j)) for j in range(2)]
+                for p in prompts]
+    alone = [["".join(ch.text for ch in run) for run in pair] for pair in runs]
+    prompt_tokens = sum(pair[0][-1].prompt_tokens or 0 for pair in runs)
+    kw: dict[str, Any] = {"model": "tiny-llm", "prompt": prompts, "n": 2, "max_tokens": 6,
+                          "temperature": 1.0, "seed": 7}
+    whole = sdk.completions.create(**kw)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [t for pair in alone for t in pair]
+    assert whole.usage is not None and whole.usage.prompt_tokens == prompt_tokens
+    streamed: dict[int, str] = {}
+    for part in sdk.completions.create(**kw, stream=True):
+        for choice in part.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {c.index: c.text for c in whole.choices}
 
 
 class Verdict(pydantic.BaseModel):

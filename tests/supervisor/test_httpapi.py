@@ -21,7 +21,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ImageInput
 from modelpool.supervisor.config import Config, ConfigError, HttpConfig
 from modelpool.supervisor.http_front import listen_address, settings_of
-from modelpool.supervisor.httpapi import bodies, guard, replies, routes
+from modelpool.supervisor.httpapi import bodies, completions, guard, replies, routes
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
 from modelpool.supervisor.httpapi.serve import Server
 from modelpool.supervisor.metrics import Histogram, ModelMetrics
@@ -64,7 +64,7 @@ def test_an_image_is_never_a_local_file(url: str) -> None:
 
 def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
     with pytest.raises(PoolError, match=r"^BAD_REQUEST: echo: not streamed"):
-        bodies.completion_call(body(bodies.CompletionBody, prompt="p", echo=True,
+        completions.completion_call(body(bodies.CompletionBody, prompt="p", echo=True,
                                     stream=True))
     with pytest.raises(PoolError, match="response_format"):
         bodies.images_call(body(bodies.ImagesBody, prompt="x", response_format="url"))
@@ -72,7 +72,7 @@ def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
         bodies.images_call(body(bodies.ImagesBody, prompt="x", size="huge"))
     sized = bodies.images_call(body(bodies.ImagesBody, prompt="x", size="64x32"))
     assert (sized.kwargs["width"], sized.kwargs["height"]) == (64, 32)
-    assert bodies.completion_call(body(bodies.CompletionBody, prompt=["p"])).kwargs["raw"]
+    assert completions.completion_call(body(bodies.CompletionBody, prompt=["p"])).kwargs["raw"]
 
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
@@ -89,7 +89,7 @@ ASKING = [  # a body, then each field with a value that asks for what no model h
         "background": "transparent"}),
     (bodies.EmbeddingsBody, {"input": "a"}, {"dimensions": 8}),
 ]
-CALLS = {bodies.ChatBody: bodies.chat_call, bodies.CompletionBody: bodies.completion_call,
+CALLS = {bodies.ChatBody: bodies.chat_call, bodies.CompletionBody: completions.completion_call,
          bodies.ImagesBody: bodies.images_call, bodies.EmbeddingsBody: bodies.embeddings_call}
 
 
@@ -115,7 +115,7 @@ def test_what_asks_for_nothing_is_taken() -> None:
                                  tools=[], tool_choice="none", function_call="auto",
                                  response_format={"type": "text"}, modalities=["text"]))
     assert chat.op == "generate"
-    completion = bodies.completion_call(body(bodies.CompletionBody, prompt="p", best_of=1,
+    completion = completions.completion_call(body(bodies.CompletionBody, prompt="p", best_of=1,
                                              echo=False, suffix=""))
     assert completion.args == ("p",)
     image = bodies.images_call(body(bodies.ImagesBody, prompt="p", output_format="png",
@@ -127,10 +127,10 @@ def test_vllms_top_k_and_min_p_reach_the_sampler() -> None:
     chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, top_k=5, min_p=0.1))
     assert (chat.kwargs["top_k"], chat.kwargs["min_p"]) == (5, 0.1)
     for everything in (-1, 0):  # vLLM's -1: every token
-        completion = bodies.completion_call(body(bodies.CompletionBody, prompt="p",
+        completion = completions.completion_call(body(bodies.CompletionBody, prompt="p",
                                                  top_k=everything, min_p=0))
         assert (completion.kwargs["top_k"], completion.kwargs["min_p"]) == (0, 0.0)
-    unset = bodies.completion_call(body(bodies.CompletionBody, prompt="p"))
+    unset = completions.completion_call(body(bodies.CompletionBody, prompt="p"))
     assert (unset.kwargs["top_k"], unset.kwargs["min_p"]) == (None, None)  # the defaults
     for out_of_range in (-2, 2**31, 10**23):  # one the wire could not carry, too
         with pytest.raises(msgspec.ValidationError, match="top_k"):
@@ -155,7 +155,7 @@ def test_penalties_and_biases_reach_the_sampler_within_their_bounds() -> None:
                                  logit_bias={"50256": -100, "7": 2.5}))
     assert [chat.kwargs[name] for name in penalties] == [0.5, -1.0, 1.1,
                                                          {50256: -100.0, 7: 2.5}]
-    unset = bodies.completion_call(body(bodies.CompletionBody, prompt="p"))
+    unset = completions.completion_call(body(bodies.CompletionBody, prompt="p"))
     assert [unset.kwargs[name] for name in penalties] == [None] * 4  # the defaults
     for name, out_of_range in (("presence_penalty", 2.5), ("frequency_penalty", -3),
                                ("repetition_penalty", 0), ("repetition_penalty", 5e-324),

@@ -112,7 +112,7 @@ def _events(data: bytes) -> list[dict[str, Any]]:
 
 
 def test_a_streamed_answer_of_two_choices_sends_one_usage_after_both() -> None:
-    shape = replies.StreamShape(chat=True, model="m", include_usage=True, choices=2)
+    shape = replies.StreamShape(chat=True, model="m", include_usage=True, choices=2, n=2)
     data = (shape.event(TextChunk("a"), 0) + shape.event(TextChunk("b"), 1)
             + shape.event(TextChunk("a2", "stop", 4, 3), 0))
     assert not [e for e in _events(data) if e["usage"]]  # choice 1 still runs
@@ -127,7 +127,22 @@ def test_a_streamed_answer_of_two_choices_sends_one_usage_after_both() -> None:
 
 def test_a_whole_answer_has_a_choice_each_and_counts_the_prompt_once() -> None:
     answer = replies.completion([TextResult("x", "stop", 4, 1, "m"),
-                                 TextResult("yz", "length", 4, 2, "m")], chat=False, model="m")
+                                 TextResult("yz", "length", 4, 2, "m")], chat=False, model="m",
+                                n=2)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
         (0, "x", "stop"), (1, "yz", "length")]
     assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def test_several_prompts_count_each_prompt_once_whole_and_streamed() -> None:
+    """Two prompts of 4 and 6 tokens, two choices each: choices 0-1 are the first's."""
+    texts = [TextResult(t, "stop", p, 1, "m") for t, p in (("a", 4), ("b", 4), ("c", 6),
+                                                            ("d", 6))]
+    answer = replies.completion(texts, chat=False, model="m", echo=["P:", "Q:"], n=2)
+    assert [c["text"] for c in answer["choices"]] == ["P:a", "P:b", "Q:c", "Q:d"]
+    assert answer["usage"]["prompt_tokens"] == 10
+    shape = replies.StreamShape(chat=False, model="m", include_usage=True, choices=4, n=2)
+    data = b"".join(shape.event(TextChunk(t.text, "stop", t.prompt_tokens, 1), i)
+                    for i, t in enumerate(texts))
+    assert _events(data)[-1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 4,
+                                          "total_tokens": 14}

@@ -11,7 +11,7 @@ import pytest
 from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.messages import TokenLogprob, TopLogprob
-from modelpool.supervisor.httpapi import bodies, replies
+from modelpool.supervisor.httpapi import bodies, completions, replies
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 
@@ -27,7 +27,7 @@ def test_logprobs_are_asked_as_each_api_asks_them() -> None:
         return bodies.chat_call(body(bodies.ChatBody, **CHAT, **fields)).kwargs["logprobs"]
 
     def completion(**fields: object) -> object:
-        return bodies.completion_call(body(bodies.CompletionBody, prompt="p",
+        return completions.completion_call(body(bodies.CompletionBody, prompt="p",
                                            **fields)).kwargs["logprobs"]
 
     assert chat(logprobs=True, top_logprobs=2) == 2 and chat(logprobs=True) == 0
@@ -95,21 +95,21 @@ def test_logprobs_in_completions_are_parallel_lists_with_text_offsets() -> None:
 
 def test_echo_asks_for_the_prompts_logprobs_when_logprobs_are_asked_for() -> None:
     def call(**fields: object) -> bodies.PoolCall:
-        return bodies.completion_call(body(bodies.CompletionBody, prompt=["p"], **fields))
+        return completions.completion_call(body(bodies.CompletionBody, prompt=["p"], **fields))
 
     assert call(echo=True, logprobs=2).kwargs["prompt_logprobs"] == 2
     assert call(echo=True).kwargs["prompt_logprobs"] is None
     assert call(logprobs=2).kwargs["prompt_logprobs"] is None
     echo = body(bodies.CompletionBody, prompt=["p"], echo=True)
-    assert bodies.echoed(echo) == "p"  # type: ignore[arg-type]
-    assert bodies.echoed(body(bodies.CompletionBody, prompt="p")) is None  # type: ignore[arg-type]
+    assert completions.echoed(echo) == ["p"]  # type: ignore[arg-type]
+    assert completions.echoed(body(bodies.CompletionBody, prompt="p")) is None  # type: ignore[arg-type]
 
 
 def test_an_echoed_prompt_comes_first_in_the_text_and_the_logprobs() -> None:
     first = TokenLogprob("<s>", 1, None)
     said = TokenLogprob("He", 5, -4.0, [TopLogprob("A", -0.5), TopLogprob("B", -1.0)])
     result = TextResult("llo", "length", 2, 1, "m", [LO], [first, said])
-    echoed = replies.completion([result], chat=False, model="m", echo="He")["choices"][0]
+    echoed = replies.completion([result], chat=False, model="m", echo=["He"])["choices"][0]
     assert echoed["text"] == "Hello"
     assert echoed["logprobs"] == {
         "tokens": ["<s>", "He", "lo"], "token_logprobs": [None, -4.0, -2.0],
@@ -118,19 +118,18 @@ def test_an_echoed_prompt_comes_first_in_the_text_and_the_logprobs() -> None:
     plain = replies.completion([result], chat=False, model="m")["choices"][0]
     assert plain["text"] == "llo" and plain["logprobs"]["tokens"] == ["lo"]
     unasked = TextResult("llo", "length", 2, 1, "m")
-    assert replies.completion([unasked], chat=False, model="m", echo="He")["choices"][0][
+    assert replies.completion([unasked], chat=False, model="m", echo=["He"])["choices"][0][
         "text"] == "Hello"
 
 
 def test_a_prompt_of_token_ids_is_taken_as_evaluation_harnesses_send_it() -> None:
     def call(prompt: object, **fields: object) -> bodies.PoolCall:
-        return bodies.completion_call(body(bodies.CompletionBody, prompt=prompt, **fields))
+        return completions.completion_call(body(bodies.CompletionBody, prompt=prompt, **fields))
 
     assert call([5, 6, 7]).args == ([5, 6, 7],) and call([[5, 6]]).args == ([5, 6],)
     assert call(["text"]).args == ("text",)
-    for several in (["a", "b"], [[5], [6]], ["a", 5]):
-        with pytest.raises(PoolError, match=r"^BAD_REQUEST: prompt: one prompt"):
-            call(several)
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: prompt: a prompt .* not token ids"):
+        call(["a", 5])
     with pytest.raises(PoolError, match=r"^BAD_REQUEST: echo: .* logprobs"):
         call([5, 6], echo=True)
     for bad_ids in ([-1], [[]], []):
@@ -138,6 +137,6 @@ def test_a_prompt_of_token_ids_is_taken_as_evaluation_harnesses_send_it() -> Non
             body(bodies.CompletionBody, prompt=bad_ids)
     first = TokenLogprob("<s>", 1, None)
     result = TextResult("lo", "length", 2, 1, "m", [LO], [first, HEL])
-    echoed = replies.completion([result], chat=False, model="m", echo=[1, 7])["choices"][0]
+    echoed = replies.completion([result], chat=False, model="m", echo=[[1, 7]])["choices"][0]
     assert echoed["text"] == "<s>Hello"  # the ids' tokens as their text
     assert echoed["logprobs"]["tokens"] == ["<s>", "Hel", "lo"]

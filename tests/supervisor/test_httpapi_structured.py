@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from modelpool.protocol.errors import PoolError
-from modelpool.supervisor.httpapi import bodies
+from modelpool.supervisor.httpapi import bodies, completions
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -20,7 +20,7 @@ LANGUAGES = ("json_schema", "regex", "choice", "grammar")
 def _asked(kind: type = bodies.ChatBody, **fields: Any) -> dict[str, Any]:
     base = CHAT if kind is bodies.ChatBody else {"prompt": "p"}
     body = msgspec.convert({**base, **fields}, type=kind)  # as JSON gives it
-    call = (bodies.chat_call if kind is bodies.ChatBody else bodies.completion_call)(body)
+    call = (bodies.chat_call if kind is bodies.ChatBody else completions.completion_call)(body)
     return {name: call.kwargs[name] for name in LANGUAGES if name in call.kwargs}
 
 
