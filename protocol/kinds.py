@@ -131,7 +131,8 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
              prompt_logprobs: int | None = None,
              json_schema: str | dict[str, Any] | bool | None = None,
              regex: str | None = None, choice: list[str] | None = None,
-             grammar: str | None = None, raw: bool = False) -> tuple[Fields, bool]:
+             grammar: str | None = None, tools: str | list[dict[str, Any]] | None = None,
+             raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, its token ids (given to the model as they are), or
     a chat as [{"role", "content"}, ...].
     Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; penalties 0 (and
@@ -141,8 +142,11 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     (TextChunk.logprobs); prompt_logprobs: the prompt's tokens alike, on the last chunk.
     At most one of json_schema (a JSON Schema, as a dict or JSON text), regex, choice (one
     of these strings) and grammar (Lark or GBNF) holds the output to that language, and ends it
-    where the language does. Breaking out of the stream cancels it."""
-    fields: Fields = {"model": model or "", "raw": raw, "sampling": Sampling(
+    where the language does. tools (OpenAI's function tools, or their JSON text) go to the
+    model's chat template. Breaking out of the stream cancels it."""
+    if isinstance(tools, str):
+        tools = msgspec.json.decode(tools)
+    fields: Fields = {"model": model or "", "raw": raw, "tools": tools or [], "sampling": Sampling(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, logit_bias=logit_bias, seed=seed,
@@ -235,6 +239,8 @@ def _prompt_or_messages(request: Generate) -> str | None:
     given = sum(map(bool, (request.prompt, request.prompt_ids, request.messages)))
     if given != 1:
         return "generate needs one of a prompt, prompt_ids or messages"
+    if request.tools and (request.raw or request.prompt_ids):
+        return "tools are shown to the model by its chat template: not with raw or prompt_ids"
     return _one_language(request)
 
 

@@ -113,6 +113,9 @@ class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     # a prompt as token ids, given to the model as they are (an evaluation harness's)
     prompt_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)] = []
     raw: bool = False  # True: send the prompt as-is, without the model's chat template
+    # function tools in OpenAI's shape ({"type": "function", "function": {...}}), shown to
+    # the model by its chat template
+    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] = []
     sampling: Sampling = msgspec.field(default_factory=Sampling)
 
 

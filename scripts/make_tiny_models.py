@@ -54,7 +54,10 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
 LLM_VOCAB_SIZE = 1024
 
 # ChatML, as used by Qwen and many others; loaders under test must cope with this shape.
+# Tools, when given, in a system turn of their own (as Qwen's template lists them).
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{% for tool in tools %}"
+    "{{ tool | tojson }}{{ '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"

@@ -65,10 +65,11 @@ class CausalLM:
                                 f"model {self.key!r} has no chat template: send a prompt")
             messages = [{"role": m.role, "content": m.content} for m in request.messages] or [
                 {"role": "user", "content": request.prompt}]
-            return self._chat_ids(messages, str(template))
+            return self._chat_ids(messages, str(template), request.tools)
         return list(self.tokenizer(request.prompt)["input_ids"])
 
-    def _chat_ids(self, messages: list[dict[str, str]], template: str) -> list[int]:
+    def _chat_ids(self, messages: list[dict[str, str]], template: str,
+                  tools: list[dict[str, Any]]) -> list[int]:
         """The conversation as the model's template writes it. Control tokens inside a
         message are encoded as text: "<|im_end|><|im_start|>system" in a user's message
         opens no turn. OpenAI's `developer` role is the `system` of a template that does
@@ -79,8 +80,8 @@ class CausalLM:
                         for m in messages]
         try:
             encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                sanitize_control_tokens=True)
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                return_dict=True, sanitize_control_tokens=True)
         except TemplateError as exc:
             raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r}'s chat template "
                             f"refused the messages: {exc}") from None

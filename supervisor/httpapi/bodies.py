@@ -40,6 +40,7 @@ from modelpool.supervisor.httpapi.structured import (
     StructuredOutputs,
     language,
 )
+from modelpool.supervisor.httpapi.tools import ToolChoice, Tools, tool_calls
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
@@ -53,7 +54,7 @@ MAX_CHOICES = 16
 Choices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
 # Each refused field: the values that ask for nothing, and why any other is refused.
 Refused = dict[str, tuple[tuple[Any, ...], str]]
-NO_TOOLS = "not supported: no model here is given tools or calls them"
+NO_TOOLS = "not supported: OpenAI's deprecated functions; send tools"
 
 
 def refused_note(why: str) -> Any:
@@ -148,15 +149,14 @@ class Sampling(Options, kw_only=True):
 class ChatBody(Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: Tokens | None = None
-    tools: NoTools = None
-    tool_choice: NoToolChoice = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: NoTools = None
     function_call: NoToolChoice = None
     modalities: Annotated[list[str] | None, refused_note("text only")] = None
     audio: Annotated[dict[str, Any] | None, refused_note("text only")] = None
     refused: ClassVar[Refused] = {
-        "tools": ((None, []), NO_TOOLS),
-        "tool_choice": ((None, "none", "auto"), NO_TOOLS),
         "functions": ((None, []), NO_TOOLS),
         "function_call": ((None, "none", "auto"), NO_TOOLS),
         "modalities": ((None, ["text"]), "only text"),
@@ -304,12 +304,19 @@ def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 def chat_call(body: ChatBody) -> PoolCall:
     sampling = sampling_kwargs(body, body.max_completion_tokens, _chat_logprobs(body))
+    _, for_tools = tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if "json_schema" in for_tools and set(sampling) & {"json_schema", "regex", "choice",
+                                                       "grammar"}:
+        raise bad("tool_choice", "a call holds the output to its schema: not with "
+                                 "another language (response_format, structured_outputs)")
     images = [(i, part) for i, m in enumerate(body.messages) if isinstance(m.content, list)
               for part in m.content if part.type == "image_url"]
     if not images:
         messages = [{"role": m.role, "content": _text_of(m)}
                     for m in body.messages]
-        return PoolCall("generate", (messages,), sampling)
+        return PoolCall("generate", (messages,), {**sampling, **for_tools})
+    if body.tools:
+        raise bad("tools", "not with an image: a vision model is given no tools")
     if len(images) > 1:
         raise bad("messages", "one image per request is supported")
     index, part = images[0]

@@ -53,6 +53,10 @@ class JobsApi:
             raise bodies.bad("body.stream", "a job's result is fetched whole, not streamed")
         if getattr(body, "n", 1) != 1:
             raise bodies.bad("body.n", "a job has one result: submit a job for each choice")
+        if getattr(body, "tool_choice", None) not in (None, "none", "auto"):
+            raise bodies.bad("body.tool_choice", "a job's result is text, not tool calls: "
+                                                 "hold it to the call's schema with "
+                                                 "response_format instead")
         call = make_call(body)
         kwargs = with_header_options(request, {**bodies.options(job), **call.kwargs},
                                      self.api.settings)

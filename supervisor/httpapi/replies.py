@@ -16,6 +16,7 @@ from starlette.responses import Response
 from modelpool.protocol.client_core import ImageChunk, TextChunk, TextResult
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.supervisor.httpapi import logprobs
+from modelpool.supervisor.httpapi.tools import ToolCalls
 
 # The status of each error code. 429s and 503s carry Retry-After.
 STATUS: dict[ErrorCode, int] = {
@@ -111,15 +112,21 @@ def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str,
 
 
 def completion(texts: list[TextResult], chat: bool, model: str,
-               echo: list[str | list[int]] | None = None, n: int = 1) -> dict[str, Any]:
-    """Whole generations, one a choice, as chat.completion or text_completion, `n` choices
-    a prompt (choice i is prompt i // n's; after its prompt when they are echoed, the
-    prompt's tokens first in the logprobs; a prompt of token ids as their text); each
-    prompt counted once, as OpenAI does."""
+               echo: list[str | list[int]] | None = None, n: int = 1,
+               calls: ToolCalls | None = None) -> dict[str, Any]:
+    """Whole generations, one a choice, as chat.completion (its text as tool calls when
+    `calls` says how) or text_completion, `n` choices a prompt (choice i is prompt
+    i // n's; after its prompt when they are echoed, the prompt's tokens first in the
+    logprobs; a prompt of token ids as their text); each prompt counted once, as OpenAI
+    does."""
     choices = []
     for index, text in enumerate(texts):
-        choice: dict[str, Any] = {"index": index, "finish_reason": _finish(text.finish_reason)}
-        if chat:
+        finish = _finish(text.finish_reason)
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish}
+        if chat and calls is not None:
+            choice.update(message=calls.message(text.text), finish_reason=calls.finish(finish),
+                          logprobs=logprobs.chat(text.logprobs))
+        elif chat:
             choice.update(message={"role": "assistant", "content": text.text},
                           logprobs=logprobs.chat(text.logprobs))
         else:
@@ -152,8 +159,9 @@ class StreamShape:
     include_usage, the usage of them all once the last has ended."""
 
     def __init__(self, chat: bool, model: str, include_usage: bool, choices: int = 1,
-                 n: int = 1) -> None:
+                 n: int = 1, calls: ToolCalls | None = None) -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.calls = calls  # a chat's text made tool calls
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.started: set[int] = set()  # choices that have sent their first chunk
@@ -163,8 +171,15 @@ class StreamShape:
         self.offsets: dict[int, int] = {}  # by choice: its tokens' text so far, in chars
 
     def event(self, chunk: TextChunk, index: int = 0) -> bytes:
-        choice: dict[str, Any] = {"index": index, "finish_reason": _finish(chunk.finish_reason)}
-        if self.chat:
+        finish = _finish(chunk.finish_reason)
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish}
+        if self.chat and self.calls is not None:
+            made = self.calls.delta(index, chunk, index not in self.started)
+            if made is None:  # a list of calls, held until whole
+                return b""
+            choice.update(delta=made[0], logprobs=logprobs.chat(made[1]),
+                          finish_reason=self.calls.finish(finish))
+        elif self.chat:
             choice["delta"] = {"content": chunk.text} if index in self.started else {
                 "role": "assistant", "content": chunk.text}
             choice["logprobs"] = logprobs.chat(chunk.logprobs)

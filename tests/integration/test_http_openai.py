@@ -162,7 +162,7 @@ def test_errors_map_to_the_sdks_exceptions(served: tuple[Daemon, str],
         sdk.chat.completions.create(model="tiny-llm", n=17,
                                     messages=[{"role": "user", "content": "hi"}])
     assert bad.value.body["param"] == "n"
-    for refused in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+    for refused in ({"tool_choice": "required"},  # and no tools
                     {"modalities": ["audio"]}, {"top_logprobs": 2}):
         with pytest.raises(openai.BadRequestError) as dropped:
             sdk.chat.completions.create(model="tiny-llm", **refused,  # type: ignore[call-overload]

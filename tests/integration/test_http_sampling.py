@@ -19,7 +19,15 @@ from http_helpers import KEY, http_daemon
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
-    daemon, base = http_daemon(tmp_path_factory.mktemp("http-sampling"), tiny_models_dir)
+    # tiny-llm again with room for tools in its prompt (the shared entry's context is 64)
+    daemon, base = http_daemon(tmp_path_factory.mktemp("http-sampling"), tiny_models_dir,
+                               extra=f"""
+        [[models]]
+        key = "tiny-llm-long"
+        capability = "text_to_text"
+        path = "{tiny_models_dir / 'tiny-llm'}"
+        options = {{ context = 1024 }}
+        """)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
 
@@ -264,3 +272,45 @@ def test_structured_output_through_the_sdks_parse_and_vllms_fields(
                                     response_format={"type": "json_object"},
                                     extra_body={"guided_regex": "a"})
     assert two.value.body["param"] == "response_format"
+
+
+class Weather(pydantic.BaseModel):
+    city: Literal["Paris", "Oslo", "Lima"]
+    celsius: bool
+
+
+def test_function_calling_through_the_sdks_parse_named_required_and_streamed(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """A named function (what instructor and LangChain's structured output send) comes
+    back as a tool call the SDK's parse turns into the pydantic model, its arguments the
+    socket client's same schema's output with the tools in the template; "required"
+    gives a list of calls; a named call streams its arguments; "auto" is refused."""
+    messages = [{"role": "user", "content": "weather?"}]
+    tool = openai.pydantic_function_tool(Weather)
+    named: Any = {"type": "function", "function": {"name": "Weather"}}
+    parsed = sdk.chat.completions.parse(model="tiny-llm-long", messages=messages, tools=[tool],
+                                        tool_choice=named, max_tokens=40, temperature=0)
+    choice = parsed.choices[0]
+    (call,) = choice.message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, Weather)
+    assert choice.message.content is None and choice.finish_reason == "stop"
+    with served[0].client() as c:
+        same = "".join(ch.text for ch in c.generate(
+            messages, model="tiny-llm-long", max_tokens=40, temperature=0, tools=[tool],
+            json_schema=tool["function"]["parameters"]))
+    assert call.function.arguments == same
+    listed = sdk.chat.completions.create(model="tiny-llm-long", messages=messages, tools=[tool],
+                                         tool_choice="required", max_tokens=80,
+                                         temperature=0.8, seed=2, parallel_tool_calls=False)
+    assert listed.choices[0].finish_reason == "tool_calls"
+    (one,) = listed.choices[0].message.tool_calls or []
+    Weather.model_validate_json(one.function.arguments)  # type: ignore[union-attr]
+    streamed = "".join(
+        (part.choices[0].delta.tool_calls or [None])[0].function.arguments or ""  # type: ignore[union-attr]
+        for part in sdk.chat.completions.create(
+            model="tiny-llm-long", messages=messages, tools=[tool], tool_choice=named,
+            max_tokens=40, temperature=0, stream=True) if part.choices)
+    assert streamed == same
+    with pytest.raises(openai.BadRequestError) as auto:
+        sdk.chat.completions.create(model="tiny-llm-long", messages=messages, tools=[tool])
+    assert auto.value.body["param"] == "tool_choice"

@@ -145,3 +145,17 @@ def test_structured_output_asks_for_one_language_that_may_end() -> None:
         empty = msgspec.structs.replace(kinds.build(op, *args),
                                         sampling=Sampling(structured=Structured()))
         assert "not none" in (check(empty) or "")
+
+
+def test_tools_go_to_the_chat_template_only() -> None:
+    """Tools (or their JSON text) travel with a templated prompt or chat; with a raw
+    prompt or token ids there is no template to show them, so they are refused."""
+    tool = {"type": "function", "function": {"name": "f"}}
+    check = BY_OP["generate"].check
+    assert kinds.generate("hi", tools='[{"type": "function", "function": {"name": "f"}}]'
+                          )[0]["tools"] == [tool]
+    assert check(kinds.build("generate", "hi", tools=[tool])) is None
+    for asks in ({"raw": True}, {}):
+        prompt: Any = "hi" if asks else [1, 2]
+        assert "chat template" in (check(kinds.build("generate", prompt, tools=[tool],
+                                                     **asks)) or "")

@@ -339,3 +339,14 @@ def test_the_kv_cache_goes_by_the_name_the_models_forward_takes() -> None:
     assert kv_cache_keyword(Older()) == "past_key_values"
     assert kv_cache_of({"logits": 0, "cache": "new"}) == "new"
     assert kv_cache_of({"logits": 0, "past_key_values": "old"}) == "old"
+
+
+def test_tools_are_shown_to_the_model_by_its_chat_template(llm: CausalLM) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    chat = [{"role": "user", "content": "weather in Paris?"}]
+    plain = llm.prompt_ids(kinds.build("generate", chat))  # type: ignore[arg-type]
+    shown = llm.prompt_ids(kinds.build("generate", chat, tools=[tool]))  # type: ignore[arg-type]
+    text = llm.tokenizer.decode(shown)
+    assert len(shown) > len(plain) and '"name": "get_weather"' in text
+    assert text.endswith(llm.tokenizer.decode(plain))  # the tools' turn comes first

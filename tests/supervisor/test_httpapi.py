@@ -78,8 +78,7 @@ def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 ASKING = [  # a body, then each field with a value that asks for what no model here does
     (bodies.ChatBody, CHAT, {
-        "tools": [{"type": "function", "function": {"name": "f"}}],
-        "tool_choice": "required", "functions": [{"name": "f"}],
+        "functions": [{"name": "f"}],
         "function_call": {"name": "f"},
         "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
     (bodies.CompletionBody, {"prompt": "p"}, {

@@ -1,0 +1,114 @@
+"""Function calling over HTTP without a server: what a chat body's tools and tool_choice
+ask of the pool, and how the output becomes OpenAI's tool calls, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from modelpool.protocol.client_core import TextChunk
+from modelpool.protocol.errors import PoolError
+from modelpool.protocol.messages import TokenLogprob
+from modelpool.supervisor.httpapi import bodies, replies
+from modelpool.supervisor.httpapi.tools import ToolCalls
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},
+           "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "now", "description": "the time"}}]
+CHAT = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+
+
+def _call(**fields: Any) -> bodies.PoolCall:
+    return bodies.chat_call(msgspec.convert({**CHAT, **fields}, type=bodies.ChatBody))
+
+
+def test_a_named_function_holds_the_output_to_its_arguments() -> None:
+    call = _call(tool_choice={"type": "function", "function": {"name": "weather"}})
+    assert call.kwargs["json_schema"] == WEATHER and call.kwargs["tools"] == TOOLS
+    no_arguments = _call(tool_choice={"type": "function", "function": {"name": "now"}})
+    assert no_arguments.kwargs["json_schema"] == {"type": "object", "properties": {}}
+
+
+def test_required_holds_it_to_a_list_of_calls_to_any_tool() -> None:
+    schema = _call(tool_choice="required").kwargs["json_schema"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [o["properties"]["name"] for o in schema["items"]["anyOf"]] == [
+        {"const": "weather"}, {"const": "now"}]
+    one = _call(tool_choice="required", parallel_tool_calls=False).kwargs["json_schema"]
+    assert one["maxItems"] == 1
+
+
+def test_none_shows_the_tools_and_answers_in_text() -> None:
+    call = _call(tool_choice="none")
+    assert call.kwargs["tools"] == TOOLS and "json_schema" not in call.kwargs
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({}, "auto"), ({"tool_choice": "auto"}, "auto"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+     "another language"),
+    ({"tools": [], "tool_choice": "required"}, "no tools"),
+])
+def test_what_cannot_be_made_into_calls_is_refused_by_name(fields: dict[str, Any],
+                                                           says: str) -> None:
+    with pytest.raises(PoolError, match=rf"^BAD_REQUEST: tool_choice: .*{says}"):
+        _call(**fields)
+
+
+def test_a_vision_request_takes_no_tools() -> None:
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,iVBORw0KGgo="}}]}
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: tools: not with an image"):
+        _call(messages=[image], tool_choice="required")
+
+
+def test_whole_answers_become_tool_calls() -> None:
+    named = ToolCalls("weather").message('{"city": "Paris"}')
+    assert named["content"] is None and len(named["tool_calls"]) == 1
+    call = named["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    listed = ToolCalls(None).message('[{"name": "now", "parameters": {}}, '
+                                     '{"name": "weather", "parameters": {"city": "Oslo"}}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in listed["tool_calls"]] == [("now", {}), ("weather", {"city": "Oslo"})]
+    assert ToolCalls(None).message('[{"name": "no') == {"role": "assistant",
+                                                       "content": '[{"name": "no'}  # cut
+    assert (ToolCalls("f").finish("stop"), ToolCalls(None).finish("stop"),
+            ToolCalls(None).finish("length")) == ("stop", "tool_calls", "length")
+
+
+def _events(data: bytes) -> list[dict[str, Any]]:
+    return [json.loads(e.removeprefix(b"data: ")) for e in data.split(b"\n\n") if e]
+
+
+def test_a_named_functions_arguments_stream_as_they_come() -> None:
+    shape = replies.StreamShape(chat=True, model="m", include_usage=False,
+                                calls=ToolCalls("weather"))
+    data = shape.event(TextChunk('{"city": ')) + shape.event(TextChunk('"Rome"}', "stop", 3, 4))
+    first, second = (e["choices"][0] for e in _events(data))
+    call = first["delta"]["tool_calls"][0]
+    assert first["delta"]["role"] == "assistant" and call["index"] == 0
+    assert call["id"].startswith("call_") and call["function"] == {
+        "name": "weather", "arguments": '{"city": '}
+    assert second["delta"] == {"tool_calls": [{"index": 0,
+                                               "function": {"arguments": '"Rome"}'}}]}
+    assert second["finish_reason"] == "stop"
+
+
+def test_a_list_of_calls_streams_once_whole_with_its_tokens_logprobs() -> None:
+    shape = replies.StreamShape(chat=True, model="m", include_usage=False,
+                                calls=ToolCalls(None))
+    entry = TokenLogprob("[", 1, -0.5)
+    assert shape.event(TextChunk('[{"name": "now", ', logprobs=[entry])) == b""
+    data = shape.event(TextChunk('"parameters": {}}]', "stop", 3, 9, logprobs=[entry]))
+    (choice,) = _events(data)[0]["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "now", "arguments": "{}"}
+    assert len(choice["logprobs"]["content"]) == 2
