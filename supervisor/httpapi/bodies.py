@@ -2,8 +2,8 @@
 asks of the pool: an operation of the one table of request kinds and its arguments.
 
 Unknown fields are ignored, as OpenAI-compatible servers do. OpenAI's fields that would
-change the answer if silently dropped (`n`, `dimensions`, `tools`, `response_format`, ...)
-are declared, and refused by name unless they ask for nothing: each body's `refused`.
+change the answer if silently dropped (`dimensions`, `functions`, `modalities`, ...) are
+declared, and refused by name unless they ask for nothing: each body's `refused`.
 """
 
 from __future__ import annotations
@@ -291,7 +291,6 @@ def sampling_kwargs(body: Sampling, max_tokens: int | None,
             **language(body.response_format, body.structured_outputs, guided=(
                 body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar)),
             **options(body)}
-
 
 
 def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:
