@@ -35,7 +35,6 @@ from modelpool.supervisor.httpapi.plumbing import (
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
 from modelpool.supervisor.httpapi.routes import Handler, Route, Routes
 from modelpool.supervisor.httpapi.settings import HttpSettings
-from modelpool.supervisor.httpapi.tools import ToolCalls, tool_calls
 
 log = logging.getLogger("modelpool.http")
 CLIENT_CLOSED = 499  # nginx's status for a client that left: logged and counted only
@@ -116,19 +115,18 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request, bodies.ChatBody)
-        call = bodies.chat_call(body)
-        made = tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls)[0]
-        return await self._text(request, body, [call], chat=True, made=made)
+        return await self._text(request, body, [bodies.chat_call(body)], chat=True)
 
     async def completions(self, request: Request) -> Response:
         body = await self.body(request, bodies.CompletionBody)
-        return await self._text(request, body, completion_calls(body), chat=False)
+        return await self._text(request, body, completion_calls(body), chat=False,
+                                echo=echoed(body))
 
     async def _text(self, request: Request, body: bodies.Sampling,
                     calls: list[bodies.PoolCall], chat: bool,
-                    made: ToolCalls | None = None) -> Response:
-        """Each call's `n` choices, in order: choice i is call i // n's; `made`: how a
-        chat's text becomes tool calls."""
+                    echo: list[str | list[int]] | None = None) -> Response:
+        """Each call's `n` choices, in order: choice i is call i // n's; `echo`: the
+        prompts a completion puts before its texts."""
         client = await self.client(request)
         streams = [getattr(client, call.op)(*call.args, **choice) for call in calls
                    for choice in bodies.choice_kwargs(
@@ -138,13 +136,13 @@ class Api:
         firsts = await unless_disconnected(request.scope, choices.firsts(streams))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         shape = replies.StreamShape(chat, model_name(body.model, self.settings, calls[0].op),
-                                    include_usage, len(streams), body.n, made)
+                                    include_usage, len(streams), body.n, calls[0].made)
         if body.stream:
             return EventStream(_events(shape, choices.chunks(firsts, streams)))
         texts = await unless_disconnected(request.scope,
                                           choices.gather_all(firsts, streams, shape.model))
         return json_response(replies.completion(texts, chat, shape.model,
-                                                echoed(body), body.n, made))
+                                                echo, body.n, calls[0].made))
 
     async def images(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImagesBody)

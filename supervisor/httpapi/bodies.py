@@ -40,7 +40,7 @@ from modelpool.supervisor.httpapi.structured import (
     StructuredOutputs,
     language,
 )
-from modelpool.supervisor.httpapi.tools import ToolChoice, Tools, tool_calls
+from modelpool.supervisor.httpapi.tools import ToolCalls, ToolChoice, Tools, tool_calls
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
@@ -222,11 +222,13 @@ class JobBody(Options, kw_only=True):
 
 @dataclass(frozen=True)
 class PoolCall:
-    """What a body asks of the pool: `client.<op>(*args, **kwargs)`."""
+    """What a body asks of the pool: `client.<op>(*args, **kwargs)`; `made`: how a chat's
+    text becomes tool calls, when its tool_choice forces one."""
 
     op: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    made: ToolCalls | None = None
 
 
 def bad(field: str, message: str) -> PoolError:
@@ -303,7 +305,7 @@ def choice_kwargs(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:
 
 def chat_call(body: ChatBody) -> PoolCall:
     sampling = sampling_kwargs(body, body.max_completion_tokens, _chat_logprobs(body))
-    _, for_tools = tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls)
+    made, for_tools = tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls)
     if "json_schema" in for_tools and set(sampling) & {"json_schema", "regex", "choice",
                                                        "grammar"}:
         raise bad("tool_choice", "a call holds the output to its schema: not with "
@@ -313,7 +315,7 @@ def chat_call(body: ChatBody) -> PoolCall:
     if not images:
         messages = [{"role": m.role, "content": _text_of(m)}
                     for m in body.messages]
-        return PoolCall("generate", (messages,), {**sampling, **for_tools})
+        return PoolCall("generate", (messages,), {**sampling, **for_tools}, made)
     if body.tools:
         raise bad("tools", "not with an image: a vision model is given no tools")
     if len(images) > 1:

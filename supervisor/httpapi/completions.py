@@ -8,7 +8,6 @@ from __future__ import annotations
 from modelpool.supervisor.httpapi.bodies import (
     CompletionBody,
     PoolCall,
-    Sampling,
     bad,
     sampling_kwargs,
 )
@@ -32,9 +31,9 @@ def prompts(body: CompletionBody) -> list[Prompt]:
     return list(prompt)  # type: ignore[arg-type]
 
 
-def echoed(body: Sampling) -> list[Prompt] | None:
+def echoed(body: CompletionBody) -> list[Prompt] | None:
     """The prompts a completion asks to have before their texts (echo), else None."""
-    return prompts(body) if isinstance(body, CompletionBody) and body.echo else None
+    return prompts(body) if body.echo else None
 
 
 def completion_calls(body: CompletionBody) -> list[PoolCall]:
