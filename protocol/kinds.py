@@ -144,15 +144,9 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     of these strings) and grammar (Lark or GBNF) holds the output to that language, and ends it
     where the language does. tools (OpenAI's function tools, or their JSON text) go to the
     model's chat template. Breaking out of the stream cancels it."""
-    if isinstance(tools, str):
-        tools = msgspec.json.decode(tools)
-    fields: Fields = {"model": model or "", "raw": raw, "tools": tools or [], "sampling": Sampling(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty, logit_bias=logit_bias, seed=seed,
-        stop=stop or [], stop_token_ids=stop_token_ids or [], min_tokens=min_tokens,
-        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        structured=structured(json_schema, regex, choice, grammar))}
+    fields: Fields = {"model": model or "", "raw": raw, "sampling": _sampling(locals()),
+                      "tools": msgspec.json.decode(tools) if isinstance(tools, str)
+                      else tools or []}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     elif prompt and all(isinstance(token, int) for token in prompt):
@@ -161,6 +155,19 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
         fields["messages"] = [ChatMessage(role=m["role"], content=m["content"])
                               for m in prompt if isinstance(m, dict)]
     return fields, False
+
+
+# Sampling's fields that generate's and describe's arguments of the same name give as they are
+_AS_GIVEN = tuple(n for n in Sampling.__struct_fields__
+                  if n not in ("stop", "stop_token_ids", "structured"))
+
+
+def _sampling(given: dict[str, Any]) -> Sampling:
+    """generate's or describe's sampling arguments (its locals) as a Sampling."""
+    return Sampling(**{name: given[name] for name in _AS_GIVEN}, stop=given["stop"] or [],
+                    stop_token_ids=given["stop_token_ids"] or [], structured=structured(
+                        given["json_schema"], given["regex"], given["choice"],
+                        given["grammar"]))
 
 
 def structured(json_schema: str | dict[str, Any] | bool | None = None,
@@ -199,14 +206,7 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              grammar: str | None = None) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. Sampling as generate's."""
     return {"model": model or "", "image": image_input(image), "prompt": query,
-            "sampling": Sampling(
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                min_p=min_p, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                logit_bias=logit_bias, seed=seed, stop=stop or [],
-                stop_token_ids=stop_token_ids or [], min_tokens=min_tokens,
-                ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                structured=structured(json_schema, regex, choice, grammar))}, False
+            "sampling": _sampling(locals())}, False
 
 
 def generate_image(prompt: str, model: str | None = None, *, steps: int | None = None,
@@ -235,7 +235,7 @@ def _without_logprobs(request: Generate | Describe) -> bool:
     return request.sampling.logprobs is None
 
 
-def _prompt_or_messages(request: Generate) -> str | None:
+def _generate_problem(request: Generate) -> str | None:
     given = sum(map(bool, (request.prompt, request.prompt_ids, request.messages)))
     if given != 1:
         return "generate needs one of a prompt, prompt_ids or messages"
@@ -269,7 +269,7 @@ KINDS: tuple[Kind, ...] = (
     Kind(Embed, "embed", ("text_embedding", "image_embedding"), embed, Embeddings,
          inputs="texts"),
     Kind(Generate, "generate", ("text_to_text",), generate, End, Chunk, reply="text",
-         deterministic=_greedy_or_seeded, check=_prompt_or_messages,
+         deterministic=_greedy_or_seeded, check=_generate_problem,
          text_only=_without_logprobs),
     Kind(EmbedImage, "embed_image", ("image_embedding",), embed_image, Embeddings,
          inputs="images", images=lambda r: list(r.images),

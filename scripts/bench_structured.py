@@ -103,7 +103,7 @@ def _mask_walk(tokenizer: Any, steps: int) -> dict[str, Any]:
     eos = int(tokenizer.eos_token_id)
     grammars = Grammars(tokenizer, vocab, {eos})
     t0 = time.perf_counter()
-    grammars._tokenizer()  # the vocabulary read into llguidance, once per model
+    grammars.vocabulary()  # read into llguidance, once per model
     read_s = time.perf_counter() - t0
     wanted = structured(json_schema=SCHEMA)
     generator = torch.Generator().manual_seed(0)

@@ -63,13 +63,14 @@ class Grammars:
             return None
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self._tokenizer(), grammar_text(structured), log_level=0)
+        matcher = LLMatcher(self.vocabulary(), grammar_text(structured), log_level=0)
         if matcher.is_error():  # llguidance's way of saying the grammar is not one
             raise PoolError(ErrorCode.BAD_REQUEST,
                             f"structured output: {matcher.get_error().strip()}")
         return GrammarMatcher(matcher)
 
-    def _tokenizer(self) -> Any:
+    def vocabulary(self) -> Any:
+        """The model's vocabulary as llguidance reads it, read at the first call."""
         if self._llg_tokenizer is None:
             import llguidance.hf
 
