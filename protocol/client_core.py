@@ -25,6 +25,7 @@ from modelpool.protocol.messages import (
     Error,
     ImageProgress,
     TokenLogprob,
+    ToolCall,
     Welcome,
     encoder,
 )
@@ -40,6 +41,7 @@ class TextChunk:
     # with logprobs asked for: the tokens made since the last chunk (see messages.Chunk)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # the last chunk's, if asked for
+    tool_calls: list[ToolCall] | None = None  # the last chunk's: the calls the model made
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class TextResult:
     model: str
     logprobs: list[TokenLogprob] | None = None  # every output token's, if asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, if asked for
+    tool_calls: list[ToolCall] | None = None  # the calls the model made (tool_choice "auto")
 
 
 def job_result(reply: JobResult) -> Any:
@@ -75,7 +78,7 @@ def job_result(reply: JobResult) -> Any:
     if isinstance(result, Completion):
         return TextResult(result.text, result.finish_reason, result.prompt_tokens,
                           result.completion_tokens, result.model, result.logprobs,
-                          result.prompt_logprobs)
+                          result.prompt_logprobs, result.tool_calls)
     if isinstance(result, ImageMsg):
         return image_chunk(result)
     array = np.frombuffer(result.data, dtype=_little_endian(result.dtype))
@@ -202,7 +205,7 @@ def text_chunk(msg: Any) -> TextChunk:
     assert isinstance(msg, End)
     return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
                      completion_tokens=msg.completion_tokens,
-                     prompt_logprobs=msg.prompt_logprobs)
+                     prompt_logprobs=msg.prompt_logprobs, tool_calls=msg.tool_calls)
 
 
 def image_chunk(msg: Any) -> ImageChunk:

@@ -19,7 +19,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from modelpool.protocol.messages import Embeddings, Image, Scores, TokenLogprob, WorkRequest
+from modelpool.protocol.messages import (
+    Embeddings,
+    Image,
+    Scores,
+    TokenLogprob,
+    ToolCall,
+    WorkRequest,
+)
 
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
 ENDED: frozenset[str] = frozenset({"done", "failed", "cancelled"})
@@ -56,6 +63,7 @@ class Completion(_Msg, frozen=True, kw_only=True, tag="completion"):
     model: str = ""
     logprobs: list[TokenLogprob] | None = None  # every output token's, if asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, if asked for
+    tool_calls: list[ToolCall] | None = None  # the calls it made (tool_choice "auto")
 
 
 class JobResult(_Msg, frozen=True, kw_only=True, tag="job_result"):

@@ -39,6 +39,7 @@ from modelpool.protocol.messages import (
     Sampling,
     Scores,
     Structured,
+    ToolCall,
     WorkRequest,
 )
 
@@ -132,9 +133,12 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
              json_schema: str | dict[str, Any] | bool | None = None,
              regex: str | None = None, choice: list[str] | None = None,
              grammar: str | None = None, tools: str | list[dict[str, Any]] | None = None,
+             tool_choice: Literal["none", "auto"] = "none",
              raw: bool = False) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, its token ids (given to the model as they are), or
-    a chat as [{"role", "content"}, ...].
+    a chat as [{"role", "content"}, ...] (an assistant's message may hold the
+    "tool_calls" it made, as ToolCalls or their dicts; a "tool" message its
+    "tool_call_id").
     Temperature 0 is greedy; top_k 0 and min_p 0 leave no token out; penalties 0 (and
     repetition_penalty 1) change nothing; logit_bias adds to the logits of those token
     ids; unset, each is the model's recommendation or the daemon's default. logprobs: each
@@ -143,18 +147,26 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     At most one of json_schema (a JSON Schema, as a dict or JSON text), regex, choice (one
     of these strings) and grammar (Lark or GBNF) holds the output to that language, and ends it
     where the language does. tools (OpenAI's function tools, or their JSON text) go to the
-    model's chat template. Breaking out of the stream cancels it."""
+    model's chat template; with tool_choice "auto" the model may call them, in its own
+    format, and the last chunk's tool_calls hold the calls it made (its finish_reason
+    "tool_calls"). Breaking out of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": _sampling(locals()),
                       "tools": msgspec.json.decode(tools) if isinstance(tools, str)
-                      else tools or []}
+                      else tools or [], "tool_choice": tool_choice}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     elif prompt and all(isinstance(token, int) for token in prompt):
         fields["prompt_ids"] = prompt
     else:
-        fields["messages"] = [ChatMessage(role=m["role"], content=m["content"])
-                              for m in prompt if isinstance(m, dict)]
+        fields["messages"] = [_chat_message(m) for m in prompt if isinstance(m, dict)]
     return fields, False
+
+
+def _chat_message(message: dict[str, Any]) -> ChatMessage:
+    calls = [c if isinstance(c, ToolCall) else msgspec.convert(c, ToolCall)
+             for c in message.get("tool_calls") or ()]
+    return ChatMessage(role=message["role"], content=message.get("content") or "",
+                       tool_calls=calls, tool_call_id=message.get("tool_call_id") or "")
 
 
 # Sampling's fields that generate's and describe's arguments of the same name give as they are
@@ -241,6 +253,8 @@ def _generate_problem(request: Generate) -> str | None:
         return "generate needs one of a prompt, prompt_ids or messages"
     if request.tools and (request.raw or request.prompt_ids):
         return "tools are shown to the model by its chat template: not with raw or prompt_ids"
+    if request.tool_choice == "auto" and not request.tools:
+        return "tool_choice auto lets the model call the request's tools: it has none"
     return _one_language(request)
 
 

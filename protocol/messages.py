@@ -8,7 +8,7 @@ reply: ``Embeddings``, ``End``, ``Error`` or a management reply.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -63,9 +63,19 @@ class Embed(_Request, frozen=True, kw_only=True, tag="embed"):
     texts: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_TEXTS)]
 
 
-class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A call of one of the request's tools: its name and arguments (JSON text)."""
+
+    name: str
+    arguments: str
+    id: str = ""  # in a conversation: the id the tool's answer (a "tool" message) gives
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     role: str
     content: str
+    tool_calls: Annotated[list[ToolCall], msgspec.Meta(max_length=128)] = []  # an assistant's
+    tool_call_id: str = ""  # a "tool" message: the call it answers
 
 
 class Structured(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -116,6 +126,9 @@ class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     # function tools in OpenAI's shape ({"type": "function", "function": {...}}), shown to
     # the model by its chat template
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] = []
+    # "auto": the model may call them, in its own format (its chat template's): the calls
+    # are read out of its output and come in End.tool_calls, not as text
+    tool_choice: Literal["none", "auto"] = "none"
     sampling: Sampling = msgspec.field(default_factory=Sampling)
 
 
@@ -271,11 +284,13 @@ class Chunk(_Msg, frozen=True, kw_only=True, tag="chunk"):
 
 class End(_Msg, frozen=True, kw_only=True, tag="end"):
     id: int
-    finish_reason: str  # "stop" (eos or stop string) | "length" | "cancelled"
+    # "stop" (eos or stop string) | "length" | "cancelled" | "tool_calls" (it made calls)
+    finish_reason: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
     model: str = ""
     prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs asked for
+    tool_calls: list[ToolCall] | None = None  # with tool_choice "auto": the calls it made
 
 
 class ImageProgress(_Msg, frozen=True, kw_only=True, tag="image_progress"):

@@ -53,22 +53,13 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]
 LLM_VOCAB_SIZE = 1024
 
-# ChatML, as used by Qwen and many others; loaders under test must cope with this shape.
-# Tools, when given, in a system turn of their own (as Qwen's template lists them).
-CHAT_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{% for tool in tools %}"
-    "{{ tool | tojson }}{{ '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 # Hand-written so the tokenizers are reproducible without any download. Varied enough that
 # BPE finds LLM_VOCAB_SIZE worth of merges. Part of the digest that marks built models.
 CORPUS_FILE = Path(__file__).with_name("tiny_corpus.txt")
 BPE_FILE = Path(__file__).with_name("tiny_bpe.py")
 ENCODERS_FILE = Path(__file__).with_name("tiny_encoders.py")
+# ChatML, as Qwen 2.5's, with tools and calls: loaders under test must cope with this shape.
+CHAT_TEMPLATE_FILE = Path(__file__).with_name("tiny_chat_template.jinja")
 
 
 def _corpus_lines() -> list[str]:
@@ -107,7 +98,7 @@ def save_hf_tokenizer(tokenizer: Any, model_dir: Path, max_length: int) -> Any:
         eos_token=EOS,
         pad_token=PAD,
         model_max_length=max_length,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATE_FILE.read_text(),
     )
     # Keep the chat template inside tokenizer_config.json (the pre-5.x layout) rather than
     # a separate chat_template.jinja, so older transformers releases see it too.
@@ -338,7 +329,7 @@ def _script_digest() -> str:
     # Stored in the marker so that editing a builder invalidates directories built by the
     # old code instead of silently serving stale fixtures.
     sources = b"".join(path.read_bytes() for path in (Path(__file__), CORPUS_FILE, BPE_FILE,
-                                                      ENCODERS_FILE))
+                                                      ENCODERS_FILE, CHAT_TEMPLATE_FILE))
     return hashlib.sha256(sources).hexdigest()
 
 

@@ -67,6 +67,9 @@ def _add_flag(cmd: argparse.ArgumentParser, param: inspect.Parameter, hint: Any)
     flag = "--" + param.name.replace("_", "-")
     if hint is bool:
         cmd.add_argument(flag, action="store_true", dest=param.name)
+    elif typing.get_origin(hint) is typing.Literal:
+        cmd.add_argument(flag, choices=typing.get_args(hint), default=param.default,
+                         dest=param.name)
     elif _takes_many(hint):
         cmd.add_argument(flag, action="append", dest=param.name, help="may be repeated")
     else:
@@ -141,6 +144,8 @@ def _text_line(chunk: Any) -> dict[str, Any]:
     line: dict[str, Any] = {"text": chunk.text} if chunk.finish_reason is None else {
         "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
         "completion_tokens": chunk.completion_tokens}
+    if getattr(chunk, "tool_calls", None):  # with --tool-choice auto
+        line["tool_calls"] = _calls(chunk)
     for name in ("logprobs", "prompt_logprobs"):  # with --logprobs / --prompt-logprobs
         if getattr(chunk, name, None) is not None:
             line[name] = [{"token": e.token, "token_id": e.token_id, "logprob": e.logprob,
@@ -149,8 +154,16 @@ def _text_line(chunk: Any) -> dict[str, Any]:
     return line
 
 
+def _calls(result: Any) -> list[dict[str, str]]:
+    return [{"name": c.name, "arguments": c.arguments} for c in result.tool_calls or ()]
+
+
 def print_text_end(result: Any) -> None:
+    """The end of a text: a new line, each tool call the model made as a JSON line, and
+    the counts on stderr."""
     sys.stdout.write("\n")
+    for call in _calls(result):
+        print(json.dumps(call))
     print(f"[{result.finish_reason}: {result.prompt_tokens} prompt + "
           f"{result.completion_tokens} generated tokens]", file=sys.stderr)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelpool.protocol.messages import Chunk, End, TokenLogprob
+from modelpool.protocol.messages import Chunk, End, TokenLogprob, ToolCall
 from modelpool.protocol.pipes import (
     Abort,
     Shutdown,
@@ -26,7 +26,7 @@ from modelpool.protocol.pipes import (
     WorkItem,
 )
 from modelpool.workers.capabilities.base import error_reply
-from modelpool.workers.capabilities.text_to_text import GenerationStats, StopMatcher
+from modelpool.workers.capabilities.text_to_text import GenerationStats, TextOutput, end_reply
 
 IDLE_TRIM_S = 1.0  # idle this long after work: return freed memory to the OS
 
@@ -101,7 +101,7 @@ def plan(model: Any, settings: WorkerSettings, capable: bool) -> Plan | None:
 
 @dataclass
 class _Stream:
-    stop: StopMatcher
+    output: TextOutput
     seq: int = 0  # the next chunk's number
 
 
@@ -160,8 +160,8 @@ class StreamLoop:
                 self.freed += 1
                 continue
             self.decoder.add(item.job_id, prepared)
-            sampling = item.request.sampling
-            self.streams[item.job_id] = _Stream(StopMatcher(sampling.stop, sampling.min_tokens))
+            self.streams[item.job_id] = _Stream(TextOutput(
+                item.request.sampling, getattr(prepared, "tool_calls", None)))
         self.worker.image_bytes = {}
 
     def _step(self) -> None:
@@ -182,22 +182,21 @@ class StreamLoop:
         if event.error is not None:
             self._close(job_id, error_reply(job_id, event.error))
             return
-        text, hit = stream.stop.feed(event.text)
+        text, hit = stream.output.feed(event.text)
         stats = event.stats
         if hit and stats is None:
             stats = self.decoder.drop(job_id) or GenerationStats()
-        if stats is not None and not hit:
-            text += stream.stop.flush()
+        calls: list[ToolCall] = []
+        if stats is not None:
+            tail, calls = stream.output.finish()
+            text += tail
         logprobs = None if event.logprob is None else [event.logprob]
         if text or logprobs:
             self.worker.send(Chunk(id=job_id, seq=stream.seq, text=text, logprobs=logprobs))
             stream.seq += 1
         if stats is not None:
             reason = "stop" if hit else stats.finish_reason
-            self._close(job_id, End(id=job_id, finish_reason=reason,
-                                    prompt_tokens=stats.prompt_tokens,
-                                    completion_tokens=stats.completion_tokens,
-                                    prompt_logprobs=stats.prompt_logprobs))
+            self._close(job_id, end_reply(job_id, stats, reason, calls))
 
     def _cancel(self, job_id: int) -> None:
         stats = self.decoder.drop(job_id) or GenerationStats()

@@ -38,7 +38,7 @@ LOADERS: dict[str, CapabilityLoader] = {
         preload=("modelpool.registry.loaders.sentence_embedding",),
         options=("pooling", "max_seq_length", "normalize")),
     "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load",
-                                     options=("context",)),
+                                     options=("context", "tool_call_format")),
     "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load",
                                         options=("text_padding",)),
     "vision": CapabilityLoader("modelpool.registry.loaders.vision_lm:load",

@@ -32,6 +32,7 @@ from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
 from modelpool.registry.loaders.grammar import GrammarMatcher
 from modelpool.registry.loaders.logit_rules import LogitRules
 from modelpool.registry.loaders.token_logprobs import prompt_logprobs, token_logprob
+from modelpool.registry.loaders.tool_calls import ToolCallReader
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 # Padded prompt tokens per prefill pass at least (short prompts share one, a long one is
@@ -56,6 +57,7 @@ class Prepared:
     budget: int  # tokens it may generate: max_tokens, cut to the context left
     sampling: Sampling
     grammar: GrammarMatcher | None = None  # structured output: its place in the language
+    tool_calls: ToolCallReader | None = None  # tool_choice "auto": reads its calls (streams)
 
 
 @dataclass

@@ -8,12 +8,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from jinja2.exceptions import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Generate, Sampling
+from modelpool.protocol.messages import ChatMessage, Generate, Sampling
 from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.common import (
@@ -34,12 +35,14 @@ from modelpool.registry.loaders.token_logprobs import (
     prompt_logprobs,
     token_logprob,
 )
+from modelpool.registry.loaders.tool_calls import ToolCallReader, format_of, reader_for
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 
 class CausalLM:
-    def __init__(self, key: str, tokenizer: Any, model: Any, context: int) -> None:
+    def __init__(self, key: str, tokenizer: Any, model: Any, context: int,
+                 tool_call_format: str | None = None) -> None:
         self.key = key
         self.tokenizer = tokenizer
         self.model = model.eval()
@@ -47,6 +50,8 @@ class CausalLM:
         self.eos_ids = eos_ids_of(model, tokenizer)
         self.vocab = vocab_size(model)
         self.grammars = Grammars(tokenizer, self.vocab, self.eos_ids)
+        template = tokenizer.chat_template
+        self.tool_format = format_of(str(template) if template else None, tool_call_format, key)
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template)}
@@ -63,12 +68,12 @@ class CausalLM:
             if not template:
                 raise PoolError(ErrorCode.BAD_REQUEST,
                                 f"model {self.key!r} has no chat template: send a prompt")
-            messages = [{"role": m.role, "content": m.content} for m in request.messages] or [
+            messages = [template_message(m) for m in request.messages] or [
                 {"role": "user", "content": request.prompt}]
             return self._chat_ids(messages, str(template), request.tools)
         return list(self.tokenizer(request.prompt)["input_ids"])
 
-    def _chat_ids(self, messages: list[dict[str, str]], template: str,
+    def _chat_ids(self, messages: list[dict[str, Any]], template: str,
                   tools: list[dict[str, Any]]) -> list[int]:
         """The conversation as the model's template writes it. Control tokens inside a
         message are encoded as text: "<|im_end|><|im_start|>system" in a user's message
@@ -109,7 +114,14 @@ class CausalLM:
         ids, budget = self._checked_ids(request)
         return Prepared(inputs={"input_ids": torch.tensor([ids], device=self.model.device)},
                         prompt_tokens=len(ids), budget=budget, sampling=request.sampling,
-                        grammar=self.grammars.matcher(request.sampling.structured))
+                        grammar=self.grammars.matcher(request.sampling.structured),
+                        tool_calls=self.tool_reader(request))
+
+    def tool_reader(self, request: Generate) -> ToolCallReader | None:
+        """What reads the calls out of the output (tool_choice "auto"), else None."""
+        if request.tool_choice != "auto":
+            return None
+        return reader_for(self.tool_format, self.key)
 
     @torch.inference_mode()
     def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
@@ -121,6 +133,26 @@ class CausalLM:
                           lambda token: {"input_ids": torch.tensor([[token]], device=device)},
                           budget, sampling, self.eos_ids, self.tokenizer, stats,
                           self.grammars.matcher(sampling.structured))
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's calls with their arguments as
+    a mapping, as transformers' templates expect (the JSON text when it is no object)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+            "name": c.name, "arguments": _arguments(c.arguments)}} for c in message.tool_calls]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def decode(model: Any, first_inputs: dict[str, Any],
@@ -259,4 +291,4 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
     model = place(spec, AutoModelForCausalLM.from_pretrained(model_dir,
                                                              **pretrained_kwargs(spec)))
     context = configured_tokens(spec, "context", own_tokens(model.config, 2048))
-    return CausalLM(spec.key, tokenizer, model, context)
+    return CausalLM(spec.key, tokenizer, model, context, spec.options.get("tool_call_format"))

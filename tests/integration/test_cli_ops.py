@@ -142,6 +142,22 @@ def test_structured_output_flags_reach_the_daemons_checks(daemon: Daemon) -> Non
     assert schema.returncode == 5 and "json_schema: a JSON Schema" in schema.stderr
 
 
+def test_tool_choice_takes_its_two_values_and_reaches_the_model(daemon: Daemon) -> None:
+    """--tool-choice auto without tools is refused by the daemon's checks; with tools,
+    by a model whose loader reads no tool calls; a value it does not take, by the CLI."""
+    alone = cli(daemon, "generate", "--model", "gen", "--tool-choice", "auto", "x")
+    assert alone.returncode == 5 and "it has none" in alone.stderr
+    tools = '[{"type": "function", "function": {"name": "f"}}]'
+    unread = cli(daemon, "generate", "--model", "gen", "--tools", tools, "--tool-choice",
+                 "auto", "x")
+    assert unread.returncode == 5 and "does not read tool calls" in unread.stderr
+    shown = cli(daemon, "generate", "--model", "gen", "--tools", tools, "--max-tokens", "1",
+                "x")
+    assert shown.returncode == 0 and shown.stdout == "tok0 \n", shown.stderr
+    wrong = cli(daemon, "generate", "--model", "gen", "--tool-choice", "maybe", "x")
+    assert wrong.returncode == 2 and "invalid choice: 'maybe'" in wrong.stderr
+
+
 def test_health_separates_live_ready_and_degraded(daemon: Daemon) -> None:
     cli(daemon, "embed", "--model", "broken", "x")  # fails its one allowed load
     report = cli(daemon, "health", "--json")

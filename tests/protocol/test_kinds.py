@@ -21,6 +21,7 @@ from modelpool.protocol.messages import (
     RequestDefaults,
     Sampling,
     Structured,
+    ToolCall,
     WorkRequest,
 )
 
@@ -159,3 +160,21 @@ def test_tools_go_to_the_chat_template_only() -> None:
         prompt: Any = "hi" if asks else [1, 2]
         assert "chat template" in (check(kinds.build("generate", prompt, tools=[tool],
                                                      **asks)) or "")
+
+
+def test_auto_tool_choice_needs_tools_and_a_chat_carries_calls_and_answers() -> None:
+    tool = {"type": "function", "function": {"name": "f"}}
+    check = BY_OP["generate"].check
+    assert check(kinds.build("generate", "hi", tools=[tool], tool_choice="auto")) is None
+    assert "it has none" in (check(kinds.build("generate", "hi", tool_choice="auto")) or "")
+    call = ToolCall(name="f", arguments='{"a": 1}', id="c1")
+    chat = [{"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "assistant", "tool_calls": [{"name": "f", "arguments": "{}"}]},
+            {"role": "tool", "content": "done", "tool_call_id": "c1"}]
+    messages = kinds.build("generate", chat, tools=[tool]).messages
+    assert messages[1] == ChatMessage(role="assistant", content="", tool_calls=[call])
+    assert messages[2].tool_calls == [ToolCall(name="f", arguments="{}")]
+    assert messages[3] == ChatMessage(role="tool", content="done", tool_call_id="c1")
+    with pytest.raises(msgspec.ValidationError, match="arguments"):  # the client's BAD_REQUEST
+        kinds.build("generate", [{"role": "assistant", "tool_calls": [{"name": "f"}]}])

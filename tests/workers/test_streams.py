@@ -4,6 +4,7 @@ of one stream among others. The test plays the supervisor's side of the pipe."""
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 from collections import defaultdict
@@ -18,7 +19,7 @@ import pytest
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.framing import recv_frame, send_frame
-from modelpool.protocol.messages import Chunk, End, Error, encoder
+from modelpool.protocol.messages import Chunk, End, Error, ToolCall, encoder
 from modelpool.protocol.pipes import (
     Abort,
     Ready,
@@ -177,6 +178,34 @@ def test_a_streams_chunks_carry_each_of_its_tokens_logprob_once(child: StreamChi
     (end,) = r.endings[2]
     assert len(r.logprobs[2]) == end.completion_tokens < 30
     assert r.logprobs[2] == entries[:end.completion_tokens] and not r.logprobs[3]
+    child.send(Shutdown())
+    assert child.exitcode() == exitcodes.OK
+
+
+def test_a_streams_tool_calls_come_with_its_end_beside_other_streams(
+        child: StreamChild) -> None:
+    """Held to a call by a regex (what a model that chose to call writes): with
+    tool_choice "auto" its text before the call is streamed and the call comes in the
+    End; without, the same output is text; a free stream beside them is untouched."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    said = re.escape("Let me check.\n" + call)
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    chat = [{"role": "user", "content": "weather?"}]
+    greedy = {"temperature": 0, "top_p": 1.0}
+    child.send(Work(items=[
+        WorkItem(job_id=1, request=kinds.build("generate", chat, tools=tools, regex=said,
+                                               tool_choice="auto", **greedy)),
+        WorkItem(job_id=2, request=kinds.build("generate", chat, tools=tools, regex=said,
+                                               **greedy)),
+        _item(3, "Once upon a time", max_tokens=20, ignore_eos=True)]))
+    child.until(_ended(1, 2, 3))
+    r = child.replies
+    assert r.text[1] == "Let me check.\n" and r.text[2] == "Let me check.\n" + call
+    (end,) = r.endings[1]
+    assert end.finish_reason == "tool_calls" and end.tool_calls == [
+        ToolCall(name="get_weather", arguments='{"city":"Paris"}')]
+    assert r.endings[2][0].finish_reason == "stop" and r.endings[2][0].tool_calls is None
+    assert r.endings[3][0].completion_tokens == 20 and len(r.text[3]) > 0
     child.send(Shutdown())
     assert child.exitcode() == exitcodes.OK
 

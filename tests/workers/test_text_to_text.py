@@ -3,15 +3,18 @@ model and a fake outbox (no torch, no processes)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
 
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Chunk, End, Error, Generate, TokenLogprob
+from modelpool.protocol.messages import Chunk, End, Error, Generate, TokenLogprob, ToolCall
 from modelpool.protocol.pipes import WorkItem
+from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader
 from modelpool.workers.capabilities import text_to_text
 from modelpool.workers.capabilities.text_to_text import GenerationStats, StopMatcher
 
@@ -232,3 +235,52 @@ def test_a_prompt_that_cannot_fit_the_context_is_refused_before_tokenizing() -> 
     assert model.pulled == 0
     assert len(out.sent) == 1 and isinstance(out.sent[0], Error)
     assert out.sent[0].code is ErrorCode.BAD_REQUEST and "context" in out.sent[0].message
+
+
+# ---- tool calls (tool_choice "auto") -----------------------------------------------------
+
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>')
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+WEATHER = ToolCall(name="get_weather", arguments='{"city":"Paris"}')
+
+
+def _chat(**fields: object) -> Generate:
+    return kinds.build("generate", [{"role": "user", "content": "weather?"}], tools=TOOLS,
+                       **fields)
+
+
+def test_the_models_calls_end_its_stream_and_its_text_is_streamed_before(llm: Any) -> None:
+    """The tiny model held to a call by a regex: what a model that chose to call writes."""
+    out = FakeOutbox()
+    request = _chat(tool_choice="auto", regex=re.escape("Let me check.\n" + CALL),
+                    temperature=0)
+    text_to_text.run(llm, [WorkItem(job_id=3, request=request)], out, 1)
+    assert "".join(c.text for c in out.chunks()) == "Let me check.\n"
+    end = out.sent[-1]
+    assert isinstance(end, End) and end.finish_reason == "tool_calls"
+    assert end.tool_calls == [WEATHER] and end.completion_tokens > 10
+
+    out = FakeOutbox()  # tool_choice "none": the same output is text
+    request = _chat(regex=re.escape("Let me check.\n" + CALL), temperature=0)
+    text_to_text.run(llm, [WorkItem(job_id=4, request=request)], out, 1)
+    assert "".join(c.text for c in out.chunks()) == "Let me check.\n" + CALL
+    assert out.sent[-1] == msgspec.structs.replace(end, id=4, finish_reason="stop",
+                                                   tool_calls=None)
+
+
+def test_a_call_cut_short_is_text_and_a_model_that_cannot_read_calls_refuses() -> None:
+    out = FakeOutbox()
+    text_to_text.run(FakeModelWithCalls(["Hi ", CALL[:30]]),
+                     [WorkItem(job_id=1, request=_chat(tool_choice="auto"))], out, 1)
+    assert "".join(c.text for c in out.chunks()) == "Hi " + CALL[:30]
+    assert out.sent[-1].finish_reason == "stop" and out.sent[-1].tool_calls is None
+    out = FakeOutbox()
+    text_to_text.run(FakeModel(["x"]), [WorkItem(job_id=2, request=_chat(tool_choice="auto"))],
+                     out, 1)
+    assert len(out.sent) == 1 and out.sent[0].code is ErrorCode.BAD_REQUEST
+
+
+class FakeModelWithCalls(FakeModel):
+    def tool_reader(self, request: Generate) -> ToolCallReader | None:
+        return ToolCallReader(FORMATS["hermes"]) if request.tool_choice == "auto" else None

@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from modelpool.protocol.errors import PoolError
-from modelpool.protocol.messages import Chunk, End, Generate, TokenLogprob
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import Chunk, End, Generate, Sampling, TokenLogprob, ToolCall
 from modelpool.protocol.pipes import WorkItem
 from modelpool.workers.capabilities import text_limits
 from modelpool.workers.capabilities.base import Outbox, error_reply
@@ -69,6 +69,56 @@ class StopMatcher:
         return text
 
 
+class ToolReader(Protocol):
+    """Reads a model's tool calls out of its text (registry/loaders/tool_calls)."""
+
+    def feed(self, text: str) -> str: ...
+
+    def finish(self) -> tuple[str, list[ToolCall]]: ...
+
+
+class TextOutput:
+    """What a stream's pieces become: text cut at the first stop string and, with
+    tool_choice "auto", the model's calls read out of that text."""
+
+    def __init__(self, sampling: Sampling, calls: ToolReader | None = None) -> None:
+        self.stop = StopMatcher(sampling.stop, sampling.min_tokens)
+        self.calls = calls
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop string was hit."""
+        text, hit = self.stop.feed(piece)
+        return (text if self.calls is None else self.calls.feed(text)), hit
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the stream's end: the text still held back, and the calls made."""
+        tail = self.stop.flush()
+        if self.calls is None:
+            return tail, []
+        text = self.calls.feed(tail)
+        rest, calls = self.calls.finish()
+        return text + rest, calls
+
+
+def end_reply(job_id: int, stats: GenerationStats, reason: str,
+              calls: list[ToolCall]) -> End:
+    """A stream's End; one that made tool calls ends with "tool_calls", as OpenAI's."""
+    return End(id=job_id, finish_reason="tool_calls" if calls else reason,
+               prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
+               prompt_logprobs=stats.prompt_logprobs, tool_calls=calls or None)
+
+
+def tool_reader(model: Any, request: Generate) -> ToolReader | None:
+    """The reader of the model's calls when the request lets it make them."""
+    read = getattr(model, "tool_reader", None)
+    if read is not None:
+        return read(request)  # type: ignore[no-any-return]
+    if request.tool_choice == "auto":
+        raise PoolError(ErrorCode.BAD_REQUEST, "tool_choice auto: this model's loader "
+                                               "does not read tool calls")
+    return None
+
+
 def run(model: TextGenerationModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
     for item in items:  # the supervisor sends one item at a time for streaming capabilities
         _run_one(model, item, out)
@@ -77,7 +127,8 @@ def run(model: TextGenerationModel, items: list[WorkItem], out: Outbox, max_batc
 def _check(model: TextGenerationModel, item: WorkItem) -> Generate:
     request = item.request
     assert isinstance(request, Generate)
-    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    chars = len(request.prompt) + sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+                                      for m in request.messages)
     text_limits.check_prompt(chars, text_limits.char_limit(model))
     return request
 
@@ -91,26 +142,27 @@ def prepare(model: Any, item: WorkItem, out: Outbox) -> Any:
 def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
     try:
         request = _check(model, item)
+        output = TextOutput(request.sampling, tool_reader(model, request))
     except PoolError as exc:
         out.send(error_reply(item.job_id, exc))
         return
     stats = GenerationStats()
-    stream_text(item.job_id, lambda: model.generate(request, stats), stats,
-                StopMatcher(request.sampling.stop, request.sampling.min_tokens), out)
+    stream_text(item.job_id, lambda: model.generate(request, stats), stats, output, out)
 
 
 def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: GenerationStats,
-                stop: StopMatcher, out: Outbox) -> None:
+                output: TextOutput, out: Outbox) -> None:
     """Run a token stream to its end, a stop string or an abort: Chunks, then one End
     (or one Error if the model fails)."""
     seq = 0
+    calls: list[ToolCall] = []
     try:
         for piece in start():
             out.tick(1)
             if out.aborted(job_id):
                 stats.finish_reason = "cancelled"
                 break
-            text, hit = stop.feed(piece)
+            text, hit = output.feed(piece)
             logprobs = stats.take_logprobs()
             if text or logprobs:
                 out.send(Chunk(id=job_id, seq=seq, text=text, logprobs=logprobs))
@@ -118,12 +170,11 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
             if hit:
                 stats.finish_reason = "stop"
                 break
-        else:
-            if text := stop.flush():
+        if stats.finish_reason != "cancelled":
+            text, calls = output.finish()
+            if text:
                 out.send(Chunk(id=job_id, seq=seq, text=text))
     except Exception as exc:
         out.send(error_reply(job_id, exc))
         return
-    out.send(End(id=job_id, finish_reason=stats.finish_reason,
-                 prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
-                 prompt_logprobs=stats.prompt_logprobs))
+    out.send(end_reply(job_id, stats, stats.finish_reason, calls))

@@ -14,7 +14,7 @@ from modelpool.workers.capabilities.base import Outbox, error_reply
 from modelpool.workers.capabilities.images import working_side
 from modelpool.workers.capabilities.text_to_text import (
     GenerationStats,
-    StopMatcher,
+    TextOutput,
     stream_text,
 )
 
@@ -51,5 +51,4 @@ def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) 
             continue
         stats = GenerationStats()
         stream_text(item.job_id, lambda i=image, r=request, s=stats: model.describe(i, r, s),
-                    stats, StopMatcher(request.sampling.stop, request.sampling.min_tokens),
-                    out)
+                    stats, TextOutput(request.sampling), out)

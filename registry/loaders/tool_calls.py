@@ -1,0 +1,155 @@
+"""Tool calls in a model's own words (tool_choice "auto"): the model decides whether to
+call a tool and writes the call as its chat template taught it. Each family has its own
+format; the ones read here, and how a model's is known:
+
+- "hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block a call,
+  after any text (Qwen 2.5 and 3, Hermes, and the many templates that copy them). Known
+  by its template naming `<tool_call>`.
+- "llama3_json": the whole answer one `{"name": ..., "parameters": {...}}` object, or
+  several joined by ";" (Llama 3.1 to 3.3), maybe after `<|python_tag|>`. Known by its
+  template naming `<|python_tag|>`, or Llama 3's header tokens with "parameters".
+
+A model's loader option `tool_call_format` names one where the template does not say.
+Text that starts like a call but does not read as one (cut short, not JSON) is given back
+as text, as vLLM's parsers do."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import ToolCall
+
+HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    opens: str  # the text a call begins with
+    at_start: bool  # True: only the answer's start (after white space) opens calls
+    parse: Callable[[str], list[ToolCall] | None]  # the text from `opens` on; None: no calls
+    lead: str = ""  # at_start: what may come before `opens` (Llama's <|python_tag|>)
+
+
+def _call(obj: Any, arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    text = arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode()
+    return ToolCall(name=obj["name"], arguments=text)
+
+
+def _decoded(text: str) -> Any:
+    try:
+        return msgspec.json.decode(text.strip())
+    except msgspec.DecodeError:
+        return None
+
+
+def _hermes(text: str) -> list[ToolCall] | None:
+    calls = [_call(_decoded(body), "arguments") for body in HERMES_BLOCK.findall(text)]
+    return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+def _llama3_json(text: str) -> list[ToolCall] | None:
+    text = text.strip().removeprefix(PYTHON_TAG)
+    whole = _decoded(text)
+    objects = [whole] if whole is not None else [_decoded(p) for p in text.split(";")]
+    calls = [_call(obj, "parameters") for obj in objects]
+    return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+FORMATS = {f.name: f for f in (ToolFormat("hermes", "<tool_call>", False, _hermes),
+                                 ToolFormat("llama3_json", '{"name"', True, _llama3_json,
+                                            lead=PYTHON_TAG))}
+
+
+def format_of(template: str | None, configured: str | None, key: str) -> ToolFormat | None:
+    """The model's format: the one its options name, else the one its template shows."""
+    if configured is not None:
+        if configured not in FORMATS:
+            raise ValueError(f"model {key!r}: tool_call_format {configured!r} is not one of "
+                             f"{sorted(FORMATS)}")
+        return FORMATS[configured]
+    template = template or ""
+    if "<tool_call>" in template:
+        return FORMATS["hermes"]
+    if PYTHON_TAG in template or ("<|start_header_id|>" in template
+                                        and "parameters" in template):
+        return FORMATS["llama3_json"]
+    return None
+
+
+def reader_for(tool_format: ToolFormat | None, key: str) -> ToolCallReader:
+    """A sequence's reader; BAD_REQUEST when the model's format is not known."""
+    if tool_format is None:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"tool_choice auto: model {key!r}'s tool-call "
+                        f"format is not known (one of {sorted(FORMATS)}, from its chat "
+                        "template or its tool_call_format option)")
+    return ToolCallReader(tool_format)
+
+
+class ToolCallReader:
+    """One output's text, passed on until its calls begin, then held; at the end, the
+    calls. Text that may be the start of a call is held until it is known not to be."""
+
+    def __init__(self, tool_format: ToolFormat) -> None:
+        self.format = tool_format
+        self.pending = ""  # passed-on text held back: it may open a call
+        self.held: str | None = None  # from the call's opening on
+        self.decided = False  # at_start formats: the answer's start was not a call
+
+    def feed(self, text: str) -> str:
+        """The text that may be passed on now."""
+        if self.held is not None:
+            self.held += text
+            return ""
+        self.pending += text
+        if not self.format.at_start:
+            return self._anywhere()
+        return self._pass(len(self.pending)) if self.decided else self._at_start()
+
+    def _at_start(self) -> str:
+        opens, lead = self.format.opens, self.format.lead
+        start = self.pending.lstrip()
+        if lead.startswith(start):
+            return ""  # maybe the lead: wait for more
+        start = start.removeprefix(lead)
+        if start.startswith(opens):
+            self.held, self.pending = self.pending, ""
+        elif not opens.startswith(start):
+            self.decided = True
+            return self._pass(len(self.pending))
+        return ""
+
+    def _anywhere(self) -> str:
+        opens = self.format.opens
+        at = self.pending.find(opens)
+        if at >= 0:
+            text, self.held, self.pending = self.pending[:at], self.pending[at:], ""
+            return text
+        kept = next((n for n in range(min(len(opens) - 1, len(self.pending)), 0, -1)
+                     if opens.startswith(self.pending[-n:])), 0)
+        return self._pass(len(self.pending) - kept)
+
+    def _pass(self, length: int) -> str:
+        text, self.pending = self.pending[:length], self.pending[length:]
+        return text
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The text still held and the calls made (none: the held text was no call)."""
+        text, self.pending = self.pending, ""
+        if self.held is None:
+            return text, []
+        held, self.held = self.held, None
+        calls = self.format.parse(held)
+        if calls is None:
+            return text + held, []
+        return text, calls
