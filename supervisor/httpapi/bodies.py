@@ -40,7 +40,13 @@ from modelpool.supervisor.httpapi.structured import (
     StructuredOutputs,
     language,
 )
-from modelpool.supervisor.httpapi.tools import ToolCalls, ToolChoice, Tools, tool_calls
+from modelpool.supervisor.httpapi.tools import (
+    MessageToolCall,
+    ToolCalls,
+    ToolChoice,
+    Tools,
+    tool_calls,
+)
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_TOKENS)]
@@ -108,7 +114,9 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None  # None: an assistant's tool calls only
+    tool_calls: Annotated[list[MessageToolCall], msgspec.Meta(max_length=128)] | None = None
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -313,8 +321,7 @@ def chat_call(body: ChatBody) -> PoolCall:
     images = [(i, part) for i, m in enumerate(body.messages) if isinstance(m.content, list)
               for part in m.content if part.type == "image_url"]
     if not images:
-        messages = [{"role": m.role, "content": _text_of(m)}
-                    for m in body.messages]
+        messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
         return PoolCall("generate", (messages,), {**sampling, **for_tools}, made)
     if body.tools:
         raise bad("tools", "not with an image: a vision model is given no tools")
@@ -339,9 +346,23 @@ def _chat_logprobs(body: ChatBody) -> int | None:
     return body.top_logprobs or 0
 
 
+def _pool_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    if message.content is None and not message.tool_calls:
+        raise bad(f"messages[{index}].content", "needed, unless an assistant's message has "
+                                                "tool_calls")
+    if message.tool_calls and message.role != "assistant":
+        raise bad(f"messages[{index}].tool_calls", "only in an assistant's message")
+    out: dict[str, Any] = {"role": message.role, "content": _text_of(message)}
+    if message.tool_calls:
+        out["tool_calls"] = [c.for_pool() for c in message.tool_calls]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
 def _text_of(message: ChatMessage) -> str:
-    if isinstance(message.content, str):
-        return message.content
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
     return "".join(p.text or "" for p in message.content if p.type == "text")
 
 

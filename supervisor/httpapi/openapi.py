@@ -46,9 +46,28 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: tool calls only
+    tool_calls: list[ToolCall] | None = None
+
+
+class StreamedCall(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None  # the first delta of a call
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None  # name (first), arguments (as they come)
 
 
 class TopLogprob(msgspec.Struct):
@@ -78,7 +97,7 @@ class TextLogprobs(msgspec.Struct):
 
 class ChatChoice(msgspec.Struct):
     index: int
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     message: AssistantMessage
     logprobs: ChatLogprobs | None  # with logprobs: true
 
@@ -111,11 +130,12 @@ class TextCompletion(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[StreamedCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
     index: int
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     delta: Delta
     logprobs: ChatLogprobs | None  # this chunk's tokens', with logprobs: true
 

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from modelpool.protocol.client_core import ImageChunk, TextChunk, TextResult
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.supervisor.httpapi import logprobs
-from modelpool.supervisor.httpapi.tools import ToolCalls
+from modelpool.supervisor.httpapi.tools import ToolCalls, openai_calls
 
 # The status of each error code. 429s and 503s carry Retry-After.
 STATUS: dict[ErrorCode, int] = {
@@ -124,7 +124,8 @@ def completion(texts: list[TextResult], chat: bool, model: str,
         finish = _finish(text.finish_reason)
         choice: dict[str, Any] = {"index": index, "finish_reason": finish}
         if chat and calls is not None:
-            choice.update(message=calls.message(text.text), finish_reason=calls.finish(finish),
+            choice.update(message=calls.message(text.text, text.tool_calls),
+                          finish_reason=calls.finish(finish),
                           logprobs=logprobs.chat(text.logprobs))
         elif chat:
             choice.update(message={"role": "assistant", "content": text.text},
@@ -150,8 +151,11 @@ def _completion_text(text: TextResult, echo: str | list[int] | None) -> dict[str
 
 
 def _finish(reason: str | None) -> str | None:
-    # OpenAI's reasons are stop and length; a cancelled generation has ended by a stop.
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    # OpenAI's reasons are stop, length and tool_calls; a cancelled generation has ended
+    # by a stop.
+    if reason is None or reason in ("length", "tool_calls"):
+        return reason
+    return "stop"
 
 
 class StreamShape:
@@ -221,6 +225,7 @@ def job_result(op: str, result: Any) -> dict[str, Any]:
     """A finished job's result, by what its operation returns."""
     if isinstance(result, TextResult):
         return {"text": result.text, "finish_reason": _finish(result.finish_reason),
+                "tool_calls": openai_calls(result.tool_calls) if result.tool_calls else None,
                 "model": result.model, "logprobs": logprobs.chat(result.logprobs),
                 "prompt_logprobs": logprobs.chat(result.prompt_logprobs),
                 "usage": usage(result.prompt_tokens, result.completion_tokens)}

@@ -1,10 +1,11 @@
-"""Function calling in a chat body, by structured output: `tools` go to the model's chat
-template, and `tool_choice` "required" or a named function holds the output to a call,
-as vLLM does for those two: the named function's arguments (its `parameters` schema),
-or a list of calls to any of the tools (`[{"name", "parameters"}, ...]`). The answer's
-`tool_calls` are made from that output; nothing model-specific is parsed. "auto" with
-tools (the model decides, in its own format) is refused: reading each model family's
-tool-call format is not done here. "none" shows the tools and answers in text."""
+"""Function calling in a chat body: `tools` go to the model's chat template. With
+`tool_choice` "auto" (the default with tools) the model decides, and writes its calls in
+its own format, which its worker reads (registry/loaders/tool_calls): they come back as
+the pool's tool calls beside any text. "required" or a named function holds the output
+to a call by structured output, as vLLM does for those two: the named function's
+arguments (its `parameters` schema), or a list of calls to any of the tools (`[{"name",
+"parameters"}, ...]`), made into `tool_calls` here. "none" shows the tools and answers
+in text."""
 
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ import msgspec
 
 from modelpool.protocol.client_core import TextChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import TokenLogprob
+from modelpool.protocol.messages import TokenLogprob, ToolCall
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
-AUTO_REFUSED = ("with tools, only \"required\" or a named function (the output held to a "
-                "call); \"auto\" needs the model's own tool-call format, not read here")
 
 
 class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -38,6 +37,23 @@ class NamedFunction(msgspec.Struct, kw_only=True):
     name: str
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """A call in an assistant's message of the conversation, as an answer gave it."""
+
+    type: Literal["function"] = "function"
+    function: CalledFunction
+    id: str = ""
+
+    def for_pool(self) -> dict[str, str]:
+        return {"name": self.function.name, "arguments": self.function.arguments,
+                "id": self.id}
+
+
 class NamedToolChoice(msgspec.Struct, kw_only=True):
     type: Literal["function"]
     function: NamedFunction
@@ -52,15 +68,23 @@ def bad(field: str, message: str) -> PoolError:
 
 
 class ToolCalls:
-    """How one answer's output becomes tool calls, whole or streamed: a named function's
-    arguments as they come, or a list of calls, sent once it is whole."""
+    """How one answer's output becomes tool calls, whole or streamed: the calls the model
+    made in its own format ("auto": its text streamed, the calls with the last chunk), a
+    named function's arguments as they come, or a list of calls, sent once it is whole."""
 
-    def __init__(self, named: str | None) -> None:
+    def __init__(self, named: str | None, auto: bool = False, parallel: bool = True) -> None:
         self.named = named
+        self.auto = auto
+        self.parallel = parallel  # False: an "auto" answer's first call only
         self.held: dict[int, tuple[str, list[TokenLogprob]]] = {}  # by choice: a list's
 
-    def message(self, text: str) -> dict[str, Any]:
-        """A whole answer's assistant message."""
+    def message(self, text: str, made: list[ToolCall] | None = None) -> dict[str, Any]:
+        """A whole answer's assistant message (`made`: the calls the pool read, "auto")."""
+        if self.auto:
+            if not made:
+                return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": text or None,
+                    "tool_calls": openai_calls(self._kept(made))}
         calls = self._calls(text)
         if calls is None:  # cut short (max_tokens): not a list of calls yet
             return {"role": "assistant", "content": text}
@@ -68,13 +92,21 @@ class ToolCalls:
 
     def finish(self, reason: str | None) -> str | None:
         """OpenAI's: a forced function's call ends with stop, a list of calls with
-        tool_calls."""
-        return "tool_calls" if reason == "stop" and self.named is None else reason
+        tool_calls (an "auto" answer's calls came with theirs)."""
+        if self.auto or self.named is not None or reason != "stop":
+            return reason
+        return "tool_calls"
 
     def delta(self, index: int, chunk: TextChunk, first: bool
               ) -> tuple[dict[str, Any], list[TokenLogprob] | None] | None:
         """A streamed chunk's delta and its tokens' logprobs; None while a list is held."""
         role = {"role": "assistant"} if first else {}
+        if self.auto:
+            delta: dict[str, Any] = {**role, "content": chunk.text}
+            if chunk.tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in
+                                       enumerate(openai_calls(self._kept(chunk.tool_calls)))]
+            return delta, chunk.logprobs
         if self.named is not None:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": chunk.text}}
             if first:
@@ -94,6 +126,9 @@ class ToolCalls:
                                       for i, c in enumerate(message["tool_calls"])]}
         return {"role": "assistant", **message}, entries or None
 
+    def _kept(self, made: list[ToolCall]) -> list[ToolCall]:
+        return made if self.parallel else made[:1]
+
     def _calls(self, text: str) -> list[dict[str, Any]] | None:
         if self.named is not None:
             return [_call(self.named, text)]
@@ -103,6 +138,11 @@ class ToolCalls:
             return None
         return [_call(c["name"], msgspec.json.encode(c["parameters"]).decode())
                 for c in listed]
+
+
+def openai_calls(made: list[ToolCall]) -> list[dict[str, Any]]:
+    """The pool's tool calls as OpenAI's, each with an id of its own."""
+    return [_call(c.name, c.arguments) for c in made]
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
@@ -126,7 +166,8 @@ def tool_calls(tools: list[Tool] | None, choice: ToolChoice | None,
     if choice == "none":
         return None, shown
     if choice in (None, "auto"):
-        raise bad("tool_choice", AUTO_REFUSED)
+        return ToolCalls(None, auto=True, parallel=parallel is not False), {
+            **shown, "tool_choice": "auto"}
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t.function.name == choice.function.name]
         if not named:

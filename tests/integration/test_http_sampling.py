@@ -4,11 +4,13 @@ client's same request does, on the tiny random-weight Llama; structured output t
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx2 as httpx
 import openai
 import pydantic
 import pytest
@@ -284,7 +286,7 @@ def test_function_calling_through_the_sdks_parse_named_required_and_streamed(
     """A named function (what instructor and LangChain's structured output send) comes
     back as a tool call the SDK's parse turns into the pydantic model, its arguments the
     socket client's same schema's output with the tools in the template; "required"
-    gives a list of calls; a named call streams its arguments; "auto" is refused."""
+    gives a list of calls; a named call streams its arguments."""
     messages = [{"role": "user", "content": "weather?"}]
     tool = openai.pydantic_function_tool(Weather)
     named: Any = {"type": "function", "function": {"name": "Weather"}}
@@ -311,6 +313,63 @@ def test_function_calling_through_the_sdks_parse_named_required_and_streamed(
             model="tiny-llm-long", messages=messages, tools=[tool], tool_choice=named,
             max_tokens=40, temperature=0, stream=True) if part.choices)
     assert streamed == same
-    with pytest.raises(openai.BadRequestError) as auto:
-        sdk.chat.completions.create(model="tiny-llm-long", messages=messages, tools=[tool])
-    assert auto.value.body["param"] == "tool_choice"
+
+
+CALLED = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+          '{"city": "Paris"}}\n</tool_call>')
+GET_WEATHER: Any = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_auto_tool_calls_through_the_sdk_whole_streamed_answered_and_as_a_job(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """tool_choice "auto" (the default with tools): the model's calls in its own format
+    (the tiny model's template is Qwen's, Hermes' <tool_call>) come back as tool calls
+    beside its text. The tiny model is held to a call by a regex: what a model that
+    chose to call writes. The conversation then goes on with the call's answer."""
+    messages: Any = [{"role": "user", "content": "weather in Paris?"}]
+    asked: Any = {"model": "tiny-llm-long", "messages": messages, "tools": [GET_WEATHER],
+                  "max_tokens": 80, "temperature": 0,
+                  "extra_body": {"guided_regex": re.escape(CALLED)}}
+    choice = sdk.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check.\n"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    parts = [p.choices[0] for p in sdk.chat.completions.create(**asked, stream=True)
+             if p.choices]
+    assert "".join(p.delta.content or "" for p in parts) == "Let me check.\n"
+    assert parts[-1].finish_reason == "tool_calls"
+    (streamed,) = parts[-1].delta.tool_calls or []
+    assert streamed.function.name == "get_weather"  # type: ignore[union-attr]
+    with served[0].client() as c:  # the socket client's last chunk holds the calls
+        *_, last = c.generate(messages, model="tiny-llm-long", tools=[GET_WEATHER],
+                              tool_choice="auto", regex=re.escape(CALLED), temperature=0)
+    assert last.finish_reason == "tool_calls" and [(t.name, json.loads(t.arguments))
+                                                   for t in last.tool_calls or []] == [
+        ("get_weather", {"city": "Paris"})]
+
+    answered = [*messages, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    reply = sdk.chat.completions.create(model="tiny-llm-long", messages=answered,
+                                        tools=[GET_WEATHER], max_tokens=8, temperature=0)
+    with served[0].client() as c:
+        pool_chat = [*messages, {"role": "assistant", "content": "Let me check.\n",
+                                 "tool_calls": [{"name": "get_weather", "arguments":
+                                                 call.function.arguments}]},  # type: ignore[union-attr]
+                     {"role": "tool", "content": "sunny, 21 C"}]
+        *pieces, end = list(c.generate(pool_chat, model="tiny-llm-long", tools=[GET_WEATHER],
+                                       max_tokens=8, temperature=0))
+    assert reply.usage is not None and reply.usage.prompt_tokens == end.prompt_tokens > 100
+    assert reply.choices[0].message.content == "".join(p.text for p in [*pieces, end])
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    job = httpx.post(served[1] + "/v1/jobs", headers=auth, json={
+        "operation": "chat.completions", "body": {**{k: v for k, v in asked.items()
+                                                    if k != "extra_body"},
+                                                 "guided_regex": re.escape(CALLED)}})
+    assert job.status_code == 202, job.text
+    result = httpx.get(f"{served[1]}/v1/jobs/{job.json()['id']}?wait=30", headers=auth,
+                       timeout=60).json()["result"]
+    assert result["finish_reason"] == "tool_calls" and result["text"] == "Let me check.\n"
+    assert [c["function"]["name"] for c in result["tool_calls"]] == ["get_weather"]

@@ -9,9 +9,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from modelpool.protocol.client_core import TextChunk
+from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import PoolError
-from modelpool.protocol.messages import TokenLogprob
+from modelpool.protocol.messages import TokenLogprob, ToolCall
 from modelpool.supervisor.httpapi import bodies, replies
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
@@ -47,8 +47,34 @@ def test_none_shows_the_tools_and_answers_in_text() -> None:
     assert call.kwargs["tools"] == TOOLS and "json_schema" not in call.kwargs
 
 
+@pytest.mark.parametrize("fields", [{}, {"tool_choice": "auto"}])
+def test_auto_lets_the_model_call_in_its_own_format(fields: dict[str, Any]) -> None:
+    call = _call(**fields)
+    assert call.kwargs["tools"] == TOOLS and call.kwargs["tool_choice"] == "auto"
+    assert "json_schema" not in call.kwargs and call.made is not None and call.made.auto
+    # with a language of its own: the output held to it, calls read out of it all the same
+    held = _call(response_format={"type": "json_object"})
+    assert held.kwargs["tool_choice"] == "auto" and held.kwargs["json_schema"] == {
+        "type": "object"}
+
+
+def test_a_conversation_goes_on_after_calls_with_their_answers() -> None:
+    calls = [{"id": "call_1", "type": "function",
+              "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
+    call = _call(messages=[{"role": "user", "content": "x"},
+                           {"role": "assistant", "content": None, "tool_calls": calls},
+                           {"role": "tool", "content": "rain", "tool_call_id": "call_1"}])
+    (chat,) = call.args
+    assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"name": "weather", "arguments": '{"city": "Oslo"}', "id": "call_1"}]}
+    assert chat[2] == {"role": "tool", "content": "rain", "tool_call_id": "call_1"}
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: messages\[0\].content: needed"):
+        _call(messages=[{"role": "user", "content": None}])
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: messages\[0\].tool_calls: only"):
+        _call(messages=[{"role": "user", "content": "x", "tool_calls": calls}])
+
+
 @pytest.mark.parametrize(("fields", "says"), [
-    ({}, "auto"), ({"tool_choice": "auto"}, "auto"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}},
      "another language"),
@@ -83,6 +109,23 @@ def test_whole_answers_become_tool_calls() -> None:
             ToolCalls(None).finish("length")) == ("stop", "tool_calls", "length")
 
 
+def test_an_auto_answers_calls_come_beside_its_text() -> None:
+    made = [ToolCall(name="weather", arguments='{"city":"Oslo"}'),
+            ToolCall(name="now", arguments="{}")]
+    auto = ToolCalls(None, auto=True)
+    assert auto.message("Checking.", made)["content"] == "Checking."
+    message = auto.message("", made)
+    assert message["content"] is None and [c["function"] for c in message["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city":"Oslo"}'}, {"name": "now", "arguments": "{}"}]
+    assert auto.message("just text", None) == {"role": "assistant", "content": "just text"}
+    assert len(ToolCalls(None, auto=True, parallel=False).message("", made)["tool_calls"]) == 1
+    assert (auto.finish("tool_calls"), auto.finish("stop")) == ("tool_calls", "stop")
+    whole = replies.completion([TextResult("", "tool_calls", 5, 9, "m", tool_calls=made)],
+                               chat=True, model="m", calls=auto)
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(whole["choices"][0]["message"]["tool_calls"]) == 2
+
+
 def _events(data: bytes) -> list[dict[str, Any]]:
     return [json.loads(e.removeprefix(b"data: ")) for e in data.split(b"\n\n") if e]
 
@@ -99,6 +142,20 @@ def test_a_named_functions_arguments_stream_as_they_come() -> None:
     assert second["delta"] == {"tool_calls": [{"index": 0,
                                                "function": {"arguments": '"Rome"}'}}]}
     assert second["finish_reason"] == "stop"
+
+
+def test_an_auto_answers_text_streams_and_its_calls_come_last() -> None:
+    shape = replies.StreamShape(chat=True, model="m", include_usage=False,
+                                calls=ToolCalls(None, auto=True))
+    made = [ToolCall(name="now", arguments="{}")]
+    data = shape.event(TextChunk("Let me see.")) + shape.event(
+        TextChunk("", "tool_calls", 3, 9, tool_calls=made))
+    first, last = (e["choices"][0] for e in _events(data))
+    assert first["delta"] == {"role": "assistant", "content": "Let me see."}
+    assert first["finish_reason"] is None and last["finish_reason"] == "tool_calls"
+    (call,) = last["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["function"] == {
+        "name": "now", "arguments": "{}"}
 
 
 def test_a_list_of_calls_streams_once_whole_with_its_tokens_logprobs() -> None:
