@@ -58,6 +58,7 @@ class Prepared:
     sampling: Sampling
     grammar: GrammarMatcher | None = None  # structured output: its place in the language
     tool_calls: ToolCallReader | None = None  # tool_choice "auto": reads its calls (streams)
+    kept: dict[int, str] | None = None  # special tokens its text keeps (the calls' markers)
 
 
 @dataclass
@@ -190,7 +191,7 @@ class ContinuousDecoder:
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
         self.waiting.append(_Seq(
             seq_id, prepared, torch.Generator().manual_seed(seed),
-            IncrementalDecoder(self.tokenizer),
+            IncrementalDecoder(self.tokenizer, prepared.kept),
             rules=LogitRules.of(sampling, prepared.inputs["input_ids"], self.eos_ids,
                                 prepared.grammar)))
 

@@ -35,7 +35,12 @@ from modelpool.registry.loaders.token_logprobs import (
     prompt_logprobs,
     token_logprob,
 )
-from modelpool.registry.loaders.tool_calls import ToolCallReader, format_of, reader_for
+from modelpool.registry.loaders.tool_calls import (
+    ToolCallReader,
+    format_of,
+    kept_tokens,
+    reader_for,
+)
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -52,6 +57,7 @@ class CausalLM:
         self.grammars = Grammars(tokenizer, self.vocab, self.eos_ids)
         template = tokenizer.chat_template
         self.tool_format = format_of(str(template) if template else None, tool_call_format, key)
+        self.tool_markers = kept_tokens(tokenizer, self.tool_format)
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template)}
@@ -115,13 +121,17 @@ class CausalLM:
         return Prepared(inputs={"input_ids": torch.tensor([ids], device=self.model.device)},
                         prompt_tokens=len(ids), budget=budget, sampling=request.sampling,
                         grammar=self.grammars.matcher(request.sampling.structured),
-                        tool_calls=self.tool_reader(request))
+                        tool_calls=self.tool_reader(request), kept=self._kept(request))
 
     def tool_reader(self, request: Generate) -> ToolCallReader | None:
         """What reads the calls out of the output (tool_choice "auto"), else None."""
         if request.tool_choice != "auto":
             return None
         return reader_for(self.tool_format, self.key)
+
+    def _kept(self, request: Generate) -> dict[int, str] | None:
+        """The special tokens its text keeps: the format's markers, when it may call."""
+        return self.tool_markers if request.tool_choice == "auto" else None
 
     @torch.inference_mode()
     def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
@@ -132,7 +142,7 @@ class CausalLM:
         yield from decode(self.model, {"input_ids": torch.tensor([ids], device=device)},
                           lambda token: {"input_ids": torch.tensor([[token]], device=device)},
                           budget, sampling, self.eos_ids, self.tokenizer, stats,
-                          self.grammars.matcher(sampling.structured))
+                          self.grammars.matcher(sampling.structured), self._kept(request))
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
@@ -158,13 +168,14 @@ def _arguments(text: str) -> Any:
 def decode(model: Any, first_inputs: dict[str, Any],
            next_inputs: Callable[[int], dict[str, Any]], budget: int, sampling: Sampling,
            eos_ids: set[int], tokenizer: Any, stats: GenerationStats,
-           grammar: GrammarMatcher | None = None) -> Iterator[str]:
+           grammar: GrammarMatcher | None = None,
+           kept: dict[int, str] | None = None) -> Iterator[str]:
     """Token by token with a KV cache: the first step runs the whole prompt, each later
     one only the new token. Yields one text piece per token (maybe "")."""
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8))
     generator = torch.Generator().manual_seed(seed)
     rules = LogitRules.of(sampling, first_inputs["input_ids"], eos_ids, grammar)
-    detok = IncrementalDecoder(tokenizer)
+    detok = IncrementalDecoder(tokenizer, kept)
     step_inputs, past = first_inputs, None
     cache_keyword = kv_cache_keyword(model)
     keep = {} if sampling.prompt_logprobs is not None else last_logits_only(model)
@@ -194,19 +205,32 @@ class IncrementalDecoder:
     """Turns tokens into text pieces without splitting a multi-byte character.
 
     Decodes only a short window (from the last emitted boundary), so each token costs
-    the same however long the output grows."""
+    the same however long the output grows. Special tokens are left out of the text,
+    except `kept` ones (a tool-call format's markers), written as their text."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, kept: dict[int, str] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.kept = kept or {}
         self.tokens: list[int] = []
         self.prefix_offset = 0  # window start: tokens before it are fully emitted
         self.read_offset = 0  # tokens before it have had their text emitted
 
     def _window(self) -> tuple[str, str]:
+        return (self._text(self.tokens[self.prefix_offset : self.read_offset]),
+                self._text(self.tokens[self.prefix_offset :]))
+
+    def _text(self, tokens: list[int]) -> str:
         decode = self.tokenizer.decode
-        prefix = decode(self.tokens[self.prefix_offset : self.read_offset],
-                        skip_special_tokens=True)
-        return prefix, decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        if not self.kept.keys() & set(tokens):
+            return str(decode(tokens, skip_special_tokens=True))
+        parts, run = [], []
+        for token in tokens:
+            if token in self.kept:
+                parts += [decode(run, skip_special_tokens=True), self.kept[token]]
+                run = []
+            else:
+                run.append(token)
+        return "".join([*parts, decode(run, skip_special_tokens=True)])
 
     def add(self, token: int) -> str:
         self.tokens.append(token)

@@ -8,14 +8,23 @@ format; the ones read here, and how a model's is known:
 - "llama3_json": the whole answer one `{"name": ..., "parameters": {...}}` object, or
   several joined by ";" (Llama 3.1 to 3.3), maybe after `<|python_tag|>`. Known by its
   template naming `<|python_tag|>`, or Llama 3's header tokens with "parameters".
+- "mistral": `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (Mistral 7B
+  v0.3, Nemo), or `[TOOL_CALLS]name[ARGS]{...}` a call (later Mistral templates). Known
+  by its template naming `[TOOL_CALLS]`. Its call ids are 9 letters and digits, which its
+  template insists on when the conversation goes on.
 
 A model's loader option `tool_call_format` names one where the template does not say.
-Text that starts like a call but does not read as one (cut short, not JSON) is given back
-as text, as vLLM's parsers do."""
+A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
+`<tool_call>` in some Hermes tokenizers) are kept in the text of a sequence that may call,
+where decoding would otherwise drop them. Text that starts like a call but does not read
+as one (cut short, not JSON) is given back as text, as vLLM's parsers do."""
 
 from __future__ import annotations
 
 import re
+import secrets
+import string
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +36,7 @@ from modelpool.protocol.messages import ToolCall
 
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS = "[TOOL_CALLS]"
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,8 @@ class ToolFormat:
     at_start: bool  # True: only the answer's start (after white space) opens calls
     parse: Callable[[str], list[ToolCall] | None]  # the text from `opens` on; None: no calls
     lead: str = ""  # at_start: what may come before `opens` (Llama's <|python_tag|>)
+    markers: tuple[str, ...] = ()  # its tokens the text must keep, if special
+    new_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _call(obj: Any, arguments_key: str) -> ToolCall | None:
@@ -46,6 +58,10 @@ def _call(obj: Any, arguments_key: str) -> ToolCall | None:
     return ToolCall(name=obj["name"], arguments=text)
 
 
+def _all_or_none(calls: list[ToolCall | None]) -> list[ToolCall] | None:
+    return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
 def _decoded(text: str) -> Any:
     try:
         return msgspec.json.decode(text.strip())
@@ -54,21 +70,43 @@ def _decoded(text: str) -> Any:
 
 
 def _hermes(text: str) -> list[ToolCall] | None:
-    calls = [_call(_decoded(body), "arguments") for body in HERMES_BLOCK.findall(text)]
-    return None if not calls or None in calls else calls  # type: ignore[return-value]
+    return _all_or_none([_call(_decoded(body), "arguments")
+                         for body in HERMES_BLOCK.findall(text)])
 
 
 def _llama3_json(text: str) -> list[ToolCall] | None:
     text = text.strip().removeprefix(PYTHON_TAG)
     whole = _decoded(text)
     objects = [whole] if whole is not None else [_decoded(p) for p in text.split(";")]
-    calls = [_call(obj, "parameters") for obj in objects]
-    return None if not calls or None in calls else calls  # type: ignore[return-value]
+    return _all_or_none([_call(obj, "parameters") for obj in objects])
 
 
-FORMATS = {f.name: f for f in (ToolFormat("hermes", "<tool_call>", False, _hermes),
-                                 ToolFormat("llama3_json", '{"name"', True, _llama3_json,
-                                            lead=PYTHON_TAG))}
+def _mistral(text: str) -> list[ToolCall] | None:
+    body = text.removeprefix(TOOL_CALLS).strip()
+    if body.startswith("["):  # [{"name": ..., "arguments": ...}, ...]
+        listed = _decoded(body)
+        return _all_or_none([_call(c, "arguments") for c in listed]
+                            if isinstance(listed, list) else [])
+    calls = []  # name[ARGS]{...}, each after its own [TOOL_CALLS]
+    for part in body.split(TOOL_CALLS):
+        name, found, arguments = part.partition("[ARGS]")
+        decoded = _decoded(arguments) if found else None
+        calls.append(None if decoded is None else
+                     _call({"name": name.strip(), "arguments": decoded}, "arguments"))
+    return _all_or_none(calls)
+
+
+def _mistral_id() -> str:
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+FORMATS = {f.name: f for f in (
+    ToolFormat("hermes", "<tool_call>", False, _hermes,
+               markers=("<tool_call>", "</tool_call>")),
+    ToolFormat("llama3_json", '{"name"', True, _llama3_json, lead=PYTHON_TAG,
+               markers=(PYTHON_TAG,)),
+    ToolFormat("mistral", TOOL_CALLS, False, _mistral, markers=(TOOL_CALLS, "[ARGS]"),
+               new_id=_mistral_id))}
 
 
 def format_of(template: str | None, configured: str | None, key: str) -> ToolFormat | None:
@@ -81,10 +119,24 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
     template = template or ""
     if "<tool_call>" in template:
         return FORMATS["hermes"]
+    if TOOL_CALLS in template:
+        return FORMATS["mistral"]
     if PYTHON_TAG in template or ("<|start_header_id|>" in template
                                         and "parameters" in template):
         return FORMATS["llama3_json"]
     return None
+
+
+def kept_tokens(tokenizer: Any, tool_format: ToolFormat | None) -> dict[int, str]:
+    """The format's markers that are special tokens of this tokenizer, by id: decoding
+    drops special tokens, and the reader needs these."""
+    kept = {}
+    for marker in tool_format.markers if tool_format else ():
+        token = tokenizer.convert_tokens_to_ids(marker)
+        if (isinstance(token, int) and tokenizer.convert_ids_to_tokens(token) == marker
+                and tokenizer.decode([token], skip_special_tokens=True) == ""):
+            kept[token] = marker
+    return kept
 
 
 def reader_for(tool_format: ToolFormat | None, key: str) -> ToolCallReader:
@@ -152,4 +204,4 @@ class ToolCallReader:
         calls = self.format.parse(held)
         if calls is None:
             return text + held, []
-        return text, calls
+        return text, [msgspec.structs.replace(c, id=self.format.new_id()) for c in calls]

@@ -141,12 +141,13 @@ class ToolCalls:
 
 
 def openai_calls(made: list[ToolCall]) -> list[dict[str, Any]]:
-    """The pool's tool calls as OpenAI's, each with an id of its own."""
-    return [_call(c.name, c.arguments) for c in made]
+    """The pool's tool calls as OpenAI's, each with its id (the model's format's shape)
+    or one made here."""
+    return [_call(c.name, c.arguments, c.id) for c in made]
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": _call_id(), "type": "function",
+def _call(name: str, arguments: str, call_id: str = "") -> dict[str, Any]:
+    return {"id": call_id or _call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 

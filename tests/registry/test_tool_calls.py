@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from modelpool.protocol import kinds
@@ -12,9 +13,12 @@ from modelpool.protocol.messages import ToolCall
 from modelpool.registry.loaders.tool_calls import (
     FORMATS,
     ToolCallReader,
+    ToolFormat,
     format_of,
+    kept_tokens,
     reader_for,
 )
+from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 HERMES = FORMATS["hermes"]
 LLAMA3 = FORMATS["llama3_json"]
@@ -28,7 +32,8 @@ def _read(tool_format: str, text: str, piece: int) -> tuple[list[str], str, list
     reader = ToolCallReader(FORMATS[tool_format])
     passed = [reader.feed(text[i:i + piece]) for i in range(0, len(text), piece)]
     rest, calls = reader.finish()
-    return passed, rest, calls
+    assert len({c.id for c in calls}) == len(calls)  # each call an id of its own
+    return passed, rest, [msgspec.structs.replace(c, id="") for c in calls]
 
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
@@ -83,10 +88,31 @@ def test_llama3_json_is_read_only_at_the_answers_start(piece: int) -> None:
     assert "".join(passed) + rest == '{"nam' and calls == []
 
 
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_mistral_calls_as_a_list_or_one_by_one_with_their_ids(piece: int) -> None:
+    listed = ('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+              '{"name": "get_time", "arguments": {}}]')
+    passed, rest, calls = _read("mistral", listed, piece)
+    assert "".join(passed) + rest == "Sure. " and calls == [WEATHER, TIME]
+    one_by_one = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+                  "[TOOL_CALLS]get_time[ARGS]{}")
+    assert _read("mistral", one_by_one, piece)[2] == [WEATHER, TIME]
+    for broken in ("[TOOL_CALLS] [1]", "[TOOL_CALLS]get_time[ARGS]{", "[TOOL_CALLS]x"):
+        assert _read("mistral", broken, piece)[1:] == (broken, [])
+    reader = ToolCallReader(FORMATS["mistral"])
+    reader.feed(listed)
+    ids = [c.id for c in reader.finish()[1]]
+    assert all(len(i) == 9 and i.isalnum() for i in ids)  # as its template insists
+    hermes = ToolCallReader(HERMES)
+    hermes.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert hermes.finish()[1][0].id.startswith("call_")
+
+
 def test_the_format_comes_from_the_options_or_the_template() -> None:
     assert format_of("... <tool_call> ...", None, "m") is HERMES
     assert format_of("<|start_header_id|> ... parameters ...", None, "m") is LLAMA3
     assert format_of("<|python_tag|>", None, "m") is LLAMA3
+    assert format_of("{{ '[TOOL_CALLS] [' }}", None, "m") is FORMATS["mistral"]
     assert format_of("<|im_start|>{{ message.content }}", None, "m") is None
     assert format_of(None, None, "m") is None
     assert format_of(None, "llama3_json", "m") is LLAMA3
@@ -127,3 +153,31 @@ def test_the_tiny_models_format_is_hermes_and_a_model_without_one_refuses_auto(
     monkeypatch.setattr(llm, "tool_format", None)
     with pytest.raises(PoolError, match="tool-call format is not known"):
         llm.prepare(request)
+
+
+def test_a_formats_special_markers_are_kept_in_the_text_of_a_sequence_that_may_call(
+        llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding drops special tokens, so a format whose marker is one (Mistral's
+    [TOOL_CALLS]) would lose it. The tiny tokenizer's <|im_start|> plays that marker:
+    forced as the output by a logit bias, it is text when the request may call, and
+    left out otherwise, one at a time and batched."""
+    start = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    marked = ToolFormat("marked", "<|im_start|>", False, lambda text: None,
+                        markers=("<|im_start|>", "<tool_call>", "nope"))
+    assert kept_tokens(llm.tokenizer, marked) == {start: "<|im_start|>"}  # special ones only
+    assert kept_tokens(llm.tokenizer, HERMES) == {}  # <tool_call> is text to it
+    monkeypatch.setattr(llm, "tool_markers", {start: "<|im_start|>"})
+    chat = [{"role": "user", "content": "hi"}]
+    forced = {"logit_bias": {start: 100.0}, "max_tokens": 2, "temperature": 0}
+    asks = [kinds.build("generate", chat, tools=TOOLS, tool_choice=choice, **forced)
+            for choice in ("auto", "none")]
+    alone = ["".join(llm.generate(r, GenerationStats())) for r in asks]
+    assert alone == ["<|im_start|><|im_start|>", ""]
+    decoder = llm.decoder()
+    for i, request in enumerate(asks):
+        decoder.add(i, llm.prepare(request))
+    texts = ["", ""]
+    while len(decoder):
+        for event in decoder.step():
+            texts[event.seq_id] += event.text
+    assert texts == alone
