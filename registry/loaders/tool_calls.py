@@ -121,8 +121,8 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
         return FORMATS["hermes"]
     if TOOL_CALLS in template:
         return FORMATS["mistral"]
-    if PYTHON_TAG in template or ("<|start_header_id|>" in template
-                                        and "parameters" in template):
+    llama3 = "<|start_header_id|>" in template and "parameters" in template
+    if PYTHON_TAG in template or llama3:
         return FORMATS["llama3_json"]
     return None
 
