@@ -8,8 +8,9 @@
 - The mask's own cost at the vocabularies real models have: byte-level BPE tokenizers of
   32,000 and 128,000 tokens, trained here on the Python standard library's sources (no
   download), walked through a JSON Schema by random logits: per token, llguidance's mask
-  applied to the logits and the token consumed; and reading the vocabulary into
-  llguidance, once per model.
+  applied to the logits and the token consumed; reading the vocabulary into
+  llguidance, once per model; and a new sequence's matcher, its grammar compiled and
+  copied from the one kept compiled.
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ def _mask_walk(tokenizer: Any, steps: int) -> dict[str, Any]:
     grammars.vocabulary()  # read into llguidance, once per model
     read_s = time.perf_counter() - t0
     wanted = structured(json_schema=SCHEMA)
+    compiles, copies = [], []
+    for _ in range(30):  # a new sequence's matcher: compiled, and from the compiled one kept
+        t0 = time.perf_counter()
+        grammars._compile(wanted)
+        t1 = time.perf_counter()
+        grammars.matcher(wanted)
+        copies.append(time.perf_counter() - t1)
+        compiles.append(t1 - t0)
     generator = torch.Generator().manual_seed(0)
     masks, adds, outputs = [], [], 0
     matcher = grammars.matcher(wanted)
@@ -122,6 +131,8 @@ def _mask_walk(tokenizer: Any, steps: int) -> dict[str, Any]:
             outputs += 1
             matcher = grammars.matcher(wanted)
     return {"vocab": vocab, "vocabulary_read_s": round(read_s, 3),
+            "matcher_compiled_ms_p50": round(statistics.median(compiles) * 1e3, 3),
+            "matcher_kept_ms_p50": round(statistics.median(copies) * 1e3, 3),
             "mask_us_p50": round(statistics.median(masks) * 1e6, 1),
             "consume_us_p50": round(statistics.median(adds) * 1e6, 1),
             "tokens": steps, "objects_completed": outputs}

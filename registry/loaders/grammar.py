@@ -12,6 +12,7 @@ which never does would pay at its start."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ from modelpool.protocol.messages import Structured
 # JSON as json.dumps writes it: no free whitespace, which a model can otherwise emit
 # without end. A schema's own "x-guidance" options override these (llguidance's order).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+COMPILED_KEPT = 32  # grammars kept compiled per model, the least recently asked dropped
 
 
 def grammar_text(structured: Structured) -> str:
@@ -48,26 +50,41 @@ def grammar_text(structured: Structured) -> str:
 
 class Grammars:
     """One model's side of structured output: its vocabulary as llguidance reads it (made
-    at the first request that asks, and kept: up to ~1 s for a large vocabulary)."""
+    at the first request that asks, and kept: up to ~1 s for a large vocabulary), and the
+    grammars last asked for, compiled: an application sends the same schema again and
+    again, and compiling it (1-3 ms) stalls the worker's other sequences."""
 
     def __init__(self, tokenizer: Any, vocab: int | None, eos_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab = vocab
         self.eos_ids = eos_ids
         self._llg_tokenizer: Any = None
+        self._compiled: OrderedDict[bytes, Any] = OrderedDict()  # fresh matchers, LRU
 
     def matcher(self, structured: Structured | None) -> GrammarMatcher | None:
         """A new sequence's matcher, None when it asks for no structure; raises PoolError
         for a grammar that is not one."""
         if structured is None:
             return None
+        key = msgspec.json.encode(structured)
+        fresh = self._compiled.get(key)
+        if fresh is None:
+            fresh = self._compile(structured)
+            self._compiled[key] = fresh
+            if len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return GrammarMatcher(fresh.deep_copy())  # its own place in the language
+
+    def _compile(self, structured: Structured) -> Any:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.vocabulary(), grammar_text(structured), log_level=0)
         if matcher.is_error():  # llguidance's way of saying the grammar is not one
             raise PoolError(ErrorCode.BAD_REQUEST,
                             f"structured output: {matcher.get_error().strip()}")
-        return GrammarMatcher(matcher)
+        return matcher
 
     def vocabulary(self) -> Any:
         """The model's vocabulary as llguidance reads it, read at the first call."""

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from PIL import Image
 
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Describe, Generate, Structured
+from modelpool.registry.loaders import grammar as grammar_module
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM
 from modelpool.registry.loaders.grammar import Grammars
@@ -160,3 +162,35 @@ def test_a_tokenizer_llguidance_cannot_read_is_a_bad_request_not_a_model_error()
     assert caught.value.code == ErrorCode.BAD_REQUEST
     assert "tokenizer cannot be read" in caught.value.message
     assert grammars.matcher(None) is None
+
+
+def test_a_grammar_asked_again_is_compiled_once_and_each_sequence_has_its_own_place(
+        llm: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    grammars = Grammars(llm.tokenizer, llm.vocab, llm.eos_ids)
+    compiled: list[Structured] = []
+    compile_for_real = grammars._compile
+    monkeypatch.setattr(grammars, "_compile",
+                        lambda s: compiled.append(s) or compile_for_real(s))
+    monkeypatch.setattr(grammar_module, "COMPILED_KEPT", 2)
+    digits, letters, word = (Structured(regex=r) for r in ("[0-9]{4}", "[a-z]{4}", "word"))
+    first = grammars.matcher(digits)
+    assert first is not None
+    seven = llm.tokenizer.convert_tokens_to_ids("7")
+    first.add(seven)  # one sequence has gone on...
+    second = grammars.matcher(Structured(regex="[0-9]{4}"))  # ... the same grammar again
+    assert second is not None and compiled == [digits]
+    logits = torch.zeros(llm.vocab or 0)
+    allowed = [int(torch.isfinite(m.mask(logits)).sum()) for m in (first, second)]
+    assert allowed[0] == allowed[1] > 0  # both may take a digit...
+    for _ in range(3):
+        first.add(seven)
+    assert first.complete and not second.complete  # ... the copy did not move with it
+    grammars.matcher(letters)
+    grammars.matcher(digits)  # used last: kept
+    grammars.matcher(word)  # the third: the least recently asked (letters) goes
+    grammars.matcher(digits)
+    grammars.matcher(letters)
+    assert compiled == [digits, letters, word, letters]
+    with pytest.raises(PoolError):  # a grammar that is not one is not kept
+        grammars.matcher(Structured(regex="[a-"))
+    assert len(grammars._compiled) == 2
