@@ -60,7 +60,8 @@ class CausalLM:
         self.tool_markers = kept_tokens(tokenizer, self.tool_format)
 
     def info(self) -> dict[str, Any]:
-        return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template)}
+        return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template),
+                "tool_call_format": self.tool_format.name if self.tool_format else None}
 
     def prompt_ids(self, request: Generate) -> list[int]:
         if request.prompt_ids:

@@ -64,7 +64,7 @@ def _penalized_without_cache(llm: CausalLM, ids: list[int], steps: int, repetiti
 
 
 def test_info(llm: CausalLM) -> None:
-    assert llm.info() == {"context": 2048, "chat_template": True}
+    assert llm.info() == {"context": 2048, "chat_template": True, "tool_call_format": "hermes"}
     assert llm.tokenizer.eos_token_id in llm.eos_ids
 
 
