@@ -128,7 +128,7 @@ class CausalLM:
         """What reads the calls out of the output (tool_choice "auto"), else None."""
         if request.tool_choice != "auto":
             return None
-        return reader_for(self.tool_format, self.key)
+        return reader_for(self.tool_format, self.key, request.tools)
 
     def _kept(self, request: Generate) -> dict[int, str] | None:
         """The special tokens its text keeps: the format's markers, when it may call."""

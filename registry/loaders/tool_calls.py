@@ -139,21 +139,28 @@ def kept_tokens(tokenizer: Any, tool_format: ToolFormat | None) -> dict[int, str
     return kept
 
 
-def reader_for(tool_format: ToolFormat | None, key: str) -> ToolCallReader:
-    """A sequence's reader; BAD_REQUEST when the model's format is not known."""
+def reader_for(tool_format: ToolFormat | None, key: str,
+               tools: list[dict[str, Any]]) -> ToolCallReader:
+    """A sequence's reader of calls to these tools (OpenAI's function tools); BAD_REQUEST
+    when the model's format is not known."""
     if tool_format is None:
         raise PoolError(ErrorCode.BAD_REQUEST, f"tool_choice auto: model {key!r}'s tool-call "
                         f"format is not known (one of {sorted(FORMATS)}, from its chat "
                         "template or its tool_call_format option)")
-    return ToolCallReader(tool_format)
+    functions = [t.get("function") for t in tools]
+    return ToolCallReader(tool_format, {f.get("name") for f in functions
+                                        if isinstance(f, dict)})
 
 
 class ToolCallReader:
     """One output's text, passed on until its calls begin, then held; at the end, the
-    calls. Text that may be the start of a call is held until it is known not to be."""
+    calls. Text that may be the start of a call is held until it is known not to be; calls
+    that name a function not among `names` are no calls (Llama 3's format cannot tell an
+    answer in JSON with a "name" from a call, and a client can run no other function)."""
 
-    def __init__(self, tool_format: ToolFormat) -> None:
+    def __init__(self, tool_format: ToolFormat, names: set[Any]) -> None:
         self.format = tool_format
+        self.names = names
         self.pending = ""  # passed-on text held back: it may open a call
         self.held: str | None = None  # from the call's opening on
         self.decided = False  # at_start formats: the answer's start was not a call
@@ -202,6 +209,6 @@ class ToolCallReader:
             return text, []
         held, self.held = self.held, None
         calls = self.format.parse(held)
-        if calls is None:
+        if calls is None or any(c.name not in self.names for c in calls):
             return text + held, []
         return text, [msgspec.structs.replace(c, id=self.format.new_id()) for c in calls]

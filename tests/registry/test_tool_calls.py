@@ -24,12 +24,13 @@ HERMES = FORMATS["hermes"]
 LLAMA3 = FORMATS["llama3_json"]
 WEATHER = ToolCall(name="get_weather", arguments='{"city":"Paris"}')
 TIME = ToolCall(name="get_time", arguments="{}")
+NAMES = {"get_weather", "get_time", "f", "a"}  # the request's tools
 
 
 def _read(tool_format: str, text: str, piece: int) -> tuple[list[str], str, list[ToolCall]]:
     """The text passed on after each piece of `piece` characters, what finish() gave
     back, and the calls."""
-    reader = ToolCallReader(FORMATS[tool_format])
+    reader = ToolCallReader(FORMATS[tool_format], NAMES)
     passed = [reader.feed(text[i:i + piece]) for i in range(0, len(text), piece)]
     rest, calls = reader.finish()
     assert len({c.id for c in calls}) == len(calls)  # each call an id of its own
@@ -99,11 +100,11 @@ def test_mistral_calls_as_a_list_or_one_by_one_with_their_ids(piece: int) -> Non
     assert _read("mistral", one_by_one, piece)[2] == [WEATHER, TIME]
     for broken in ("[TOOL_CALLS] [1]", "[TOOL_CALLS]get_time[ARGS]{", "[TOOL_CALLS]x"):
         assert _read("mistral", broken, piece)[1:] == (broken, [])
-    reader = ToolCallReader(FORMATS["mistral"])
+    reader = ToolCallReader(FORMATS["mistral"], NAMES)
     reader.feed(listed)
     ids = [c.id for c in reader.finish()[1]]
     assert all(len(i) == 9 and i.isalnum() for i in ids)  # as its template insists
-    hermes = ToolCallReader(HERMES)
+    hermes = ToolCallReader(HERMES, NAMES)
     hermes.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
     assert hermes.finish()[1][0].id.startswith("call_")
 
@@ -122,9 +123,21 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
 
 def test_a_model_whose_format_is_not_known_refuses_auto() -> None:
     with pytest.raises(PoolError, match="tool-call format is not known") as refused:
-        reader_for(None, "m")
+        reader_for(None, "m", TOOLS)
     assert refused.value.code is ErrorCode.BAD_REQUEST
-    assert isinstance(reader_for(HERMES, "m"), ToolCallReader)
+    tools = [*TOOLS, {"type": "function", "function": {"name": "now"}}, {"odd": 1}]
+    assert reader_for(HERMES, "m", tools).names == {"get_weather", "now"}
+
+
+@pytest.mark.parametrize(("tool_format", "text"), [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+               '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),
+    ("llama3_json", '{"name": "Bob", "parameters": {"age": 3}}'),  # an answer in JSON
+])
+def test_a_call_to_a_function_not_among_the_tools_is_text(tool_format: str,
+                                                          text: str) -> None:
+    passed, rest, calls = _read(tool_format, text, 4)
+    assert "".join(passed) + rest == text and calls == []
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

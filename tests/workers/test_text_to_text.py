@@ -285,4 +285,6 @@ def test_a_call_cut_short_is_text_and_a_model_that_cannot_read_calls_refuses() -
 
 class FakeModelWithCalls(FakeModel):
     def tool_reader(self, request: Generate) -> ToolCallReader | None:
-        return ToolCallReader(FORMATS["hermes"]) if request.tool_choice == "auto" else None
+        if request.tool_choice != "auto":
+            return None
+        return ToolCallReader(FORMATS["hermes"], {"get_weather"})
