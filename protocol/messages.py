@@ -8,6 +8,7 @@ reply: ``Embeddings``, ``End``, ``Error`` or a management reply.
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -69,6 +70,11 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     name: str
     arguments: str
     id: str = ""  # in a conversation: the id the tool's answer (a "tool" message) gives
+
+
+def new_call_id() -> str:
+    """A tool call's id in OpenAI's shape."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -222,7 +222,7 @@ class IncrementalDecoder:
 
     def _text(self, tokens: list[int]) -> str:
         decode = self.tokenizer.decode
-        if not self.kept.keys() & set(tokens):
+        if not self.kept or not self.kept.keys() & set(tokens):  # (every token: keep it cheap)
             return str(decode(tokens, skip_special_tokens=True))
         parts, run = [], []
         for token in tokens:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import re
 import secrets
 import string
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import ToolCall
+from modelpool.protocol.messages import ToolCall, new_call_id
 
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
@@ -47,7 +46,7 @@ class ToolFormat:
     parse: Callable[[str], list[ToolCall] | None]  # the text from `opens` on; None: no calls
     lead: str = ""  # at_start: what may come before `opens` (Llama's <|python_tag|>)
     markers: tuple[str, ...] = ()  # its tokens the text must keep, if special
-    new_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}"
+    new_id: Callable[[], str] = new_call_id
 
 
 def _call(obj: Any, arguments_key: str) -> ToolCall | None:

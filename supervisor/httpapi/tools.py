@@ -9,14 +9,13 @@ in text."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from modelpool.protocol.client_core import TextChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import TokenLogprob, ToolCall
+from modelpool.protocol.messages import TokenLogprob, ToolCall, new_call_id
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -110,7 +109,7 @@ class ToolCalls:
         if self.named is not None:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": chunk.text}}
             if first:
-                call.update(id=_call_id(), type="function")
+                call.update(id=new_call_id(), type="function")
                 call["function"]["name"] = self.named
             return {**role, "tool_calls": [call]}, chunk.logprobs
         text, entries = self.held.get(index, ("", []))
@@ -147,12 +146,10 @@ def openai_calls(made: list[ToolCall]) -> list[dict[str, Any]]:
 
 
 def _call(name: str, arguments: str, call_id: str = "") -> dict[str, Any]:
-    return {"id": call_id or _call_id(), "type": "function",
+    return {"id": call_id or new_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def tool_calls(tools: list[Tool] | None, choice: ToolChoice | None,
