@@ -42,6 +42,7 @@ class TextChunk:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # the last chunk's, if asked for
     tool_calls: list[ToolCall] | None = None  # the last chunk's: the calls the model made
+    cached_tokens: int | None = None  # the last chunk's: prompt tokens of the prefix cache
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class TextResult:
     logprobs: list[TokenLogprob] | None = None  # every output token's, if asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, if asked for
     tool_calls: list[ToolCall] | None = None  # the calls the model made (tool_choice "auto")
+    cached_tokens: int = 0  # of prompt_tokens, taken from the worker's prefix cache
 
 
 def job_result(reply: JobResult) -> Any:
@@ -78,7 +80,7 @@ def job_result(reply: JobResult) -> Any:
     if isinstance(result, Completion):
         return TextResult(result.text, result.finish_reason, result.prompt_tokens,
                           result.completion_tokens, result.model, result.logprobs,
-                          result.prompt_logprobs, result.tool_calls)
+                          result.prompt_logprobs, result.tool_calls, result.cached_tokens)
     if isinstance(result, ImageMsg):
         return image_chunk(result)
     array = np.frombuffer(result.data, dtype=_little_endian(result.dtype))
@@ -205,7 +207,8 @@ def text_chunk(msg: Any) -> TextChunk:
     assert isinstance(msg, End)
     return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
                      completion_tokens=msg.completion_tokens,
-                     prompt_logprobs=msg.prompt_logprobs, tool_calls=msg.tool_calls)
+                     prompt_logprobs=msg.prompt_logprobs, tool_calls=msg.tool_calls,
+                     cached_tokens=msg.cached_tokens)
 
 
 def image_chunk(msg: Any) -> ImageChunk:

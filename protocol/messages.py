@@ -293,6 +293,7 @@ class End(_Msg, frozen=True, kw_only=True, tag="end"):
     # "stop" (eos or stop string) | "length" | "cancelled" | "tool_calls" (it made calls)
     finish_reason: str
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, whose keys and values were kept (reused)
     completion_tokens: int = 0
     model: str = ""
     prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs asked for

@@ -278,7 +278,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("embedding", "pool", "jobs", "cluster", "http",
-                                           "targets", "generation", "rerank", "structured"))
+                                           "targets", "generation", "rerank", "structured",
+                                           "prefix"))
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "mem_gb": round(psutil.virtual_memory().total / 2**30)},
@@ -313,6 +314,10 @@ def main() -> None:
         import bench_structured
 
         report["structured"] = bench_structured.figures(args.quick)
+    if args.only in (None, "prefix"):
+        import bench_prefix
+
+        report["prefix"] = bench_prefix.figures(args.quick)
     print(json.dumps(report, indent=2))
 
 

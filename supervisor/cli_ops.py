@@ -144,6 +144,8 @@ def _text_line(chunk: Any) -> dict[str, Any]:
     line: dict[str, Any] = {"text": chunk.text} if chunk.finish_reason is None else {
         "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
         "completion_tokens": chunk.completion_tokens}
+    if getattr(chunk, "cached_tokens", None):  # of the prompt's, from the prefix cache
+        line["cached_tokens"] = chunk.cached_tokens
     if getattr(chunk, "tool_calls", None):  # with --tool-choice auto
         line["tool_calls"] = _calls(chunk)
     for name in ("logprobs", "prompt_logprobs"):  # with --logprobs / --prompt-logprobs
@@ -164,8 +166,10 @@ def print_text_end(result: Any) -> None:
     sys.stdout.write("\n")
     for call in _calls(result):
         print(json.dumps(call))
-    print(f"[{result.finish_reason}: {result.prompt_tokens} prompt + "
-          f"{result.completion_tokens} generated tokens]", file=sys.stderr)
+    cached = getattr(result, "cached_tokens", None)
+    print(f"[{result.finish_reason}: {result.prompt_tokens} prompt "
+          f"{f'({cached} cached) ' if cached else ''}+ {result.completion_tokens} generated "
+          "tokens]", file=sys.stderr)
 
 
 def write_image(chunks: Any, output: str, as_json: bool = False) -> None:

@@ -99,7 +99,8 @@ def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
                       "stream went away after sending part of it; it was run again")]
     end = End(id=rid, finish_reason=reply.finish_reason, prompt_tokens=reply.prompt_tokens,
               completion_tokens=reply.completion_tokens, model=reply.model,
-              prompt_logprobs=reply.prompt_logprobs, tool_calls=reply.tool_calls)
+              prompt_logprobs=reply.prompt_logprobs, tool_calls=reply.tool_calls,
+              cached_tokens=reply.cached_tokens)
     if not rest and not reply.logprobs:
         return [end]
     return [Chunk(id=rid, seq=assembly.chunks, text=rest, logprobs=reply.logprobs), end]

@@ -13,6 +13,9 @@ from transformers.cache_utils import DynamicLayer
 
 DEFAULT_MAX_SEQUENCES = 16  # the default cap; fewer when their KV caches would not fit
 KV_MEMORY_FRACTION = 0.25  # of the memory available at load, for full-context KV caches
+# Kept prefixes (prefix_cache.py): this share of the memory available at load, up to a cap
+PREFIX_CACHE_FRACTION = 0.05
+PREFIX_CACHE_MAX_BYTES = 512 << 20
 
 
 def unsupported(model: Any) -> str | None:
@@ -46,6 +49,11 @@ def default_max_sequences(model: Any) -> int:
     per_sequence = 2 * layers * kv_heads * head_dim * context * model.dtype.itemsize
     return max(1, min(DEFAULT_MAX_SEQUENCES,
                       int(KV_MEMORY_FRACTION * _available_bytes(model.device) // per_sequence)))
+
+
+def default_prefix_cache_bytes(model: Any) -> int:
+    """The prefix cache's budget unless configured (prefix_cache_mb)."""
+    return min(PREFIX_CACHE_MAX_BYTES, int(PREFIX_CACHE_FRACTION * _available_bytes(model.device)))
 
 
 def _available_bytes(device: torch.device) -> int:

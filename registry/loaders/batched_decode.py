@@ -30,7 +30,9 @@ from modelpool.protocol.messages import Sampling, TokenLogprob
 from modelpool.registry.loaders.batch_fit import default_max_sequences
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
 from modelpool.registry.loaders.grammar import GrammarMatcher
+from modelpool.registry.loaders.kv_rows import Rows, row_of
 from modelpool.registry.loaders.logit_rules import LogitRules
+from modelpool.registry.loaders.prefix_cache import PrefixCache
 from modelpool.registry.loaders.token_logprobs import prompt_logprobs, token_logprob
 from modelpool.registry.loaders.tool_calls import ToolCallReader
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -84,6 +86,7 @@ class _Seq:
     cache: DynamicCache | None = None  # its own cache while its prompt is fed in chunks
     token: int = -1  # the last sampled token: the input of its next decode step
     rules: LogitRules | None = None  # biases, penalties, min_tokens: None when none
+    generated: list[int] = field(default_factory=list)  # its output's tokens so far
 
     @property
     def plain(self) -> bool:
@@ -97,75 +100,14 @@ class _Seq:
         return self.prepared.prompt_tokens - self.fed
 
 
-class _Rows:
-    """The running sequences and their shared KV cache, left-padded: row i is seqs[i]."""
-
-    def __init__(self) -> None:
-        self.seqs: list[_Seq] = []
-        self.cache: DynamicCache | None = None
-        self.mask = torch.zeros((0, 0), dtype=torch.long)  # 1: a real token
-        self.positions = torch.zeros(0, dtype=torch.long)  # each row's next position
-
-    def join(self, seqs: list[_Seq], cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Add sequences whose prompts are in `cache` (rows in order, left-padded)."""
-        _zero_padding(cache, mask)
-        positions = mask.sum(dim=1)
-        if self.cache is None:
-            self.seqs, self.cache, self.mask, self.positions = list(seqs), cache, mask, positions
-            return
-        length = max(self.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_pad_kv(mine.keys, length), _pad_kv(theirs.keys, length)])
-            mine.values = torch.cat([_pad_kv(mine.values, length),
-                                     _pad_kv(theirs.values, length)])
-        self.mask = torch.cat([_pad_mask(self.mask, length), _pad_mask(mask, length)])
-        self.positions = torch.cat([self.positions, positions])
-        self.seqs.extend(seqs)
-
-    def keep(self, rows: list[int]) -> None:
-        """Only these rows stay; columns that are padding in every row left go too."""
-        if not rows:
-            self.seqs, self.cache = [], None
-            self.mask, self.positions = self.mask[:0, :0], self.positions[:0]
-            return
-        if len(rows) == len(self.seqs):
-            return
-        assert self.cache is not None
-        index = torch.tensor(rows)
-        mask = self.mask[index]
-        start = int(mask.any(dim=0).int().argmax())  # first column some row still uses
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, start:]
-            layer.values = layer.values[index, :, start:]
-        self.mask, self.positions = mask[:, start:], self.positions[index]
-        self.seqs = [self.seqs[i] for i in rows]
-
-
-def _pad_kv(t: torch.Tensor, length: int) -> torch.Tensor:
-    return F.pad(t, (0, 0, length - t.shape[-2], 0))
-
-
-def _pad_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
-    return F.pad(mask, (length - mask.shape[1], 0))
-
-
-def _zero_padding(cache: DynamicCache, mask: torch.Tensor) -> None:
-    """Padding's keys and values become zeros: masked out, they must not be NaN either
-    (a query that sees only padding makes NaN, and 0 x NaN is NaN)."""
-    if bool(mask.all()):
-        return
-    keep = mask.bool()[:, None, :, None].to(cache.layers[0].keys.device)
-    for layer in cache.layers:
-        layer.keys = torch.where(keep, layer.keys, 0.0)
-        layer.values = torch.where(keep, layer.values, 0.0)
-
-
 class ContinuousDecoder:
     """Sequences of one model, stepped together. Single-threaded: add, drop and step are
     called between steps by the worker's loop."""
 
-    def __init__(self, model: Any, tokenizer: Any, eos_ids: set[int]) -> None:
+    def __init__(self, model: Any, tokenizer: Any, eos_ids: set[int],
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
+        self.prefix_cache = prefix_cache
         self.cache_keyword = kv_cache_keyword(model)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -178,7 +120,7 @@ class ContinuousDecoder:
         self.token_s = 0.0  # a padded prompt token's prefill time, as measured
         self.step_s = 0.0  # a decode step's time, as measured
         self.waiting: list[_Seq] = []  # not yet (fully) prefilled, in arrival order
-        self.rows = _Rows()
+        self.rows = Rows()
         self.prefilled_last = False
 
     def __len__(self) -> int:
@@ -200,7 +142,7 @@ class ContinuousDecoder:
         for an id it does not have."""
         found = [s for s in (*self.waiting, *self.rows.seqs) if s.seq_id == seq_id]
         self.waiting = [s for s in self.waiting if s.seq_id != seq_id]
-        self.rows.keep([i for i, s in enumerate(self.rows.seqs) if s.seq_id != seq_id])
+        self._leave({seq_id})
         if not found:
             return None
         found[0].stats.prompt_tokens = found[0].prepared.prompt_tokens
@@ -214,6 +156,7 @@ class ContinuousDecoder:
         if self.waiting and not (self.prefilled_last and self.rows.seqs):
             self.prefilled_last = True
             self.prefill_tokens = self.prefill_budget()
+            self._reuse_prefixes()
             group = self._next_group()
             longest = max(s.left for s in group) or 1
             tokens = len(group) * (min(longest, self.prefill_tokens) if self._chunked(group)
@@ -250,8 +193,40 @@ class ContinuousDecoder:
             self.waiting = [s for s in self.waiting if s not in group]
             return [Emitted(s.seq_id, error=exc) for s in group]
         self.waiting = [s for s in self.waiting if s not in group]
+        for row, seq in enumerate(group):
+            self._remember(seq, cache, row, seq.prepared.prompt_tokens)
         self.rows.join(group, cache, mask)
         return self._advance(group, logits)
+
+    def _reuse_prefixes(self) -> None:
+        """Waiting prompts not started that start as a kept one does start from its cache,
+        and are fed in chunks from there. Asked again at each prefill while they wait: the
+        sequence prefilled just before may have been the one they share a start with."""
+        if self.prefix_cache is None:
+            return
+        for seq in self.waiting:
+            if seq.fed or not seq.plain:
+                continue
+            length, cache = self.prefix_cache.take(seq.prepared.inputs["input_ids"][0])
+            if cache is not None:
+                seq.cache, seq.fed, seq.stats.cached_tokens = cache, length, length
+
+    def _remember(self, seq: _Seq, cache: DynamicCache, row: int, tokens: int) -> None:
+        """Keep a text sequence's keys and values, the last `tokens` of its row of
+        `cache`: its prompt's, or its prompt's and its output's."""
+        if self.prefix_cache is None or not seq.plain:
+            return
+        prompt = seq.prepared.inputs["input_ids"][0].cpu()
+        ids = torch.cat([prompt, torch.tensor(seq.generated, dtype=prompt.dtype)])[:tokens]
+        self.prefix_cache.keep(ids, lambda: row_of(cache, row, tokens))
+
+    def _leave(self, seq_ids: set[int]) -> None:
+        """These leave the running batch; their keys and values are kept first."""
+        rows = self.rows
+        for row, seq in enumerate(rows.seqs):
+            if seq.seq_id in seq_ids and rows.cache is not None:
+                self._remember(seq, rows.cache, row, rows.real_tokens(row))
+        rows.keep([i for i, s in enumerate(rows.seqs) if s.seq_id not in seq_ids])
 
     def _chunked(self, group: list[_Seq]) -> bool:
         """Whether this prefill is the next chunk of one long prompt: text only, whose ids
@@ -314,6 +289,7 @@ class ContinuousDecoder:
             return []
         self.waiting.remove(seq)
         cache, seq.cache = seq.cache, None
+        self._remember(seq, cache, 0, seq.fed)
         self.rows.join([seq], cache, torch.ones((1, seq.fed), dtype=torch.long))
         return self._advance([seq], out.logits[:, -1])
 
@@ -330,7 +306,7 @@ class ContinuousDecoder:
                 position_ids=rows.positions[:, None].to(device),
                 **{self.cache_keyword: rows.cache}, use_cache=True, logits_to_keep=1)
         except Exception as exc:
-            failed, self.rows = rows.seqs, _Rows()
+            failed, self.rows = rows.seqs, Rows()
             return [Emitted(s.seq_id, error=exc) for s in failed]
         rows.mask, rows.positions = mask, rows.positions + 1
         return self._advance(list(rows.seqs), out.logits[:, -1])
@@ -352,7 +328,7 @@ class ContinuousDecoder:
             events.append(self._take(seq, token, logits[row]))
         ended = {e.seq_id for e in events if e.stats is not None}
         if ended:
-            self.rows.keep([i for i, s in enumerate(self.rows.seqs) if s.seq_id not in ended])
+            self._leave(ended)
         return events
 
     def _take(self, seq: _Seq, token: int, logits: torch.Tensor) -> Emitted:
@@ -365,6 +341,7 @@ class ContinuousDecoder:
             return Emitted(seq.seq_id, seq.detok.flush(), stats=stats)
         stats.completion_tokens += 1
         seq.token = token
+        seq.generated.append(token)
         text = seq.detok.add(token)
         logprob = None if sampling.logprobs is None else token_logprob(
             logits, token, sampling.logprobs, self.tokenizer)

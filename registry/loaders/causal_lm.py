@@ -30,6 +30,7 @@ from modelpool.registry.loaders.common import (
 )
 from modelpool.registry.loaders.grammar import GrammarMatcher, Grammars
 from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
+from modelpool.registry.loaders.prefix_cache import PrefixCache
 from modelpool.registry.loaders.token_logprobs import (
     check_prompt_logprobs,
     prompt_logprobs,
@@ -47,7 +48,8 @@ from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 class CausalLM:
     def __init__(self, key: str, tokenizer: Any, model: Any, context: int,
-                 tool_call_format: str | None = None) -> None:
+                 tool_call_format: str | None = None,
+                 prefix_cache_bytes: int | None = None) -> None:
         self.key = key
         self.tokenizer = tokenizer
         self.model = model.eval()
@@ -58,10 +60,17 @@ class CausalLM:
         template = tokenizer.chat_template
         self.tool_format = format_of(str(template) if template else None, tool_call_format, key)
         self.tool_markers = kept_tokens(tokenizer, self.tool_format)
+        # the prefix cache's budget (0: none, as for a model that cannot batch continuously);
+        # None: the default share of memory
+        if batch_fit.unsupported(model) is not None:
+            prefix_cache_bytes = 0
+        self.prefix_cache_bytes = (batch_fit.default_prefix_cache_bytes(model)
+                                   if prefix_cache_bytes is None else prefix_cache_bytes)
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template),
-                "tool_call_format": self.tool_format.name if self.tool_format else None}
+                "tool_call_format": self.tool_format.name if self.tool_format else None,
+                "prefix_cache_mb": round(self.prefix_cache_bytes / (1 << 20), 1)}
 
     def prompt_ids(self, request: Generate) -> list[int]:
         if request.prompt_ids:
@@ -114,7 +123,9 @@ class CausalLM:
         """Continuous batching of many sequences, if this model allows it."""
         if batch_fit.unsupported(self.model) is not None:
             return None
-        return ContinuousDecoder(self.model, self.tokenizer, self.eos_ids)
+        budget = self.prefix_cache_bytes
+        return ContinuousDecoder(self.model, self.tokenizer, self.eos_ids,
+                                 PrefixCache(budget) if budget else None)
 
     def prepare(self, request: Generate) -> Prepared:
         """A sequence for the decoder; raises PoolError for a prompt too long."""
@@ -316,4 +327,15 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
     model = place(spec, AutoModelForCausalLM.from_pretrained(model_dir,
                                                              **pretrained_kwargs(spec)))
     context = configured_tokens(spec, "context", own_tokens(model.config, 2048))
-    return CausalLM(spec.key, tokenizer, model, context, spec.options.get("tool_call_format"))
+    return CausalLM(spec.key, tokenizer, model, context, spec.options.get("tool_call_format"),
+                    _prefix_cache_bytes(spec))
+
+
+def _prefix_cache_bytes(spec: ModelSpec) -> int | None:
+    """The `prefix_cache_mb` option in bytes (0: none), or None for the default."""
+    value = spec.options.get("prefix_cache_mb")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 0):
+        raise ValueError(f"model {spec.key!r}: prefix_cache_mb must be a whole number of "
+                         f"MiB, 0 for none, not {value!r}")
+    return None if value is None else value << 20

@@ -97,4 +97,4 @@ async def gather(first: Any, stream: Stream, model: str) -> TextResult:
             last = chunk
     return TextResult("".join(parts), last.finish_reason or "stop", last.prompt_tokens or 0,
                       last.completion_tokens or 0, model, logprobs or None,
-                      last.prompt_logprobs, last.tool_calls)
+                      last.prompt_logprobs, last.tool_calls, last.cached_tokens or 0)

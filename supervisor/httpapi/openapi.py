@@ -40,10 +40,15 @@ class EmbeddingsResponse(msgspec.Struct):
     usage: EmbeddingUsage
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens whose keys and values the prefix cache held
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CalledFunction(msgspec.Struct):

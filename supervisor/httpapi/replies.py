@@ -106,9 +106,12 @@ def rerank(scores: np.ndarray, documents: list[str], model: str, top_n: int | No
     return {"id": new_id("rerank"), "model": model, "results": results}
 
 
-def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int]:
+def usage(prompt_tokens: int | None, completion_tokens: int | None,
+          cached_tokens: int | None = 0) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: of the prompt's, those the prefix cache held."""
     p, c = prompt_tokens or 0, completion_tokens or 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens or 0}}
 
 
 def completion(texts: list[TextResult], chat: bool, model: str,
@@ -134,11 +137,13 @@ def completion(texts: list[TextResult], chat: bool, model: str,
             choice.update(_completion_text(text, None if echo is None else echo[index // n]))
         choices.append(choice)
     prompt_tokens = sum(t.prompt_tokens for t in texts[::n])
+    cached_tokens = sum(t.cached_tokens for t in texts[::n])
     return {"id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": texts[0].model or model,
             "choices": choices, "usage": usage(prompt_tokens,
-                                               sum(t.completion_tokens for t in texts))}
+                                               sum(t.completion_tokens for t in texts),
+                                               cached_tokens)}
 
 
 def _completion_text(text: TextResult, echo: str | list[int] | None) -> dict[str, Any]:
@@ -171,6 +176,7 @@ class StreamShape:
         self.started: set[int] = set()  # choices that have sent their first chunk
         self.running, self.n = choices, n  # choice i is prompt i // n's
         self.prompt_tokens: dict[int, int] = {}  # by prompt
+        self.cached_tokens: dict[int, int] = {}  # by prompt
         self.completion_tokens = 0
         self.offsets: dict[int, int] = {}  # by choice: its tokens' text so far, in chars
 
@@ -196,13 +202,15 @@ class StreamShape:
         if chunk.finish_reason is not None:
             self.running -= 1
             self.prompt_tokens[index // self.n] = chunk.prompt_tokens or 0
+            self.cached_tokens[index // self.n] = chunk.cached_tokens or 0
             self.completion_tokens += chunk.completion_tokens or 0
             if self.running == 0 and self.include_usage:
                 out += sse(self._wrap([], usage(sum(self.prompt_tokens.values()),
-                                                self.completion_tokens)))
+                                                self.completion_tokens,
+                                                sum(self.cached_tokens.values()))))
         return out
 
-    def _wrap(self, choices: list[dict[str, Any]], use: dict[str, int] | None) -> dict[str, Any]:
+    def _wrap(self, choices: list[dict[str, Any]], use: dict[str, Any] | None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat
                 else "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": use}
@@ -228,7 +236,8 @@ def job_result(op: str, result: Any) -> dict[str, Any]:
                 "tool_calls": openai_calls(result.tool_calls) if result.tool_calls else None,
                 "model": result.model, "logprobs": logprobs.chat(result.logprobs),
                 "prompt_logprobs": logprobs.chat(result.prompt_logprobs),
-                "usage": usage(result.prompt_tokens, result.completion_tokens)}
+                "usage": usage(result.prompt_tokens, result.completion_tokens,
+                               result.cached_tokens)}
     if isinstance(result, ImageChunk):
         assert result.png is not None
         return {"b64_json": base64.b64encode(result.png).decode(), "width": result.width,

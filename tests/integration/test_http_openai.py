@@ -78,6 +78,35 @@ def test_chat_whole_and_streamed_equal_the_socket_clients(served: tuple[Daemon, 
     assert parts[-1].usage is not None and parts[-1].usage.completion_tokens > 0
 
 
+def test_a_conversations_start_sent_again_is_counted_as_cached_tokens(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """The worker keeps a prompt's keys and values: the next request that starts the same
+    way is prefilled from there, and says how much in usage.prompt_tokens_details."""
+    system = {"role": "system", "content": "You are a tiny model; answer in tiny words."}
+    first = sdk.chat.completions.create(
+        model="tiny-llm", messages=[system, {"role": "user", "content": "rivers"}],
+        max_tokens=4, temperature=0)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages = [system, {"role": "user", "content": "trees and hills"}]
+    with served[0].client() as c:
+        chunks = list(c.generate(messages, model="tiny-llm", max_tokens=4, temperature=0))
+    shared = chunks[-1].cached_tokens
+    assert shared is not None and 16 <= shared < first.usage.prompt_tokens
+    again = sdk.chat.completions.create(model="tiny-llm", messages=messages, max_tokens=4,
+                                        temperature=0)
+    assert again.choices[0].message.content == "".join(ch.text for ch in chunks)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    # The same prompt again: all of it but its last token, whose logits are computed.
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    streamed = list(sdk.chat.completions.create(
+        model="tiny-llm", messages=messages, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    usage = streamed[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
 def test_async_sdk_streams_chunk_by_chunk(served: tuple[Daemon, str]) -> None:
     async def run() -> tuple[list[str], list[float]]:
         sdk = openai.AsyncOpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0)

@@ -11,7 +11,7 @@ import torch
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ChatMessage, Generate
-from modelpool.registry.loaders import load_model
+from modelpool.registry.loaders import batch_fit, load_model
 from modelpool.registry.loaders.causal_lm import CausalLM, IncrementalDecoder, sample
 from modelpool.registry.loaders.common import configured_tokens, kv_cache_keyword, kv_cache_of
 from modelpool.registry.spec import ModelSpec
@@ -64,7 +64,9 @@ def _penalized_without_cache(llm: CausalLM, ids: list[int], steps: int, repetiti
 
 
 def test_info(llm: CausalLM) -> None:
-    assert llm.info() == {"context": 2048, "chat_template": True, "tool_call_format": "hermes"}
+    assert llm.info() == {"context": 2048, "chat_template": True, "tool_call_format": "hermes",
+                          "prefix_cache_mb": round(llm.prefix_cache_bytes / (1 << 20), 1)}
+    assert 0 < llm.prefix_cache_bytes <= batch_fit.PREFIX_CACHE_MAX_BYTES
     assert llm.tokenizer.eos_token_id in llm.eos_ids
 
 

@@ -28,3 +28,14 @@ def test_a_texts_tool_calls_are_printed_after_it(capsys: pytest.CaptureFixture[s
     cli_ops._print_text(chunks, as_json=True)
     last = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert last["finish_reason"] == "tool_calls" and last["tool_calls"][1]["name"] == "now"
+    assert "cached_tokens" not in last
+
+
+def test_prompt_tokens_from_the_prefix_cache_are_counted_apart(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    chunks = [TextChunk("Hi."), TextChunk("", "stop", 40, 3, cached_tokens=35)]
+    cli_ops._print_text(chunks)
+    assert "[stop: 40 prompt (35 cached) + 3 generated tokens]" in capsys.readouterr().err
+    cli_ops._print_text(chunks, as_json=True)
+    last = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (last["prompt_tokens"], last["cached_tokens"]) == (40, 35)

@@ -122,7 +122,8 @@ def test_a_streamed_answer_of_two_choices_sends_one_usage_after_both() -> None:
         {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
     assert [e["choices"][0]["index"] for e in events[:4]] == [0, 1, 0, 1]
     assert events[4]["choices"] == [] and events[4]["usage"] == {
-        "prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+        "prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_a_whole_answer_has_a_choice_each_and_counts_the_prompt_once() -> None:
@@ -131,18 +132,23 @@ def test_a_whole_answer_has_a_choice_each_and_counts_the_prompt_once() -> None:
                                 n=2)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
         (0, "x", "stop"), (1, "yz", "length")]
-    assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_several_prompts_count_each_prompt_once_whole_and_streamed() -> None:
-    """Two prompts of 4 and 6 tokens, two choices each: choices 0-1 are the first's."""
-    texts = [TextResult(t, "stop", p, 1, "m") for t, p in (("a", 4), ("b", 4), ("c", 6),
-                                                            ("d", 6))]
+    """Two prompts of 4 and 6 tokens (3 and 5 of them from the prefix cache), two choices
+    each: choices 0-1 are the first's."""
+    texts = [TextResult(t, "stop", p, 1, "m", cached_tokens=p - 1)
+             for t, p in (("a", 4), ("b", 4), ("c", 6), ("d", 6))]
     answer = replies.completion(texts, chat=False, model="m", echo=["P:", "Q:"], n=2)
     assert [c["text"] for c in answer["choices"]] == ["P:a", "P:b", "Q:c", "Q:d"]
     assert answer["usage"]["prompt_tokens"] == 10
+    assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
     shape = replies.StreamShape(chat=False, model="m", include_usage=True, choices=4, n=2)
-    data = b"".join(shape.event(TextChunk(t.text, "stop", t.prompt_tokens, 1), i)
+    data = b"".join(shape.event(TextChunk(t.text, "stop", t.prompt_tokens, 1,
+                                          cached_tokens=t.cached_tokens), i)
                     for i, t in enumerate(texts))
     assert _events(data)[-1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 4,
-                                          "total_tokens": 14}
+                                          "total_tokens": 14,
+                                          "prompt_tokens_details": {"cached_tokens": 8}}

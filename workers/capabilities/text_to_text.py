@@ -18,6 +18,7 @@ class GenerationStats:
     """Filled in by the model while it generates."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, taken from the prefix cache
     completion_tokens: int = 0
     finish_reason: str = "length"  # the model sets "stop" when it emits end-of-sequence
     # the last token's, when the request asks for logprobs: the adapter takes it
@@ -104,7 +105,8 @@ def end_reply(job_id: int, stats: GenerationStats, reason: str,
               calls: list[ToolCall]) -> End:
     """A stream's End; one that made tool calls ends with "tool_calls", as OpenAI's."""
     return End(id=job_id, finish_reason="tool_calls" if calls else reason,
-               prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
+               prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
+               completion_tokens=stats.completion_tokens,
                prompt_logprobs=stats.prompt_logprobs, tool_calls=calls or None)
 
 

@@ -1,0 +1,96 @@
+"""Prompts' KV caches kept for the next request that starts the same way (prefix caching).
+
+A chat sends its whole conversation again at every turn, and many applications start
+every prompt with the same long system prompt or few-shot examples: without this, each
+request prefills all of it again, which on a CPU costs about as much as a few decode
+steps per 128 tokens. The decoder keeps each sequence's keys and values, its prompt's
+when it is prefilled and the prompt's with its output when it ends, under the token ids
+they hold; a new prompt takes the longest prefix one entry holds and is prefilled from
+there. Entries are kept within a byte budget, the least recently used dropped first; an
+entry that another extends is dropped for it. The cached values are the ones the same
+tokens would get again, up to floating-point rounding (as in vLLM's prefix caching).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+# A prefix shorter than this is prefilled again: reuse saves less than it costs to look up
+# and copy, and tiny entries would crowd the budget.
+MIN_REUSE_TOKENS = 16
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, heads, n, dim)
+
+
+@dataclass(eq=False)
+class _Entry:
+    ids: torch.Tensor  # the token ids its keys and values hold, 1-D, on the CPU
+    layers: Layers
+    nbytes: int
+
+
+class PrefixCache:
+    """One model's kept prefixes (single-threaded: its decoder's loop owns it)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.entries: list[_Entry] = []  # least recently used first
+        self.nbytes = 0
+
+    def take(self, ids: torch.Tensor) -> tuple[int, DynamicCache | None]:
+        """A cache holding the longest kept prefix of `ids` (1-D), and its length: at most
+        all but the last token, whose logits the model must still compute; (0, None)
+        when none is at least MIN_REUSE_TOKENS long. The cache is the caller's own."""
+        ids = ids.cpu()
+        length, best = 0, None
+        for entry in self.entries:
+            shared = _shared_prefix(entry.ids, ids)
+            if shared > length:
+                length, best = shared, entry
+        length = min(length, len(ids) - 1)
+        if best is None or length < MIN_REUSE_TOKENS:
+            return 0, None
+        self._touch(best)
+        # Copied (DynamicLayer.update concatenates): the entry stays as it is.
+        return length, DynamicCache(ddp_cache_data=[
+            (keys[:, :, :length], values[:, :, :length]) for keys, values in best.layers])
+
+    def keep(self, ids: torch.Tensor, layers_of: Callable[[], Layers]) -> None:
+        """Keep the keys and values of these token ids: `layers_of` makes them (batch 1,
+        their own memory), when no entry holds them already."""
+        ids = ids.cpu()
+        if len(ids) < MIN_REUSE_TOKENS:
+            return
+        for entry in self.entries:
+            if _shared_prefix(entry.ids, ids) == len(ids):  # as long or longer: it has these
+                self._touch(entry)
+                return
+        layers = layers_of()
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        if nbytes > self.budget_bytes:
+            return
+        for entry in [e for e in self.entries if _shared_prefix(e.ids, ids) == len(e.ids)]:
+            self._remove(entry)
+        self.entries.append(_Entry(ids, layers, nbytes))
+        self.nbytes += nbytes
+        while self.nbytes > self.budget_bytes:
+            self._remove(self.entries[0])
+
+    def _touch(self, entry: _Entry) -> None:
+        self.entries.remove(entry)
+        self.entries.append(entry)
+
+    def _remove(self, entry: _Entry) -> None:
+        self.entries.remove(entry)
+        self.nbytes -= entry.nbytes
+
+
+def _shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many tokens a and b (1-D) have in common from their start."""
+    n = min(len(a), len(b))
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
