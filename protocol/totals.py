@@ -33,3 +33,6 @@ class ModelTotals(msgspec.Struct, frozen=True, kw_only=True):
     loads: int = 0  # workers that became ready
     load_failures: int = 0
     worker_deaths: int = 0  # serving workers that exited unasked
+    prompt_tokens: int = 0  # of the streams answered (text_to_text, vision)
+    cached_tokens: int = 0  # of prompt_tokens, taken from the workers' prefix caches
+    completion_tokens: int = 0

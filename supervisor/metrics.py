@@ -11,7 +11,7 @@ from typing import Any
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.fields import PRIORITIES
-from modelpool.protocol.messages import Error
+from modelpool.protocol.messages import End, Error
 from modelpool.protocol.status import PriorityStats
 from modelpool.protocol.totals import HistogramTotals, ModelTotals, OutcomeCount
 
@@ -70,6 +70,10 @@ class ModelMetrics:
     loads: int = 0
     load_failures: int = 0
     worker_deaths: int = 0
+    # a stream's counts, per request answered
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, from the workers' prefix caches
+    completion_tokens: int = 0
 
     def batch(self, size: int) -> None:
         """A batch of `size` went to a worker (each job's wait is in queue_wait_s)."""
@@ -86,6 +90,10 @@ class ModelMetrics:
         if reply is None:
             return  # nobody to count it for
         failed = type(reply) is Error
+        if type(reply) is End:
+            self.prompt_tokens += reply.prompt_tokens
+            self.cached_tokens += reply.cached_tokens
+            self.completion_tokens += reply.completion_tokens
         self.outcomes[op, priority, reply.code.value if failed else "OK"] += 1
         histogram = self.latency_s.get(op)
         if histogram is None:
@@ -128,7 +136,8 @@ class ModelMetrics:
             latency_s={op: h.totals() for op, h in self.latency_s.items()},
             queue_wait_s=self.queue_wait_s.totals(), batch_size=self.batch_size.totals(),
             loads=self.loads, load_failures=self.load_failures,
-            worker_deaths=self.worker_deaths)
+            worker_deaths=self.worker_deaths, prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens)
 
 
 def _percentile_ms(sorted_s: list[float], q: float) -> float | None:

@@ -87,6 +87,14 @@ def _per_model(models: list[dict[str, Any]]) -> Iterator[Metric]:
         "worker_deaths": CounterMetricFamily("modelpool_worker_restarts", "Serving "
                                              "workers that exited unasked (and were "
                                              "replaced)", labels=["model"]),
+        "prompt_tokens": CounterMetricFamily("modelpool_prompt_tokens", "Prompt tokens "
+                                             "of the streams answered", labels=["model"]),
+        "cached_tokens": CounterMetricFamily("modelpool_prompt_tokens_cached", "Prompt "
+                                             "tokens taken from the prefix cache",
+                                             labels=["model"]),
+        "completion_tokens": CounterMetricFamily("modelpool_generation_tokens", "Tokens "
+                                                 "generated in the streams answered",
+                                                 labels=["model"]),
     }
     ready = GaugeMetricFamily("modelpool_model_ready", "1 if the model serves",
                               labels=["model", "state"])

@@ -133,6 +133,24 @@ def test_metrics_parse_and_move(served: tuple[Daemon, str]) -> None:
     assert after[http] - before.get(http, 0) == 3
 
 
+def test_metrics_count_streams_prompt_cached_and_generated_tokens(
+        served: tuple[Daemon, str]) -> None:
+    names = {field: (f"modelpool_{name}_total", (("model", "tiny-llm"),)) for field, name in (
+        ("prompt_tokens", "prompt_tokens"), ("cached_tokens", "prompt_tokens_cached"),
+        ("completion_tokens", "generation_tokens"))}
+    before = _samples(served[1])
+    system = {"role": "system", "content": "You are a tiny model; answer in tiny words."}
+    usages = [httpx.post(served[1] + "/v1/chat/completions", headers=AUTH, json={
+        "model": "tiny-llm", "messages": [system, {"role": "user", "content": question}],
+        "max_tokens": 3, "temperature": 0}).json()["usage"] for question in ("rivers", "hills")]
+    after = _samples(served[1])
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert {field: after[name] - before.get(name, 0) for field, name in names.items()} == {
+        "prompt_tokens": sum(u["prompt_tokens"] for u in usages),
+        "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages),
+        "completion_tokens": sum(u["completion_tokens"] for u in usages)}
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_cancels_its_generation(served: tuple[Daemon, str],
                                                      stream: bool) -> None:
