@@ -134,7 +134,7 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
              regex: str | None = None, choice: list[str] | None = None,
              grammar: str | None = None, tools: str | list[dict[str, Any]] | None = None,
              tool_choice: Literal["none", "auto"] = "none",
-             raw: bool = False) -> tuple[Fields, bool]:
+             raw: bool = False, cache_salt: str = "") -> tuple[Fields, bool]:
     """Stream generated text; a prompt, its token ids (given to the model as they are), or
     a chat as [{"role", "content"}, ...] (an assistant's message may hold the
     "tool_calls" it made, as ToolCalls or their dicts; a "tool" message its
@@ -149,10 +149,13 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     where the language does. tools (OpenAI's function tools, or their JSON text) go to the
     model's chat template; with tool_choice "auto" the model may call them, in its own
     format, and the last chunk's tool_calls hold the calls it made (its finish_reason
-    "tool_calls"). Breaking out of the stream cancels it."""
+    "tool_calls"). The worker reuses what it computed for prompts that started the same
+    way (the last chunk's cached_tokens) only among requests of the same cache_salt.
+    Breaking out of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": _sampling(locals()),
                       "tools": msgspec.json.decode(tools) if isinstance(tools, str)
-                      else tools or [], "tool_choice": tool_choice}
+                      else tools or [], "tool_choice": tool_choice,
+                      "cache_salt": cache_salt}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     elif prompt and all(isinstance(token, int) for token in prompt):

@@ -136,6 +136,9 @@ class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     # are read out of its output and come in End.tool_calls, not as text
     tool_choice: Literal["none", "auto"] = "none"
     sampling: Sampling = msgspec.field(default_factory=Sampling)
+    # the worker's kept prompts (prefix caching) are shared only among requests of the same
+    # salt: clients that must not learn from each other's timing or cached_tokens differ
+    cache_salt: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class ImageInput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

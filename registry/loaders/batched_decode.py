@@ -17,6 +17,7 @@ runs one sequence at a time as before.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class Prepared:
     grammar: GrammarMatcher | None = None  # structured output: its place in the language
     tool_calls: ToolCallReader | None = None  # tool_choice "auto": reads its calls (streams)
     kept: dict[int, str] | None = None  # special tokens its text keeps (the calls' markers)
+    cache_salt: str = ""  # kept prompts are shared only among sequences of the same salt
 
 
 @dataclass
@@ -207,7 +209,11 @@ class ContinuousDecoder:
         for seq in self.waiting:
             if seq.fed or not seq.plain:
                 continue
-            length, cache = self.prefix_cache.take(seq.prepared.inputs["input_ids"][0])
+            try:
+                length, cache = self.prefix_cache.take(seq.prepared.inputs["input_ids"][0],
+                                                       seq.prepared.cache_salt)
+            except (MemoryError, RuntimeError):  # no room for the copy: prefill it all
+                continue
             if cache is not None:
                 seq.cache, seq.fed, seq.stats.cached_tokens = cache, length, length
 
@@ -218,7 +224,10 @@ class ContinuousDecoder:
             return
         prompt = seq.prepared.inputs["input_ids"][0].cpu()
         ids = torch.cat([prompt, torch.tensor(seq.generated, dtype=prompt.dtype)])[:tokens]
-        self.prefix_cache.keep(ids, lambda: row_of(cache, row, tokens))
+        # No room for a copy: the cache is a saving, the sequences go on without it.
+        with contextlib.suppress(MemoryError, RuntimeError):
+            self.prefix_cache.keep(ids, seq.prepared.cache_salt,
+                                   lambda: row_of(cache, row, tokens))
 
     def _leave(self, seq_ids: set[int]) -> None:
         """These leave the running batch; their keys and values are kept first."""

@@ -133,7 +133,8 @@ class CausalLM:
         return Prepared(inputs={"input_ids": torch.tensor([ids], device=self.model.device)},
                         prompt_tokens=len(ids), budget=budget, sampling=request.sampling,
                         grammar=self.grammars.matcher(request.sampling.structured),
-                        tool_calls=self.tool_reader(request), kept=self._kept(request))
+                        tool_calls=self.tool_reader(request), kept=self._kept(request),
+                        cache_salt=request.cache_salt)
 
     def tool_reader(self, request: Generate) -> ToolCallReader | None:
         """What reads the calls out of the output (tool_choice "auto"), else None."""

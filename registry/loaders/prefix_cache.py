@@ -7,7 +7,8 @@ steps per 128 tokens. The decoder keeps each sequence's keys and values, its pro
 when it is prefilled and the prompt's with its output when it ends, under the token ids
 they hold; a new prompt takes the longest prefix one entry holds and is prefilled from
 there. Entries are kept within a byte budget, the least recently used dropped first; an
-entry that another extends is dropped for it. The cached values are the ones the same
+entry that another extends is dropped for it. A request's cache salt (vLLM's
+`cache_salt`) keeps it to entries of the same salt. The cached values are the ones the same
 tokens would get again, up to floating-point rounding (as in vLLM's prefix caching).
 """
 
@@ -29,6 +30,7 @@ Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, 
 @dataclass(eq=False)
 class _Entry:
     ids: torch.Tensor  # the token ids its keys and values hold, 1-D, on the CPU
+    salt: str  # only prompts of the same salt may take it
     layers: Layers
     nbytes: int
 
@@ -41,14 +43,15 @@ class PrefixCache:
         self.entries: list[_Entry] = []  # least recently used first
         self.nbytes = 0
 
-    def take(self, ids: torch.Tensor) -> tuple[int, DynamicCache | None]:
-        """A cache holding the longest kept prefix of `ids` (1-D), and its length: at most
-        all but the last token, whose logits the model must still compute; (0, None)
-        when none is at least MIN_REUSE_TOKENS long. The cache is the caller's own."""
+    def take(self, ids: torch.Tensor, salt: str) -> tuple[int, DynamicCache | None]:
+        """A cache holding the longest prefix of `ids` (1-D) kept under the same salt,
+        and its length: at most all but the last token, whose logits the model must still
+        compute; (0, None) when none is at least MIN_REUSE_TOKENS long. The cache is the
+        caller's own."""
         ids = ids.cpu()
         length, best = 0, None
         for entry in self.entries:
-            shared = _shared_prefix(entry.ids, ids)
+            shared = _shared_prefix(entry.ids, ids) if entry.salt == salt else 0
             if shared > length:
                 length, best = shared, entry
         length = min(length, len(ids) - 1)
@@ -59,13 +62,14 @@ class PrefixCache:
         return length, DynamicCache(ddp_cache_data=[
             (keys[:, :, :length], values[:, :, :length]) for keys, values in best.layers])
 
-    def keep(self, ids: torch.Tensor, layers_of: Callable[[], Layers]) -> None:
-        """Keep the keys and values of these token ids: `layers_of` makes them (batch 1,
-        their own memory), when no entry holds them already."""
+    def keep(self, ids: torch.Tensor, salt: str, layers_of: Callable[[], Layers]) -> None:
+        """Keep the keys and values of these token ids under `salt`: `layers_of` makes
+        them (batch 1, their own memory), when no entry of that salt holds them already."""
         ids = ids.cpu()
         if len(ids) < MIN_REUSE_TOKENS:
             return
-        for entry in self.entries:
+        mine = [e for e in self.entries if e.salt == salt]
+        for entry in mine:
             if _shared_prefix(entry.ids, ids) == len(ids):  # as long or longer: it has these
                 self._touch(entry)
                 return
@@ -73,9 +77,9 @@ class PrefixCache:
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if nbytes > self.budget_bytes:
             return
-        for entry in [e for e in self.entries if _shared_prefix(e.ids, ids) == len(e.ids)]:
+        for entry in [e for e in mine if _shared_prefix(e.ids, ids) == len(e.ids)]:
             self._remove(entry)
-        self.entries.append(_Entry(ids, layers, nbytes))
+        self.entries.append(_Entry(ids, salt, layers, nbytes))
         self.nbytes += nbytes
         while self.nbytes > self.budget_bytes:
             self._remove(self.entries[0])

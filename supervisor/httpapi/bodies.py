@@ -152,6 +152,7 @@ class Sampling(Options, kw_only=True):
     guided_regex: str | None = None
     guided_choice: GuidedChoice | None = None
     guided_grammar: str | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=256)] = ""  # vLLM's: prefix caching
 
 
 class ChatBody(Sampling, kw_only=True):
@@ -322,7 +323,8 @@ def chat_call(body: ChatBody) -> PoolCall:
               for part in m.content if part.type == "image_url"]
     if not images:
         messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
-        return PoolCall("generate", (messages,), {**sampling, **for_tools}, made)
+        return PoolCall("generate", (messages,), {**sampling, **for_tools,
+                                                  "cache_salt": body.cache_salt}, made)
     if body.tools:
         raise bad("tools", "not with an image: a vision model is given no tools")
     if len(images) > 1:

@@ -49,7 +49,7 @@ def completion_calls(body: CompletionBody) -> list[PoolCall]:
                           "with logprobs: ask for them")
     prompt_logprobs = body.logprobs if body.echo else None  # echoed with the prompt
     kwargs = {**sampling_kwargs(body, None, body.logprobs), "prompt_logprobs": prompt_logprobs,
-              "raw": True}
+              "raw": True, "cache_salt": body.cache_salt}
     return [PoolCall("generate", (prompt,), kwargs) for prompt in asked]
 
 

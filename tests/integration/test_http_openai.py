@@ -105,6 +105,13 @@ def test_a_conversations_start_sent_again_is_counted_as_cached_tokens(
     usage = streamed[-1].usage
     assert usage is not None and usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    # vLLM's cache_salt: what another salt left is not taken, nor what no salt left.
+    for expected in (0, again.usage.prompt_tokens - 1):
+        salted = sdk.chat.completions.create(model="tiny-llm", messages=messages,
+                                             max_tokens=4, temperature=0,
+                                             extra_body={"cache_salt": "tenant-b"})
+        assert salted.usage is not None and salted.usage.prompt_tokens_details is not None
+        assert salted.usage.prompt_tokens_details.cached_tokens == expected
 
 
 def test_async_sdk_streams_chunk_by_chunk(served: tuple[Daemon, str]) -> None:

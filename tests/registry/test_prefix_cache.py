@@ -10,7 +10,7 @@ import torch
 
 from modelpool.protocol import kinds
 from modelpool.protocol.messages import Generate
-from modelpool.registry.loaders import causal_lm
+from modelpool.registry.loaders import batched_decode, causal_lm
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder
 from modelpool.registry.loaders.causal_lm import CausalLM
 from modelpool.registry.loaders.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
@@ -31,7 +31,7 @@ def _ids(*runs: tuple[int, int]) -> torch.Tensor:
 
 
 def _keep(cache: PrefixCache, ids: torch.Tensor) -> None:
-    cache.keep(ids, lambda: _layers(ids))
+    cache.keep(ids, "", lambda: _layers(ids))
 
 
 def _not_copied() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -47,12 +47,12 @@ def test_a_prompt_takes_the_longest_kept_prefix_and_computes_its_last_token() ->
     _keep(cache, _ids((0, 40)))
     _keep(cache, _ids((0, 20), (500, 530)))
     prompt = _ids((0, 20), (500, 520), (900, 910))
-    length, got = cache.take(prompt)
+    length, got = cache.take(prompt, "")
     assert length == 40 and got is not None
     assert torch.equal(got.layers[1].keys[0, 0, :, 0], prompt[:40].float() + 1)
     assert torch.equal(got.layers[1].values[0, 0, :, 0], -(prompt[:40].float() + 1))
     # The whole prompt kept: all but its last token, whose logits are still needed.
-    length, got = cache.take(_ids((0, 40)))
+    length, got = cache.take(_ids((0, 40)), "")
     assert length == 39 and got is not None and got.get_seq_length() == 39
 
 
@@ -61,19 +61,19 @@ def test_short_prefixes_are_neither_kept_nor_taken() -> None:
     _keep(cache, _ids((0, MIN_REUSE_TOKENS - 1)))
     assert cache.entries == []
     _keep(cache, _ids((0, 40)))
-    assert cache.take(_ids((0, MIN_REUSE_TOKENS - 1), (700, 720))) == (0, None)
-    assert cache.take(_ids((0, MIN_REUSE_TOKENS), (700, 720)))[0] == MIN_REUSE_TOKENS
-    assert cache.take(_ids((1, 60))) == (0, None)  # nothing in common from the start
+    assert cache.take(_ids((0, MIN_REUSE_TOKENS - 1), (700, 720)), "") == (0, None)
+    assert cache.take(_ids((0, MIN_REUSE_TOKENS), (700, 720)), "")[0] == MIN_REUSE_TOKENS
+    assert cache.take(_ids((1, 60)), "") == (0, None)  # nothing in common from the start
 
 
 def test_what_is_taken_is_a_copy_the_entry_outlives() -> None:
     cache = PrefixCache(1 << 20)
     _keep(cache, _ids((0, 40)))
-    _, got = cache.take(_ids((0, 50)))
+    _, got = cache.take(_ids((0, 50)), "")
     assert got is not None
     got.layers[0].keys.fill_(7.0)
     got.update(torch.zeros(1, 1, 3, 1), torch.zeros(1, 1, 3, 1), 0)
-    _, again = cache.take(_ids((0, 50)))
+    _, again = cache.take(_ids((0, 50)), "")
     assert again is not None and again.get_seq_length() == 40
     assert torch.equal(again.layers[0].keys[0, 0, :, 0], _ids((0, 40)).float())
 
@@ -83,16 +83,26 @@ def test_an_entry_extending_another_replaces_it_and_one_contained_adds_nothing()
     _keep(cache, _ids((0, 30)))
     _keep(cache, _ids((0, 50)))  # a conversation's next turn
     assert [len(e.ids) for e in cache.entries] == [50]
-    cache.keep(_ids((0, 40)), _not_copied)  # held already
+    cache.keep(_ids((0, 40)), "", _not_copied)  # held already
     assert [len(e.ids) for e in cache.entries] == [50]
     assert cache.nbytes == _entry_bytes(50)
+
+
+def test_prompts_of_another_salt_take_nothing_kept_under_one() -> None:
+    cache = PrefixCache(1 << 20)
+    cache.keep(_ids((0, 40)), "tenant-a", lambda: _layers(_ids((0, 40))))
+    assert cache.take(_ids((0, 50)), "") == (0, None)
+    assert cache.take(_ids((0, 50)), "tenant-b") == (0, None)
+    assert cache.take(_ids((0, 50)), "tenant-a")[0] == 40
+    cache.keep(_ids((0, 30)), "tenant-b", lambda: _layers(_ids((0, 30))))  # its own copy
+    assert [(e.salt, len(e.ids)) for e in cache.entries] == [("tenant-a", 40), ("tenant-b", 30)]
 
 
 def test_the_least_recently_used_go_first_when_the_budget_is_full() -> None:
     cache = PrefixCache(3 * _entry_bytes(20))
     for start in (0, 100, 200):
         _keep(cache, _ids((start, start + 20)))
-    assert cache.take(_ids((0, 20), (999, 1000)))[0] == 20  # used: now the most recent
+    assert cache.take(_ids((0, 20), (999, 1000)), "")[0] == 20  # used: now the most recent
     _keep(cache, _ids((300, 320)))
     assert sorted(int(e.ids[0]) for e in cache.entries) == [0, 200, 300]
     assert cache.nbytes == 3 * _entry_bytes(20)
@@ -224,3 +234,17 @@ def _greedy(llm: CausalLM, ids: list[int], n: int) -> list[int]:
             logits = llm.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
             out.append(int(logits.argmax()))
     return out
+
+
+def test_no_memory_for_a_copy_leaves_the_sequences_running(
+        llm: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(*_: Any) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(batched_decode, "row_of", no_memory)
+    request = _generate(SHARED + "Tell me about rivers.")
+    decoder = llm.decoder()
+    assert decoder is not None and decoder.prefix_cache is not None
+    got = _decoded(decoder, {0: [(1, llm.prepare(request))], 2: [(2, llm.prepare(request))]})
+    assert got == {1: _alone(llm, request), 2: _alone(llm, request)}
+    assert decoder.prefix_cache.entries == []
