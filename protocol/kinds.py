@@ -13,7 +13,7 @@ and a loader.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -79,6 +79,8 @@ class Kind:
     # whether its stream's chunks are text alone (another node's pieces of it can be
     # relayed as made): not when they carry each token's logprobs
     text_only: Callable[[Any], bool] = _always
+    # what requests that should go to the same worker share (its kept prompts), or None
+    affinity: Callable[[Any], Hashable] | None = None
 
     @property
     def batched(self) -> bool:
@@ -282,12 +284,30 @@ def _one_language(request: Generate | Describe) -> str | None:
     return None
 
 
+AFFINITY_CHARS = 512  # of a prompt, or of each of a chat's first two messages
+AFFINITY_TOKENS = 128  # of a prompt given as token ids
+
+
+def _prompt_start(request: Generate) -> Hashable:
+    """What a conversation's turns share, so that its worker's prefix cache holds them:
+    its first two messages (instructions and the first question), else the start of its
+    prompt; and the cache salt, which keeps prompts apart anyway."""
+    if request.messages:
+        start: Hashable = tuple((m.role, m.content[:AFFINITY_CHARS])
+                                for m in request.messages[:2])
+    elif request.prompt_ids:
+        start = tuple(request.prompt_ids[:AFFINITY_TOKENS])
+    else:
+        start = request.prompt[:AFFINITY_CHARS]
+    return hash((start, request.cache_salt))
+
+
 KINDS: tuple[Kind, ...] = (
     Kind(Embed, "embed", ("text_embedding", "image_embedding"), embed, Embeddings,
          inputs="texts"),
     Kind(Generate, "generate", ("text_to_text",), generate, End, Chunk, reply="text",
          deterministic=_greedy_or_seeded, check=_generate_problem,
-         text_only=_without_logprobs),
+         text_only=_without_logprobs, affinity=_prompt_start),
     Kind(EmbedImage, "embed_image", ("image_embedding",), embed_image, Embeddings,
          inputs="images", images=lambda r: list(r.images),
          with_images=lambda r, images: msgspec.structs.replace(r, images=images)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.pipes import Threads, Work
+from modelpool.supervisor.affinity import affine_first
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelState
@@ -32,6 +33,8 @@ class Dispatcher:
         if not len(model.queue):
             return
         free = model.free_workers()
+        if len(free) > 1 and len(model.queue) == 1:
+            free = self._affine_first(model, free)
         for worker in free:
             while worker.slots > 0 and len(model.queue):
                 if self._wait_for_batch(model):
@@ -39,6 +42,17 @@ class Dispatcher:
                 batch = self._runnable(self._pop(model, worker.slots))
                 if batch:
                     self._send(model, worker, batch, free)
+
+    @staticmethod
+    def _affine_first(model: ModelState, free: list[WorkerHandle]) -> list[WorkerHandle]:
+        """A lone waiting request that starts as an earlier one goes to that one's worker
+        if it is not much busier (affinity.py). Not a burst: its requests, all handed to
+        the first worker that has slots for them, would pile onto one."""
+        head = model.queue.peek()
+        if head is None or head.kind.affinity is None:
+            return free
+        start = head.kind.affinity(head.request)
+        return affine_first(free, model.affinity.worker_of.get(start))
 
     @staticmethod
     def _pop(model: ModelState, slots: int) -> list[Job]:
@@ -78,6 +92,9 @@ class Dispatcher:
         worker.slots -= 1 if sent[0].kind.batched else len(sent)
         worker.last_used, worker.last_dispatch_at = now, now
         model.metrics.batch(size)
+        if (start_of := sent[0].kind.affinity) is not None:  # a batch is of one kind
+            for job in sent:
+                model.affinity.ran(start_of(job.request), worker.worker_id)
         worker.send(Work(items=items, threads=threads))
         if not was_running:
             self._rethread(worker)

@@ -19,6 +19,7 @@ from modelpool.protocol.pipes import ImagePolicy, Ready, SharedWeights, WorkerSe
 from modelpool.registry.model_files import recommended_sampling
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import memory, scaling
+from modelpool.supervisor.affinity import Affinity
 from modelpool.supervisor.ageing import Ageing
 from modelpool.supervisor.config import PoolConfig
 from modelpool.supervisor.metrics import ModelMetrics
@@ -97,6 +98,7 @@ class ModelState:
     warm_target: int = 0  # workers kept up without traffic, set by `modelpool load`
     batch_timer: asyncio.TimerHandle | None = None
     batch_waited: bool = False
+    affinity: Affinity = field(default_factory=Affinity)  # where like requests went last
     # A reload removed it: it serves what it has, then its workers stop (reload.py).
     retiring: bool = False
     # What its generation_config.json recommends for a request's unset sampling fields,

@@ -267,6 +267,11 @@ class JobQueue:
         job.entry = None
         self._count(job.user, -1, -job.nbytes)
 
+    def peek(self) -> Job | None:
+        """The job pop_batch would hand out first."""
+        top = self._top()
+        return None if top is None else top[1]
+
     def pop_batch(self, max_size: int) -> list[Job]:
         """The best job, plus, for a batched kind, following jobs of the same kind while
         they fit in max_size."""

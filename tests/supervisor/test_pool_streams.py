@@ -11,6 +11,7 @@ from conftest import Harness
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Chunk, End
 from modelpool.protocol.pipes import Abort, Heartbeat, WantWork
+from modelpool.supervisor.affinity import SLACK
 from modelpool.supervisor.status import build_status
 from modelpool.supervisor.throughput import TokenRate
 from modelpool.supervisor.workers import WorkerHandle, WorkerState
@@ -123,3 +124,28 @@ def test_token_rate_is_over_recent_beats_and_falls_to_zero() -> None:
         rate.note(n * 0.5, 390)
     assert rate.per_s(29.5) == 0.0
     assert rate.per_s(60.0) == 0.0 and rate.total == 390
+
+
+async def test_a_request_starting_as_one_a_worker_ran_goes_to_it_unless_much_busier(
+        make_harness: MakeHarness) -> None:
+    """Where its prefix cache holds the start (affinity.py): within SLACK more streams
+    than the least loaded worker runs, the like request goes there; beyond, it does not."""
+    h = make_harness(cold_start_workers=2, max_workers_per_model=2)
+    sink = h.sink()
+    h.generate(sink, "first")
+    await h.settle()
+    a, b = h.workers("gen")
+    for w in (a, b):
+        h.ready(w, want_work=False, info={"max_active_sequences": 16})
+    h.pool.handle(b, WantWork(slots=16))  # b alone asks: what comes goes to b
+    h.generate(sink, "a shared start", seed=1)
+    h.generate(sink, "something else")
+    assert (len(a.jobs), len(b.jobs)) == (0, 3)
+    h.pool.handle(a, WantWork(slots=16))
+    for seed in (2, 3):  # b runs 3, then 4: within SLACK of a's none
+        h.generate(sink, "a shared start", seed=seed)
+    assert (len(a.jobs), len(b.jobs)) == (0, 5)
+    h.generate(sink, "a shared start", seed=4)  # b runs 5, beyond 0 + SLACK
+    h.generate(sink, "unlike any", seed=5)  # the least loaded
+    assert (len(a.jobs), len(b.jobs)) == (2, 5)
+    assert SLACK == 4
