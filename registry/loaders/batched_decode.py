@@ -4,7 +4,10 @@ goes through one forward pass per step, and sequences join and leave between ste
 A new sequence is prefilled (short text prompts several in one padded pass, a long one in
 chunks, so that a pass costs about a few decode steps and stalls the others no longer), then
 its KV cache joins the running batch, left-padded to the batch's length; a sequence that
-ends leaves at once and its rows of the cache are dropped. Sampling stays per sequence
+ends leaves at once and its rows of the cache are dropped. With a prefix cache
+(prefix_cache.py), a text sequence's keys and values are kept when its prompt is in and
+when it ends, and a new prompt starts from the longest kept one it begins with, fed in
+chunks from there. Sampling stays per sequence
 (temperature, top_p, top_k, min_p, logit rules, seed, stop tokens, ignore_eos, logprobs),
 with the same `next_token`, detokenizer and token logprobs as causal_lm.py's loop.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from conftest import Harness
+from conftest import FakeSink, Harness
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Chunk, End
@@ -53,14 +53,22 @@ async def test_a_grant_of_slots_takes_one_stream_each_in_one_work(
     assert worker.state is WorkerState.IDLE and worker.slots == 4
 
 
-async def test_the_least_loaded_worker_gets_a_stream_first(make_harness: MakeHarness) -> None:
-    h = make_harness(cold_start_workers=2, max_workers_per_model=2)
+async def _two_batching_workers(h: Harness, slots: int
+                                ) -> tuple[FakeSink, WorkerHandle, WorkerHandle]:
+    """Both ready, neither asked for work yet; a first request waits."""
     sink = h.sink()
     h.generate(sink, "first")
     await h.settle()
     a, b = h.workers("gen")
     for w in (a, b):
-        h.ready(w, want_work=False, info={"max_active_sequences": 4})
+        h.ready(w, want_work=False, info={"max_active_sequences": slots})
+    return sink, a, b
+
+
+async def test_the_least_loaded_worker_gets_a_stream_first(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=2, max_workers_per_model=2)
+    sink, a, b = await _two_batching_workers(h, 4)
+    for w in (a, b):
         h.pool.handle(w, WantWork(slots=4))
     for n in range(5):
         h.generate(sink, f"p{n}")
@@ -131,12 +139,7 @@ async def test_a_request_starting_as_one_a_worker_ran_goes_to_it_unless_much_bus
     """Where its prefix cache holds the start (affinity.py): within SLACK more streams
     than the least loaded worker runs, the like request goes there; beyond, it does not."""
     h = make_harness(cold_start_workers=2, max_workers_per_model=2)
-    sink = h.sink()
-    h.generate(sink, "first")
-    await h.settle()
-    a, b = h.workers("gen")
-    for w in (a, b):
-        h.ready(w, want_work=False, info={"max_active_sequences": 16})
+    sink, a, b = await _two_batching_workers(h, 16)
     h.pool.handle(b, WantWork(slots=16))  # b alone asks: what comes goes to b
     h.generate(sink, "a shared start", seed=1)
     h.generate(sink, "something else")
