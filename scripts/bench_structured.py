@@ -110,7 +110,7 @@ def _mask_walk(tokenizer: Any, steps: int) -> dict[str, Any]:
     compiles, copies = [], []
     for _ in range(30):  # a new sequence's matcher: compiled, and from the compiled one kept
         t0 = time.perf_counter()
-        grammars._compile(wanted)
+        grammars.compile(wanted)
         t1 = time.perf_counter()
         grammars.matcher(wanted)
         copies.append(time.perf_counter() - t1)

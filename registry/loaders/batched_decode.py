@@ -20,7 +20,6 @@ runs one sequence at a time as before.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -91,7 +90,6 @@ class _Seq:
     cache: DynamicCache | None = None  # its own cache while its prompt is fed in chunks
     token: int = -1  # the last sampled token: the input of its next decode step
     rules: LogitRules | None = None  # biases, penalties, min_tokens: None when none
-    generated: list[int] = field(default_factory=list)  # its output's tokens so far
 
     @property
     def plain(self) -> bool:
@@ -212,11 +210,8 @@ class ContinuousDecoder:
         for seq in self.waiting:
             if seq.fed or not seq.plain:
                 continue
-            try:
-                length, cache = self.prefix_cache.take(seq.prepared.inputs["input_ids"][0],
-                                                       seq.prepared.cache_salt)
-            except (MemoryError, RuntimeError):  # no room for the copy: prefill it all
-                continue
+            length, cache = self.prefix_cache.take(seq.prepared.inputs["input_ids"][0],
+                                                   seq.prepared.cache_salt)
             if cache is not None:
                 seq.cache, seq.fed, seq.stats.cached_tokens = cache, length, length
 
@@ -226,11 +221,9 @@ class ContinuousDecoder:
         if self.prefix_cache is None or not seq.plain:
             return
         prompt = seq.prepared.inputs["input_ids"][0].cpu()
-        ids = torch.cat([prompt, torch.tensor(seq.generated, dtype=prompt.dtype)])[:tokens]
-        # No room for a copy: the cache is a saving, the sequences go on without it.
-        with contextlib.suppress(MemoryError, RuntimeError):
-            self.prefix_cache.keep(ids, seq.prepared.cache_salt,
-                                   lambda: row_of(cache, row, tokens))
+        output = torch.tensor(seq.detok.tokens, dtype=prompt.dtype)  # every token it took
+        self.prefix_cache.keep(torch.cat([prompt, output])[:tokens], seq.prepared.cache_salt,
+                               lambda: row_of(cache, row, tokens))
 
     def _leave(self, seq_ids: set[int]) -> None:
         """These leave the running batch; their keys and values are kept first."""
@@ -353,7 +346,6 @@ class ContinuousDecoder:
             return Emitted(seq.seq_id, seq.detok.flush(), stats=stats)
         stats.completion_tokens += 1
         seq.token = token
-        seq.generated.append(token)
         text = seq.detok.add(token)
         logprob = None if sampling.logprobs is None else token_logprob(
             logits, token, sampling.logprobs, self.tokenizer)

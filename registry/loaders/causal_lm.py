@@ -60,9 +60,10 @@ class CausalLM:
         template = tokenizer.chat_template
         self.tool_format = format_of(str(template) if template else None, tool_call_format, key)
         self.tool_markers = kept_tokens(tokenizer, self.tool_format)
+        self.batchable = batch_fit.unsupported(model) is None  # continuously
         # the prefix cache's budget (0: none, as for a model that cannot batch continuously);
         # None: the default share of memory
-        if batch_fit.unsupported(model) is not None:
+        if not self.batchable:
             prefix_cache_bytes = 0
         self.prefix_cache_bytes = (batch_fit.default_prefix_cache_bytes(model)
                                    if prefix_cache_bytes is None else prefix_cache_bytes)
@@ -121,7 +122,7 @@ class CausalLM:
 
     def decoder(self) -> ContinuousDecoder | None:
         """Continuous batching of many sequences, if this model allows it."""
-        if batch_fit.unsupported(self.model) is not None:
+        if not self.batchable:
             return None
         budget = self.prefix_cache_bytes
         return ContinuousDecoder(self.model, self.tokenizer, self.eos_ids,

@@ -69,7 +69,7 @@ class Grammars:
         key = msgspec.json.encode(structured)
         fresh = self._compiled.get(key)
         if fresh is None:
-            fresh = self._compile(structured)
+            fresh = self.compile(structured)
             self._compiled[key] = fresh
             if len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
@@ -77,7 +77,9 @@ class Grammars:
             self._compiled.move_to_end(key)
         return GrammarMatcher(fresh.deep_copy())  # its own place in the language
 
-    def _compile(self, structured: Structured) -> Any:
+    def compile(self, structured: Structured) -> Any:
+        """The grammar compiled against the vocabulary (an llguidance LLMatcher), not
+        kept; raises PoolError for a grammar that is not one."""
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.vocabulary(), grammar_text(structured), log_level=0)

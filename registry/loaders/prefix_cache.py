@@ -24,6 +24,10 @@ from transformers import DynamicCache
 # and copy, and tiny entries would crowd the budget.
 MIN_REUSE_TOKENS = 16
 
+# No memory for a copy: the cache is a saving, its sequences go on without it (prefilled
+# whole) rather than fail.
+COPY_FAILED = (MemoryError, RuntimeError)
+
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, heads, n, dim)
 
 
@@ -58,9 +62,11 @@ class PrefixCache:
         if best is None or length < MIN_REUSE_TOKENS:
             return 0, None
         self._touch(best)
-        # Copied (DynamicLayer.update concatenates): the entry stays as it is.
-        return length, DynamicCache(ddp_cache_data=[
-            (keys[:, :, :length], values[:, :, :length]) for keys, values in best.layers])
+        try:  # copied (DynamicLayer.update concatenates): the entry stays as it is
+            return length, DynamicCache(ddp_cache_data=[
+                (keys[:, :, :length], values[:, :, :length]) for keys, values in best.layers])
+        except COPY_FAILED:
+            return 0, None
 
     def keep(self, ids: torch.Tensor, salt: str, layers_of: Callable[[], Layers]) -> None:
         """Keep the keys and values of these token ids under `salt`: `layers_of` makes
@@ -73,7 +79,10 @@ class PrefixCache:
             if _shared_prefix(entry.ids, ids) == len(ids):  # as long or longer: it has these
                 self._touch(entry)
                 return
-        layers = layers_of()
+        try:
+            layers = layers_of()
+        except COPY_FAILED:
+            return
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if nbytes > self.budget_bytes:
             return

@@ -151,7 +151,6 @@ def _call(name: str, arguments: str, call_id: str = "") -> dict[str, Any]:
 
 
 
-
 def tool_calls(tools: list[Tool] | None, choice: ToolChoice | None,
                parallel: bool | None) -> tuple[ToolCalls | None, dict[str, Any]]:
     """What a body's tools ask: how its output becomes calls (None: text), and the pool

@@ -168,8 +168,8 @@ def test_a_grammar_asked_again_is_compiled_once_and_each_sequence_has_its_own_pl
         llm: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
     grammars = Grammars(llm.tokenizer, llm.vocab, llm.eos_ids)
     compiled: list[Structured] = []
-    compile_for_real = grammars._compile
-    monkeypatch.setattr(grammars, "_compile",
+    compile_for_real = grammars.compile
+    monkeypatch.setattr(grammars, "compile",
                         lambda s: compiled.append(s) or compile_for_real(s))
     monkeypatch.setattr(grammar_module, "COMPILED_KEPT", 2)
     digits, letters, word = (Structured(regex=r) for r in ("[0-9]{4}", "[a-z]{4}", "word"))
