@@ -61,6 +61,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llm_dir: Path) -> Iter
               + LLM.format(key="batched", path=tiny_llm_dir, n=8)
               + LLM.format(key="single", path=tiny_llm_dir, n=1)
               + LLM.format(key="recommending", path=recommending, n=8)
+              + LLM.format(key="affine", path=tiny_llm_dir, n=8).replace(
+                  "max_workers = 1", "max_workers = 2")
               + _counter("join") + _counter("leave") + _counter("kill")
               + _counter("deadline") + _counter("slots", step_s=0.02, sequences=3))
     daemon = start_daemon(tmp_path_factory.mktemp("continuous"), config)
@@ -123,6 +125,37 @@ def test_greedy_streams_batched_equal_one_at_a_time(daemon: Daemon) -> None:
     assert worker["max_sequences"] == 8 and worker["sequences"] >= 2
     after = status["after"]
     assert after["tokens_per_s"] > 0 and after["workers"][0]["tokens_per_s"] > 0
+
+
+def test_a_conversations_next_turn_goes_to_the_worker_that_holds_its_start(
+        daemon: Daemon) -> None:
+    """Two workers, each with its own prefix cache: the first turn runs on one, then a
+    long stream starts there (both idle, the last used first); the next turn still goes
+    to it, not to the idle one, and reuses what the first turn left."""
+    system = {"role": "system", "content": "You are a tiny model in a pool. " * 4}
+    turn = [system, {"role": "user", "content": "Tell me about rivers."}]
+    kw: dict[str, Any] = {"model": "affine", "temperature": 0}
+
+    async def run() -> tuple[Any, Any, tuple[str, str]]:
+        async with AsyncClient(daemon.socket_path) as c:
+            await c.load("affine", workers=2)
+            await _until(c, "affine", lambda m: sum(w["state"] == "idle"
+                                                    for w in m["workers"]) == 2, 60)
+            first = [ch async for ch in c.generate(turn, max_tokens=8, **kw)]
+            other = asyncio.ensure_future(_stream(c, "tiny model " * 4, raw=True,
+                                                  max_tokens=1500, ignore_eos=True, **kw))
+            await _until(c, "affine", lambda m: m["running"] == 1)
+            answer = "".join(ch.text for ch in first)
+            next_turn = [*turn, {"role": "assistant", "content": answer},
+                         {"role": "user", "content": "And then?"}]
+            second = [ch async for ch in c.generate(next_turn, max_tokens=4, **kw)]
+            busy = _model(await c.status(), "affine")["running"]
+            assert busy == 1, "the long stream ended before the next turn was sent"
+            return first[-1], second[-1], await other
+
+    first, second, other = asyncio.run(run())
+    assert other[1] == "length"
+    assert second.cached_tokens >= first.prompt_tokens - 1 > 16
 
 
 def test_what_a_models_generation_config_recommends_is_what_an_unset_request_gets(
