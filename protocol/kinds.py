@@ -116,10 +116,14 @@ def merge_rows(replies: list[Any]) -> Any:
 # ---- client builders: friendly arguments -> request fields ----------------------------
 
 
-def embed(texts: str | list[str], model: str | None = None) -> tuple[Fields, bool]:
-    """float32 vectors: shape (dim,) for one text, (n, dim) for a list."""
+def embed(texts: str | list[str], model: str | None = None, *,
+          dimensions: int | None = None) -> tuple[Fields, bool]:
+    """float32 vectors: shape (dim,) for one text, (n, dim) for a list. `dimensions`:
+    only each vector's first values, renormalised, for models trained for it
+    (Matryoshka); others refuse it."""
     single = isinstance(texts, str)
-    return {"model": model or "", "texts": [texts] if single else texts}, single
+    return {"model": model or "", "texts": [texts] if single else texts,
+            "dimensions": dimensions}, single
 
 
 def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None = None, *,

@@ -62,6 +62,9 @@ class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
 
 class Embed(_Request, frozen=True, kw_only=True, tag="embed"):
     texts: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_TEXTS)]
+    # Matryoshka models: each vector's first `dimensions` values (renormalised when the
+    # model's are unit length). None: the model's own size.
+    dimensions: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -36,7 +36,7 @@ LOADERS: dict[str, CapabilityLoader] = {
     "text_embedding": CapabilityLoader(
         "modelpool.registry.loaders.encoder_exec:load",
         preload=("modelpool.registry.loaders.sentence_embedding",),
-        options=("pooling", "max_seq_length", "normalize")),
+        options=("pooling", "max_seq_length", "normalize", "matryoshka_dimensions")),
     "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load",
                                      options=("context", "tool_call_format",
                                                               "prefix_cache_mb")),

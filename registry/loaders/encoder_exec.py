@@ -15,7 +15,9 @@ outputs again before it serves.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import logging
 import os
 import subprocess
@@ -39,6 +41,33 @@ ONNX = {"text_embedding": onnx_embedding.OnnxEmbedder, "rerank": onnx_rerank.Onn
 def load(spec: ModelSpec, model_dir: Path | None) -> Any:
     if model_dir is None:  # as loaders.common.require_dir, which would import torch
         raise ValueError(f"model {spec.key!r} has no files: give it a path, package or repo")
+    model = _load(spec, model_dir)
+    if spec.capability == "text_embedding":
+        model.matryoshka_dimensions = matryoshka_dimensions(spec, model_dir)
+    return model
+
+
+def matryoshka_dimensions(spec: ModelSpec, model_dir: Path) -> list[int] | None:
+    """The sizes the model's vectors may be shortened to ([]: any), or None: from the
+    option `matryoshka_dimensions` (a list, or true), else its config.json's
+    `matryoshka_dimensions` or `is_matryoshka` (the keys vLLM reads)."""
+    declared = spec.options.get("matryoshka_dimensions")
+    if declared is None:
+        with contextlib.suppress(OSError, ValueError):
+            config = json.loads((model_dir / "config.json").read_text())
+            declared = config.get("matryoshka_dimensions") or config.get("is_matryoshka")
+    if declared is None or declared is False:
+        return None
+    if declared is True:
+        return []
+    if not (isinstance(declared, list) and declared
+            and all(type(d) is int and d > 0 for d in declared)):
+        raise ValueError(f"model {spec.key!r}: matryoshka_dimensions must be true or a "
+                         f"list of sizes, not {declared!r}")
+    return sorted(set(declared), reverse=True)
+
+
+def _load(spec: ModelSpec, model_dir: Path) -> Any:
     reason = onnx_cache.unsupported(spec)
     if reason is not None and spec.execution == "onnx":
         raise ValueError(f"model {spec.key!r}: execution = \"onnx\" impossible: {reason}")

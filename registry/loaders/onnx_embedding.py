@@ -41,10 +41,14 @@ class OnnxEmbedder(OnnxRunner):
         super().__init__(entry, manifest, threads)
         self.max_seq_length = manifest.max_seq_length
         self.dim = manifest.dim
+        self.matryoshka_dimensions: list[int] | None = None  # set by encoder_exec.load
 
     def info(self) -> dict[str, Any]:
-        return {"dim": self.dim, "max_seq_length": self.max_seq_length, "execution": "onnx",
+        info = {"dim": self.dim, "max_seq_length": self.max_seq_length, "execution": "onnx",
                 "execution_reason": self.manifest.reason}
+        if self.matryoshka_dimensions is not None:
+            info["matryoshka_dimensions"] = self.matryoshka_dimensions
+        return info
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         return self.embed_counted(texts)[0]

@@ -38,6 +38,7 @@ class SentenceEmbedder:
         self.execution_reason = ""  # why not ONNX (registry/loaders/encoder_exec.py)
         self.onnx_export: dict[str, str] | None = None  # the export still to make:
         # its cache entry and the model's files (registry/loaders/encoder_exec.py)
+        self.matryoshka_dimensions: list[int] | None = None  # set by encoder_exec.load
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -45,6 +46,8 @@ class SentenceEmbedder:
             "execution": "eager", "execution_reason": self.execution_reason}
         if self.onnx_export is not None:
             info["onnx_export"] = self.onnx_export
+        if self.matryoshka_dimensions is not None:
+            info["matryoshka_dimensions"] = self.matryoshka_dimensions
         return info
 
     def set_threads(self, threads: int) -> None:

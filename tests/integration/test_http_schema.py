@@ -6,8 +6,9 @@ Two allowances, both narrower than turning a check off:
 - a 5xx is accepted only as a 504 for a request that set its own deadline or timeout
   (e.g. deadline_s = 5e-324): that is the documented answer, not a failure;
 - schema-valid bodies may still be refused with a 400 that names the field (an image
-  that is neither a data: nor an http(s) URL, `dimensions`): schemathesis' positive-data
-  check is left out, the answer's shape is still checked.
+  that is neither a data: nor an http(s) URL, `dimensions` of a model not made to be
+  shortened): schemathesis' positive-data check is left out, the answer's shape is
+  still checked.
 /v1/images/generations and /v1/jobs are left out: a random size and step count can ask
 the diffusion pipeline for minutes of work. test_http_openai covers them.
 """

@@ -357,3 +357,11 @@ def test_the_export_peaks_below_the_memory_the_daemon_charges_for_it(tmp_path: P
     returncode, peak_kb = map(int, done.stdout.split())
     assert returncode == 0 and (tmp_path / "entry" / onnx_cache.MANIFEST).is_file()
     assert 300 < peak_kb / 1024 <= onnx_cache.export_peak_mb(weights), (peak_kb, weights)
+
+
+def test_a_matryoshka_export_says_its_sizes_as_eager_does(in_cache: Path) -> None:
+    """The option is not one that changes the export: the run's entry serves it."""
+    model = load_model(_minilm(execution="onnx", options={"matryoshka_dimensions": True}))
+    assert isinstance(model, OnnxEmbedder)
+    assert model.matryoshka_dimensions == [] and model.info()["matryoshka_dimensions"] == []
+    assert "matryoshka_dimensions" not in load_model(_minilm(execution="onnx")).info()

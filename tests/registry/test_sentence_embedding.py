@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from modelpool.registry.loaders import load_model
+from modelpool.registry.loaders import encoder_exec, load_model
 from modelpool.registry.loaders.sentence_embedding import SentenceEmbedder, _read_layout, pool
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
@@ -86,6 +86,39 @@ def test_batching_does_not_change_vectors(embedder: SentenceEmbedder) -> None:
     batched = embedder.embed(texts)
     single = np.concatenate([embedder.embed([t]) for t in texts])
     assert (_cosines(batched, single) >= 0.9999).all()
+
+
+def test_a_model_declared_matryoshka_says_which_sizes_in_its_info(
+        minilm_spec: ModelSpec) -> None:
+    declared = msgspec.structs.replace(minilm_spec,
+                                       options={"matryoshka_dimensions": [128, 256, 128]})
+    model = load_model(declared)
+    assert model.matryoshka_dimensions == [256, 128]
+    assert model.info()["matryoshka_dimensions"] == [256, 128]
+
+
+@pytest.mark.parametrize(("option", "config", "sizes"), [
+    (None, {}, None),
+    (None, {"is_matryoshka": True}, []),
+    (None, {"matryoshka_dimensions": [64, 768, 256]}, [768, 256, 64]),
+    (True, {}, []),
+    ([32], {"matryoshka_dimensions": [64]}, [32]),  # the option over the model's word
+    (False, {"is_matryoshka": True}, None),
+])
+def test_matryoshka_sizes_come_from_the_option_else_the_models_config(
+        minilm_spec: ModelSpec, tmp_path: Path, option: Any, config: dict, sizes: Any) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 768, **config}))
+    options = {} if option is None else {"matryoshka_dimensions": option}
+    spec = msgspec.structs.replace(minilm_spec, options=options)
+    assert encoder_exec.matryoshka_dimensions(spec, tmp_path) == sizes
+
+
+@pytest.mark.parametrize("option", [[], [0, 64], ["64"], 64, [64.0]])
+def test_matryoshka_sizes_that_are_no_sizes_are_refused(minilm_spec: ModelSpec,
+                                                        tmp_path: Path, option: Any) -> None:
+    spec = msgspec.structs.replace(minilm_spec, options={"matryoshka_dimensions": option})
+    with pytest.raises(ValueError, match="matryoshka_dimensions must be"):
+        encoder_exec.matryoshka_dimensions(spec, tmp_path)
 
 
 def test_unknown_pooling_option_is_refused(minilm_spec: ModelSpec) -> None:

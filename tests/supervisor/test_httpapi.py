@@ -34,11 +34,14 @@ def body(kind: type, **fields: object) -> object:
 def test_embeddings_take_one_text_or_many_and_refuse_tokens() -> None:
     one = bodies.embeddings_call(body(bodies.EmbeddingsBody, input="a", model="m",
                                       priority="high"))
-    assert one == bodies.PoolCall("embed", (["a"],), {"model": "m", "priority": "high"})
+    assert one == bodies.PoolCall("embed", (["a"],), {"model": "m", "dimensions": None,
+                                                      "priority": "high"})
     with pytest.raises(PoolError, match="token arrays"):
         bodies.embeddings_call(body(bodies.EmbeddingsBody, input=[1, 2]))
-    with pytest.raises(PoolError, match="dimensions"):
-        bodies.embeddings_call(body(bodies.EmbeddingsBody, input="a", dimensions=8))
+    shortened = bodies.embeddings_call(body(bodies.EmbeddingsBody, input="a", dimensions=8))
+    assert shortened.kwargs["dimensions"] == 8  # the worker knows whether its model can
+    with pytest.raises(msgspec.ValidationError, match="dimensions"):
+        body(bodies.EmbeddingsBody, input="a", dimensions=0)
 
 
 def test_chat_with_an_image_asks_a_vision_model_about_it() -> None:
@@ -86,7 +89,7 @@ ASKING = [  # a body, then each field with a value that asks for what no model h
     (bodies.ImagesBody, {"prompt": "p"}, {
         "n": 2, "response_format": "url", "output_format": "jpeg",
         "background": "transparent"}),
-    (bodies.EmbeddingsBody, {"input": "a"}, {"dimensions": 8}),
+    (bodies.EmbeddingsBody, {"input": "a"}, {}),
 ]
 CALLS = {bodies.ChatBody: bodies.chat_call, bodies.CompletionBody: completions.completion_call,
          bodies.ImagesBody: bodies.images_call, bodies.EmbeddingsBody: bodies.embeddings_call}

@@ -228,3 +228,63 @@ def test_slices_also_follow_a_cost_budget() -> None:
     text_embedding.in_slices(embed, [5, 5, 5, 20, 1, 1], out, 4, "images",
                              cost=lambda n: n, budget=10)
     assert calls == [[5, 5], [5], [20], [1, 1]]  # an input over budget goes alone
+
+
+class MatryoshkaFake(FakeEmbedder):
+    """Unit-length rows (or the raw ones) that may be shortened to `sizes` ([]: any)."""
+
+    def __init__(self, sizes: list[int], unit: bool = True) -> None:
+        super().__init__()
+        self.matryoshka_dimensions = sizes
+        self.unit = unit
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        rows = super().embed(texts)
+        return rows / np.linalg.norm(rows, axis=1, keepdims=True) if self.unit else rows
+
+
+def _asking(dimensions: list[int | None]) -> list[WorkItem]:
+    return [WorkItem(job_id=100 + i, request=Embed(id=i, texts=["some text", "more"],
+                                                   dimensions=d))
+            for i, d in enumerate(dimensions)]
+
+
+def test_dimensions_shorten_each_request_in_the_one_pass_and_renormalise() -> None:
+    model, out = MatryoshkaFake([]), FakeOutbox()
+    text_embedding.run(model, _asking([2, None, 1, 4]), out, 32)
+    assert len(model.calls) == 1  # every request's texts in one forward pass
+    full = model.embed(["some text", "more"])
+    by_id = {m.id: m for m in out.sent}  # type: ignore[attr-defined]
+    two, whole, one = (_decode(by_id[i]) for i in (100, 101, 102))
+    np.testing.assert_allclose(whole, full, rtol=1e-6)
+    assert two.shape == (2, 2) and one.shape == (2, 1)
+    np.testing.assert_allclose(two, full[:, :2] / np.linalg.norm(full[:, :2], axis=1,
+                                                                  keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(two, axis=1), 1, rtol=1e-6)
+    np.testing.assert_allclose(np.abs(one), 1, rtol=1e-6)
+    too_many = by_id[103]  # only it fails: its batch mates are answered
+    assert isinstance(too_many, Error) and too_many.code == ErrorCode.BAD_REQUEST
+    assert too_many.message.startswith("dimensions: 4 is not one") and "1 to 3" in too_many.message
+
+
+def test_rows_not_of_unit_length_are_cut_as_they_are() -> None:
+    model, out = MatryoshkaFake([], unit=False), FakeOutbox()
+    text_embedding.run(model, _asking([2]), out, 32)
+    np.testing.assert_array_equal(_decode(out.sent[0]),  # type: ignore[arg-type]
+                                  model.embed(["some text", "more"])[:, :2].astype(np.float32))
+
+
+def test_only_the_sizes_a_model_lists_and_only_models_that_list_any() -> None:
+    out = FakeOutbox()
+    text_embedding.run(MatryoshkaFake([2]), _asking([2, 1]), out, 32)
+    assert _decode(out.sent[0]).shape == (2, 2)  # type: ignore[arg-type]
+    listed = out.sent[1]
+    assert isinstance(listed, Error) and listed.code == ErrorCode.BAD_REQUEST
+    assert "(2)" in listed.message
+    out = FakeOutbox()
+    text_embedding.run(FakeEmbedder(), _asking([None, 2, DIM]), out, 32)
+    whole, refused, own_size = out.sent
+    assert isinstance(whole, Embeddings) and whole.shape == [2, DIM]
+    assert isinstance(refused, Error) and refused.code == ErrorCode.BAD_REQUEST
+    assert "Matryoshka" in refused.message and "3 values" in refused.message
+    assert own_size == msgspec.structs.replace(whole, id=102)  # asks for nothing: taken

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Embeddings
 from modelpool.protocol.pipes import WorkItem
 from modelpool.workers.capabilities import text_limits
@@ -23,6 +24,8 @@ class TextEmbeddingModel(Protocol):
 
     # Optional: embed_counted(texts) -> (vectors, the tokens each text was read as), for
     # usage figures from the same tokenization; without it the counts are 0.
+    # Optional: matryoshka_dimensions, a list of the sizes its vectors may be shortened
+    # to ([]: any), for requests' `dimensions` (shortened); without it they are refused.
 
 
 def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
@@ -43,9 +46,44 @@ def run(model: TextEmbeddingModel, items: list[WorkItem], out: Outbox, max_batch
     for item in items:
         count = len(item.request.texts)  # type: ignore[union-attr]
         block = vectors[row : row + count]
-        out.send(Embeddings(id=item.job_id, data=block.tobytes(), shape=list(block.shape),
-                            tokens=sum(counts[row : row + count])))
+        tokens = sum(counts[row : row + count])
         row += count
+        dimensions = item.request.dimensions  # type: ignore[union-attr]
+        try:
+            block = block if dimensions is None else shortened(model, block, dimensions)
+        except PoolError as exc:
+            out.send(error_reply(item.job_id, exc))
+            continue
+        out.send(Embeddings(id=item.job_id, data=block.tobytes(), shape=list(block.shape),
+                            tokens=tokens))
+
+
+def shortened(model: Any, rows: np.ndarray, dimensions: int) -> np.ndarray:
+    """Each row's first `dimensions` values, for a model trained so that they embed on
+    their own (Matryoshka): its `matryoshka_dimensions` lists the sizes it was trained
+    for ([]: any). Rows of unit length are renormalised, as OpenAI's shortened vectors and
+    vLLM's are: cosine and dot product stay the same measure. Other models: BAD_REQUEST
+    (their first values alone embed poorly), as vLLM refuses, unless the size asked is
+    their own."""
+    sizes = getattr(model, "matryoshka_dimensions", None)
+    dim = rows.shape[1]
+    if dimensions == dim:
+        return rows  # asks for nothing: any model
+    if sizes is None:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"dimensions: this model's vectors have "
+                        f"{dim} values and it does not say it was trained to be shortened "
+                        "(Matryoshka: the model option matryoshka_dimensions)")
+    if dimensions > dim or (sizes and dimensions not in sizes):
+        allowed = ", ".join(map(str, sizes)) if sizes else f"1 to {dim}"
+        raise PoolError(ErrorCode.BAD_REQUEST,
+                        f"dimensions: {dimensions} is not one this model offers ({allowed})")
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    short = np.ascontiguousarray(rows[:, :dimensions])
+    unit = np.abs(norms - 1) < 1e-3
+    if unit.any():
+        short_norms = np.maximum(np.linalg.norm(short, axis=1, keepdims=True), 1e-12)
+        short = np.where(unit, short / short_norms, short).astype(np.float32)
+    return short
 
 
 # A forward pass pads every text to its longest, and costs about as much as 200 more
