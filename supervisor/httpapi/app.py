@@ -136,7 +136,7 @@ class Api:
         firsts = await unless_disconnected(request.scope, choices.firsts(streams))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         shape = replies.StreamShape(chat, model_name(body.model, self.settings, calls[0].op),
-                                    include_usage, len(streams), body.n, calls[0].made)
+                                    include_usage, len(streams), body.n, calls[0].made, echo)
         if body.stream:
             return EventStream(_events(shape, choices.chunks(firsts, streams)))
         texts = await unless_disconnected(request.scope,

@@ -42,8 +42,9 @@ def completion_calls(body: CompletionBody) -> list[PoolCall]:
     if isinstance(body.logprobs, bool):
         raise bad("logprobs", "the number of likeliest alternatives in a completion, "
                               "from 0 to 20")
-    if body.echo and body.stream:
-        raise bad("echo", "not streamed: ask for the echoed prompt without stream")
+    if body.echo and body.stream and body.logprobs is not None:
+        raise bad("echo", "streamed without logprobs only: the prompt's come at the end "
+                          "of its stream; ask for them without stream")
     if body.echo and body.logprobs is None and not all(isinstance(p, str) for p in asked):
         raise bad("echo", "a prompt of token ids is echoed as its tokens' text, which comes "
                           "with logprobs: ask for them")

@@ -168,9 +168,11 @@ class StreamShape:
     include_usage, the usage of them all once the last has ended."""
 
     def __init__(self, chat: bool, model: str, include_usage: bool, choices: int = 1,
-                 n: int = 1, calls: ToolCalls | None = None) -> None:
+                 n: int = 1, calls: ToolCalls | None = None,
+                 echo: list[str | list[int]] | None = None) -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.calls = calls  # a chat's text made tool calls
+        self.echo = echo  # a completion's prompts (texts: echo is not streamed with logprobs)
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.started: set[int] = set()  # choices that have sent their first chunk
@@ -196,7 +198,10 @@ class StreamShape:
         else:
             listed, self.offsets[index] = logprobs.completion(chunk.logprobs,
                                                               self.offsets.get(index, 0))
-            choice.update(text=chunk.text, logprobs=listed)
+            text = chunk.text
+            if self.echo is not None and index not in self.started:
+                text = f"{self.echo[index // self.n]}{text}"  # the prompt, in the first
+            choice.update(text=text, logprobs=listed)
         self.started.add(index)
         out = sse(self._wrap([choice], None))
         if chunk.finish_reason is not None:

@@ -204,12 +204,30 @@ def test_an_echoed_prompts_logprobs_through_the_sdk_as_evaluation_harnesses_ask(
     plain = sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, max_tokens=1,
                                    temperature=0)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, stream=True)
+    with pytest.raises(openai.BadRequestError, match="echo"):  # its logprobs come last
+        sdk.completions.create(model="tiny-llm", prompt=prompt, echo=True, logprobs=1,
+                               stream=True)
     batch = sdk.completions.create(model="tiny-llm", prompt=[ids, ids[:3]], echo=True,
                                    logprobs=1, max_tokens=1, temperature=0)
     assert batch.choices[0].logprobs == listed  # a batch of them, as the harness sends
     assert batch.choices[1].logprobs.tokens[:3] == listed.tokens[:3]  # type: ignore[union-attr]
+
+
+def test_a_streamed_echo_starts_each_choice_with_its_prompt(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    prompts = ["tell me about workers", "a pool"]
+    whole = sdk.completions.create(model="tiny-llm", prompt=prompts, n=2, echo=True,
+                                   max_tokens=6, temperature=0)
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert [t[:len(prompts[i // 2])] for i, t in enumerate(texts)] == [
+        prompts[0], prompts[0], prompts[1], prompts[1]]
+    assert all(len(t) > len(prompts[i // 2]) for i, t in enumerate(texts))
+    streamed = ["", "", "", ""]
+    for chunk in sdk.completions.create(model="tiny-llm", prompt=prompts, n=2, echo=True,
+                                        max_tokens=6, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
 
 
 def test_several_prompts_in_one_body_are_each_the_socket_clients_request(

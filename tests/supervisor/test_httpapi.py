@@ -66,9 +66,12 @@ def test_an_image_is_never_a_local_file(url: str) -> None:
 
 
 def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
-    with pytest.raises(PoolError, match=r"^BAD_REQUEST: echo: not streamed"):
+    with pytest.raises(PoolError, match=r"^BAD_REQUEST: echo: streamed without logprobs"):
         completions.completion_call(body(bodies.CompletionBody, prompt="p", echo=True,
-                                    stream=True))
+                                    stream=True, logprobs=0))
+    streamed = completions.completion_call(body(bodies.CompletionBody, prompt="p", echo=True,
+                                                stream=True))
+    assert streamed.kwargs["prompt_logprobs"] is None
     with pytest.raises(PoolError, match="response_format"):
         bodies.images_call(body(bodies.ImagesBody, prompt="x", response_format="url"))
     with pytest.raises(PoolError, match="size"):

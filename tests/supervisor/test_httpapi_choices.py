@@ -152,3 +152,16 @@ def test_several_prompts_count_each_prompt_once_whole_and_streamed() -> None:
     assert _events(data)[-1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 4,
                                           "total_tokens": 14,
                                           "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+def test_a_streamed_echo_puts_each_choices_prompt_before_its_first_chunk_only() -> None:
+    shape = replies.StreamShape(chat=False, model="m", include_usage=False, choices=4, n=2,
+                                echo=["P:", "Q:"])
+    sent = [(0, "a"), (2, "c"), (0, "b"), (1, "x"), (3, "y"), (2, "d"), (1, ""), (3, "z")]
+    texts: dict[int, str] = {}
+    for index, text in sent:
+        event = _events(shape.event(TextChunk(text, None, 0, 0), index))[0]["choices"][0]
+        texts[index] = texts.get(index, "") + event["text"]
+    assert texts == {0: "P:ab", 1: "P:x", 2: "Q:cd", 3: "Q:yz"}
+    plain = replies.StreamShape(chat=False, model="m", include_usage=False)
+    assert _events(plain.event(TextChunk("a", None, 0, 0)))[0]["choices"][0]["text"] == "a"
