@@ -125,7 +125,7 @@ def preload_modules(specs: list[ModelSpec]) -> list[str]:
             modules.update((default.loader.partition(":")[0], *default.preload))
         if _may_run_onnx(spec):  # its export is still to be made: then it runs ONNX
             modules.update(ONNX_MODULES)
-        config = _local_config(local)
+        config = local_config(local)
         model_type = config.get("model_type") if config else None
         if isinstance(model_type, str) and model_type.isidentifier():
             modules.add(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -188,7 +188,8 @@ def _runs_cached_onnx(spec: ModelSpec, local: Path | None) -> bool:
     return onnx_cache.cached_choice(spec, local) == "onnx"
 
 
-def _local_config(model_dir: Path | None) -> dict[str, Any] | None:
+def local_config(model_dir: Path | None) -> dict[str, Any] | None:
+    """The model's config.json, or None when it has none that reads."""
     if model_dir is None:
         return None
     try:

@@ -15,9 +15,7 @@ outputs again before it serves.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import json
 import logging
 import os
 import subprocess
@@ -26,7 +24,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from modelpool.registry.loaders import onnx_cache, onnx_embedding, onnx_rerank
+from modelpool.registry.loaders import local_config, onnx_cache, onnx_embedding, onnx_rerank
 from modelpool.registry.loaders.onnx_cache import Manifest
 from modelpool.registry.spec import ModelSpec
 
@@ -53,9 +51,8 @@ def matryoshka_dimensions(spec: ModelSpec, model_dir: Path) -> list[int] | None:
     `matryoshka_dimensions` or `is_matryoshka` (the keys vLLM reads)."""
     declared = spec.options.get("matryoshka_dimensions")
     if declared is None:
-        with contextlib.suppress(OSError, ValueError):
-            config = json.loads((model_dir / "config.json").read_text())
-            declared = config.get("matryoshka_dimensions") or config.get("is_matryoshka")
+        config = local_config(model_dir) or {}
+        declared = config.get("matryoshka_dimensions") or config.get("is_matryoshka")
     if declared is None or declared is False:
         return None
     if declared is True:

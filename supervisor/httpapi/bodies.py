@@ -256,6 +256,7 @@ def options(body: Options) -> dict[str, Any]:
 
 
 def embeddings_call(body: EmbeddingsBody) -> PoolCall:
+    refuse_unsupported(body)
     if isinstance(body.input, list) and any(not isinstance(x, str) for x in body.input):
         raise bad("input", "token arrays are not supported; send text")
     texts = [body.input] if isinstance(body.input, str) else body.input

@@ -164,8 +164,9 @@ def _finish(reason: str | None) -> str | None:
 
 
 class StreamShape:
-    """The chunks of one streamed completion's choices, as server-sent events; with
-    include_usage, the usage of them all once the last has ended."""
+    """The chunks of one streamed completion's choices, as server-sent events (a
+    completion's echoed prompt first in its choice's first); with include_usage, the
+    usage of them all once the last has ended."""
 
     def __init__(self, chat: bool, model: str, include_usage: bool, choices: int = 1,
                  n: int = 1, calls: ToolCalls | None = None,

@@ -77,13 +77,10 @@ def shortened(model: Any, rows: np.ndarray, dimensions: int) -> np.ndarray:
         allowed = ", ".join(map(str, sizes)) if sizes else f"1 to {dim}"
         raise PoolError(ErrorCode.BAD_REQUEST,
                         f"dimensions: {dimensions} is not one this model offers ({allowed})")
-    norms = np.linalg.norm(rows, axis=1, keepdims=True)
-    short = np.ascontiguousarray(rows[:, :dimensions])
-    unit = np.abs(norms - 1) < 1e-3
-    if unit.any():
-        short_norms = np.maximum(np.linalg.norm(short, axis=1, keepdims=True), 1e-12)
-        short = np.where(unit, short / short_norms, short).astype(np.float32)
-    return short
+    short = rows[:, :dimensions]
+    unit = np.abs(np.linalg.norm(rows, axis=1, keepdims=True) - 1) < 1e-3
+    lengths = np.maximum(np.linalg.norm(short, axis=1, keepdims=True), 1e-12)
+    return np.where(unit, short / lengths, short).astype(np.float32)
 
 
 # A forward pass pads every text to its longest, and costs about as much as 200 more
