@@ -155,6 +155,8 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     connections: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8  # to the daemon's socket
     max_clients: Annotated[int, msgspec.Meta(ge=1)] = 1024  # more are answered 503
     max_priority: Priority = "critical"  # the highest priority an HTTP request may ask
+    # Clients of different keys share no kept prompts (a side channel); false: they do.
+    prefix_cache_per_key: bool = True
     in_loop: bool = False  # serve from the supervisor's own loop, not a process of its own
 
 

@@ -87,7 +87,8 @@ def settings_of(config: Config, socket_path: str,
         socket_path=socket_path, api_keys=keys, metrics_need_key=http.metrics_need_key,
         max_body_bytes=http.max_body_bytes or config.daemon.max_frame_bytes,
         body_timeout_s=http.body_timeout_s, connections=http.connections,
-        max_priority=http.max_priority, default_models=default_models or {})
+        max_priority=http.max_priority, prefix_cache_per_key=http.prefix_cache_per_key,
+        default_models=default_models or {})
 
 
 def bind(listen: str) -> socket.socket:
@@ -164,7 +165,7 @@ class HttpFront:
         return msgspec.structs.replace(
             self.settings, api_keys=keys, metrics_need_key=http.metrics_need_key,
             max_body_bytes=http.max_body_bytes or self.max_frame_bytes,
-            max_priority=http.max_priority)
+            max_priority=http.max_priority, prefix_cache_per_key=http.prefix_cache_per_key)
 
     def apply(self, settings: HttpSettings) -> None:
         """At once, for the next request; a front door started again starts with them."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
@@ -33,12 +34,17 @@ def check_key(request: Request, keys: list[str]) -> None:
     """Bearer keys compared in constant time; no keys configured: open (loopback only)."""
     if not keys:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
+    token = bearer_token(request)
+    if not token:
         raise HttpError(401, "missing API key: send Authorization: Bearer <key>",
                         "missing_api_key")
     if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
         raise HttpError(401, "invalid API key", "invalid_api_key")
+
+
+def bearer_token(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" else ""
 
 
 def client_identity(request: Request) -> str:
@@ -107,7 +113,18 @@ def with_header_options(request: Request, kwargs: dict[str, Any],
     if PRIORITIES.index(priority) < PRIORITIES.index(settings.max_priority):
         raise PoolError(ErrorCode.PERMISSION_DENIED, f"priority {priority!r} is above this "
                         f"API's cap ({settings.max_priority!r}, [http] max_priority)")
+    if "cache_salt" in out and settings.api_keys and settings.prefix_cache_per_key:
+        out["cache_salt"] = key_salt(bearer_token(request), out["cache_salt"])
     return out
+
+
+def key_salt(key: str, salt: str) -> str:
+    """The cache salt of a request sent with this API key: clients of different keys take
+    nothing from each other's kept prompts (whose time to first token and cached_tokens
+    would tell one what another's prompts began with), and a key's own salts still keep
+    its requests apart. Hashed, so that no key reaches a worker, a log or the cluster's
+    database; of fixed size, within the salt's cap whatever the client sent."""
+    return hashlib.blake2b(f"{key}\0{salt}".encode(), digest_size=16).hexdigest()
 
 
 async def unless_disconnected(scope: Scope, work: Coroutine[Any, Any, T]) -> T:

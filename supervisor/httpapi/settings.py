@@ -19,5 +19,6 @@ class HttpSettings(msgspec.Struct, frozen=True, kw_only=True):
     body_timeout_s: float = 30.0
     connections: int = 8
     max_priority: Priority = "critical"
+    prefix_cache_per_key: bool = True
     # The model answering a request that names none, by capability (a reload sends new).
     default_models: dict[str, str] = {}

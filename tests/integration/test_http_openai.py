@@ -23,6 +23,7 @@ from http_helpers import KEY, MINILM, data_url, http_daemon, png, wait_idle, wai
 from openai.types import Completion
 from PIL import Image
 
+OTHER_KEY = "another-tenants-key-42"
 TEXTS = ["the cat sat on the mat", "a worker keeps one model loaded"]
 # MiniLM as an operator would declare a model trained to be shortened (it was not: the
 # sizes' mechanics are what is tested, not their quality).
@@ -41,8 +42,10 @@ MATRYOSHKA_MINILM = """
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
-    daemon, base = http_daemon(tmp_path_factory.mktemp("http"), tiny_models_dir,
-                               http="max_body_bytes = 1048576",
+    workdir = tmp_path_factory.mktemp("http")
+    (workdir / "keys").write_text(OTHER_KEY + "\n")
+    daemon, base = http_daemon(workdir, tiny_models_dir,
+                               http=f'max_body_bytes = 1048576\napi_key_file = "{workdir}/keys"',
                                extra=model_entry("huge") + "weights_mb = 100000000\n"
                                + MATRYOSHKA_MINILM)
     yield daemon, base
@@ -117,35 +120,41 @@ def test_a_conversations_start_sent_again_is_counted_as_cached_tokens(
     """The worker keeps a prompt's keys and values: the next request that starts the same
     way is prefilled from there, and says how much in usage.prompt_tokens_details."""
     system = {"role": "system", "content": "You are a tiny model; answer in tiny words."}
-    first = sdk.chat.completions.create(
-        model="tiny-llm", messages=[system, {"role": "user", "content": "rivers"}],
-        max_tokens=4, temperature=0)
-    assert first.usage is not None and first.usage.prompt_tokens_details is not None
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
+
+    def cached(messages: list[dict[str, str]], api: openai.OpenAI = sdk,
+               **extra: Any) -> tuple[int, int, str | None]:
+        answer = api.chat.completions.create(model="tiny-llm", messages=messages,
+                                             max_tokens=4, temperature=0, **extra)
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        return (answer.usage.prompt_tokens_details.cached_tokens or 0,
+                answer.usage.prompt_tokens, answer.choices[0].message.content)
+
+    first, first_prompt, _ = cached([system, {"role": "user", "content": "rivers"}])
+    assert first == 0
     messages = [system, {"role": "user", "content": "trees and hills"}]
-    with served[0].client() as c:
-        chunks = list(c.generate(messages, model="tiny-llm", max_tokens=4, temperature=0))
-    shared = chunks[-1].cached_tokens
-    assert shared is not None and 16 <= shared < first.usage.prompt_tokens
-    again = sdk.chat.completions.create(model="tiny-llm", messages=messages, max_tokens=4,
-                                        temperature=0)
-    assert again.choices[0].message.content == "".join(ch.text for ch in chunks)
-    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    shared, prompt, text = cached(messages)
+    assert 16 <= shared < first_prompt
     # The same prompt again: all of it but its last token, whose logits are computed.
-    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert cached(messages) == (prompt - 1, prompt, text)
     streamed = list(sdk.chat.completions.create(
         model="tiny-llm", messages=messages, max_tokens=4, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     usage = streamed[-1].usage
     assert usage is not None and usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert usage.prompt_tokens_details.cached_tokens == prompt - 1
     # vLLM's cache_salt: what another salt left is not taken, nor what no salt left.
-    for expected in (0, again.usage.prompt_tokens - 1):
-        salted = sdk.chat.completions.create(model="tiny-llm", messages=messages,
-                                             max_tokens=4, temperature=0,
-                                             extra_body={"cache_salt": "tenant-b"})
-        assert salted.usage is not None and salted.usage.prompt_tokens_details is not None
-        assert salted.usage.prompt_tokens_details.cached_tokens == expected
+    for expected in (0, prompt - 1):
+        assert cached(messages, extra_body={"cache_salt": "tenant-b"})[0] == expected
+    # Another API key is another tenant: nothing of the first key's is taken, salted or
+    # not, and its own are kept for it; nor are the keys' taken by the socket's clients.
+    other = openai.OpenAI(base_url=served[1] + "/v1", api_key=OTHER_KEY, max_retries=0,
+                          timeout=60)
+    for expected in (0, prompt - 1):
+        assert cached(messages, other) == (expected, prompt, text)
+        assert cached(messages, other, extra_body={"cache_salt": "tenant-b"})[0] == expected
+    with served[0].client() as c:
+        chunks = list(c.generate(messages, model="tiny-llm", max_tokens=4, temperature=0))
+    assert chunks[-1].cached_tokens == 0 and "".join(ch.text for ch in chunks) == text
 
 
 def test_async_sdk_streams_chunk_by_chunk(served: tuple[Daemon, str]) -> None:

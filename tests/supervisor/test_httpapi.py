@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import Request
 
 from modelpool.protocol.client_core import TextChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
@@ -23,7 +24,9 @@ from modelpool.supervisor.config import Config, ConfigError, HttpConfig
 from modelpool.supervisor.http_front import listen_address, settings_of
 from modelpool.supervisor.httpapi import bodies, completions, guard, replies, routes
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
+from modelpool.supervisor.httpapi.plumbing import with_header_options
 from modelpool.supervisor.httpapi.serve import Server
+from modelpool.supervisor.httpapi.settings import HttpSettings
 from modelpool.supervisor.metrics import Histogram, ModelMetrics
 
 
@@ -291,6 +294,35 @@ def test_an_open_port_beyond_loopback_needs_keys(tmp_path: Path) -> None:
     assert listen_address("[::1]:80") == ("::1", 80)
     with pytest.raises(ConfigError, match="HOST:PORT"):
         listen_address("8000")
+
+
+def test_each_api_keys_generations_keep_their_prompts_to_themselves() -> None:
+    """With keys, a generation's cache salt is its key's (hashed) joined to its own; the
+    socket-level call of any other kind carries none."""
+    def salts(settings: HttpSettings, key: str, salt: str = "") -> str:
+        request = Request({"type": "http", "headers": [(b"authorization",
+                                                        f"Bearer {key}".encode())]})
+        chat = bodies.chat_call(body(bodies.ChatBody, cache_salt=salt,
+                                     messages=[{"role": "user", "content": "hi"}]))
+        return with_header_options(request, chat.kwargs, settings)["cache_salt"]
+
+    keyed = HttpSettings(socket_path="/s", api_keys=["k1", "k2"])
+    one, two = salts(keyed, "k1"), salts(keyed, "k2")
+    assert one == salts(keyed, "k1") != two
+    assert "k1" not in one and len(one) == 32
+    assert salts(keyed, "k1", "a") not in (one, two, salts(keyed, "k1", "b"))
+    assert salts(keyed, "k1", "x" * 256) != salts(keyed, "k2", "x" * 256)
+    assert len(salts(keyed, "k1", "x" * 256)) == 32  # within the protocol's 256
+    shared = msgspec.structs.replace(keyed, prefix_cache_per_key=False)
+    assert salts(shared, "k1") == salts(shared, "k2") == ""
+    assert salts(shared, "k1", "a") == "a"
+    assert salts(HttpSettings(socket_path="/s"), "", "a") == "a"  # no keys: one tenant
+    request = Request({"type": "http", "headers": [(b"authorization", b"Bearer k1")]})
+    embed = bodies.embeddings_call(body(bodies.EmbeddingsBody, input="a"))
+    assert "cache_salt" not in with_header_options(request, embed.kwargs, keyed)
+    assert settings_of(Config(http=HttpConfig(listen="127.0.0.1:8000",
+                                                  prefix_cache_per_key=False)),
+                       "/s").prefix_cache_per_key is False
 
 
 def test_a_route_takes_its_parameters_from_whole_segments() -> None:
