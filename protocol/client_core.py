@@ -178,11 +178,12 @@ def make_call(op: str, rid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     priority = kwargs.pop("priority", "normal")
     timeout_s = kwargs.pop("timeout_s", None)
     deadline_s = kwargs.pop("deadline_s", None)
+    tenant = kwargs.pop("tenant", "")
     try:
         fields, single = kind.build(*args, **kwargs)
         # sent_at lets the daemon count a deadline from when the request left the client.
         request = kind.request(id=rid, priority=priority, timeout_s=timeout_s,
-                               deadline_s=deadline_s, **fields,
+                               deadline_s=deadline_s, tenant=tenant, **fields,
                                sent_at=None if deadline_s is None else time.time())
     except (TypeError, msgspec.ValidationError) as exc:
         raise PoolError(ErrorCode.BAD_REQUEST, f"{op}: {exc}") from None
@@ -196,7 +197,8 @@ def op_signature(kind: Kind, is_method: bool = True) -> inspect.Signature:
                                 annotation=annotation)
               for name, default, annotation in (("priority", "normal", "Priority"),
                                                 ("timeout_s", None, "float | None"),
-                                                ("deadline_s", None, "float | None"))]
+                                                ("deadline_s", None, "float | None"),
+                                                ("tenant", "", "str"))]
     self_param = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     return inspect.Signature([*(self_param if is_method else []), *params, *common])
 

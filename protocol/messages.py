@@ -50,6 +50,9 @@ class _Request(_Msg, frozen=True, kw_only=True):
     timeout_s: PositiveSeconds | None = None  # None: the daemon's default
     deadline_s: PositiveSeconds | None = None  # seconds from sending; expired work never runs
     sent_at: float | None = None  # the client's time.time() at sending, for deadline_s
+    # Requests naming one tenant take one turn among their user's clients, whatever their
+    # connection (the HTTP front door names each API key's); "": the connection's own.
+    tenant: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 # ---- client -> daemon -------------------------------------------------------------

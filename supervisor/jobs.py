@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections.abc import Hashable
 from typing import Any, Protocol
 
 import msgspec
@@ -81,7 +82,7 @@ class JobBook:
 
     def new_job(self, req: Requester, kind: Kind, request: WorkRequest, model_key: str,
                 key: bytes | None) -> Job:
-        owner = req.sink.owner
+        owner = owner_of(req.sink.owner, request.tenant)
         job = Job(next(self._job_ids), request, kind, model_key, req.accepted_at, [req],
                   kind.size(request), owner, user_of(owner))
         req.job = job
@@ -202,6 +203,15 @@ class JobBook:
         req.job = None
 
 
+def owner_of(sink_owner: Hashable, tenant: str) -> Hashable:
+    """Whose turn a request takes among its user's clients: its connection's (or its
+    user's jobs'), or the tenant's it names, whichever connection or job it comes by; a
+    tenant is named within its user, so naming one takes no turn from other users."""
+    if not tenant or not isinstance(sink_owner, tuple):
+        return sink_owner
+    return (user_of(sink_owner), "tenant", tenant)
+
+
 def dedup_key(kind: Kind, request: WorkRequest, model_key: str,
               digest_over: int = 0) -> bytes | None:
     """Identical work for identical inputs, or None when running it twice could differ
@@ -212,7 +222,8 @@ def dedup_key(kind: Kind, request: WorkRequest, model_key: str,
     if not kind.deterministic(request):
         return None
     neutral = msgspec.structs.replace(request, id=0, model=model_key, priority="normal",
-                                      timeout_s=None, deadline_s=None, sent_at=None)
+                                      timeout_s=None, deadline_s=None, sent_at=None,
+                                      tenant="")
     payload = encoder.encode(neutral)
     if len(payload) > DEDUP_MAX_BYTES:
         return None

@@ -90,8 +90,12 @@ def decode(body: bytes, kind: type[T]) -> T:
 
 def with_header_options(request: Request, kwargs: dict[str, Any],
                         settings: HttpSettings) -> dict[str, Any]:
-    """Options from X-Modelpool-* headers where the body set none; the priority cap."""
-    out = dict(kwargs)
+    """Options from X-Modelpool-* headers where the body set none; the priority cap; the
+    HTTP client's own turn in the queues (its tenant) and, with keys, its cache salt."""
+    # Each HTTP client (by key, else address) takes turns with the others whichever of
+    # the front door's connections it shares: a connection's own requests go in order.
+    out = {**kwargs, "tenant": hashlib.blake2b(client_identity(request).encode(),
+                                               digest_size=16).hexdigest()}
     for header, name in HEADER_OPTIONS.items():
         value = request.headers.get(header)
         if value is None or name in out:

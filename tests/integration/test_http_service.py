@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,12 +37,54 @@ from prometheus_client.parser import text_string_to_metric_families
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+# A second key whose HTTP client shares KEY's connection to the daemon (crc32 % 8).
+SAME_CONNECTION_KEY = "another-tenants-key-6"
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
-    daemon, base = http_daemon(tmp_path_factory.mktemp("http-service"), tiny_models_dir)
+    workdir = tmp_path_factory.mktemp("http-service")
+    (workdir / "keys").write_text(SAME_CONNECTION_KEY + "\n")
+    daemon, base = http_daemon(workdir, tiny_models_dir,
+                               http=f'api_key_file = "{workdir}/keys"', extra=f"""
+        [[models]]
+        key = "one-at-a-time"
+        capability = "text_embedding"
+        loader = "mp_test_loaders:slow_embedder"
+        options = {{ run_s = 0.2, log = "{workdir}/ran" }}
+        max_workers = 1
+        max_batch = 1
+    """)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
+
+
+def test_http_clients_sharing_a_connection_take_turns(served: tuple[Daemon, str]) -> None:
+    """Each key takes a turn of its own in the queues, though the front door carries both
+    over one connection to the daemon (whose own requests go first come, first served):
+    a flood of eight under one key does not hold up another key's one request."""
+    assert (zlib.crc32(f"Bearer {KEY}".encode()) % 8
+            == zlib.crc32(f"Bearer {SAME_CONNECTION_KEY}".encode()) % 8)
+
+    def embed(key: str, text: str) -> int:
+        return httpx.post(served[1] + "/v1/embeddings", timeout=60, json={
+            "model": "one-at-a-time", "input": text},
+            headers={"Authorization": f"Bearer {key}"}).status_code
+
+    ran = Path(served[0].log_path).parent / "ran"
+    with ThreadPoolExecutor(9) as pool:
+        flood = [pool.submit(embed, KEY, f"flood {i}") for i in range(8)]
+        deadline = time.monotonic() + 30
+        with served[0].client() as c:
+            while running(c, "one-at-a-time") < 8:
+                assert time.monotonic() < deadline, "the flood did not arrive"
+                time.sleep(0.02)
+        polite = pool.submit(embed, SAME_CONNECTION_KEY, "polite")
+        assert [f.result() for f in [*flood, polite]] == [200] * 9
+    order = ran.read_text().split("\n")[:9]
+    assert order.index("polite") <= 2, order  # one or two flood requests were under way
+
 
 
 def test_a_job_outlives_its_connection(served: tuple[Daemon, str]) -> None:

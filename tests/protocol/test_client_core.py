@@ -20,8 +20,8 @@ from modelpool.supervisor.cli import _parser
 
 def test_each_operation_builds_its_request_with_the_common_options() -> None:
     call = make_call("generate", 7, ("Once",), {"max_tokens": 5, "priority": "high",
-                                                "deadline_s": 2.0})
-    assert isinstance(call.request, Generate) and call.id == 7
+                                                "deadline_s": 2.0, "tenant": "t"})
+    assert isinstance(call.request, Generate) and call.id == 7 and call.request.tenant == "t"
     assert call.request.sampling.max_tokens == 5 and call.request.sampling.temperature is None
     assert call.request.priority == "high" and call.request.sent_at is not None
     assert call.kind.streaming
@@ -60,7 +60,7 @@ def test_bad_calls_are_bad_requests(op: str, args: tuple, kwargs: dict) -> None:
 def test_every_kind_is_a_client_method_and_a_cli_command(kind: Kind) -> None:
     method = getattr(Client, kind.op)
     params = inspect.signature(method).parameters
-    assert {"self", "model", "priority", "timeout_s", "deadline_s"} <= set(params)
+    assert {"self", "model", "priority", "timeout_s", "deadline_s", "tenant"} <= set(params)
     assert method.__doc__ and method.__doc__ == getattr(AsyncClient, kind.op).__doc__
     assert inspect.iscoroutinefunction(getattr(AsyncClient, kind.op)) is not kind.streaming
     command = kind.op.replace("_", "-")

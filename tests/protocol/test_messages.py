@@ -163,6 +163,13 @@ def test_nested_status_survives_the_wire() -> None:
     assert decoded.status.memory.available_mb == 600.0
 
 
+def test_a_tenant_is_a_short_name() -> None:
+    named = client_decoder.decode(encoder.encode(Embed(id=1, texts=["a"], tenant="t" * 64)))
+    assert named.tenant == "t" * 64
+    with pytest.raises(msgspec.ValidationError, match="tenant"):
+        client_decoder.decode(encoder.encode(Embed(id=1, texts=["a"], tenant="t" * 65)))
+
+
 def test_server_decoder_refuses_client_messages() -> None:
     # The two directions are separate Unions: a daemon never accepts its own replies.
     with pytest.raises(msgspec.ValidationError):

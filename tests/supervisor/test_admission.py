@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from test_queueing import drain
+
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embed, Embeddings, Error
 from modelpool.protocol.status import ModelStatus
@@ -68,6 +70,30 @@ async def test_identical_requests_run_once_and_each_gets_the_answer(
         assert isinstance(reply, Embeddings) and reply.id == client_id
     emb = model_status(h)
     assert emb.priorities[0].deduplicated == 19
+
+
+async def test_tenants_of_one_connection_take_turns_and_still_share_identical_work(
+        make_harness: MakeHarness) -> None:
+    """The HTTP front door's clients share its few connections: each names its tenant,
+    which takes a turn of its own among its user's clients, whichever connection carries
+    it; a connection's requests that name none keep its own turn."""
+    h = make_harness(cold_start_workers=1)
+    await one_busy_worker(h)
+    front, other = h.sink(), h.sink()
+    front.owner, other.owner = (1000, 1), (1000, 2)  # two connections of one user
+    for i in range(6):
+        h.embed(front, [f"flood {i}"], tenant="flooder")
+    h.embed(front, ["polite"], tenant="polite")
+    h.embed(other, ["also polite"], tenant="polite")
+    h.embed(front, ["flood 0"], tenant="polite")  # joins the flooder's identical job
+    h.embed(front, ["plain"])
+    queue = h.pool.models["emb"].queue
+    assert len(queue) == 9
+    owners = [job.owner for job in drain(queue)]
+    assert owners[:3].count((1000, "tenant", "polite")) == 1
+    assert owners.count((1000, "tenant", "polite")) == 2
+    assert owners[:3].count((1000, 1)) == 1  # the connection's own turn, for "plain"
+    assert owners.count((1000, "tenant", "flooder")) == 6
 
 
 async def test_cancelling_one_requester_leaves_the_others(make_harness: MakeHarness) -> None:

@@ -325,6 +325,21 @@ def test_each_api_keys_generations_keep_their_prompts_to_themselves() -> None:
                        "/s").prefix_cache_per_key is False
 
 
+def test_each_http_client_names_its_own_tenant_in_the_queues() -> None:
+    """By key, else by address: a turn of its own whichever connection it shares."""
+    def tenant(headers: list[tuple[bytes, bytes]], host: str = "127.0.0.1") -> str:
+        request = Request({"type": "http", "headers": headers, "client": (host, 5)})
+        call = bodies.embeddings_call(body(bodies.EmbeddingsBody, input="a"))
+        return with_header_options(request, call.kwargs, HttpSettings(socket_path="/s"))[
+            "tenant"]
+
+    one, two = tenant([(b"authorization", b"Bearer k1")]), tenant([(b"authorization",
+                                                                      b"Bearer k2")])
+    assert one != two and one == tenant([(b"authorization", b"Bearer k1")], "10.0.0.9")
+    assert "k1" not in one and len(one) <= 64  # the protocol's cap
+    assert tenant([]) == tenant([], "127.0.0.1") != tenant([], "10.0.0.9")
+
+
 def test_a_route_takes_its_parameters_from_whole_segments() -> None:
     async def handler(request: object) -> object:
         return None
