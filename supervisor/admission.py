@@ -16,7 +16,7 @@ from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import memory
 from modelpool.supervisor.config import PoolConfig
 from modelpool.supervisor.models import ModelState
-from modelpool.supervisor.queueing import user_of
+from modelpool.supervisor.owners import Tenant, user_of
 
 Rejection = tuple[ErrorCode, str]
 
@@ -116,7 +116,7 @@ def bounds_error(model: ModelState, nbytes: int, config: PoolConfig,
                  owner: Hashable = None) -> Rejection | None:
     """No queue is unbounded: per model in requests, in all in requests and bytes; and
     no one user (whatever its connections) takes the last quarter of a model's queue,
-    which is kept for others."""
+    which is kept for others, nor one tenant the last quarter of its user's share."""
     limit = model.settings.max_queue
     if len(model.queue) >= limit:
         return ErrorCode.QUEUE_FULL, f"model {model.key!r} has {limit} requests waiting"
@@ -124,6 +124,11 @@ def bounds_error(model: ModelState, nbytes: int, config: PoolConfig,
     if model.queue.held.get(user_of(owner), 0) >= share:
         return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this user's "
                 "requests wait; the rest is kept for others")
+    if isinstance(owner, Tenant):  # and the last quarter of its user's share, for its others
+        share = max(1, share - share // 4)
+        if model.queue.held.get(owner, 0) >= share:
+            return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this tenant's "
+                    "requests wait; the rest is kept for others")
     totals = model.queue.totals  # every model's queue together
     if totals.live >= config.max_queued_total:
         return ErrorCode.OVERLOADED, f"the daemon has {totals.live} requests waiting"

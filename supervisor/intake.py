@@ -23,6 +23,7 @@ from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config
 from modelpool.supervisor.jobs import JobBook
 from modelpool.supervisor.models import ModelState
+from modelpool.supervisor.owners import owner_of
 from modelpool.supervisor.queueing import PRIORITY_RANK, Job
 
 
@@ -57,7 +58,8 @@ class Intake:
         key = self.book.key_for(kind, request, spec.key) if spec and not reject else None
         leader = self.book.leader_for(key)
         if reject is None and leader is None and model is not None:
-            reject = admission.bounds_error(model, nbytes, self.config().pool, sink.owner)
+            reject = admission.bounds_error(model, nbytes, self.config().pool,
+                                            owner_of(sink.owner, request.tenant))
         if reject is not None:
             sink.send(self._error(request, model, reject))
             return False

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Hashable
 from typing import Any, Protocol
 
 import msgspec
@@ -18,7 +17,8 @@ from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import Kind, merge_rows
 from modelpool.protocol.messages import Error, WorkRequest, encoder
 from modelpool.supervisor.clock import ExpiryHeap, Scheduler
-from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester, user_of
+from modelpool.supervisor.owners import owner_of, user_of
+from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester
 
 DEDUP_MAX_BYTES = 1 << 20  # hashing bigger inputs costs more than it is likely to save
 DIGEST_BYTES = 16
@@ -201,15 +201,6 @@ class JobBook:
         # last reference goes, not left as cycles for the garbage collector, which ran for
         # ~10% of the supervisor's time per no-op request.
         req.job = None
-
-
-def owner_of(sink_owner: Hashable, tenant: str) -> Hashable:
-    """Whose turn a request takes among its user's clients: its connection's (or its
-    user's jobs'), or the tenant's it names, whichever connection or job it comes by; a
-    tenant is named within its user, so naming one takes no turn from other users."""
-    if not tenant or not isinstance(sink_owner, tuple):
-        return sink_owner
-    return (user_of(sink_owner), "tenant", tenant)
 
 
 def dedup_key(kind: Kind, request: WorkRequest, model_key: str,

@@ -19,6 +19,7 @@ import msgspec
 from modelpool.protocol.fields import PRIORITIES
 from modelpool.protocol.kinds import Kind
 from modelpool.protocol.messages import WorkRequest
+from modelpool.supervisor.owners import Tenant, user_of
 
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
 FINISH_TAGS_KEPT = 4096  # owners' finish tags kept before the idle ones are dropped
@@ -93,13 +94,6 @@ class Job(msgspec.Struct, eq=False):
     def live(self) -> list[Requester]:
         owner = self.parent or self
         return [r for r in owner.requesters if not r.done]
-
-
-def user_of(owner: Hashable) -> Hashable:
-    """The user an owner belongs to: owners are (uid, sub) tuples, a connection being
-    (uid, serial) and a user's submitted jobs (uid, "jobs"); any other owner (a test's
-    name) is a user of its own."""
-    return owner[0] if isinstance(owner, tuple) and owner else owner
 
 
 def _forget_behind(finish: dict[Hashable, float], clock: float) -> None:
@@ -235,7 +229,8 @@ class JobQueue:
         self._order = itertools.count()
         self._front = itertools.count(-1, -1)
         self._seq = itertools.count()
-        self.held: dict[Hashable, int] = {}  # waiting, by user (a dict: a Counter was slower)
+        # Waiting, by user and by Tenant owner (a dict: a Counter was slower).
+        self.held: dict[Hashable, int] = {}
         self.served = [0] * len(PRIORITIES)  # jobs handed out, by the rank they left
         self.live = 0
 
@@ -244,13 +239,13 @@ class JobQueue:
 
     def push(self, job: Job) -> None:
         self._place(job, PRIORITY_RANK[job.request.priority], front=False)
-        self._count(job.user, 1, job.nbytes)
+        self._count(job.user, 1, job.nbytes, job.owner)
 
     def push_front(self, job: Job) -> None:
         """Re-queue ahead of everything of the same rank (a dead worker's job)."""
         rank = job.rank if job.rank is not None else PRIORITY_RANK[job.request.priority]
         self._place(job, rank, front=True)
-        self._count(job.user, 1, job.nbytes)
+        self._count(job.user, 1, job.nbytes, job.owner)
 
     def promote(self, job: Job, rank: int) -> None:
         """Move a queued job up to rank (ageing, or a more urgent requester attached)."""
@@ -265,7 +260,7 @@ class JobQueue:
             return
         self._levels[job.rank].remove(job)
         job.entry = None
-        self._count(job.user, -1, -job.nbytes)
+        self._count(job.user, -1, -job.nbytes, job.owner)
 
     def peek(self) -> Job | None:
         """The job pop_batch would hand out first."""
@@ -315,6 +310,8 @@ class JobQueue:
             size += job.size
             taken += 1
             nbytes += job.nbytes
+            if isinstance(job.owner, Tenant):
+                self._hold(job.owner, -1)
         user.clock = max(user.clock, tag)
         level.clock = max(level.clock, started)
         level.live -= taken
@@ -380,17 +377,23 @@ class JobQueue:
             level.served(user, job, next(self._seq))
         job.entry = None  # out of the queue
         self.served[job.rank or 0] += 1
-        self._count(job.user, -1, -job.nbytes)
+        self._count(job.user, -1, -job.nbytes, job.owner)
         return job
 
-    def _count(self, user: Hashable, jobs: int, nbytes: int) -> None:
-        """Jobs of one user, of nbytes together, come (jobs > 0) or leave (< 0) the queue."""
+    def _count(self, user: Hashable, jobs: int, nbytes: int, owner: Hashable = None) -> None:
+        """Jobs of one user, of nbytes together, come (jobs > 0) or leave (< 0) the queue;
+        a tenant's are counted for it too (its share within its user's, in admission)."""
         self.live += jobs
         totals = self.totals
         totals.live += jobs
         totals.nbytes += nbytes
-        held = self.held.get(user, 0) + jobs
+        self._hold(user, jobs)
+        if isinstance(owner, Tenant):
+            self._hold(owner, jobs)
+
+    def _hold(self, holder: Hashable, jobs: int) -> None:
+        held = self.held.get(holder, 0) + jobs
         if held:
-            self.held[user] = held
+            self.held[holder] = held
         else:
-            del self.held[user]
+            del self.held[holder]

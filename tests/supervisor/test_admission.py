@@ -10,6 +10,7 @@ from test_queueing import drain
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.messages import Embed, Embeddings, Error
 from modelpool.protocol.status import ModelStatus
+from modelpool.supervisor.owners import Tenant
 from modelpool.supervisor.status import build_status
 
 if TYPE_CHECKING:
@@ -90,10 +91,33 @@ async def test_tenants_of_one_connection_take_turns_and_still_share_identical_wo
     queue = h.pool.models["emb"].queue
     assert len(queue) == 9
     owners = [job.owner for job in drain(queue)]
-    assert owners[:3].count((1000, "tenant", "polite")) == 1
-    assert owners.count((1000, "tenant", "polite")) == 2
+    assert owners[:3].count(Tenant(1000, "polite")) == 1
+    assert owners.count(Tenant(1000, "polite")) == 2
     assert owners[:3].count((1000, 1)) == 1  # the connection's own turn, for "plain"
-    assert owners.count((1000, "tenant", "flooder")) == 6
+    assert owners.count(Tenant(1000, "flooder")) == 6
+
+
+async def test_no_tenant_takes_the_last_quarter_of_its_users_share(
+        make_harness: MakeHarness) -> None:
+    """One HTTP key's flood leaves room in the queue for the front door's other keys, as
+    one user's flood leaves room for other users."""
+    h = make_harness(cold_start_workers=1, max_queue=16)  # a user's share 12, a tenant's 9
+    await one_busy_worker(h)
+    front, other_user = h.sink(), h.sink()
+    front.owner, other_user.owner = (1000, 1), (2000, 1)
+    ids = [h.embed(front, [f"flood {i}"], tenant="flooder") for i in range(10)]
+    (full,) = front.errors()
+    assert full.id == ids[9] and full.code is ErrorCode.QUEUE_FULL and "tenant" in full.message
+    ids = [h.embed(front, [f"polite {i}"], tenant="polite") for i in range(4)]
+    (user_full,) = front.errors()[1:]  # 9 + 3 = the user's 12
+    assert user_full.id == ids[3] and "user" in user_full.message
+    h.embed(other_user, ["another user"], tenant="flooder")  # another user's tenant
+    assert len(front.errors()) == 2 and not other_user.errors()
+    queue = h.pool.models["emb"].queue
+    assert len(queue) == 13
+    while queue.pop_batch(32):
+        pass
+    assert queue.held == {}  # taken in batches, each tenant's count went with them
 
 
 async def test_cancelling_one_requester_leaves_the_others(make_harness: MakeHarness) -> None:
