@@ -7,7 +7,9 @@ worker each. Lone chat requests, greedy, the two models in turn:
 - a long system prompt (~1,000 tokens) shared by every request, each with its own short
   question: what an application with a fixed instruction block sends;
 - a conversation of several turns, each sending the whole conversation so far (the
-  model's own earlier answers included) with a new user message: what every chat does.
+  model's own earlier answers included) with a new user message: what every chat does;
+- four choices of one prompt sent at once, each sampled with its own seed (what the HTTP
+  API's `n` = 4 sends), a new prompt each round: with the cache its prefill runs once.
 
 For each, time to first token (p50) with and without the cache, the prompt and the cached
 tokens as the daemon reports them, and the answers compared (the same greedy text).
@@ -15,6 +17,7 @@ tokens as the daemon reports them, and the answers compared (the same greedy tex
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import statistics
@@ -26,7 +29,7 @@ from typing import Any
 from bench import ROOT, Daemon
 from bench_generation import build_models
 
-from modelpool.protocol.client import Client
+from modelpool.protocol.client import AsyncClient, Client
 
 MODELS = """
 [pool]
@@ -98,6 +101,38 @@ def _conversation(c: Client, quick: bool) -> dict[str, Any]:
                                 for m, rs in runs.items()}}
 
 
+async def _choices(socket: str, quick: bool) -> dict[str, Any]:
+    """Time until every one of four choices has its first token, and until all end."""
+    async def choice(c: AsyncClient, model: str, messages: list[dict[str, str]],
+                     seed: int, t0: float) -> tuple[float, float]:
+        first = None
+        async for _ in c.generate(messages, model=model, max_tokens=16, temperature=1.0,
+                                  seed=seed, ignore_eos=True, timeout_s=600):
+            first = first or time.perf_counter() - t0
+        assert first is not None
+        return first, time.perf_counter() - t0
+
+    runs: dict[str, list[tuple[float, float]]] = {"llm": [], "llm-nocache": []}
+    async with AsyncClient(socket) as c:
+        for round_ in range(3 if quick else 6):
+            messages = [{"role": "system", "content": _instructions(250, 2000 + 300 * round_)},
+                        {"role": "user", "content": "Tell me a story."}]
+            for model in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
+                t0 = time.perf_counter()
+                times = await asyncio.gather(*(choice(c, model, messages, seed, t0)
+                                               for seed in range(4)))
+                runs[model].append((max(f for f, _ in times), max(e for _, e in times)))
+
+    def p50(model: str, which: int) -> float:
+        return round(1000 * statistics.median(r[which] for r in runs[model]), 1)
+
+    return {"rounds": len(runs["llm"]),
+            "all_first_tokens_p50_ms": {m: p50(m, 0) for m in runs},
+            "all_done_p50_ms": {m: p50(m, 1) for m in runs},
+            "first_tokens_ratio_uncached_vs_cached": round(p50("llm-nocache", 0)
+                                                           / p50("llm", 0), 2)}
+
+
 def _compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     def p50(model: str, field: str) -> float:
         return statistics.median(r[field] for r in runs[model])
@@ -124,7 +159,8 @@ def figures(quick: bool) -> dict[str, Any]:
                 report: dict[str, Any] = {
                     "loadavg_before": [round(x, 2) for x in os.getloadavg()],
                     "shared_instructions": _shared_instructions(c, quick),
-                    "conversation": _conversation(c, quick)}
+                    "conversation": _conversation(c, quick),
+                    "four_choices": asyncio.run(_choices(daemon.socket, quick))}
             report["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
             return report
         finally:

@@ -7,9 +7,10 @@ its KV cache joins the running batch, left-padded to the batch's length; a seque
 ends leaves at once and its rows of the cache are dropped. With a prefix cache
 (prefix_cache.py), a text sequence's keys and values are kept when its prompt is in and
 when it ends, and a new prompt starts from the longest kept one it begins with, fed in
-chunks from there. Sampling stays per sequence
-(temperature, top_p, top_k, min_p, logit rules, seed, stop tokens, ignore_eos, logprobs),
-with the same `next_token`, detokenizer and token logprobs as causal_lm.py's loop.
+chunks from there; one prompt sent several times at once (n choices) is prefilled once.
+Sampling stays per sequence (temperature, top_p, top_k, min_p, logit rules, seed, stop
+tokens, ignore_eos, logprobs), with the same `next_token`, detokenizer and token
+logprobs as causal_lm.py's loop.
 
 It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
 sliding window or recurrent state) and whose positions are one index per token, taken
@@ -162,8 +163,8 @@ class ContinuousDecoder:
             self._reuse_prefixes()
             group = self._next_group()
             longest = max(s.left for s in group) or 1
-            tokens = len(group) * (min(longest, self.prefill_tokens) if self._chunked(group)
-                                   else longest)
+            tokens = len(self._once_each(group)[0]) * (
+                min(longest, self.prefill_tokens) if self._chunked(group) else longest)
             events = self._prefill(group)
             self.token_s = _average(self.token_s, (time.perf_counter() - started) / tokens)
             return events
@@ -191,7 +192,12 @@ class ContinuousDecoder:
         try:
             if self._chunked(group):
                 return self._prefill_chunk(group[0])
-            logits, cache, mask = self._prefill_whole(group)
+            unique, rows = self._once_each(group)
+            logits, cache, mask = self._prefill_whole(unique)
+            if len(unique) < len(group):  # each its own copy of its prompt's row
+                logits, mask = logits[rows], mask[rows]
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[rows], layer.values[rows]
         except Exception as exc:
             self.waiting = [s for s in self.waiting if s not in group]
             return [Emitted(s.seq_id, error=exc) for s in group]
@@ -200,6 +206,28 @@ class ContinuousDecoder:
             self._remember(seq, cache, row, seq.prepared.prompt_tokens)
         self.rows.join(group, cache, mask)
         return self._advance(group, logits)
+
+    def _once_each(self, group: list[_Seq]) -> tuple[list[_Seq], torch.Tensor]:
+        """The group's distinct prompts, and for each sequence the row of its prompt among
+        them."""
+        first_of: dict[object, int] = {}
+        unique, rows = [], []
+        for seq in group:
+            key = self._prompt_key(seq)
+            if key not in first_of:
+                first_of[key] = len(unique)
+                unique.append(seq)
+            rows.append(first_of[key])
+        return unique, torch.tensor(rows)
+
+    def _prompt_key(self, seq: _Seq) -> object:
+        """Equal for prompts prefilled once for all (a request's n choices, each sampled
+        on its own, are one prompt sent n times). Sharing keys and values is the prefix
+        cache's part: with it off, and between salts, each is prefilled as sent."""
+        if self.prefix_cache is None:
+            return seq
+        ids = seq.prepared.inputs["input_ids"][0]
+        return seq.prepared.cache_salt, ids.cpu().numpy().tobytes()
 
     def _reuse_prefixes(self) -> None:
         """Waiting prompts not started that start as a kept one does start from its cache,
@@ -242,16 +270,19 @@ class ContinuousDecoder:
 
     def _next_group(self) -> list[_Seq]:
         """The first waiting sequence, with the short text prompts that follow it when it
-        is one: as many as prefill_tokens padded tokens hold."""
+        is one: as many as prefill_tokens padded tokens hold, each prompt counted once."""
         first, budget = self.waiting[0], self.prefill_tokens
         if not first.plain or first.left > budget or first.fed:
             return [first]
-        group, longest = [first], first.left
+        group, longest, prompts = [first], first.left, {self._prompt_key(first)}
         for seq in self.waiting[1:]:
             if not seq.plain or seq.left > budget or seq.fed:
                 continue
-            if (len(group) + 1) * max(longest, seq.left) > budget:
-                break
+            prompt = self._prompt_key(seq)
+            if prompt not in prompts:  # (one already in the group costs nothing more)
+                if (len(prompts) + 1) * max(longest, seq.left) > budget:
+                    break
+                prompts.add(prompt)
             group.append(seq)
             longest = max(longest, seq.left)
         return group

@@ -248,3 +248,42 @@ def test_no_memory_for_a_copy_leaves_the_sequences_running(
     got = _decoded(decoder, {0: [(1, llm.prepare(request))], 2: [(2, llm.prepare(request))]})
     assert got == {1: _alone(llm, request), 2: _alone(llm, request)}
     assert decoder.prefix_cache.entries == []
+
+
+class _Passes:
+    """The model, counting the rows of each forward pass's input."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.rows = model, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, **inputs: Any) -> Any:
+        self.rows.append(int(inputs["input_ids"].shape[0]))
+        return self.model(**inputs)
+
+
+@pytest.mark.parametrize("cache_on", [True, False])
+def test_a_prompt_sent_several_times_at_once_is_prefilled_once(
+        llm: CausalLM, monkeypatch: pytest.MonkeyPatch, cache_on: bool) -> None:
+    """A request's n choices reach the decoder as n sequences of one prompt: one row of
+    the prefill, copied to each; each then samples on its own. Another salt's copy is a
+    prompt of its own, and with the prefix cache off nothing is shared."""
+    if not cache_on:
+        monkeypatch.setattr(llm, "prefix_cache_bytes", 0)
+    choices = [_generate(SHARED + "Tell me about rivers.", temperature=1.0, seed=seed,
+                         ignore_eos=True, max_tokens=6) for seed in range(4)]
+    salted = _generate(SHARED + "Tell me about rivers.", cache_salt="b")
+    other = _generate("A prompt of its own, and short.")
+    decoder = llm.decoder()
+    assert decoder is not None and (decoder.prefix_cache is not None) is cache_on
+    decoder.prefill_budget = lambda: 1024  # type: ignore[method-assign]  # (idle's)
+    passes = _Passes(llm.model)
+    decoder.model = passes
+    arrivals = [(i, llm.prepare(r)) for i, r in enumerate([*choices, salted, other])]
+    got = _decoded(decoder, {0: arrivals})
+    assert passes.rows[0] == (3 if cache_on else 6)  # the first pass: the prefill
+    assert passes.rows[1] == 6  # then all six decode together
+    assert got == {i: _alone(llm, r) for i, r in enumerate([*choices, salted, other])}
+    assert len({got[i][0] for i in range(4)}) > 1  # each choice sampled on its own
