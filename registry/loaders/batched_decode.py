@@ -31,12 +31,13 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from modelpool.protocol.messages import Sampling, TokenLogprob
+from modelpool.registry.loaders import continued_prefill, prefill_groups
 from modelpool.registry.loaders.batch_fit import default_max_sequences
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
 from modelpool.registry.loaders.grammar import GrammarMatcher
 from modelpool.registry.loaders.kv_rows import Rows, row_of
 from modelpool.registry.loaders.logit_rules import LogitRules
-from modelpool.registry.loaders.prefix_cache import PrefixCache
+from modelpool.registry.loaders.prefix_cache import PrefixCache, shared_prefix
 from modelpool.registry.loaders.token_logprobs import prompt_logprobs, token_logprob
 from modelpool.registry.loaders.tool_calls import ToolCallReader
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -161,9 +162,10 @@ class ContinuousDecoder:
             self.prefilled_last = True
             self.prefill_tokens = self.prefill_budget()
             self._reuse_prefixes()
-            group = self._next_group()
+            group = prefill_groups.next_group(self.waiting, self.prefill_tokens,
+                                              self._prompt_key, self._shared_start)
             longest = max(s.left for s in group) or 1
-            tokens = len(self._once_each(group)[0]) * (
+            tokens = len(prefill_groups.once_each(group, self._prompt_key)[0]) * (
                 min(longest, self.prefill_tokens) if self._chunked(group) else longest)
             events = self._prefill(group)
             self.token_s = _average(self.token_s, (time.perf_counter() - started) / tokens)
@@ -192,12 +194,10 @@ class ContinuousDecoder:
         try:
             if self._chunked(group):
                 return self._prefill_chunk(group[0])
-            unique, rows = self._once_each(group)
-            logits, cache, mask = self._prefill_whole(unique)
-            if len(unique) < len(group):  # each its own copy of its prompt's row
-                logits, mask = logits[rows], mask[rows]
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+            if group[0].fed:
+                logits, cache, mask = self._prefill_rests(group)
+            else:
+                logits, cache, mask = self._prefill_once_each(group)
         except Exception as exc:
             self.waiting = [s for s in self.waiting if s not in group]
             return [Emitted(s.seq_id, error=exc) for s in group]
@@ -207,18 +207,33 @@ class ContinuousDecoder:
         self.rows.join(group, cache, mask)
         return self._advance(group, logits)
 
-    def _once_each(self, group: list[_Seq]) -> tuple[list[_Seq], torch.Tensor]:
-        """The group's distinct prompts, and for each sequence the row of its prompt among
-        them."""
-        first_of: dict[object, int] = {}
-        unique, rows = [], []
+    def _prefill_once_each(self, group: list[_Seq]
+                           ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """Prompts prefilled whole, each distinct one once, in one padded pass."""
+        unique, rows = prefill_groups.once_each(group, self._prompt_key)
+        logits, cache, mask = self._prefill_whole(unique)
+        if len(unique) < len(group):  # each its own copy of its prompt's row
+            logits, mask = logits[rows], mask[rows]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        return logits, cache, mask
+
+    def _prefill_rests(self, group: list[_Seq]
+                       ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """Prompts each with keys and values of their own for a start (continued_prefill):
+        the rest of every one in one pass."""
+        fed = [seq.fed for seq in group]
+        cache, cached = continued_prefill.batch_of([seq.cache for seq in group], fed)
+        ids, new = continued_prefill.left_padded(
+            [seq.prepared.inputs["input_ids"][0, seq.fed:] for seq in group], self.pad_id)
+        mask, device = torch.cat([cached, new], dim=1), self.model.device
+        out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                         position_ids=continued_prefill.positions_after(fed, new).to(device),
+                         **{self.cache_keyword: cache}, use_cache=True, logits_to_keep=1)
+        cache = kv_cache_of(out)
         for seq in group:
-            key = self._prompt_key(seq)
-            if key not in first_of:
-                first_of[key] = len(unique)
-                unique.append(seq)
-            rows.append(first_of[key])
-        return unique, torch.tensor(rows)
+            seq.fed, seq.cache = seq.prepared.prompt_tokens, None
+        return out.logits[:, -1], cache, continued_prefill.left_aligned(cache, mask)
 
     def _prompt_key(self, seq: _Seq) -> object:
         """Equal for prompts prefilled once for all (a request's n choices, each sampled
@@ -228,6 +243,13 @@ class ContinuousDecoder:
             return seq
         ids = seq.prepared.inputs["input_ids"][0]
         return seq.prepared.cache_salt, ids.cpu().numpy().tobytes()
+
+    def _shared_start(self, kept: _Seq, seq: _Seq) -> int:
+        """Tokens seq's prompt may take from kept's once kept's is in the prefix cache."""
+        if self.prefix_cache is None or kept.prepared.cache_salt != seq.prepared.cache_salt:
+            return 0
+        return shared_prefix(kept.prepared.inputs["input_ids"][0],
+                             seq.prepared.inputs["input_ids"][0])
 
     def _reuse_prefixes(self) -> None:
         """Waiting prompts not started that start as a kept one does start from its cache,
@@ -267,25 +289,6 @@ class ContinuousDecoder:
         first = group[0]
         return len(group) == 1 and first.plain and (first.left > self.prefill_tokens
                                                     or bool(first.fed))
-
-    def _next_group(self) -> list[_Seq]:
-        """The first waiting sequence, with the short text prompts that follow it when it
-        is one: as many as prefill_tokens padded tokens hold, each prompt counted once."""
-        first, budget = self.waiting[0], self.prefill_tokens
-        if not first.plain or first.left > budget or first.fed:
-            return [first]
-        group, longest, prompts = [first], first.left, {self._prompt_key(first)}
-        for seq in self.waiting[1:]:
-            if not seq.plain or seq.left > budget or seq.fed:
-                continue
-            prompt = self._prompt_key(seq)
-            if prompt not in prompts:  # (one already in the group costs nothing more)
-                if (len(prompts) + 1) * max(longest, seq.left) > budget:
-                    break
-                prompts.add(prompt)
-            group.append(seq)
-            longest = max(longest, seq.left)
-        return group
 
     def _prefill_whole(self, group: list[_Seq]
                        ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:

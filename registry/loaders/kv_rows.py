@@ -30,9 +30,10 @@ class Rows:
             return
         length = max(self.mask.shape[1], mask.shape[1])
         for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_pad_kv(mine.keys, length), _pad_kv(theirs.keys, length)])
-            mine.values = torch.cat([_pad_kv(mine.values, length),
-                                     _pad_kv(theirs.values, length)])
+            mine.keys = torch.cat([left_pad_kv(mine.keys, length),
+                                   left_pad_kv(theirs.keys, length)])
+            mine.values = torch.cat([left_pad_kv(mine.values, length),
+                                     left_pad_kv(theirs.values, length)])
         self.mask = torch.cat([_pad_mask(self.mask, length), _pad_mask(mask, length)])
         self.positions = torch.cat([self.positions, positions])
         self.seqs.extend(seqs)
@@ -66,7 +67,7 @@ def row_of(cache: DynamicCache, row: int, tokens: int) -> Layers:
              layer.values[row:row + 1, :, -tokens:].clone()) for layer in cache.layers]
 
 
-def _pad_kv(t: torch.Tensor, length: int) -> torch.Tensor:
+def left_pad_kv(t: torch.Tensor, length: int) -> torch.Tensor:
     return F.pad(t, (0, 0, length - t.shape[-2], 0))
 
 

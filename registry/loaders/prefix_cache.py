@@ -55,7 +55,7 @@ class PrefixCache:
         ids = ids.cpu()
         length, best = 0, None
         for entry in self.entries:
-            shared = _shared_prefix(entry.ids, ids) if entry.salt == salt else 0
+            shared = shared_prefix(entry.ids, ids) if entry.salt == salt else 0
             if shared > length:
                 length, best = shared, entry
         length = min(length, len(ids) - 1)
@@ -76,7 +76,7 @@ class PrefixCache:
             return
         mine = [e for e in self.entries if e.salt == salt]
         for entry in mine:
-            if _shared_prefix(entry.ids, ids) == len(ids):  # as long or longer: it has these
+            if shared_prefix(entry.ids, ids) == len(ids):  # as long or longer: it has these
                 self._touch(entry)
                 return
         try:
@@ -86,7 +86,7 @@ class PrefixCache:
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if nbytes > self.budget_bytes:
             return
-        for entry in [e for e in mine if _shared_prefix(e.ids, ids) == len(e.ids)]:
+        for entry in [e for e in mine if shared_prefix(e.ids, ids) == len(e.ids)]:
             self._remove(entry)
         self.entries.append(_Entry(ids, salt, layers, nbytes))
         self.nbytes += nbytes
@@ -102,7 +102,7 @@ class PrefixCache:
         self.nbytes -= entry.nbytes
 
 
-def _shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+def shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many tokens a and b (1-D) have in common from their start."""
     n = min(len(a), len(b))
     differ = torch.nonzero(a[:n] != b[:n])

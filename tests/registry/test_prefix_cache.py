@@ -13,6 +13,7 @@ from modelpool.protocol.messages import Generate
 from modelpool.registry.loaders import batched_decode, causal_lm
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder
 from modelpool.registry.loaders.causal_lm import CausalLM
+from modelpool.registry.loaders.common import kv_cache_of
 from modelpool.registry.loaders.prefix_cache import MIN_REUSE_TOKENS, PrefixCache
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -287,3 +288,36 @@ def test_a_prompt_sent_several_times_at_once_is_prefilled_once(
     assert passes.rows[1] == 6  # then all six decode together
     assert got == {i: _alone(llm, r) for i, r in enumerate([*choices, salted, other])}
     assert len({got[i][0] for i in range(4)}) > 1  # each choice sampled on its own
+
+
+@pytest.mark.parametrize("fit_together", [False, True])
+def test_prompts_waiting_with_one_start_have_their_rests_fed_in_one_pass(
+        llm: CausalLM, fit_together: bool) -> None:
+    """Requests arriving together with the same instructions: the first is prefilled, and
+    the others, each taking its kept prompt, are fed what follows in one pass, rests of
+    different lengths together (not one pass each between decode steps), also when all
+    would fit one pass whole (which would compute the shared start for each)."""
+    questions = ["Tell me about rivers.", "And trees?", "What of the hills, the sea and "
+                 "the long roads between the towns?"]
+    requests = [_generate(SHARED * 2 + q, max_tokens=5) for q in questions]
+    decoder = llm.decoder()
+    assert decoder is not None
+    budget = 8 * decoder.least_prefill if fit_together else decoder.least_prefill
+    decoder.prefill_budget = lambda: budget  # type: ignore[method-assign]
+    lengths = [len(llm.prompt_ids(r)) for r in requests]
+    assert all(decoder.least_prefill // 2 < n <= decoder.least_prefill for n in lengths)
+    passes = _Passes(llm.model)
+    decoder.model = passes
+    got = _decoded(decoder, {0: [(i, llm.prepare(r)) for i, r in enumerate(requests)]})
+    common = [_shared(llm.prompt_ids(requests[0]), llm.prompt_ids(r)) for r in requests]
+    assert got == {i: (_alone(llm, r)[0], common[i] if i else 0)
+                   for i, r in enumerate(requests)}
+    assert passes.rows[:3] == [1, 1, 2]  # the first's prompt, its decode, both rests
+    # What was kept of each (its prompt and output) is what the tokens alone would give.
+    assert len(decoder.prefix_cache.entries) == 3
+    for entry in decoder.prefix_cache.entries:
+        with torch.inference_mode():
+            alone = kv_cache_of(llm.model(input_ids=entry.ids[None], use_cache=True))
+        for (keys, values), layer in zip(entry.layers, alone.layers, strict=True):
+            torch.testing.assert_close(keys, layer.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(values, layer.values, atol=1e-4, rtol=1e-4)
