@@ -10,6 +10,9 @@ worker each. Lone chat requests, greedy, the two models in turn:
   model's own earlier answers included) with a new user message: what every chat does;
 - four choices of one prompt sent at once, each sampled with its own seed (what the HTTP
   API's `n` = 4 sends), a new prompt each round: with the cache its prefill runs once.
+- eight requests sent at once with the same instructions (a new ~300-word block each
+  round) and their own questions: with the cache the first is prefilled, the others'
+  questions together from its kept prompt.
 
 For each, time to first token (p50) with and without the cache, the prompt and the cached
 tokens as the daemon reports them, and the answers compared (the same greedy text).
@@ -101,10 +104,13 @@ def _conversation(c: Client, quick: bool) -> dict[str, Any]:
                                 for m, rs in runs.items()}}
 
 
-async def _choices(socket: str, quick: bool) -> dict[str, Any]:
-    """Time until every one of four choices has its first token, and until all end."""
-    async def choice(c: AsyncClient, model: str, messages: list[dict[str, str]],
-                     seed: int, t0: float) -> tuple[float, float]:
+async def _together(socket: str, quick: bool, questions: list[str],
+                    words: int) -> dict[str, Any]:
+    """Requests sent at once, one per question (the same question: seeds 0, 1, ...), the
+    same instructions for all (new each round): time until every one has its first
+    token, and until all end."""
+    async def one(c: AsyncClient, model: str, messages: list[dict[str, str]],
+                  seed: int, t0: float) -> tuple[float, float]:
         first = None
         async for _ in c.generate(messages, model=model, max_tokens=16, temperature=1.0,
                                   seed=seed, ignore_eos=True, timeout_s=600):
@@ -115,12 +121,13 @@ async def _choices(socket: str, quick: bool) -> dict[str, Any]:
     runs: dict[str, list[tuple[float, float]]] = {"llm": [], "llm-nocache": []}
     async with AsyncClient(socket) as c:
         for round_ in range(3 if quick else 6):
-            messages = [{"role": "system", "content": _instructions(250, 2000 + 300 * round_)},
-                        {"role": "user", "content": "Tell me a story."}]
+            system = {"role": "system",
+                      "content": _instructions(words, 2000 + 97 * len(questions) * round_)}
             for model in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
                 t0 = time.perf_counter()
-                times = await asyncio.gather(*(choice(c, model, messages, seed, t0)
-                                               for seed in range(4)))
+                times = await asyncio.gather(*(
+                    one(c, model, [system, {"role": "user", "content": question}], seed, t0)
+                    for seed, question in enumerate(questions)))
                 runs[model].append((max(f for f, _ in times), max(e for _, e in times)))
 
     def p50(model: str, which: int) -> float:
@@ -160,7 +167,11 @@ def figures(quick: bool) -> dict[str, Any]:
                     "loadavg_before": [round(x, 2) for x in os.getloadavg()],
                     "shared_instructions": _shared_instructions(c, quick),
                     "conversation": _conversation(c, quick),
-                    "four_choices": asyncio.run(_choices(daemon.socket, quick))}
+                    "four_choices": asyncio.run(_together(
+                        daemon.socket, quick, ["Tell me a story."] * 4, 250)),
+                    "eight_questions_at_once": asyncio.run(_together(
+                        daemon.socket, quick, [f"Tell me about {q}." for q in QUESTIONS],
+                        300))}
             report["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
             return report
         finally:

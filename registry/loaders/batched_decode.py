@@ -253,8 +253,9 @@ class ContinuousDecoder:
 
     def _reuse_prefixes(self) -> None:
         """Waiting prompts not started that start as a kept one does start from its cache,
-        and are fed in chunks from there. Asked again at each prefill while they wait: the
-        sequence prefilled just before may have been the one they share a start with."""
+        and are fed from there (their rests together, a long one in chunks). Asked again
+        at each prefill while they wait: the sequence prefilled just before may have been
+        the one they share a start with."""
         if self.prefix_cache is None:
             return
         for seq in self.waiting:
