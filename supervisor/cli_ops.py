@@ -60,6 +60,8 @@ def _add_command(sub: SubParsers, kind: Kind, job: bool) -> None:
                      "the daemon's timeout_s)")
     cmd.add_argument("--deadline", type=float, dest="deadline_s",
                      help="seconds from now; expired work is never started")
+    cmd.add_argument("--tenant", default="", help="whose turn in the queues: requests "
+                     "naming one tenant take one, whichever connection (up to 64 characters)")
     cmd.set_defaults(func=lambda args: (submit if job else run)(args, kind))
 
 
@@ -119,7 +121,8 @@ def _arguments(args: argparse.Namespace, kind: Kind) -> dict[str, Any]:
     stdin = Stdin()
     kwargs = {name: from_stdin(name, getattr(args, name), stdin)
               for name in inspect.signature(kind.build).parameters}
-    kwargs.update(priority=args.priority, timeout_s=args.timeout_s, deadline_s=args.deadline_s)
+    kwargs.update(priority=args.priority, timeout_s=args.timeout_s, deadline_s=args.deadline_s,
+                  tenant=args.tenant)
     return kwargs
 
 

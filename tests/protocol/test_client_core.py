@@ -13,8 +13,9 @@ import pytest
 from modelpool.protocol.client import AsyncClient, Client
 from modelpool.protocol.client_core import TextChunk, encode_checked, make_call, split_call
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.kinds import KINDS, Kind
+from modelpool.protocol.kinds import BY_OP, KINDS, Kind
 from modelpool.protocol.messages import Chunk, Embeddings, End, Error, Generate
+from modelpool.supervisor import cli_ops
 from modelpool.supervisor.cli import _parser
 
 
@@ -80,6 +81,8 @@ def test_cli_flags_come_from_the_builder_signature() -> None:
                                                                            True)
     assert args.temperature is None  # unset: the daemon's default applies
     assert _parser().parse_args(["embed", "a", "b"]).texts == ["a", "b"]
+    tenant = _parser().parse_args(["embed", "a", "--tenant", "team-a"])
+    assert cli_ops._arguments(tenant, BY_OP["embed"])["tenant"] == "team-a"
     assert _parser().parse_args(["describe", "x.png"]).query == ""
 
 
