@@ -16,7 +16,7 @@ from modelpool.registry.spec import ModelSpec, Registry
 from modelpool.supervisor import memory
 from modelpool.supervisor.config import PoolConfig
 from modelpool.supervisor.models import ModelState
-from modelpool.supervisor.owners import Tenant, user_of
+from modelpool.supervisor.owners import Tenant, share_of, user_of
 
 Rejection = tuple[ErrorCode, str]
 
@@ -120,12 +120,12 @@ def bounds_error(model: ModelState, nbytes: int, config: PoolConfig,
     limit = model.settings.max_queue
     if len(model.queue) >= limit:
         return ErrorCode.QUEUE_FULL, f"model {model.key!r} has {limit} requests waiting"
-    share = max(1, limit - limit // 4)
+    share = share_of(limit)
     if model.queue.held.get(user_of(owner), 0) >= share:
         return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this user's "
                 "requests wait; the rest is kept for others")
     if isinstance(owner, Tenant):  # and the last quarter of its user's share, for its others
-        share = max(1, share - share // 4)
+        share = share_of(share)
         if model.queue.held.get(owner, 0) >= share:
             return (ErrorCode.QUEUE_FULL, f"model {model.key!r}: {share} of this tenant's "
                     "requests wait; the rest is kept for others")

@@ -120,7 +120,8 @@ class JobService:
         dedup = dedup_key(kind, filled, model)
         now = self.pool.scheduler.wall()
         deadline_in = admission.deadline_in(request, now)
-        record = JobRecord(key=key or new_key(), uid=uid, op=kind.op, stream_to=stream_to,
+        record = JobRecord(key=key or new_key(), uid=uid, tenant=request.tenant,
+                           op=kind.op, stream_to=stream_to,
                            model=model, priority=request.priority,
                            request=encoder.encode(request), single=msg.single,
                            dedup=dedup + variant.encode() if dedup and variant else dedup,

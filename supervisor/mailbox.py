@@ -34,6 +34,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     variant: str | None = None
     # A relayed stream: the channel its text goes to as it is made (pgstreams.py).
     stream_to: str | None = None
+    tenant: str = ""  # its request's: whose share of the bound on waiting jobs it takes
     submitted_at: float  # seconds since the epoch, as every time here
     state: str = "queued"
     started_at: float | None = None

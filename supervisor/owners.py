@@ -31,3 +31,9 @@ def owner_of(sink_owner: Hashable, tenant: str) -> Hashable:
     if not tenant or not isinstance(sink_owner, tuple):
         return sink_owner
     return Tenant(user_of(sink_owner), tenant)
+
+
+def share_of(limit: int) -> int:
+    """What one holder may take of a bound it shares with others: all but its last
+    quarter, which is kept for them (at least one)."""
+    return max(1, limit - limit // 4)

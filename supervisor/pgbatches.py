@@ -18,16 +18,17 @@ COLUMNS = ("key, uid, op, model, priority, request, single, submitted_at, state,
 # Claimed at once (the caller can start it, and nothing of its model and variant waits at
 # its priority or above: priorities hold across nodes) a job wakes no other node; queued, it
 # wakes them all. Identical work joins the job already waiting or running, or the first
-# of its batch (`joins`). The bound on waiting jobs is checked once per batch.
+# of its batch (`joins`). The bound on waiting jobs, and each user's and tenant's share of
+# it (owners.share_of), are checked against what waits before the batch.
 INSERT = f"""
     WITH batch AS (
         SELECT * FROM unnest(%(keys)s::text[], %(uids)s::int[], %(ops)s::text[],
             %(models)s::text[], %(priorities)s::smallint[], %(requests)s::bytea[],
             %(singles)s::boolean[], %(dedups)s::bytea[], %(submitted)s::float8[],
             %(claims)s::boolean[], %(joins)s::text[], %(deadlines)s::float8[],
-            %(variants)s::text[], %(streams)s::text[])
+            %(variants)s::text[], %(streams)s::text[], %(tenants)s::text[])
         AS b(key, uid, op, model, priority, request, single, dedup, submitted_at, claim,
-             joins, deadline_in, variant, stream_to)),
+             joins, deadline_in, variant, stream_to, tenant)),
     fated AS MATERIALIZED (
         SELECT b.*, coalesce(lead.key, b.joins) AS leader, CASE
             WHEN coalesce(lead.key, b.joins) IS NOT NULL THEN 'joined'
@@ -39,18 +40,22 @@ INSERT = f"""
         FROM batch b LEFT JOIN LATERAL (
             SELECT key FROM {T} WHERE b.dedup IS NOT NULL AND dedup = b.dedup
                 AND state IN ('queued', 'running') AND leader IS NULL LIMIT 1) lead ON true
-        WHERE (SELECT count(*) FROM {T} WHERE state = 'queued') < %(max_queued)s),
+        WHERE (SELECT count(*) FROM {T} WHERE state = 'queued') < %(max_queued)s
+            AND (SELECT count(*) FROM {T} WHERE state = 'queued' AND uid = b.uid)
+                < %(user_share)s
+            AND (b.tenant = '' OR (SELECT count(*) FROM {T} WHERE state = 'queued'
+                AND uid = b.uid AND tenant = b.tenant) < %(tenant_share)s)),
     added AS (
         INSERT INTO {T} (key, uid, op, model, priority, request, single, dedup, leader,
                          submitted_at, state, node, attempt, lease_until, started_at,
-                         deadline_at, variant, stream_to)
+                         deadline_at, variant, stream_to, tenant)
         SELECT key, uid, op, model, priority, request, single, dedup, leader, submitted_at,
                fate, CASE WHEN fate = 'running' THEN %(node)s ELSE '' END,
                CASE WHEN fate = 'running' THEN 1 ELSE 0 END,
                CASE WHEN fate = 'running' THEN now() + make_interval(secs => %(lease)s) END,
                CASE WHEN fate = 'running' THEN submitted_at END,
                now() + make_interval(secs => deadline_in),  -- the server clock
-               variant, stream_to
+               variant, stream_to, tenant
         FROM fated
         RETURNING key, state, model),
     woken AS (
@@ -117,6 +122,7 @@ def insert_params(records: list[tuple[JobRecord, bool]]) -> dict[str, Any]:
         "deadlines": [None if r.deadline_at is None else r.deadline_at - r.submitted_at
                       for r in rows],
         "variants": [r.variant for r in rows], "streams": [r.stream_to for r in rows],
+        "tenants": [r.tenant for r in rows],
     }
 
 

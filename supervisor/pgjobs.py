@@ -30,6 +30,7 @@ from modelpool.protocol.jobs import ENDED
 from modelpool.supervisor import pgbatches
 from modelpool.supervisor.groupcommit import GroupCommit
 from modelpool.supervisor.mailbox import JobRecord, MailboxFull
+from modelpool.supervisor.owners import share_of
 from modelpool.supervisor.pgstore import CHANNELS, PgStore
 from modelpool.supervisor.pgstreams import (
     RelayedStreams,
@@ -156,9 +157,12 @@ class PgJobs:
             return [full] * len(records)
         rows = await self._fetch(pgbatches.INSERT, {
             **pgbatches.insert_params(records), "max_queued": self.max_queued,
+            "user_share": share_of(self.max_queued),
+            "tenant_share": share_of(share_of(self.max_queued)),
             "node": self.node, "lease": self.lease_s})
         states = {row["key"]: row["state"] for row in rows}
-        full = QueueFull(f"{self.max_queued} jobs wait in the cluster ([jobs] max_queued)")
+        full = QueueFull(f"{self.max_queued} jobs wait in the cluster ([jobs] max_queued), "
+                         "or this user's or tenant's share of them (three quarters)")
         return [states.get(record.key, full) for record, _ in records]
 
     async def start(self, key: str, node: str, at: float) -> None:

@@ -92,6 +92,12 @@ MIGRATIONS: tuple[str, ...] = (
     "ALTER TABLE modelpool.jobs ADD COLUMN IF NOT EXISTS variant text;",
     # A relayed stream's text goes to this channel as it is made (supervisor/pgstreams.py).
     "ALTER TABLE modelpool.jobs ADD COLUMN IF NOT EXISTS stream_to text;",
+    # Waiting jobs are counted by user and by tenant: each one's share of max_queued.
+    """
+    ALTER TABLE modelpool.jobs ADD COLUMN IF NOT EXISTS tenant text NOT NULL DEFAULT '';
+    CREATE INDEX IF NOT EXISTS jobs_waiting_owners ON modelpool.jobs (uid, tenant)
+        WHERE state = 'queued';
+    """,
 )
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from modelpool.supervisor.mailbox import JobRecord
+from modelpool.supervisor.owners import share_of
 from modelpool.supervisor.queueing import PRIORITY_RANK
 
 
@@ -28,7 +29,9 @@ class QueueFull(Exception):
 class TaskQueue(Protocol):
     ready: asyncio.Event  # set when there may be jobs to claim
     on_cancel: Callable[[str], None] | None  # a job running here is to be cancelled
-    max_queued: int  # [jobs] max_queued: jobs waiting, then QueueFull (a reload sets it)
+    # [jobs] max_queued: jobs waiting, then QueueFull (a reload sets it); one user may hold
+    # three quarters of it, one tenant of a user three quarters of that (owners.share_of).
+    max_queued: int
 
     async def put(self, record: JobRecord) -> None:
         """Queue an admitted job; QueueFull at the queue's bound."""
@@ -70,12 +73,20 @@ class MemoryTaskQueue:
         # The jobs waiting, by key: one taken out otherwise than by a claim (cancelled,
         # expired) stays in its heap until it reaches the top, and is dropped there.
         self._waiting: dict[str, JobRecord] = {}
+        self._held: collections.Counter[tuple[int, str | None]] = collections.Counter()
         # Keys, not records: a job that ran keeps no request alive until its deadline.
         self._deadlines: list[tuple[float, int, str]] = []
 
     async def put(self, record: JobRecord) -> None:
         if len(self._waiting) >= self.max_queued:
             raise QueueFull(f"{self.max_queued} jobs are waiting ([jobs] max_queued)")
+        user = share_of(self.max_queued)
+        if self._held[record.uid, None] >= user:
+            raise QueueFull(f"{user} of this user's jobs are waiting: the rest of [jobs] "
+                            "max_queued is kept for others")
+        if record.tenant and self._held[record.uid, record.tenant] >= share_of(user):
+            raise QueueFull(f"{share_of(user)} of this tenant's jobs are waiting: the rest "
+                            "of its user's share of [jobs] max_queued is kept for others")
         self._push(record, next(self._order))
         self.ready.set()
 
@@ -85,9 +96,21 @@ class MemoryTaskQueue:
         if record.deadline_at is not None:
             heapq.heappush(self._deadlines, (record.deadline_at, order, record.key))
         self._waiting[record.key] = record
+        self._hold(record, 1)
 
     def _take(self, key: str) -> JobRecord | None:
-        return self._waiting.pop(key, None)
+        record = self._waiting.pop(key, None)
+        if record is not None:
+            self._hold(record, -1)
+        return record
+
+    def _hold(self, record: JobRecord, jobs: int) -> None:
+        """Waiting jobs by user, (uid, None), and by tenant, (uid, tenant); none kept at 0."""
+        holders = [(record.uid, None)] + ([(record.uid, record.tenant)] if record.tenant else [])
+        for holder in holders:
+            self._held[holder] += jobs
+            if not self._held[holder]:
+                del self._held[holder]
 
     async def claim(self, rooms: Mapping[str, int]) -> list[JobRecord]:
         claimed = []

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 import pytest
 from cluster_helpers import Database
 from pgjobs_helpers import done, node, record, submit
@@ -253,6 +254,29 @@ async def test_the_shared_queue_has_a_bound(database: Database) -> None:
         with pytest.raises(QueueFull):
             await a.add(record())
         assert await a.length() == 3
+
+
+async def test_no_user_nor_tenant_takes_the_last_quarter_of_the_shared_queue(
+        database: Database) -> None:
+    """As in memory: one user's (or one HTTP key's) flood leaves room for the others',
+    whichever node they submit through."""
+    def job(uid: int, tenant: str = "") -> JobRecord:
+        return msgspec.structs.replace(record(), uid=uid, tenant=tenant)
+
+    async with node(database, "a", max_queued=16) as a, node(database, "b") as b:
+        for _ in range(9):  # a user's share 12, a tenant's of it 9
+            await submit(a, job(1000, "flooder"))
+        with pytest.raises(QueueFull):
+            await a.add(job(1000, "flooder"))
+        for _ in range(3):
+            await submit(a, job(1000, "polite"))
+        with pytest.raises(QueueFull):
+            await a.add(job(1000))
+        await submit(a, job(2000, "flooder"))  # another user's tenant of that name
+        assert await a.length() == 13
+        assert len(await b.claim({"m": 13})) == 13
+        for _ in range(9):  # what waits is counted, not what was claimed
+            await submit(a, job(1000, "flooder"))
 
 
 async def test_an_unreachable_server_is_a_clear_error() -> None:

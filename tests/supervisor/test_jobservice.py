@@ -183,9 +183,9 @@ async def test_results_expire_after_the_retention_and_can_be_forgotten_early(
 async def test_jobs_wait_in_their_own_queue_in_priority_order(
         make_harness: MakeHarness) -> None:
     """The pool gets a backlog of jobs per worker; the rest wait in the job queue,
-    bounded by max_queued, and leave it best first."""
+    bounded by max_queued (one user: three quarters of it), and leave it best first."""
     h = make_harness(cold_start_workers=1)
-    jobs = service(h, max_queued=13)
+    jobs = service(h, max_queued=17)  # this user's share: 13
     keys = [await jobs.submit(ME, embed(f"t{i}", priority="batch"), 1) for i in range(10)]
     urgent = await jobs.submit(ME, embed("urgent", priority="high"), 1)
     assert len(h.pool.models["emb"].queue) == 8  # the backlog for one worker

@@ -4,7 +4,7 @@ reload of them), refusals as a direct request's, and which jobs join one another
 from __future__ import annotations
 
 import pytest
-from test_jobservice import ME, MakeHarness, embed, service
+from test_jobservice import ME, OTHER, MakeHarness, embed, service
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import Submit
@@ -12,6 +12,7 @@ from modelpool.protocol.messages import Embed, Generate, RequestDefaults, Sampli
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.mailbox import JobRecord
+from modelpool.supervisor.tasks import MemoryTaskQueue, QueueFull
 
 
 async def test_a_reloaded_jobs_section_bounds_and_keeps_from_the_next_job_on(
@@ -96,3 +97,34 @@ async def test_a_job_for_another_nodes_model_joins_only_one_sent_alike(
     assert here[0] == here[1] == here[2]
     assert far[0] == far[1] != far[2]
 
+
+
+async def test_no_user_nor_tenant_takes_the_last_quarter_of_the_job_queue() -> None:
+    """One user's (or one HTTP key's) flood of jobs leaves room for the others'."""
+    queue = MemoryTaskQueue(max_queued=16)  # a user's share 12, a tenant's of it 9
+    keys = iter(range(100))
+
+    def job(uid: int, tenant: str = "") -> JobRecord:
+        return JobRecord(key=f"j{next(keys)}", uid=uid, tenant=tenant, op="embed",
+                         model="emb", priority="normal", request=b"", submitted_at=0.0)
+
+    for _ in range(9):
+        await queue.put(job(ME, "flooder"))
+    with pytest.raises(QueueFull, match="tenant"):
+        await queue.put(job(ME, "flooder"))
+    for _ in range(3):
+        await queue.put(job(ME, "polite"))
+    with pytest.raises(QueueFull, match="user"):
+        await queue.put(job(ME))
+    await queue.put(job(OTHER, "flooder"))  # another user's tenant of that name
+    assert len(await queue.claim({"emb": 13})) == 13
+    for _ in range(9):  # each count went with the claims
+        await queue.put(job(ME, "flooder"))
+
+
+async def test_a_jobs_record_carries_its_requests_tenant(make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    jobs = service(h)
+    key = await jobs.submit(ME, embed("a", tenant="team-a"), 100)
+    record = await jobs.mailbox.get(key)
+    assert record is not None and record.tenant == "team-a"
