@@ -57,9 +57,9 @@ class Intake:
         reject = reject or self._static_refusal(kind, request, spec, deadline_in)
         key = self.book.key_for(kind, request, spec.key) if spec and not reject else None
         leader = self.book.leader_for(key)
+        owner = owner_of(sink.owner, request.tenant)
         if reject is None and leader is None and model is not None:
-            reject = admission.bounds_error(model, nbytes, self.config().pool,
-                                            owner_of(sink.owner, request.tenant))
+            reject = admission.bounds_error(model, nbytes, self.config().pool, owner)
         if reject is not None:
             sink.send(self._error(request, model, reject))
             return False
@@ -72,7 +72,8 @@ class Intake:
             model.metrics.by_priority[req.priority].deduplicated += 1
             model.queue.promote(leader, PRIORITY_RANK[req.priority])
             return True
-        self._queue(model, self.book.new_job(req, kind, request, model.key, key), nbytes)
+        self._queue(model, self.book.new_job(req, kind, request, model.key, key, owner),
+                    nbytes)
         return True
 
     def refusal(self, request: WorkRequest,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from collections.abc import Hashable
 from typing import Any, Protocol
 
 import msgspec
@@ -17,7 +18,7 @@ from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.kinds import Kind, merge_rows
 from modelpool.protocol.messages import Error, WorkRequest, encoder
 from modelpool.supervisor.clock import ExpiryHeap, Scheduler
-from modelpool.supervisor.owners import owner_of, user_of
+from modelpool.supervisor.owners import user_of
 from modelpool.supervisor.queueing import Job, JobState, ReplySink, Requester
 
 DEDUP_MAX_BYTES = 1 << 20  # hashing bigger inputs costs more than it is likely to save
@@ -81,8 +82,8 @@ class JobBook:
             req.sink.send(msgspec.structs.replace(chunk, id=req.client_id))
 
     def new_job(self, req: Requester, kind: Kind, request: WorkRequest, model_key: str,
-                key: bytes | None) -> Job:
-        owner = owner_of(req.sink.owner, request.tenant)
+                key: bytes | None, owner: Hashable) -> Job:
+        """`owner`: whose turn it takes (owners.owner_of)."""
         job = Job(next(self._job_ids), request, kind, model_key, req.accepted_at, [req],
                   kind.size(request), owner, user_of(owner))
         req.job = job

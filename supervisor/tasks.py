@@ -84,9 +84,10 @@ class MemoryTaskQueue:
         if self._held[record.uid, None] >= user:
             raise QueueFull(f"{user} of this user's jobs are waiting: the rest of [jobs] "
                             "max_queued is kept for others")
-        if record.tenant and self._held[record.uid, record.tenant] >= share_of(user):
-            raise QueueFull(f"{share_of(user)} of this tenant's jobs are waiting: the rest "
-                            "of its user's share of [jobs] max_queued is kept for others")
+        tenant = share_of(user)
+        if record.tenant and self._held[record.uid, record.tenant] >= tenant:
+            raise QueueFull(f"{tenant} of this tenant's jobs are waiting: the rest of its "
+                            "user's share of [jobs] max_queued is kept for others")
         self._push(record, next(self._order))
         self.ready.set()
 

@@ -165,9 +165,10 @@ class ContinuousDecoder:
             group = prefill_groups.next_group(self.waiting, self.prefill_tokens,
                                               self._prompt_key, self._shared_start)
             longest = max(s.left for s in group) or 1
-            tokens = len(prefill_groups.once_each(group, self._prompt_key)[0]) * (
-                min(longest, self.prefill_tokens) if self._chunked(group) else longest)
-            events = self._prefill(group)
+            unique, rows = prefill_groups.once_each(group, self._prompt_key)
+            tokens = len(unique) * (min(longest, self.prefill_tokens)
+                                    if self._chunked(group) else longest)
+            events = self._prefill(group, unique, rows)
             self.token_s = _average(self.token_s, (time.perf_counter() - started) / tokens)
             return events
         self.prefilled_last = False
@@ -190,14 +191,16 @@ class ContinuousDecoder:
 
     # ---- prefill ---------------------------------------------------------------------
 
-    def _prefill(self, group: list[_Seq]) -> list[Emitted]:
+    def _prefill(self, group: list[_Seq], unique: list[_Seq],
+                 rows: torch.Tensor) -> list[Emitted]:
+        """`unique`: the group's distinct prompts, `rows` each sequence's among them."""
         try:
             if self._chunked(group):
                 return self._prefill_chunk(group[0])
             if group[0].fed:
                 logits, cache, mask = self._prefill_rests(group)
             else:
-                logits, cache, mask = self._prefill_once_each(group)
+                logits, cache, mask = self._prefill_once_each(group, unique, rows)
         except Exception as exc:
             self.waiting = [s for s in self.waiting if s not in group]
             return [Emitted(s.seq_id, error=exc) for s in group]
@@ -207,10 +210,9 @@ class ContinuousDecoder:
         self.rows.join(group, cache, mask)
         return self._advance(group, logits)
 
-    def _prefill_once_each(self, group: list[_Seq]
+    def _prefill_once_each(self, group: list[_Seq], unique: list[_Seq], rows: torch.Tensor
                            ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
         """Prompts prefilled whole, each distinct one once, in one padded pass."""
-        unique, rows = prefill_groups.once_each(group, self._prompt_key)
         logits, cache, mask = self._prefill_whole(unique)
         if len(unique) < len(group):  # each its own copy of its prompt's row
             logits, mask = logits[rows], mask[rows]

@@ -29,15 +29,17 @@ def next_group(waiting: Sequence[Any], budget: int, prompt_key: PromptKey,
     first = waiting[0]
     if not first.plain or first.left > budget:
         return [first]
-    if first.fed:
-        return _rests(waiting, budget)
-    group, longest, prompts = [first], first.left, {prompt_key(first)}
+    # Rests (of prompts fed up to a point) go with rests, each in a row of its own; whole
+    # prompts with whole prompts, one row for each distinct one.
+    rests = bool(first.fed)
+    key = (lambda seq: seq) if rests else prompt_key
+    group, longest, prompts = [first], first.left, {key(first)}
     for seq in waiting[1:]:
-        if not seq.plain or seq.left > budget or seq.fed:
+        if not seq.plain or seq.left > budget or bool(seq.fed) != rests:
             continue
-        prompt = prompt_key(seq)
+        prompt = key(seq)
         if prompt not in prompts:  # (one already in the group costs nothing more)
-            if _waits_for_a_start(seq, group, shared_start):
+            if not rests and _waits_for_a_start(seq, group, shared_start):
                 continue
             if (len(prompts) + 1) * max(longest, seq.left) > budget:
                 break
@@ -52,19 +54,6 @@ def _waits_for_a_start(seq: Any, group: list[Any], shared_start: SharedStart) ->
     kept keys and values, and then only its rest is fed (with the other rests)."""
     least = max(MIN_REUSE_TOKENS, seq.left // 2)
     return any(shared_start(other, seq) >= least for other in group)
-
-
-def _rests(waiting: Sequence[Any], budget: int) -> list[Any]:
-    """The first waiting sequence, fed up to a point, with those that follow it so."""
-    group, longest = [waiting[0]], waiting[0].left
-    for seq in waiting[1:]:
-        if not seq.plain or not seq.fed or seq.left > budget:
-            continue
-        if (len(group) + 1) * max(longest, seq.left) > budget:
-            break
-        group.append(seq)
-        longest = max(longest, seq.left)
-    return group
 
 
 def once_each(group: list[Any], prompt_key: PromptKey) -> tuple[list[Any], torch.Tensor]:

@@ -118,17 +118,18 @@ def with_header_options(request: Request, kwargs: dict[str, Any],
         raise PoolError(ErrorCode.PERMISSION_DENIED, f"priority {priority!r} is above this "
                         f"API's cap ({settings.max_priority!r}, [http] max_priority)")
     if "cache_salt" in out and settings.api_keys and settings.prefix_cache_per_key:
-        out["cache_salt"] = key_salt(bearer_token(request), out["cache_salt"])
+        out["cache_salt"] = key_salt(out["tenant"], out["cache_salt"])
     return out
 
 
-def key_salt(key: str, salt: str) -> str:
-    """The cache salt of a request sent with this API key: clients of different keys take
-    nothing from each other's kept prompts (whose time to first token and cached_tokens
-    would tell one what another's prompts began with), and a key's own salts still keep
-    its requests apart. Hashed, so that no key reaches a worker, a log or the cluster's
-    database; of fixed size, within the salt's cap whatever the client sent."""
-    return hashlib.blake2b(f"{key}\0{salt}".encode(), digest_size=16).hexdigest()
+def key_salt(tenant: str, salt: str) -> str:
+    """The cache salt of a request of this HTTP client (its tenant, a hash of its key):
+    clients of different keys take nothing from each other's kept prompts (whose time to
+    first token and cached_tokens would tell one what another's prompts began with), and
+    a key's own salts still keep its requests apart. No key reaches a worker, a log or
+    the cluster's database; of fixed size, within the salt's cap whatever the client
+    sent."""
+    return hashlib.blake2b(f"{tenant}\0{salt}".encode(), digest_size=16).hexdigest()
 
 
 async def unless_disconnected(scope: Scope, work: Coroutine[Any, Any, T]) -> T:
