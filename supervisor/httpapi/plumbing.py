@@ -34,17 +34,12 @@ def check_key(request: Request, keys: list[str]) -> None:
     """Bearer keys compared in constant time; no keys configured: open (loopback only)."""
     if not keys:
         return
-    token = bearer_token(request)
-    if not token:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
         raise HttpError(401, "missing API key: send Authorization: Bearer <key>",
                         "missing_api_key")
     if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
         raise HttpError(401, "invalid API key", "invalid_api_key")
-
-
-def bearer_token(request: Request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token if scheme.lower() == "bearer" else ""
 
 
 def client_identity(request: Request) -> str:
