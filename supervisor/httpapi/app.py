@@ -33,6 +33,8 @@ from modelpool.supervisor.httpapi.plumbing import (
     with_header_options,
 )
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
+from modelpool.supervisor.httpapi.responses_in import ResponsesBody, responses_call
+from modelpool.supervisor.httpapi.responses_out import ResponseShape, events
 from modelpool.supervisor.httpapi.routes import Handler, Route, Routes
 from modelpool.supervisor.httpapi.settings import HttpSettings
 
@@ -144,6 +146,21 @@ class Api:
         return json_response(replies.completion(texts, chat, shape.model,
                                                 echo, body.n, calls[0].made))
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the chat its body describes, answered as a response."""
+        body = await self.body(request, ResponsesBody)
+        call = responses_call(body)
+        client = await self.client(request)
+        stream = getattr(client, call.op)(
+            *call.args, **with_header_options(request, call.kwargs, self.settings))
+        firsts = await unless_disconnected(request.scope, choices.firsts([stream]))
+        shape = ResponseShape(body, model_name(body.model, self.settings, call.op), call.made)
+        if body.stream:
+            return EventStream(events(shape, choices.chunks(firsts, [stream])))
+        (text,) = await unless_disconnected(request.scope,
+                                            choices.gather_all(firsts, [stream], shape.model))
+        return json_response(shape.whole(text))
+
     async def images(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImagesBody)
         call = bodies.images_call(body)
@@ -231,6 +248,7 @@ def build_app(api: Api) -> Routes:
         ("/v1/embeddings", api.embeddings, "POST", False),
         ("/v1/chat/completions", api.chat, "POST", False),
         ("/v1/completions", api.completions, "POST", False),
+        ("/v1/responses", api.responses, "POST", False),
         ("/v1/images/generations", api.images, "POST", False),
         ("/v1/models", api.models, "GET", False),
         ("/v1/models/{model:path}", api.model, "GET", False),  # keys hold slashes

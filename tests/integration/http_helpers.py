@@ -96,6 +96,18 @@ def http_daemon(workdir: Path, tiny_models_dir: Path, extra: str = "",
     return daemon, base
 
 
+def long_llm(tiny_models_dir: Path) -> str:
+    """tiny-llm again as "tiny-llm-long", with room for tools in its prompt (the shared
+    entry's context is 64)."""
+    return f"""
+        [[models]]
+        key = "tiny-llm-long"
+        capability = "text_to_text"
+        path = "{tiny_models_dir / 'tiny-llm'}"
+        options = {{ context = 1024 }}
+        """
+
+
 def png(color: tuple[int, int, int], size: int = 32) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (size, size), color).save(buffer, format="PNG")

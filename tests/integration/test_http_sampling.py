@@ -15,21 +15,14 @@ import openai
 import pydantic
 import pytest
 from conftest import Daemon
-from http_helpers import KEY, http_daemon
+from http_helpers import KEY, http_daemon, long_llm
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
-    # tiny-llm again with room for tools in its prompt (the shared entry's context is 64)
     daemon, base = http_daemon(tmp_path_factory.mktemp("http-sampling"), tiny_models_dir,
-                               extra=f"""
-        [[models]]
-        key = "tiny-llm-long"
-        capability = "text_to_text"
-        path = "{tiny_models_dir / 'tiny-llm'}"
-        options = {{ context = 1024 }}
-        """)
+                               extra=long_llm(tiny_models_dir))
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
 

@@ -1,0 +1,248 @@
+"""OpenAI's Responses API (`POST /v1/responses`, the SDK's `responses.create`, `.parse`
+and `.stream`, and what the OpenAI Agents SDK sends) taken as the chat it describes:
+`instructions` and the `input` items become chat messages (a function call and its
+output become an assistant's tool call and a tool's answer), the flat function tools and
+`text.format` chat's nested ones, and the chat's own path does the rest.
+
+Stateless, as the daemon keeps no responses: what needs a kept one (`previous_response_id`,
+`conversation`, an `item_reference`, `background`) is refused by name, as are OpenAI's
+hosted tools (web search, file search, ...) and reasoning options, which no model here
+has; `store` is answered false.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+
+from modelpool.protocol.fields import TOP_K_MAX, Stops, TopLogprobs
+from modelpool.supervisor.httpapi.bodies import (
+    ChatBody,
+    ChatMessage,
+    ContentPart,
+    ImageUrl,
+    Options,
+    PoolCall,
+    Refused,
+    Seed,
+    Tokens,
+    bad,
+    chat_call,
+    refuse_unsupported,
+    refused_note,
+)
+from modelpool.supervisor.httpapi.structured import JsonSchemaFormat, ResponseFormat
+from modelpool.supervisor.httpapi.tools import (
+    CalledFunction,
+    FunctionDef,
+    MessageToolCall,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+)
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+NOT_KEPT = "not supported: the daemon keeps no responses; send the whole conversation"
+
+
+class InputPart(msgspec.Struct, kw_only=True):
+    """A part of an input message: text (the user's, or an earlier answer's), an image."""
+
+    type: str  # input_text, output_text, refusal, input_image; others refused by name
+    text: str | None = None
+    refusal: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+Parts = str | list[InputPart]
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    """One item of `input`: a message (`type` may be left out), a function call an
+    earlier answer made, or its output."""
+
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: Parts | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: Parts | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(msgspec.Struct, kw_only=True):
+    type: str  # "function"; OpenAI's hosted tools are refused by name
+    name: Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")] | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(msgspec.Struct, kw_only=True):
+    type: str  # "function"
+    name: str | None = None
+
+
+class TextFormat(JsonSchemaFormat, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class TextConfig(msgspec.Struct, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: Annotated[str | None, refused_note("no model here takes it")] = None
+
+
+class ResponsesBody(Options, kw_only=True):
+    input: str | Annotated[list[InputItem], msgspec.Meta(min_length=1)]
+    model: str = ""
+    instructions: str | None = None
+    max_output_tokens: Tokens | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_logprobs: TopLogprobs | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    tools: Annotated[list[FunctionTool], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Annotated[str | None, refused_note("disabled only")] = None
+    previous_response_id: Annotated[str | None, refused_note("no responses kept")] = None
+    conversation: Annotated[Any, refused_note("no responses kept")] = None
+    background: Annotated[bool | None, refused_note("run it as a job: /v1/jobs")] = None
+    reasoning: Annotated[dict[str, Any] | None, refused_note("no reasoning models")] = None
+    prompt: Annotated[dict[str, Any] | None, refused_note("no stored prompts")] = None
+    max_tool_calls: Annotated[int | None, refused_note("one answer's calls only")] = None
+    # vLLM's extensions, as in its chat bodies
+    seed: Seed | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=TOP_K_MAX)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    stop: str | Stops | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    refused: ClassVar[Refused] = {
+        "previous_response_id": ((None,), NOT_KEPT),
+        "conversation": ((None,), NOT_KEPT),
+        "background": ((None, False), "not supported: run it as a job (POST /v1/jobs)"),
+        "truncation": ((None, "disabled"), "only disabled: a prompt over the model's "
+                                           "context is refused, not cut"),
+        "reasoning": ((None, {}), "not supported: no model here reasons"),
+        "prompt": ((None,), "not supported: the daemon keeps no prompts"),
+        "max_tool_calls": ((None,), "not supported: an answer makes the calls it makes"),
+    }
+
+
+def responses_call(body: ResponsesBody) -> PoolCall:
+    """The chat a Responses body describes, as the chat endpoint would call the pool."""
+    return chat_call(chat_body(body))
+
+
+def chat_body(body: ResponsesBody) -> ChatBody:
+    refuse_unsupported(body)
+    for name in body.include or ():
+        if name != LOGPROBS_INCLUDE:
+            raise bad("include", f"{name!r} is not supported; only {LOGPROBS_INCLUDE!r}")
+    if body.text is not None and body.text.verbosity not in (None, "medium"):
+        raise bad("text.verbosity", "not supported: no model here takes it")
+    logprobs = LOGPROBS_INCLUDE in (body.include or ())
+    return ChatBody(
+        messages=messages(body), model=body.model, max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        stop=body.stop, seed=body.seed, stream=body.stream, logprobs=logprobs,
+        top_logprobs=body.top_logprobs if logprobs else None, tools=_tools(body.tools),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=_format(body.text), cache_salt=body.cache_salt, user=body.user,
+        priority=body.priority, timeout_s=body.timeout_s, deadline_s=body.deadline_s)
+
+
+def messages(body: ResponsesBody) -> list[ChatMessage]:
+    """`instructions` as the system message, then the input's items in order; function
+    calls join the assistant message before them, as a chat answer holds its calls."""
+    out = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    if isinstance(body.input, str):
+        return [*out, ChatMessage(role="user", content=body.input)]
+    for index, item in enumerate(body.input):
+        field = f"input[{index}]"
+        if item.type == "message":
+            if item.role is None or item.content is None:
+                raise bad(field, "a message needs its role and content")
+            out.append(ChatMessage(role=item.role, content=_content(item.content, field)))
+        elif item.type == "function_call":
+            call = _function_call(item, field)
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif item.type == "function_call_output":
+            if item.output is None or not item.call_id:
+                raise bad(field, "a function_call_output needs its call_id and output")
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                   content=_content(item.output, field)))
+        elif item.type == "item_reference":
+            raise bad(field, NOT_KEPT)
+        else:
+            raise bad(field, f"items of type {item.type!r} are not supported: messages, "
+                             "function_call and function_call_output are")
+    return out
+
+
+def _content(content: Parts, field: str) -> str | list[ContentPart]:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for index, part in enumerate(content):
+        if part.type in ("input_text", "output_text", "refusal"):
+            parts.append(ContentPart(type="text", text=part.text or part.refusal or ""))
+        elif part.type == "input_image" and part.image_url:
+            parts.append(ContentPart(type="image_url", image_url=ImageUrl(url=part.image_url)))
+        else:
+            raise bad(f"{field}.content[{index}]", f"{part.type!r} is not supported: "
+                      "input_text and input_image (with an image_url) are")
+    return parts
+
+
+def _function_call(item: InputItem, field: str) -> MessageToolCall:
+    if not item.name or item.arguments is None:
+        raise bad(field, "a function_call needs its name and arguments")
+    return MessageToolCall(function=CalledFunction(name=item.name, arguments=item.arguments),
+                           id=item.call_id or "")
+
+
+def _tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
+    if not tools:
+        return None
+    out = []
+    for index, tool in enumerate(tools):
+        if tool.type != "function" or tool.name is None:
+            raise bad(f"tools[{index}]", f"{tool.type!r} tools are not supported: function "
+                                         "tools (with a name) are")
+        out.append(Tool(type="function", function=FunctionDef(
+            name=tool.name, description=tool.description, parameters=tool.parameters,
+            strict=tool.strict)))
+    return out
+
+
+def _tool_choice(choice: str | FunctionChoice | None) -> Any:
+    if not isinstance(choice, FunctionChoice):
+        return choice
+    if choice.type != "function" or not choice.name:
+        raise bad("tool_choice", "a named choice must be a function's: "
+                                 '{"type": "function", "name": ...}')
+    return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+
+
+def _format(text: TextConfig | None) -> ResponseFormat | None:
+    if text is None or text.format is None:
+        return None
+    form = text.format
+    return ResponseFormat(type=form.type, json_schema=JsonSchemaFormat(
+        name=form.name, description=form.description, schema=form.schema, strict=form.strict))

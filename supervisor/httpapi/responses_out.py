@@ -1,0 +1,230 @@
+"""What the Responses API answers: a `response` whose output items are the chat answer's
+message and function calls, whole, or streamed as OpenAI's typed events (created, each
+item added, its text or arguments in deltas, done, then completed or incomplete), which
+the SDK's `responses.stream` checks item by item."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from modelpool.protocol.client_core import TextChunk, TextResult
+from modelpool.protocol.errors import PoolError
+from modelpool.protocol.messages import TokenLogprob, new_call_id
+from modelpool.supervisor.httpapi import logprobs
+from modelpool.supervisor.httpapi.responses_in import ResponsesBody
+from modelpool.supervisor.httpapi.tools import ToolCalls
+
+
+class ResponseShape:
+    """One answer's response object and its items' ids, the same whole or streamed."""
+
+    def __init__(self, body: ResponsesBody, model: str, calls: ToolCalls | None) -> None:
+        self.body, self.model, self.calls = body, model, calls
+        self.hex = uuid.uuid4().hex
+        self.id = f"resp_{self.hex}"
+        self.created = int(time.time())
+        self.named_call_id = new_call_id()  # a named function's call, announced streamed
+
+    @property
+    def streams_text(self) -> bool:
+        """Its text goes out as it comes: free text, or an "auto" answer's (its calls
+        come at the end); not a forced call's arguments."""
+        return self.calls is None or self.calls.auto
+
+    def message_id(self) -> str:
+        return f"msg_{self.hex}"
+
+    def call_item_id(self, index: int) -> str:
+        return f"fc_{self.hex}_{index}"
+
+    def items(self, result: TextResult) -> list[dict[str, Any]]:
+        """The answer's output items: its message (unless it is only calls), then each
+        function call."""
+        status = "incomplete" if result.finish_reason == "length" else "completed"
+        message = (self.calls.message(result.text, result.tool_calls) if self.calls
+                   else {"content": result.text})
+        calls = message.get("tool_calls") or []
+        out = []
+        if message["content"] is not None and (message["content"] or not calls):
+            out.append(self.message_item(message["content"], status, result.logprobs))
+        named = self.calls is not None and self.calls.named is not None
+        for call in calls:
+            out.append(self.call_item(len(out), call["function"]["name"],
+                                      call["function"]["arguments"], status,
+                                      self.named_call_id if named else call["id"]))
+        return out
+
+    def message_item(self, text: str, status: str,
+                     entries: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        content = [] if status == "in_progress" else [_output_text(text, entries)]
+        return {"type": "message", "id": self.message_id(), "status": status,
+                "role": "assistant", "content": content}
+
+    def call_item(self, index: int, name: str, arguments: str, status: str,
+                  call_id: str) -> dict[str, Any]:
+        return {"type": "function_call", "id": self.call_item_id(index), "call_id": call_id,
+                "name": name, "arguments": arguments, "status": status}
+
+    def response(self, status: str, output: list[dict[str, Any]],
+                 usage: dict[str, Any] | None = None,
+                 error: dict[str, Any] | None = None) -> dict[str, Any]:
+        body = self.body
+        form = body.text.format if body.text and body.text.format else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created,
+            "status": status, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "model": self.model, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "temperature": body.temperature, "top_p": body.top_p,
+            "text": {"format": msgspec.to_builtins(form) if form else {"type": "text"}},
+            "tool_choice": msgspec.to_builtins(body.tool_choice or "auto"),
+            "tools": msgspec.to_builtins(body.tools or []), "truncation": "disabled",
+            "usage": usage, "user": body.user, "metadata": body.metadata or {}}
+
+    def whole(self, result: TextResult) -> dict[str, Any]:
+        status = "incomplete" if result.finish_reason == "length" else "completed"
+        return self.response(status, self.items(result), usage(result))
+
+
+def usage(result: TextResult) -> dict[str, Any]:
+    return {"input_tokens": result.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": result.cached_tokens},
+            "output_tokens": result.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def _output_text(text: str, entries: list[TokenLogprob] | None) -> dict[str, Any]:
+    listed = logprobs.chat(entries)
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": listed["content"] if listed else []}
+
+
+class ResponseStream:
+    """One streamed answer's events, numbered in order."""
+
+    def __init__(self, shape: ResponseShape) -> None:
+        self.shape = shape
+        self.sequence = 0
+        self.parts: list[str] = []
+        self.entries: list[TokenLogprob] = []
+        self.opened = False  # the first item (the message, or a named call) announced
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = msgspec.json.encode({"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    def start(self) -> bytes:
+        snapshot = self.shape.response("in_progress", [])
+        return (self.event("response.created", response=snapshot)
+                + self.event("response.in_progress", response=snapshot))
+
+    def chunk(self, chunk: TextChunk) -> bytes:
+        self.parts.append(chunk.text)
+        self.entries.extend(chunk.logprobs or ())
+        out = b""
+        if self.shape.streams_text and chunk.text:
+            out += self._open_message()
+            out += self.event("response.output_text.delta", item_id=self.shape.message_id(),
+                              output_index=0, content_index=0, delta=chunk.text,
+                              logprobs=(logprobs.chat(chunk.logprobs) or {}).get("content", []))
+        elif self.shape.calls is not None and self.shape.calls.named is not None:
+            out += self._open_call()
+            if chunk.text:
+                out += self.event("response.function_call_arguments.delta",
+                                  item_id=self.shape.call_item_id(0), output_index=0,
+                                  delta=chunk.text)
+        if chunk.finish_reason is not None:
+            out += self._end(TextResult(
+                "".join(self.parts), chunk.finish_reason, chunk.prompt_tokens or 0,
+                chunk.completion_tokens or 0, self.shape.model, self.entries or None, None,
+                chunk.tool_calls, chunk.cached_tokens or 0))
+        return out
+
+    def failed(self, exc: PoolError) -> bytes:
+        return self.event("response.failed", response=self.shape.response(
+            "failed", [], error={"code": exc.code.value.lower(), "message": exc.message}))
+
+    def _open_message(self) -> bytes:
+        if self.opened:
+            return b""
+        self.opened = True
+        return self._message_added()
+
+    def _message_added(self) -> bytes:
+        message_id = self.shape.message_id()
+        return (self.event("response.output_item.added", output_index=0,
+                           item=self.shape.message_item("", "in_progress"))
+                + self.event("response.content_part.added", item_id=message_id,
+                             output_index=0, content_index=0, part=_output_text("", None)))
+
+    def _open_call(self) -> bytes:
+        if self.opened:
+            return b""
+        self.opened = True
+        assert self.shape.calls is not None and self.shape.calls.named is not None
+        return self.event("response.output_item.added", output_index=0, item=self.shape.call_item(
+            0, self.shape.calls.named, "", "in_progress", self.shape.named_call_id))
+
+    def _end(self, result: TextResult) -> bytes:
+        """Each item done (those not streamed announced first), then the response."""
+        items = self.shape.items(result)
+        out = b""
+        for index, item in enumerate(items):
+            announced = index == 0 and self.opened
+            out += self._item_done(index, item, announced)
+        kind = "response.incomplete" if result.finish_reason == "length" else "response.completed"
+        status = kind.rsplit(".", 1)[1]
+        return out + self.event(kind, response=self.shape.response(status, items,
+                                                                   usage(result)))
+
+    def _item_done(self, index: int, item: dict[str, Any], announced: bool) -> bytes:
+        out = b""
+        if item["type"] == "message":
+            part = item["content"][0]
+            if not announced:
+                out += self._message_added()
+                if part["text"]:
+                    out += self.event("response.output_text.delta", item_id=item["id"],
+                                      output_index=index, content_index=0,
+                                      delta=part["text"], logprobs=part["logprobs"])
+            out += self.event("response.output_text.done", item_id=item["id"],
+                              output_index=index, content_index=0, text=part["text"],
+                              logprobs=part["logprobs"])
+            out += self.event("response.content_part.done", item_id=item["id"],
+                              output_index=index, content_index=0, part=part)
+        else:
+            if not announced:
+                out += self.event("response.output_item.added", output_index=index,
+                                  item={**item, "arguments": "", "status": "in_progress"})
+                out += self.event("response.function_call_arguments.delta",
+                                  item_id=item["id"], output_index=index,
+                                  delta=item["arguments"])
+            out += self.event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, name=item["name"],
+                              arguments=item["arguments"])
+        return out + self.event("response.output_item.done", output_index=index, item=item)
+
+
+async def events(shape: ResponseShape,
+                 chunks: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
+    """The stream's events; an error of the pool mid-stream ends it as response.failed."""
+    stream = ResponseStream(shape)
+    yield stream.start()
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        try:
+            async for _, chunk in chunks:
+                yield stream.chunk(chunk)
+        except PoolError as exc:
+            yield stream.failed(exc)

@@ -1,0 +1,187 @@
+"""OpenAI's Responses API through the official `openai` package (`responses.create`,
+`.parse`, `.stream`, whose event accumulator checks every item's identity): each answer
+is the chat completion of the same conversation, on the tiny random-weight Llama."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import openai
+import pydantic
+import pytest
+from conftest import Daemon
+from http_helpers import KEY, data_url, http_daemon, long_llm, png
+
+MODEL = "tiny-llm-long"
+INSTRUCTIONS = "You are a tiny model."
+TOOL: Any = {"type": "function", "name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"], "additionalProperties": False}}
+
+
+class Weather(pydantic.BaseModel):
+    city: Literal["Paris", "Oslo", "Lima"]
+    celsius: bool
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
+           tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
+    daemon, base = http_daemon(tmp_path_factory.mktemp("http-responses"), tiny_models_dir,
+                               extra=long_llm(tiny_models_dir))
+    yield daemon, base
+    assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.fixture(scope="module")
+def sdk(served: tuple[Daemon, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _chat(sdk: openai.OpenAI, messages: list[Any], **kw: Any) -> Any:
+    return sdk.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def test_a_response_whole_and_streamed_is_the_chats_answer(sdk: openai.OpenAI) -> None:
+    chat = _chat(sdk, [{"role": "system", "content": INSTRUCTIONS},
+                       {"role": "user", "content": "tell me about workers"}], max_tokens=12)
+    asked: Any = {"model": MODEL, "instructions": INSTRUCTIONS, "temperature": 0,
+                  "input": "tell me about workers", "max_output_tokens": 12}
+    whole = sdk.responses.create(**asked)
+    assert whole.object == "response" and whole.id.startswith("resp_")
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage is not None and chat.usage is not None
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    cut = chat.choices[0].finish_reason == "length"
+    assert whole.status == ("incomplete" if cut else "completed")
+    assert (whole.incomplete_details is not None) == cut and whole.store is False
+
+    events = list(sdk.responses.create(**asked, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] == ("response.incomplete" if cut else "response.completed")
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and "".join(deltas) == whole.output_text
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == whole.output_text and final.usage == whole.usage
+
+
+def test_structured_output_through_parse_and_stream(sdk: openai.OpenAI) -> None:
+    """text.format json_schema (what `responses.parse` sends for a pydantic model) holds
+    the output to the schema, as chat's response_format does; streamed, the SDK's
+    accumulator takes every event and parses the final text."""
+    messages: Any = [{"role": "user", "content": "weather?"}]
+    parsed = sdk.responses.parse(model=MODEL, input=messages, text_format=Weather,
+                                 max_output_tokens=60, temperature=0)
+    assert isinstance(parsed.output_parsed, Weather)
+    chat = sdk.chat.completions.parse(model=MODEL, messages=messages, max_tokens=60,
+                                      temperature=0, response_format=Weather)
+    assert parsed.output_text == chat.choices[0].message.content
+    with sdk.responses.stream(model=MODEL, input=messages, text_format=Weather,
+                              max_output_tokens=60, temperature=0) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == parsed.output_text and final.output_parsed == parsed.output_parsed
+
+
+def test_function_calls_named_and_required_whole_and_streamed(sdk: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "weather in Paris?"}]
+    named: Any = {"type": "function", "name": "get_weather"}
+    whole = sdk.responses.create(model=MODEL, input=messages, tools=[TOOL], tool_choice=named,
+                                 max_output_tokens=40, temperature=0)
+    (call,) = whole.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Oslo")
+    assert call.call_id.startswith("call_") and whole.status == "completed"
+    chat = _chat(sdk, messages, max_tokens=40, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}, tools=[{
+            "type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}])
+    assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments  # type: ignore[index,union-attr]
+    with sdk.responses.stream(model=MODEL, input=messages, tools=[TOOL], tool_choice=named,
+                              max_output_tokens=40, temperature=0) as stream:
+        pieces = [e.delta for e in stream
+                  if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    assert "".join(pieces) == call.arguments == final.output[0].arguments  # type: ignore[union-attr]
+    listed = sdk.responses.create(model=MODEL, input=messages, tools=[TOOL],
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  max_output_tokens=80, temperature=0.8,
+                                  extra_body={"seed": 2})
+    assert [item.type for item in listed.output] == ["function_call"]
+    with sdk.responses.stream(model=MODEL, input=messages, tools=[TOOL], tool_choice="required",
+                              parallel_tool_calls=False, max_output_tokens=80, temperature=0.8,
+                              extra_body={"seed": 2}) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].arguments == listed.output[0].arguments  # type: ignore[union-attr]
+
+
+def test_a_conversation_of_input_items_is_the_chats(sdk: openai.OpenAI) -> None:
+    """Messages with content parts, an answer's function call and its output: the same
+    prompt, and the same answer, as the chat with the call and the tool's message."""
+    items: Any = [
+        {"role": "developer", "content": INSTRUCTIONS},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "weather in Paris?"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}]
+    answer = sdk.responses.create(model=MODEL, input=items, tools=[TOOL], tool_choice="none",
+                                  max_output_tokens=8, temperature=0)
+    chat = _chat(sdk, [
+        {"role": "developer", "content": INSTRUCTIONS},
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}],
+        tools=[{"type": "function", "function": {k: v for k, v in TOOL.items()
+                                                 if k != "type"}}],
+        tool_choice="none", max_tokens=8)
+    assert chat.usage is not None and answer.usage is not None
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens > 100
+    assert answer.output_text == chat.choices[0].message.content
+
+
+def test_an_image_goes_to_the_vision_model(served: tuple[Daemon, str],
+                                           sdk: openai.OpenAI) -> None:
+    image = png((200, 30, 30))
+    answer = sdk.responses.create(model="tiny-vision", max_output_tokens=6, temperature=0,
+                                  input=[{"role": "user", "content": [
+                                      {"type": "input_text", "text": "what is it?"},
+                                      {"type": "input_image", "image_url": data_url(image),
+                                       "detail": "auto"}]}])
+    with served[0].client() as c:
+        expected = "".join(ch.text for ch in c.describe(image, "what is it?",
+                                                        model="tiny-vision", max_tokens=6,
+                                                        temperature=0))
+    assert answer.output_text == expected
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+])
+def test_what_needs_a_kept_response_or_a_hosted_tool_is_refused_by_name(
+        sdk: openai.OpenAI, extra: dict[str, Any], param: str) -> None:
+    body = {"model": MODEL, "input": "hi", **extra}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.responses.create(**body, stream=stream)
+        assert refused.value.body["param"] == param  # type: ignore[index]
+
+
+def test_an_unknown_model_is_a_404_before_any_event(sdk: openai.OpenAI) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.create(model="no-such-model", input="hi", stream=stream)

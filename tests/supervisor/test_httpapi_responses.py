@@ -1,0 +1,179 @@
+"""The Responses API without a server: a body's input items as chat messages, and the
+answer's events, checked by the openai SDK's own stream accumulator (which refuses an
+item whose identity changes, or a response completed with an item unfinished)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+from openai._models import construct_type
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+
+from modelpool.protocol.client_core import TextChunk
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import TokenLogprob, ToolCall
+from modelpool.supervisor.httpapi.bodies import ChatMessage
+from modelpool.supervisor.httpapi.responses_in import ResponsesBody, chat_body, responses_call
+from modelpool.supervisor.httpapi.responses_out import ResponseShape, ResponseStream
+from modelpool.supervisor.httpapi.tools import ToolCalls
+
+TOOL = {"type": "function", "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def _body(**fields: Any) -> ResponsesBody:
+    return msgspec.convert({"input": "hi", **fields}, type=ResponsesBody)
+
+
+def _roles(messages: list[ChatMessage]) -> list[tuple[str, Any, list[str]]]:
+    return [(m.role, m.content, [c.id for c in m.tool_calls or []]) for m in messages]
+
+
+def test_instructions_and_input_items_become_the_chats_messages() -> None:
+    body = _body(instructions="be brief", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call", "call_id": "c3", "name": "weather", "arguments": "{}"}])
+    messages = chat_body(body).messages
+    assert [(role, ids) for role, _, ids in _roles(messages)] == [
+        ("system", []), ("user", []), ("assistant", ["c1", "c2"]), ("tool", []),
+        ("assistant", ["c3"])]
+    assert messages[0].content == "be brief" and messages[3].tool_call_id == "c1"
+    call = responses_call(body)
+    pool = call.args[0]
+    assert pool[2] == {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"name": "weather", "arguments": "{}", "id": "c1"},
+        {"name": "weather", "arguments": "{}", "id": "c2"}]}
+    assert pool[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+
+
+def test_an_input_image_is_a_vision_request() -> None:
+    url = "data:image/png;base64,iVBORw0KGgo="
+    call = responses_call(_body(input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "what is it?"},
+        {"type": "input_image", "image_url": url}]}]))
+    assert call.op == "describe" and call.args[1] == "what is it?"
+
+
+def test_the_options_map_to_the_chats() -> None:
+    call = responses_call(_body(
+        max_output_tokens=7, temperature=0.5, top_p=0.9, tools=[TOOL],
+        tool_choice={"type": "function", "name": "weather"}, top_logprobs=2,
+        include=["message.output_text.logprobs"], priority="low", cache_salt="s"))
+    kw = call.kwargs
+    assert (kw["max_tokens"], kw["temperature"], kw["top_p"], kw["logprobs"]) == (7, 0.5, 0.9, 2)
+    assert kw["priority"] == "low" and kw["cache_salt"] == "s"
+    assert kw["json_schema"] == TOOL["parameters"] and call.made is not None
+    assert kw["tools"] == [{"type": "function", "function": {
+        "name": "weather", "parameters": TOOL["parameters"]}}]
+    formatted = responses_call(_body(text={"format": {"type": "json_schema", "name": "x",
+                                                      "schema": {"type": "array"}}}))
+    assert formatted.kwargs["json_schema"] == {"type": "array"}
+    # top_logprobs without include asks for none, as OpenAI takes it
+    assert responses_call(_body(top_logprobs=2)).kwargs["logprobs"] is None
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"tools": [{"type": "file_search"}]}, "tools[0]"),
+    ({"input": [{"type": "reasoning", "id": "r"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+])
+def test_what_is_not_served_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
+    with pytest.raises(PoolError) as refused:
+        responses_call(_body(**fields))
+    assert refused.value.code is ErrorCode.BAD_REQUEST
+    assert refused.value.message.startswith(named + ":")
+
+
+def _accepted(stream_bytes: bytes) -> tuple[list[Any], Any]:
+    """The events as the SDK reads them, fed to its accumulator; and its final response."""
+    state = ResponseStreamState(input_tools=[], text_format=openai.omit)
+    events = []
+    for block in stream_bytes.decode().split("\n\n")[:-1]:
+        kind, data = block.split("\n")
+        event = construct_type(type_=ResponseStreamEvent, value=msgspec.json.decode(data[6:]))
+        assert kind == f"event: {event.type}"
+        state.handle_event(event)
+        events.append(event)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events, state._completed_response
+
+
+def _streamed(shape: ResponseShape, chunks: list[TextChunk]) -> bytes:
+    stream = ResponseStream(shape)
+    return stream.start() + b"".join(stream.chunk(c) for c in chunks)
+
+
+def test_an_auto_answers_text_streams_and_its_calls_follow_as_items() -> None:
+    shape = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls(None, auto=True))
+    entry = TokenLogprob("Let", 5, -0.5, [])
+    events, final = _accepted(_streamed(shape, [
+        TextChunk("Let me ", logprobs=[entry]), TextChunk("check."),
+        TextChunk("", "tool_calls", 9, 4, tool_calls=[
+            ToolCall(name="weather", arguments='{"city": "Oslo"}', id="call_7")])]))
+    assert [e.type for e in events][2:6] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta"]
+    assert events[4].logprobs[0].token == "Let"
+    assert final.status == "completed" and final.output_text == "Let me check."
+    message, call = final.output
+    assert message.type == "message" and message.content[0].logprobs[0].logprob == -0.5
+    assert (call.type, call.call_id, call.name, call.arguments) == (
+        "function_call", "call_7", "weather", '{"city": "Oslo"}')
+    assert final.usage.input_tokens == 9 and final.usage.output_tokens == 4
+
+
+def test_calls_alone_take_the_first_place_and_a_cut_answer_is_incomplete() -> None:
+    shape = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls(None, auto=True))
+    _, final = _accepted(_streamed(shape, [TextChunk("", "tool_calls", 3, 2, tool_calls=[
+        ToolCall(name="weather", arguments="{}")])]))
+    assert [item.type for item in final.output] == ["function_call"]
+    cut = _streamed(ResponseShape(_body(), "m", None),
+                    [TextChunk("a"), TextChunk("b", "length", 3, 2)])
+    events, _ = _accepted(cut)
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-1].response.output[0].status == "incomplete"
+
+
+def test_a_list_of_calls_is_held_until_whole_and_a_named_call_streams() -> None:
+    required = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls(None))
+    events, final = _accepted(_streamed(required, [
+        TextChunk('[{"name": "weather", '), TextChunk('"parameters": {}}]', "stop", 3, 9)]))
+    assert [e.type for e in events][2:4] == ["response.output_item.added",
+                                             "response.function_call_arguments.delta"]
+    assert [(i.name, i.arguments) for i in final.output] == [("weather", "{}")]
+    named = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls("weather"))
+    events, final = _accepted(_streamed(named, [
+        TextChunk('{"city"'), TextChunk(': "Oslo"}', "stop", 3, 9)]))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert deltas == ['{"city"', ': "Oslo"}']
+    assert final.output[0].arguments == '{"city": "Oslo"}'
+
+
+def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream() -> None:
+    shape = ResponseShape(_body(), "m", None)
+    _, final = _accepted(_streamed(shape, [TextChunk("", "stop", 3, 0)]))
+    assert final.output_text == "" and final.output[0].type == "message"
+    stream = ResponseStream(shape)
+    failed = stream.start() + stream.chunk(TextChunk("a")) + stream.failed(
+        PoolError(ErrorCode.WORKER_DIED, "the worker died"))
+    events, _ = _accepted(failed)
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.code == "worker_died"
