@@ -150,16 +150,33 @@ class Api:
         """OpenAI's Responses API: the chat its body describes, answered as a response."""
         body = await self.body(request, ResponsesBody)
         call = responses_call(body)
+        model = model_name(body.model, self.settings, call.op)
+        if body.background:
+            return await self._background_response(request, body, call, model)
         client = await self.client(request)
         stream = getattr(client, call.op)(
             *call.args, **with_header_options(request, call.kwargs, self.settings))
         firsts = await unless_disconnected(request.scope, choices.firsts([stream]))
-        shape = ResponseShape(body, model_name(body.model, self.settings, call.op), call.made)
+        shape = ResponseShape(body, model, call.made)
         if body.stream:
             return EventStream(events(shape, choices.chunks(firsts, [stream])))
         (text,) = await unless_disconnected(request.scope,
                                             choices.gather_all(firsts, [stream], shape.model))
         return json_response(shape.whole(text))
+
+    async def _background_response(self, request: Request, body: ResponsesBody,
+                                   call: bodies.PoolCall, model: str) -> Response:
+        """Run as a job: answered queued at once, its id the job's, shown by GET
+        /v1/responses/{id} (the SDK's responses.retrieve) whatever connection asks."""
+        if body.stream:
+            raise bodies.bad("stream", "a background response is fetched whole: "
+                                       "GET /v1/responses/{id}")
+        if call.made is not None and not call.made.auto:
+            raise bodies.bad("tool_choice", "a background response's result is text or the "
+                                            "calls the model chose (auto): hold it to a "
+                                            "schema with text.format instead")
+        key = await self.jobs.submit_call(request, call)
+        return json_response(ResponseShape(body, model, call.made, key).response("queued", []))
 
     async def images(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImagesBody)
@@ -249,6 +266,9 @@ def build_app(api: Api) -> Routes:
         ("/v1/chat/completions", api.chat, "POST", False),
         ("/v1/completions", api.completions, "POST", False),
         ("/v1/responses", api.responses, "POST", False),
+        ("/v1/responses/{id}", api.jobs.response, "GET", False),
+        ("/v1/responses/{id}", api.jobs.delete_response, "DELETE", False),
+        ("/v1/responses/{id}/cancel", api.jobs.cancel_response, "POST", False),
         ("/v1/images/generations", api.images, "POST", False),
         ("/v1/models", api.models, "GET", False),
         ("/v1/models/{model:path}", api.model, "GET", False),  # keys hold slashes

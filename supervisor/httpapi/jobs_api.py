@@ -21,11 +21,13 @@ from modelpool.supervisor.httpapi import bodies, replies
 from modelpool.supervisor.httpapi.completions import completion_call
 from modelpool.supervisor.httpapi.plumbing import unless_disconnected, with_header_options
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
+from modelpool.supervisor.httpapi.responses_out import RESPONSE_ID, background
 
 if TYPE_CHECKING:
     from modelpool.supervisor.httpapi.app import Api
 
 MAX_WAIT_S = 600.0
+RESPONSE_OPS = ("generate", "describe")  # what a Responses body asks of the pool
 
 # Each operation's body and the call it makes.
 OPERATIONS: dict[str, tuple[type[Any], Callable[[Any], bodies.PoolCall]]] = {
@@ -58,12 +60,17 @@ class JobsApi:
                                                  "hold it to the call's schema with "
                                                  "response_format instead")
         call = make_call(body)
-        kwargs = with_header_options(request, {**bodies.options(job), **call.kwargs},
-                                     self.api.settings)
-        client = await self.api.client(request)
-        key = await client.submit(call.op, *call.args, **kwargs)
+        key = await self.submit_call(request, call, bodies.options(job))
         return json_response({"id": key, "object": "job", "operation": call.op,
                               "status": "queued"}, 202)
+
+    async def submit_call(self, request: Request, call: bodies.PoolCall,
+                          options: dict[str, Any] | None = None) -> str:
+        """The call submitted as a job (`options`: the job body's own); its key."""
+        kwargs = with_header_options(request, {**(options or {}), **call.kwargs},
+                                     self.api.settings)
+        client = await self.api.client(request)
+        return str(await client.submit(call.op, *call.args, **kwargs))
 
     async def show(self, request: Request) -> Response:
         key = request.path_params["key"]
@@ -85,6 +92,30 @@ class JobsApi:
         await client.cancel(key)
         return json_response(_job(await client.job(key)))
 
+    # ---- background responses (the Responses API's background: true) ------------------
+
+    async def response(self, request: Request) -> Response:
+        """GET /v1/responses/{id}: a background response, as its job stands."""
+        key = _response_key(request.path_params["id"])
+        client = await self.api.client(request)
+        return json_response(await _background(client, key))
+
+    async def cancel_response(self, request: Request) -> Response:
+        """POST /v1/responses/{id}/cancel: its job cancelled (an ended one is left)."""
+        key = _response_key(request.path_params["id"])
+        client = await self.api.client(request)
+        if (await _response_job(client, key))["state"] in ("queued", "running"):
+            await client.cancel(key)
+        return json_response(await _background(client, key))
+
+    async def delete_response(self, request: Request) -> Response:
+        """DELETE /v1/responses/{id}: cancelled if it runs, and its result removed."""
+        key = _response_key(request.path_params["id"])
+        client = await self.api.client(request)
+        await _response_job(client, key)
+        await client.forget(key)
+        return json_response({"id": RESPONSE_ID + key, "object": "response", "deleted": True})
+
 
 async def _after(client: AsyncClient, key: str,
                  wait_s: float) -> tuple[dict[str, Any], Any]:
@@ -97,6 +128,27 @@ async def _after(client: AsyncClient, key: str,
         if exc.code is ErrorCode.RESULT_NOT_FOUND:
             raise
     return await client.job(key), result
+
+
+def _response_key(response_id: str) -> str:
+    if not response_id.startswith(RESPONSE_ID):
+        raise PoolError(ErrorCode.RESULT_NOT_FOUND, f"no response {response_id!r}: the daemon "
+                        "keeps background responses only")
+    return response_id.removeprefix(RESPONSE_ID)
+
+
+async def _response_job(client: AsyncClient, key: str) -> dict[str, Any]:
+    """A background response's job (not one of /v1/jobs, whose result is no response)."""
+    info = await client.job(key)
+    if info["op"] not in RESPONSE_OPS:
+        raise PoolError(ErrorCode.RESULT_NOT_FOUND, f"no response {RESPONSE_ID}{key}")
+    return info
+
+
+async def _background(client: AsyncClient, key: str) -> dict[str, Any]:
+    info = await _response_job(client, key)
+    done = info["state"] == "done"
+    return background(info, await client.retrieve(key, timeout_s=1.0) if done else None)
 
 
 def _wait(request: Request) -> float:

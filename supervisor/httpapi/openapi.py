@@ -196,7 +196,7 @@ class ResponseObject(msgspec.Struct):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     error: dict[str, str] | None
     incomplete_details: dict[str, str] | None
     instructions: str | None
@@ -216,6 +216,13 @@ class ResponseObject(msgspec.Struct):
     usage: ResponseUsage | None
     user: str | None
     metadata: dict[str, str]
+    background: bool  # run as a job, shown by GET /v1/responses/{id}
+
+
+class ResponseDeleted(msgspec.Struct):
+    id: str
+    object: Literal["response"]
+    deleted: bool
 
 
 class ResponseEvent(msgspec.Struct, omit_defaults=True):
@@ -316,6 +323,12 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type | None, type | None]] =
      TextCompletion, TextChunk),
     ("/v1/responses", "post", "OpenAI's Responses API, stateless (a chat)",
      ResponsesBody, ResponseObject, ResponseEvent),
+    ("/v1/responses/{id}", "get", "A background response, with its output once done",
+     None, ResponseObject, None),
+    ("/v1/responses/{id}/cancel", "post", "Cancel a background response", None,
+     ResponseObject, None),
+    ("/v1/responses/{id}", "delete", "Cancel a background response and remove it", None,
+     ResponseDeleted, None),
     ("/v1/images/generations", "post", "Text to image", bodies.ImagesBody, ImagesResponse,
      None),
     ("/v1/models", "get", "Models the daemon knows", None, ModelList, None),
@@ -366,9 +379,10 @@ def openapi_document() -> bytes:
                 "application/json": {"schema": schema_of[request]}}}
         if "{key}" in path:
             operation["parameters"] = _job_parameters(method)
-        if "{model}" in path:
-            operation["parameters"] = [{"name": "model", "in": "path", "required": True,
-                                        "schema": {"type": "string"}}]
+        for name in ("model", "id"):
+            if "{" + name + "}" in path:
+                operation["parameters"] = [{"name": name, "in": "path", "required": True,
+                                            "schema": {"type": "string"}}]
         paths.setdefault(path, {})[method] = operation
     return msgspec.json.encode({
         "openapi": "3.1.0",

@@ -4,10 +4,10 @@ and `.stream`, and what the OpenAI Agents SDK sends) taken as the chat it descri
 output become an assistant's tool call and a tool's answer), the flat function tools and
 `text.format` chat's nested ones, and the chat's own path does the rest.
 
-Stateless, as the daemon keeps no responses: what needs a kept one (`previous_response_id`,
-`conversation`, an `item_reference`, `background`) is refused by name, as are OpenAI's
-hosted tools (web search, file search, ...) and reasoning options, which no model here
-has; `store` is answered false.
+The daemon keeps no responses but background ones (run as jobs): what needs a kept one
+(`previous_response_id`, `conversation`, an `item_reference`) is refused by name, as are
+OpenAI's hosted tools (web search, file search, ...) and reasoning options, which no
+model here has; `store` is answered false.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class ResponsesBody(Options, kw_only=True):
     truncation: Annotated[str | None, refused_note("disabled only")] = None
     previous_response_id: Annotated[str | None, refused_note("no responses kept")] = None
     conversation: Annotated[Any, refused_note("no responses kept")] = None
-    background: Annotated[bool | None, refused_note("run it as a job: /v1/jobs")] = None
+    background: bool | None = None  # run as a job: GET /v1/responses/{id} shows it
     reasoning: Annotated[dict[str, Any] | None, refused_note("no reasoning models")] = None
     prompt: Annotated[dict[str, Any] | None, refused_note("no stored prompts")] = None
     max_tool_calls: Annotated[int | None, refused_note("one answer's calls only")] = None
@@ -130,7 +130,6 @@ class ResponsesBody(Options, kw_only=True):
     refused: ClassVar[Refused] = {
         "previous_response_id": ((None,), NOT_KEPT),
         "conversation": ((None,), NOT_KEPT),
-        "background": ((None, False), "not supported: run it as a job (POST /v1/jobs)"),
         "truncation": ((None, "disabled"), "only disabled: a prompt over the model's "
                                            "context is refused, not cut"),
         "reasoning": ((None, {}), "not supported: no model here reasons"),

@@ -20,15 +20,18 @@ from modelpool.supervisor.httpapi import logprobs
 from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
+RESPONSE_ID = "resp_"
+
 
 class ResponseShape:
     """One answer's response object and its items' ids, the same whole or streamed."""
 
-    def __init__(self, body: ResponsesBody, model: str, calls: ToolCalls | None) -> None:
+    def __init__(self, body: ResponsesBody, model: str, calls: ToolCalls | None,
+                 job_key: str = "", created: float | None = None) -> None:
         self.body, self.model, self.calls = body, model, calls
-        self.hex = uuid.uuid4().hex
-        self.id = f"resp_{self.hex}"
-        self.created = int(time.time())
+        self.hex = job_key or uuid.uuid4().hex  # a background response's: its job's
+        self.id = f"{RESPONSE_ID}{self.hex}"
+        self.created = int(time.time() if created is None else created)
         self.named_call_id = new_call_id()  # a named function's call, announced streamed
 
     @property
@@ -89,11 +92,30 @@ class ResponseShape:
             "text": {"format": msgspec.to_builtins(form) if form else {"type": "text"}},
             "tool_choice": msgspec.to_builtins(body.tool_choice or "auto"),
             "tools": msgspec.to_builtins(body.tools or []), "truncation": "disabled",
-            "usage": usage, "user": body.user, "metadata": body.metadata or {}}
+            "usage": usage, "user": body.user, "metadata": body.metadata or {},
+            "background": bool(body.background)}
 
     def whole(self, result: TextResult) -> dict[str, Any]:
         status = "incomplete" if result.finish_reason == "length" else "completed"
         return self.response(status, self.items(result), usage(result))
+
+
+# A background response's status, by its job's state (a done job's is its answer's)
+STATUS_OF_JOB = {"queued": "queued", "running": "in_progress", "failed": "failed",
+                 "cancelled": "cancelled"}
+
+
+def background(info: dict[str, Any], result: TextResult | None) -> dict[str, Any]:
+    """A background response as its job stands (`info`), with its answer once done. Its
+    request's options are not kept beside the job: none is echoed."""
+    shape = ResponseShape(ResponsesBody(input="", background=True), info["model"],
+                          ToolCalls(None, auto=True), info["key"], info["submitted_at"])
+    if result is not None:
+        return shape.whole(result)
+    error = None
+    if info["state"] == "failed":
+        error = {"code": info["error_code"].lower(), "message": info.get("error_message") or ""}
+    return shape.response(STATUS_OF_JOB.get(info["state"], "in_progress"), [], error=error)
 
 
 def usage(result: TextResult) -> dict[str, Any]:

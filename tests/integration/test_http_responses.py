@@ -5,10 +5,12 @@ is the chat completion of the same conversation, on the tiny random-weight Llama
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx2 as httpx
 import openai
 import pydantic
 import pytest
@@ -185,3 +187,57 @@ def test_an_unknown_model_is_a_404_before_any_event(sdk: openai.OpenAI) -> None:
     for stream in (False, True):
         with pytest.raises(openai.NotFoundError):
             sdk.responses.create(model="no-such-model", input="hi", stream=stream)
+
+
+def _ended(sdk: openai.OpenAI, response_id: str) -> Any:
+    deadline = time.monotonic() + 60
+    while True:
+        response = sdk.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.1)
+
+
+def test_a_background_response_is_a_job_retrieved_whole(served: tuple[Daemon, str],
+                                                        sdk: openai.OpenAI) -> None:
+    """background: true answers queued at once; the SDK's retrieve, from any connection,
+    shows it running and then its answer, the same as asked in the foreground."""
+    asked: Any = {"model": MODEL, "input": "tell me about workers", "temperature": 0,
+                  "max_output_tokens": 12}
+    foreground = sdk.responses.create(**asked)
+    queued = sdk.responses.create(**asked, background=True)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    other = openai.OpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    done = _ended(other, queued.id)
+    assert done.id == queued.id and done.status == foreground.status
+    assert done.output_text == foreground.output_text
+    assert done.usage is not None and foreground.usage is not None
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (
+        foreground.usage.input_tokens, foreground.usage.output_tokens)
+    assert sdk.responses.cancel(queued.id).status == done.status  # ended: left as it is
+    sdk.responses.delete(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(queued.id)
+
+
+def test_a_background_response_cancelled_and_what_is_no_response(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """2,000 tokens of the counter take 100 s: cancelled, it ends at once."""
+    queued = sdk.responses.create(model="counter", input="x", max_output_tokens=2000,
+                                  background=True)
+    assert sdk.responses.cancel(queued.id).status == "cancelled"
+    assert sdk.responses.retrieve(queued.id).status == "cancelled"
+    job = httpx.post(served[1] + "/v1/jobs", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"operation": "embeddings", "body": {"input": "x"}}).json()["id"]
+    for missing in ("resp_" + "0" * 32, "msg_1", "resp_" + job):
+        for asked in (sdk.responses.retrieve, sdk.responses.cancel, sdk.responses.delete):
+            with pytest.raises(openai.NotFoundError):
+                asked(missing)
+    shown = httpx.get(f"{served[1]}/v1/jobs/{job}?wait=30", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert shown["status"] == "done"  # a job of /v1/jobs: neither cancelled nor removed
+    for refused, param in (({"stream": True}, "stream"),
+                           ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as error:
+            sdk.responses.create(model=MODEL, input="hi", background=True, **refused)
+        assert error.value.body["param"] == param  # type: ignore[index]

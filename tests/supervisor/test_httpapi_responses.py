@@ -13,12 +13,12 @@ from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from modelpool.protocol.client_core import TextChunk
+from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import TokenLogprob, ToolCall
 from modelpool.supervisor.httpapi.bodies import ChatMessage
 from modelpool.supervisor.httpapi.responses_in import ResponsesBody, chat_body, responses_call
-from modelpool.supervisor.httpapi.responses_out import ResponseShape, ResponseStream
+from modelpool.supervisor.httpapi.responses_out import ResponseShape, ResponseStream, background
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
 TOOL = {"type": "function", "name": "weather",
@@ -83,7 +83,6 @@ def test_the_options_map_to_the_chats() -> None:
 
 @pytest.mark.parametrize(("fields", "named"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"tools": [{"type": "file_search"}]}, "tools[0]"),
@@ -177,3 +176,21 @@ def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream() -
     events, _ = _accepted(failed)
     assert events[-1].type == "response.failed"
     assert events[-1].response.error.code == "worker_died"
+
+
+def test_a_background_response_is_its_jobs_state() -> None:
+    info = {"key": "ab12", "model": "m", "submitted_at": 1700000000.5, "state": "queued"}
+    assert (background(info, None)["id"], background(info, None)["status"]) == (
+        "resp_ab12", "queued")
+    assert background({**info, "state": "running"}, None)["status"] == "in_progress"
+    failed = background({**info, "state": "failed", "error_code": "WORKER_DIED",
+                         "error_message": "gone"}, None)
+    assert failed["status"] == "failed" and failed["error"] == {"code": "worker_died",
+                                                                "message": "gone"}
+    cancelled = background({**info, "state": "cancelled", "error_code": "CANCELLED"}, None)
+    assert cancelled["status"] == "cancelled" and cancelled["error"] is None
+    done = background({**info, "state": "done"}, TextResult(
+        "", "tool_calls", 5, 3, "m", tool_calls=[ToolCall(name="weather", arguments="{}")]))
+    assert done["status"] == "completed" and done["background"] is True
+    assert [item["type"] for item in done["output"]] == ["function_call"]
+    assert done["created_at"] == 1700000000 and done["usage"]["total_tokens"] == 8
