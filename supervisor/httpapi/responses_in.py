@@ -132,7 +132,6 @@ class ResponsesBody(Options, kw_only=True):
         "conversation": ((None,), NOT_KEPT),
         "truncation": ((None, "disabled"), "only disabled: a prompt over the model's "
                                            "context is refused, not cut"),
-        "reasoning": ((None, {}), "not supported: no model here reasons"),
         "prompt": ((None,), "not supported: the daemon keeps no prompts"),
         "max_tool_calls": ((None,), "not supported: an answer makes the calls it makes"),
     }
@@ -148,6 +147,8 @@ def chat_body(body: ResponsesBody) -> ChatBody:
     for name in body.include or ():
         if name != LOGPROBS_INCLUDE:
             raise bad("include", f"{name!r} is not supported; only {LOGPROBS_INCLUDE!r}")
+    if body.reasoning and any(value is not None for value in body.reasoning.values()):
+        raise bad("reasoning", "not supported: no model here reasons")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise bad("text.verbosity", "not supported: no model here takes it")
     logprobs = LOGPROBS_INCLUDE in (body.include or ())

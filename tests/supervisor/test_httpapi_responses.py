@@ -77,6 +77,9 @@ def test_the_options_map_to_the_chats() -> None:
     formatted = responses_call(_body(text={"format": {"type": "json_schema", "name": "x",
                                                       "schema": {"type": "array"}}}))
     assert formatted.kwargs["json_schema"] == {"type": "array"}
+    # what asks for nothing is taken, as clients send their defaults
+    responses_call(_body(reasoning={"effort": None}, include=[], truncation="disabled",
+                         text={"format": {"type": "text"}, "verbosity": "medium"}))
     # top_logprobs without include asks for none, as OpenAI takes it
     assert responses_call(_body(top_logprobs=2)).kwargs["logprobs"] is None
 
@@ -91,6 +94,7 @@ def test_the_options_map_to_the_chats() -> None:
      "input[0].content[0]"),
     ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"reasoning": {"effort": "low", "summary": None}}, "reasoning"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
 ])
 def test_what_is_not_served_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
