@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,8 +59,13 @@ def test_scores_equal_the_model_run_in_process(daemon: Daemon, tiny_models_dir: 
 def test_its_worker_runs_the_cached_onnx_export(daemon: Daemon) -> None:
     with daemon.client() as c:
         c.rerank(QUERY, DOCS)
-        (model,) = [m for m in c.status()["models"] if m["key"] == "tiny-rerank"]
-    infos = [w["info"] for w in model["workers"]]
+        deadline = time.monotonic() + 60
+        while True:  # a second worker may still be loading: its info comes once loaded
+            (model,) = [m for m in c.status()["models"] if m["key"] == "tiny-rerank"]
+            infos = [w["info"] for w in model["workers"]]
+            if all(infos) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     assert infos and all(i["execution"] == "onnx" for i in infos), infos
     assert all(i["execution_reason"].endswith(", fused") for i in infos)
 
