@@ -206,7 +206,7 @@ class ResponseObject(msgspec.Struct):
     parallel_tool_calls: bool
     previous_response_id: None
     reasoning: None
-    store: bool  # false: the daemon keeps no responses
+    store: bool  # false: the daemon keeps none but background ones, as jobs
     temperature: float | None
     top_p: float | None
     text: dict[str, Any]
@@ -321,7 +321,7 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type | None, type | None]] =
      ChatCompletion, ChatChunk),
     ("/v1/completions", "post", "Text completion of a raw prompt", bodies.CompletionBody,
      TextCompletion, TextChunk),
-    ("/v1/responses", "post", "OpenAI's Responses API, stateless (a chat)",
+    ("/v1/responses", "post", "OpenAI's Responses API (a chat; background: a job)",
      ResponsesBody, ResponseObject, ResponseEvent),
     ("/v1/responses/{id}", "get", "A background response, with its output once done",
      None, ResponseObject, None),
