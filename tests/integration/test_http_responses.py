@@ -130,10 +130,10 @@ def test_a_conversation_of_input_items_is_the_chats(sdk: openai.OpenAI) -> None:
         {"role": "developer", "content": INSTRUCTIONS},
         {"type": "message", "role": "user",
          "content": [{"type": "input_text", "text": "weather in Paris?"}]},
-        {"type": "message", "role": "assistant",
-         "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me check.", "annotations": []}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather",
-         "arguments": '{"city": "Paris"}'},
+         "arguments": '{"city": "Paris"}', "id": "fc_1", "status": "completed"},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}]
     answer = sdk.responses.create(model=MODEL, input=items, tools=[TOOL], tool_choice="none",
                                   max_output_tokens=8, temperature=0)
