@@ -10,7 +10,7 @@ import torch
 
 from modelpool.protocol import kinds
 from modelpool.protocol.messages import Generate
-from modelpool.registry.loaders import batched_decode, causal_lm
+from modelpool.registry.loaders import batched_decode, causal_lm, prefix_cache
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder
 from modelpool.registry.loaders.causal_lm import CausalLM
 from modelpool.registry.loaders.common import kv_cache_of
@@ -109,6 +109,26 @@ def test_the_least_recently_used_go_first_when_the_budget_is_full() -> None:
     assert cache.nbytes == 3 * _entry_bytes(20)
     _keep(cache, _ids((400, 481)))  # over the whole budget
     assert sorted(int(e.ids[0]) for e in cache.entries) == [0, 200, 300]
+
+
+def test_a_lookup_compares_a_few_entries_however_many_are_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of answers to one prompt kept (each its prompt and its own output): a
+    prompt is compared token by token with at most CANDIDATES of them, found by its
+    blocks, and still takes the longest prefix; an entry it extends is still found."""
+    cache = PrefixCache(1 << 30)
+    prompt = _ids((0, 40))
+    for answer in range(2000):
+        _keep(cache, torch.cat([prompt, torch.tensor([10_000 + answer, 7])]))
+    compared = []
+    real = prefix_cache._common
+    monkeypatch.setattr(prefix_cache, "_common", lambda a, b: compared.append(1) or real(a, b))
+    assert cache.take(torch.cat([prompt, torch.tensor([10_500, 7, 3])]), "")[0] == 42
+    assert cache.take(torch.cat([prompt, torch.tensor([5])]), "")[0] == 40
+    assert len(compared) <= 2 * prefix_cache.CANDIDATES
+    _keep(cache, torch.cat([prompt, torch.tensor([10_500, 7, 3])]))  # extends one
+    assert len(cache.entries) == 2000
+    assert cache.take(torch.cat([prompt, torch.tensor([10_500, 7, 3, 9])]), "")[0] == 43
 
 
 # ---- through the continuous decoder, with the tiny model ---------------------------------
