@@ -92,7 +92,11 @@ def http_daemon(workdir: Path, tiny_models_dir: Path, extra: str = "",
         {extra}
     """)
     base = f"http://127.0.0.1:{port}"
-    wait_for_http(base, daemon)
+    try:
+        wait_for_http(base, daemon)
+    except BaseException:  # no fixture will stop it: it would outlive the test run
+        daemon.stop()
+        raise
     return daemon, base
 
 
