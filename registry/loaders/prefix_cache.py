@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -50,8 +50,8 @@ class _Entry:
     salt: str  # only prompts of the same salt may take it
     layers: Layers
     nbytes: int
-    raw: bytes = b""  # its ids as int64 bytes, compared as such
-    chain: list[int] = field(default_factory=list)  # its whole blocks' hashes
+    raw: bytes  # its ids as int64 bytes, compared as such
+    chain: list[int]  # its whole blocks' hashes
 
 
 class PrefixCache:
@@ -108,11 +108,16 @@ class PrefixCache:
         to the same start that the blocks alone do not tell apart."""
         tokens = len(raw) // 8
         for end in range(min(tokens, start + BLOCK_TOKENS - 1), max(start, longer_than), -1):
-            whole = hash((block, raw[8 * start:8 * end]))
-            for entry in _recent(self._whole.get(whole, {})):
-                if entry.salt == salt and entry.raw == raw[:8 * end]:
-                    return entry
+            for entry in self._holding_exactly(raw, salt, block, start, end):
+                return entry
         return None
+
+    def _holding_exactly(self, raw: bytes, salt: str, block: int, start: int,
+                         end: int) -> list[_Entry]:
+        """The entries holding exactly the first `end` tokens of `raw`, whose last whole
+        block (ending at `start`) hashed to `block`."""
+        members = self._whole.get(hash((block, raw[8 * start:8 * end])), {})
+        return [e for e in members if e.salt == salt and e.raw == raw[:8 * end]]
 
     def keep(self, ids: torch.Tensor, salt: str, layers_of: Callable[[], Layers]) -> None:
         """Keep the keys and values of these token ids under `salt`: `layers_of` makes
@@ -140,14 +145,12 @@ class PrefixCache:
     def _extended_by(self, raw: bytes, chain: list[int], salt: str) -> list[_Entry]:
         """The entries whose ids `raw` starts with: found by their whole content's hash,
         at each of its lengths past a whole block."""
-        tokens, found = len(raw) // 8, []
-        for depth, block in enumerate(chain, 1):
-            start = depth * BLOCK_TOKENS
-            for end in range(start, min(start + BLOCK_TOKENS, tokens + 1)):
-                for entry in self._whole.get(hash((block, raw[8 * start:8 * end])), {}):
-                    if entry.salt == salt and entry.raw == raw[:8 * end]:
-                        found.append(entry)
-        return found
+        tokens = len(raw) // 8
+        return [entry for depth, block in enumerate(chain, 1)
+                for end in range(depth * BLOCK_TOKENS, min((depth + 1) * BLOCK_TOKENS,
+                                                           tokens + 1))
+                for entry in self._holding_exactly(raw, salt, block, depth * BLOCK_TOKENS,
+                                                   end)]
 
     def _add(self, entry: _Entry) -> None:
         self._lru[entry] = None
@@ -181,7 +184,8 @@ def _key(ids: torch.Tensor, salt: str) -> tuple[bytes, list[int]]:
 
 
 def _whole_hash(entry: _Entry) -> int:
-    """Its last whole block's hash with the tokens after it."""
+    """Its last whole block's hash with the tokens after it (what _holding_exactly
+    looks up)."""
     start = 8 * BLOCK_TOKENS * len(entry.chain)
     return hash((entry.chain[-1], entry.raw[start:]))
 
