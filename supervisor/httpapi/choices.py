@@ -10,7 +10,8 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from modelpool.protocol.client_core import TextResult
+from modelpool.protocol.client_core import TextChunk, TextResult
+from modelpool.protocol.messages import TokenLogprob
 
 # Chunks of all the choices waiting for a slow HTTP client, at most: then the streams wait.
 MERGED_CHUNKS = 64
@@ -95,6 +96,12 @@ async def gather(first: Any, stream: Stream, model: str) -> TextResult:
             parts.append(chunk.text)
             logprobs.extend(chunk.logprobs or ())
             last = chunk
+    return whole_text(parts, logprobs, last, model)
+
+
+def whole_text(parts: list[str], logprobs: list[TokenLogprob], last: TextChunk,
+               model: str) -> TextResult:
+    """A stream's whole answer: its chunks' texts and logprobs, and its last chunk."""
     return TextResult("".join(parts), last.finish_reason or "stop", last.prompt_tokens or 0,
                       last.completion_tokens or 0, model, logprobs or None,
                       last.prompt_logprobs, last.tool_calls, last.cached_tokens or 0)

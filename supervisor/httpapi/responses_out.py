@@ -17,6 +17,7 @@ from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.messages import TokenLogprob, new_call_id
 from modelpool.supervisor.httpapi import logprobs
+from modelpool.supervisor.httpapi.choices import whole_text
 from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
@@ -168,10 +169,7 @@ class ResponseStream:
                                   item_id=self.shape.call_item_id(0), output_index=0,
                                   delta=chunk.text)
         if chunk.finish_reason is not None:
-            out += self._end(TextResult(
-                "".join(self.parts), chunk.finish_reason, chunk.prompt_tokens or 0,
-                chunk.completion_tokens or 0, self.shape.model, self.entries or None, None,
-                chunk.tool_calls, chunk.cached_tokens or 0))
+            out += self._end(whole_text(self.parts, self.entries, chunk, self.shape.model))
         return out
 
     def failed(self, exc: PoolError) -> bytes:
