@@ -19,7 +19,7 @@ from modelpool.protocol.kinds import BY_OP
 from modelpool.supervisor.httpapi import bodies, choices, replies
 from modelpool.supervisor.httpapi.completions import completion_calls, echoed
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
-from modelpool.supervisor.httpapi.jobs_api import JobsApi
+from modelpool.supervisor.httpapi.jobs_api import JobsApi, refuse_in_a_job
 from modelpool.supervisor.httpapi.link import DaemonLink
 from modelpool.supervisor.httpapi.openapi import openapi_document
 from modelpool.supervisor.httpapi.plumbing import (
@@ -168,13 +168,7 @@ class Api:
                                    call: bodies.PoolCall, model: str) -> Response:
         """Run as a job: answered queued at once, its id the job's, shown by GET
         /v1/responses/{id} (the SDK's responses.retrieve) whatever connection asks."""
-        if body.stream:
-            raise bodies.bad("stream", "a background response is fetched whole: "
-                                       "GET /v1/responses/{id}")
-        if call.made is not None and not call.made.auto:
-            raise bodies.bad("tool_choice", "a background response's result is text or the "
-                                            "calls the model chose (auto): hold it to a "
-                                            "schema with text.format instead")
+        refuse_in_a_job(body, schema_field="text.format")
         key = await self.jobs.submit_call(request, call)
         return json_response(ResponseShape(body, model, call.made, key).response("queued", []))
 

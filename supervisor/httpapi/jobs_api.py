@@ -51,14 +51,7 @@ class JobsApi:
             body = msgspec.convert(job.body, type=kind, str_keys=True)  # JSON keys
         except msgspec.ValidationError as exc:
             raise HttpError(400, f"body: {exc}", "invalid_request", "body") from None
-        if getattr(body, "stream", False):
-            raise bodies.bad("body.stream", "a job's result is fetched whole, not streamed")
-        if getattr(body, "n", 1) != 1:
-            raise bodies.bad("body.n", "a job has one result: submit a job for each choice")
-        if getattr(body, "tool_choice", None) not in (None, "none", "auto"):
-            raise bodies.bad("body.tool_choice", "a job's result is text, not tool calls: "
-                                                 "hold it to the call's schema with "
-                                                 "response_format instead")
+        refuse_in_a_job(body, "body.")
         call = make_call(body)
         key = await self.submit_call(request, call, bodies.options(job))
         return json_response({"id": key, "object": "job", "operation": call.op,
@@ -115,6 +108,21 @@ class JobsApi:
         await _response_job(client, key)
         await client.forget(key)
         return json_response({"id": RESPONSE_ID + key, "object": "response", "deleted": True})
+
+
+def refuse_in_a_job(body: Any, field: str = "", schema_field: str = "response_format"
+                    ) -> None:
+    """What a body run as a job cannot have (`field`: where the body is in the request):
+    a stream, several choices, a forced tool call (its result is text; `schema_field`
+    holds it to the call's schema)."""
+    if getattr(body, "stream", False):
+        raise bodies.bad(f"{field}stream", "a job's result is fetched whole, not streamed")
+    if getattr(body, "n", 1) != 1:
+        raise bodies.bad(f"{field}n", "a job has one result: submit a job for each choice")
+    if getattr(body, "tool_choice", None) not in (None, "none", "auto"):
+        raise bodies.bad(f"{field}tool_choice", "a job's result is text, not tool calls: "
+                                                f"hold it to the call's schema with "
+                                                f"{schema_field} instead")
 
 
 async def _after(client: AsyncClient, key: str,

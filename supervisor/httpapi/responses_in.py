@@ -155,7 +155,7 @@ def chat_body(body: ResponsesBody) -> ChatBody:
     return ChatBody(
         messages=messages(body), model=body.model, max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        stop=body.stop, seed=body.seed, stream=body.stream, logprobs=logprobs,
+        stop=body.stop, seed=body.seed, logprobs=logprobs,
         top_logprobs=body.top_logprobs if logprobs else None, tools=_tools(body.tools),
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
