@@ -157,6 +157,8 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_priority: Priority = "critical"  # the highest priority an HTTP request may ask
     # Clients of different keys share no kept prompts (a side channel); false: they do.
     prefix_cache_per_key: bool = True
+    # The Responses API's kept responses (previous_response_id), in the front door's memory
+    kept_responses_mib: Annotated[int, msgspec.Meta(ge=0)] = 64
     in_loop: bool = False  # serve from the supervisor's own loop, not a process of its own
 
 

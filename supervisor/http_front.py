@@ -36,7 +36,8 @@ log = logging.getLogger("modelpool.http")
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 # What a front door keeps from its start: a reload that changes one of them starts a new
 # front door, which takes over the address (the same socket, or one bound anew).
-STARTED_WITH = ("listen", "connections", "max_clients", "in_loop", "body_timeout_s")
+STARTED_WITH = ("listen", "connections", "max_clients", "in_loop", "body_timeout_s",
+                "kept_responses_mib")
 
 
 def listen_address(listen: str) -> tuple[str, int]:
@@ -88,7 +89,7 @@ def settings_of(config: Config, socket_path: str,
         max_body_bytes=http.max_body_bytes or config.daemon.max_frame_bytes,
         body_timeout_s=http.body_timeout_s, connections=http.connections,
         max_priority=http.max_priority, prefix_cache_per_key=http.prefix_cache_per_key,
-        default_models=default_models or {})
+        kept_responses_bytes=http.kept_responses_mib * 2**20, default_models=default_models or {})
 
 
 def bind(listen: str) -> socket.socket:

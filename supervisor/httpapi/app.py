@@ -15,11 +15,10 @@ from starlette.responses import Response
 from modelpool.protocol.client import AsyncClient
 from modelpool.protocol.client_core import ImageChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.kinds import BY_OP
 from modelpool.supervisor.httpapi import bodies, choices, replies
 from modelpool.supervisor.httpapi.completions import completion_calls, echoed
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
-from modelpool.supervisor.httpapi.jobs_api import JobsApi, refuse_in_a_job
+from modelpool.supervisor.httpapi.jobs_api import JobsApi
 from modelpool.supervisor.httpapi.link import DaemonLink
 from modelpool.supervisor.httpapi.openapi import openapi_document
 from modelpool.supervisor.httpapi.plumbing import (
@@ -28,13 +27,13 @@ from modelpool.supervisor.httpapi.plumbing import (
     check_key,
     client_identity,
     decode,
+    model_name,
     read_body,
     unless_disconnected,
     with_header_options,
 )
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
-from modelpool.supervisor.httpapi.responses_in import ResponsesBody, responses_call
-from modelpool.supervisor.httpapi.responses_out import ResponseShape, events
+from modelpool.supervisor.httpapi.responses_api import ResponsesApi
 from modelpool.supervisor.httpapi.routes import Handler, Route, Routes
 from modelpool.supervisor.httpapi.settings import HttpSettings
 
@@ -48,6 +47,7 @@ class Api:
         self.link = DaemonLink(settings.socket_path, settings.connections)
         self.counters = HttpCounters()
         self.jobs = JobsApi(self)
+        self.responses = ResponsesApi(self)
 
     # ---- the frame around every endpoint ----------------------------------------------
 
@@ -146,32 +146,6 @@ class Api:
         return json_response(replies.completion(texts, chat, shape.model,
                                                 echo, body.n, calls[0].made))
 
-    async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API: the chat its body describes, answered as a response."""
-        body = await self.body(request, ResponsesBody)
-        call = responses_call(body)
-        model = model_name(body.model, self.settings, call.op)
-        if body.background:
-            return await self._background_response(request, body, call, model)
-        client = await self.client(request)
-        stream = getattr(client, call.op)(
-            *call.args, **with_header_options(request, call.kwargs, self.settings))
-        firsts = await unless_disconnected(request.scope, choices.firsts([stream]))
-        shape = ResponseShape(body, model, call.made)
-        if body.stream:
-            return EventStream(events(shape, choices.chunks(firsts, [stream])))
-        (text,) = await unless_disconnected(request.scope,
-                                            choices.gather_all(firsts, [stream], shape.model))
-        return json_response(shape.whole(text))
-
-    async def _background_response(self, request: Request, body: ResponsesBody,
-                                   call: bodies.PoolCall, model: str) -> Response:
-        """Run as a job: answered queued at once, its id the job's, shown by GET
-        /v1/responses/{id} (the SDK's responses.retrieve) whatever connection asks."""
-        refuse_in_a_job(body, schema_field="text.format")
-        key = await self.jobs.submit_call(request, call)
-        return json_response(ResponseShape(body, model, call.made, key).response("queued", []))
-
     async def images(self, request: Request) -> Response:
         body = await self.body(request, bodies.ImagesBody)
         call = bodies.images_call(body)
@@ -222,11 +196,6 @@ class Api:
         return Response(openapi_document(), media_type="application/json")
 
 
-def model_name(asked: str, settings: HttpSettings, op: str) -> str:
-    """The model that answers: the one asked for, else the daemon's default for it."""
-    return asked or settings.default_models.get(BY_OP[op].served_by[0], "")
-
-
 async def _events(shape: replies.StreamShape,
                   chunks: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
@@ -259,10 +228,10 @@ def build_app(api: Api) -> Routes:
         ("/v1/embeddings", api.embeddings, "POST", False),
         ("/v1/chat/completions", api.chat, "POST", False),
         ("/v1/completions", api.completions, "POST", False),
-        ("/v1/responses", api.responses, "POST", False),
-        ("/v1/responses/{id}", api.jobs.response, "GET", False),
-        ("/v1/responses/{id}", api.jobs.delete_response, "DELETE", False),
-        ("/v1/responses/{id}/cancel", api.jobs.cancel_response, "POST", False),
+        ("/v1/responses", api.responses.create, "POST", False),
+        ("/v1/responses/{id}", api.responses.show, "GET", False),
+        ("/v1/responses/{id}", api.responses.delete, "DELETE", False),
+        ("/v1/responses/{id}/cancel", api.responses.cancel, "POST", False),
         ("/v1/images/generations", api.images, "POST", False),
         ("/v1/models", api.models, "GET", False),
         ("/v1/models/{model:path}", api.model, "GET", False),  # keys hold slashes

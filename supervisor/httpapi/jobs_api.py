@@ -21,13 +21,11 @@ from modelpool.supervisor.httpapi import bodies, replies
 from modelpool.supervisor.httpapi.completions import completion_call
 from modelpool.supervisor.httpapi.plumbing import unless_disconnected, with_header_options
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
-from modelpool.supervisor.httpapi.responses_out import RESPONSE_ID, background
 
 if TYPE_CHECKING:
     from modelpool.supervisor.httpapi.app import Api
 
 MAX_WAIT_S = 600.0
-RESPONSE_OPS = ("generate", "describe")  # what a Responses body asks of the pool
 
 # Each operation's body and the call it makes.
 OPERATIONS: dict[str, tuple[type[Any], Callable[[Any], bodies.PoolCall]]] = {
@@ -85,30 +83,6 @@ class JobsApi:
         await client.cancel(key)
         return json_response(_job(await client.job(key)))
 
-    # ---- background responses (the Responses API's background: true) ------------------
-
-    async def response(self, request: Request) -> Response:
-        """GET /v1/responses/{id}: a background response, as its job stands."""
-        key = _response_key(request.path_params["id"])
-        client = await self.api.client(request)
-        return json_response(await _background(client, key))
-
-    async def cancel_response(self, request: Request) -> Response:
-        """POST /v1/responses/{id}/cancel: its job cancelled (an ended one is left)."""
-        key = _response_key(request.path_params["id"])
-        client = await self.api.client(request)
-        if (await _response_job(client, key))["state"] in ("queued", "running"):
-            await client.cancel(key)
-        return json_response(await _background(client, key))
-
-    async def delete_response(self, request: Request) -> Response:
-        """DELETE /v1/responses/{id}: cancelled if it runs, and its result removed."""
-        key = _response_key(request.path_params["id"])
-        client = await self.api.client(request)
-        await _response_job(client, key)
-        await client.forget(key)
-        return json_response({"id": RESPONSE_ID + key, "object": "response", "deleted": True})
-
 
 def refuse_in_a_job(body: Any, field: str = "", schema_field: str = "response_format"
                     ) -> None:
@@ -136,27 +110,6 @@ async def _after(client: AsyncClient, key: str,
         if exc.code is ErrorCode.RESULT_NOT_FOUND:
             raise
     return await client.job(key), result
-
-
-def _response_key(response_id: str) -> str:
-    if not response_id.startswith(RESPONSE_ID):
-        raise PoolError(ErrorCode.RESULT_NOT_FOUND, f"no response {response_id!r}: the daemon "
-                        "keeps background responses only")
-    return response_id.removeprefix(RESPONSE_ID)
-
-
-async def _response_job(client: AsyncClient, key: str) -> dict[str, Any]:
-    """A background response's job (not one of /v1/jobs, whose result is no response)."""
-    info = await client.job(key)
-    if info["op"] not in RESPONSE_OPS:
-        raise PoolError(ErrorCode.RESULT_NOT_FOUND, f"no response {RESPONSE_ID}{key}")
-    return info
-
-
-async def _background(client: AsyncClient, key: str) -> dict[str, Any]:
-    info = await _response_job(client, key)
-    done = info["state"] == "done"
-    return background(info, await client.retrieve(key, timeout_s=1.0) if done else None)
 
 
 def _wait(request: Request) -> float:

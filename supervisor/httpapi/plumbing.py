@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.fields import PRIORITIES
+from modelpool.protocol.kinds import BY_OP
 from modelpool.supervisor.httpapi.guard import departure_of
 from modelpool.supervisor.httpapi.replies import HttpError
 from modelpool.supervisor.httpapi.settings import HttpSettings
@@ -40,6 +41,11 @@ def check_key(request: Request, keys: list[str]) -> None:
                         "missing_api_key")
     if not any(hmac.compare_digest(token.encode(), key.encode()) for key in keys):
         raise HttpError(401, "invalid API key", "invalid_api_key")
+
+
+def model_name(asked: str, settings: HttpSettings, op: str) -> str:
+    """The model that answers: the one asked for, else the daemon's default for it."""
+    return asked or settings.default_models.get(BY_OP[op].served_by[0], "")
 
 
 def client_identity(request: Request) -> str:

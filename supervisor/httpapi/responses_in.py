@@ -4,10 +4,11 @@ and `.stream`, and what the OpenAI Agents SDK sends) taken as the chat it descri
 output become an assistant's tool call and a tool's answer), the flat function tools and
 `text.format` chat's nested ones, and the chat's own path does the rest.
 
-The daemon keeps no responses but background ones (run as jobs): what needs a kept one
-(`previous_response_id`, `conversation`, an `item_reference`) is refused by name, as are
-OpenAI's hosted tools (web search, file search, ...) and reasoning options, which no
-model here has; `store` is answered false.
+`previous_response_id` continues a response the front door keeps (response_store.py):
+the conversation that led to it, then its output items, before this input. A
+`conversation` object and an `item_reference` are refused by name (no conversations or
+items are kept apart from their responses), as are OpenAI's hosted tools (web search,
+file search, ...) and reasoning options, which no model here has.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from modelpool.supervisor.httpapi.tools import (
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-NOT_KEPT = "not supported: the daemon keeps no responses; send the whole conversation"
+NOT_KEPT = ("not supported: no conversations or items are kept apart from their responses; "
+            "continue one with previous_response_id, or send the whole conversation")
 
 
 class InputPart(msgspec.Struct, kw_only=True):
@@ -115,8 +117,8 @@ class ResponsesBody(Options, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Annotated[str | None, refused_note("disabled only")] = None
-    previous_response_id: Annotated[str | None, refused_note("no responses kept")] = None
-    conversation: Annotated[Any, refused_note("no responses kept")] = None
+    previous_response_id: str | None = None  # a kept response this one continues
+    conversation: Annotated[Any, refused_note("no conversations kept")] = None
     background: bool | None = None  # run as a job: GET /v1/responses/{id} shows it
     reasoning: Annotated[dict[str, Any] | None, refused_note("no reasoning models")] = None
     prompt: Annotated[dict[str, Any] | None, refused_note("no stored prompts")] = None
@@ -128,7 +130,6 @@ class ResponsesBody(Options, kw_only=True):
     stop: str | Stops | None = None
     cache_salt: Annotated[str, msgspec.Meta(max_length=256)] = ""
     refused: ClassVar[Refused] = {
-        "previous_response_id": ((None,), NOT_KEPT),
         "conversation": ((None,), NOT_KEPT),
         "truncation": ((None, "disabled"), "only disabled: a prompt over the model's "
                                            "context is refused, not cut"),
@@ -137,12 +138,13 @@ class ResponsesBody(Options, kw_only=True):
     }
 
 
-def responses_call(body: ResponsesBody) -> PoolCall:
-    """The chat a Responses body describes, as the chat endpoint would call the pool."""
-    return chat_call(chat_body(body))
+def responses_call(body: ResponsesBody, turns: list[ChatMessage] | None = None) -> PoolCall:
+    """The chat a Responses body describes, as the chat endpoint would call the pool;
+    `turns`: the conversation it answers (`conversation`), by default its input alone."""
+    return chat_call(chat_body(body, turns))
 
 
-def chat_body(body: ResponsesBody) -> ChatBody:
+def chat_body(body: ResponsesBody, turns: list[ChatMessage] | None = None) -> ChatBody:
     refuse_unsupported(body)
     for name in body.include or ():
         if name != LOGPROBS_INCLUDE:
@@ -152,8 +154,10 @@ def chat_body(body: ResponsesBody) -> ChatBody:
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise bad("text.verbosity", "not supported: no model here takes it")
     logprobs = LOGPROBS_INCLUDE in (body.include or ())
+    system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    turns = conversation(body, []) if turns is None else turns
     return ChatBody(
-        messages=messages(body), model=body.model, max_completion_tokens=body.max_output_tokens,
+        messages=[*system, *turns], model=body.model, max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         stop=body.stop, seed=body.seed, logprobs=logprobs,
         top_logprobs=body.top_logprobs if logprobs else None, tools=_tools(body.tools),
@@ -163,14 +167,27 @@ def chat_body(body: ResponsesBody) -> ChatBody:
         priority=body.priority, timeout_s=body.timeout_s, deadline_s=body.deadline_s)
 
 
-def messages(body: ResponsesBody) -> list[ChatMessage]:
-    """`instructions` as the system message, then the input's items in order; function
-    calls join the assistant message before them, as a chat answer holds its calls."""
-    out = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
-    if isinstance(body.input, str):
-        return [*out, ChatMessage(role="user", content=body.input)]
-    for index, item in enumerate(body.input):
-        field = f"input[{index}]"
+def conversation(body: ResponsesBody, before: list[ChatMessage]) -> list[ChatMessage]:
+    """The turns before this input (a continued response's, whose `instructions` are not
+    carried over, as OpenAI does), then its items; `instructions` go before it all."""
+    return [*before, *input_messages(body.input, "input")]
+
+
+def continued(kept: list[ChatMessage], output: list[dict[str, Any]]) -> list[ChatMessage]:
+    """A kept response's conversation and its answer (its output items, which are input
+    items too), for the response that continues it."""
+    items = msgspec.convert(output, list[InputItem])
+    return [*kept, *input_messages(items, "previous_response_id")]
+
+
+def input_messages(items: str | list[InputItem], where: str) -> list[ChatMessage]:
+    """Input items as chat messages, in order; function calls join the assistant message
+    before them, as a chat answer holds its calls."""
+    if isinstance(items, str):
+        return [ChatMessage(role="user", content=items)]
+    out: list[ChatMessage] = []
+    for index, item in enumerate(items):
+        field = f"{where}[{index}]"
         if item.type == "message":
             if item.role is None or item.content is None:
                 raise bad(field, "a message needs its role and content")

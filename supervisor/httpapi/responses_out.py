@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -28,12 +28,15 @@ class ResponseShape:
     """One answer's response object and its items' ids, the same whole or streamed."""
 
     def __init__(self, body: ResponsesBody, model: str, calls: ToolCalls | None,
-                 job_key: str = "", created: float | None = None) -> None:
+                 job_key: str = "", created: float | None = None, stored: bool = False) -> None:
         self.body, self.model, self.calls = body, model, calls
         self.hex = job_key or uuid.uuid4().hex  # a background response's: its job's
         self.id = f"{RESPONSE_ID}{self.hex}"
         self.created = int(time.time() if created is None else created)
         self.named_call_id = new_call_id()  # a named function's call, announced streamed
+        self.stored = stored  # kept, for GET /v1/responses/{id} and previous_response_id
+        # Given the finished response (completed or incomplete), whole or streamed
+        self.on_finished: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def streams_text(self) -> bool:
@@ -88,7 +91,8 @@ class ResponseShape:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "model": self.model, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": body.previous_response_id, "reasoning": None,
+            "store": self.stored,
             "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": msgspec.to_builtins(form) if form else {"type": "text"}},
             "tool_choice": msgspec.to_builtins(body.tool_choice or "auto"),
@@ -97,8 +101,14 @@ class ResponseShape:
             "background": bool(body.background)}
 
     def whole(self, result: TextResult) -> dict[str, Any]:
+        return self.finished(result, self.items(result))
+
+    def finished(self, result: TextResult, items: list[dict[str, Any]]) -> dict[str, Any]:
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        return self.response(status, self.items(result), usage(result))
+        response = self.response(status, items, usage(result))
+        if self.on_finished is not None:
+            self.on_finished(response)
+        return response
 
 
 # A background response's status, by its job's state (a done job's is its answer's)
@@ -106,11 +116,13 @@ STATUS_OF_JOB = {"queued": "queued", "running": "in_progress", "failed": "failed
                  "cancelled": "cancelled"}
 
 
-def background(info: dict[str, Any], result: TextResult | None) -> dict[str, Any]:
-    """A background response as its job stands (`info`), with its answer once done. Its
-    request's options are not kept beside the job: none is echoed."""
-    shape = ResponseShape(ResponsesBody(input="", background=True), info["model"],
-                          ToolCalls(None, auto=True), info["key"], info["submitted_at"])
+def background(info: dict[str, Any], result: TextResult | None,
+               body: ResponsesBody | None = None) -> dict[str, Any]:
+    """A background response as its job stands (`info`), with its answer once done,
+    echoing its request's options if it was kept (`body`)."""
+    shape = ResponseShape(body or ResponsesBody(input="", background=True), info["model"],
+                          ToolCalls(None, auto=True), info["key"], info["submitted_at"],
+                          stored=body is not None)
     if result is not None:
         return shape.whole(result)
     error = None
@@ -204,10 +216,8 @@ class ResponseStream:
         for index, item in enumerate(items):
             announced = index == 0 and self.opened
             out += self._item_done(index, item, announced)
-        kind = "response.incomplete" if result.finish_reason == "length" else "response.completed"
-        status = kind.rsplit(".", 1)[1]
-        return out + self.event(kind, response=self.shape.response(status, items,
-                                                                   usage(result)))
+        response = self.shape.finished(result, items)
+        return out + self.event(f"response.{response['status']}", response=response)
 
     def _item_done(self, index: int, item: dict[str, Any], announced: bool) -> bytes:
         out = b""

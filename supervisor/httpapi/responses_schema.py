@@ -52,9 +52,9 @@ class ResponseObject(msgspec.Struct):
     model: str
     output: list[OutputItem]
     parallel_tool_calls: bool
-    previous_response_id: None
+    previous_response_id: str | None
     reasoning: None
-    store: bool  # false: the daemon keeps none but background ones, as jobs
+    store: bool  # kept: GET /v1/responses/{id} shows it, previous_response_id continues it
     temperature: float | None
     top_p: float | None
     text: dict[str, Any]

@@ -20,5 +20,6 @@ class HttpSettings(msgspec.Struct, frozen=True, kw_only=True):
     connections: int = 8
     max_priority: Priority = "critical"
     prefix_cache_per_key: bool = True
+    kept_responses_bytes: int = 64 * 2**20  # the Responses API's kept responses, at most
     # The model answering a request that names none, by capability (a reload sends new).
     default_models: dict[str, str] = {}

@@ -16,8 +16,14 @@ from openai.types.responses import ResponseStreamEvent
 from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import TokenLogprob, ToolCall
-from modelpool.supervisor.httpapi.bodies import ChatMessage
-from modelpool.supervisor.httpapi.responses_in import ResponsesBody, chat_body, responses_call
+from modelpool.supervisor.httpapi.bodies import ChatMessage, ContentPart
+from modelpool.supervisor.httpapi.responses_in import (
+    ResponsesBody,
+    chat_body,
+    continued,
+    conversation,
+    responses_call,
+)
 from modelpool.supervisor.httpapi.responses_out import ResponseShape, ResponseStream, background
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
@@ -55,6 +61,29 @@ def test_instructions_and_input_items_become_the_chats_messages() -> None:
     assert pool[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
 
 
+def test_a_continued_response_follows_its_conversation_and_answer() -> None:
+    """previous_response_id: the kept conversation, the answer's output items (its
+    message and calls, joined as a chat answer holds them), then the new input; the new
+    instructions first, the old ones not carried over."""
+    first = _body(instructions="old", input=[{"role": "user", "content": "weather?"}])
+    kept = conversation(first, [])
+    shape = ResponseShape(first, "m", ToolCalls(None, auto=True))
+    output = shape.whole(TextResult(
+        text="Checking.", finish_reason="tool_calls", prompt_tokens=3, completion_tokens=9,
+        model="m", tool_calls=[ToolCall(name="weather", arguments='{"city": "Oslo"}',
+                                        id="c9")]))["output"]
+    assert [item["type"] for item in output] == ["message", "function_call"]
+    turns = conversation(_body(instructions="new", input=[
+        {"type": "function_call_output", "call_id": "c9", "output": "sunny"}]),
+        continued(kept, output))
+    messages = chat_body(_body(instructions="new"), turns).messages
+    assert _roles(messages) == [("system", "new", []), ("user", "weather?", []),
+                                ("assistant", [ContentPart(type="text", text="Checking.")],
+                                 ["c9"]), ("tool", "sunny", [])]
+    assert messages[2].tool_calls[0].function.arguments == '{"city": "Oslo"}'  # type: ignore[index]
+    assert _roles(kept) == [("user", "weather?", [])]  # the kept conversation unchanged
+
+
 def test_an_input_image_is_a_vision_request() -> None:
     url = "data:image/png;base64,iVBORw0KGgo="
     call = responses_call(_body(input=[{"role": "user", "content": [
@@ -85,7 +114,7 @@ def test_the_options_map_to_the_chats() -> None:
 
 
 @pytest.mark.parametrize(("fields", "named"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"tools": [{"type": "file_search"}]}, "tools[0]"),

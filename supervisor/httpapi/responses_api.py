@@ -1,0 +1,158 @@
+"""OpenAI's Responses API: POST /v1/responses answers the chat its body describes, whole,
+streamed, or in the background as a job; a response is kept (unless `store` is false)
+for `previous_response_id` to continue and GET /v1/responses/{id} to show; DELETE removes
+one, and POST /v1/responses/{id}/cancel cancels a background one's job.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from modelpool.protocol.client import AsyncClient
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.supervisor.httpapi import choices
+from modelpool.supervisor.httpapi.bodies import ChatMessage, PoolCall, bad
+from modelpool.supervisor.httpapi.jobs_api import refuse_in_a_job
+from modelpool.supervisor.httpapi.plumbing import (
+    EventStream,
+    model_name,
+    unless_disconnected,
+    with_header_options,
+)
+from modelpool.supervisor.httpapi.replies import HttpError, json_response
+from modelpool.supervisor.httpapi.response_store import ResponseStore
+from modelpool.supervisor.httpapi.responses_in import (
+    ResponsesBody,
+    continued,
+    conversation,
+    responses_call,
+)
+from modelpool.supervisor.httpapi.responses_out import (
+    RESPONSE_ID,
+    ResponseShape,
+    background,
+    events,
+)
+
+if TYPE_CHECKING:
+    from modelpool.supervisor.httpapi.app import Api
+
+RESPONSE_OPS = ("generate", "describe")  # what a Responses body asks of the pool
+FINISHED = ("completed", "incomplete")
+
+
+class ResponsesApi:
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.kept = ResponseStore(api.settings.kept_responses_bytes)
+
+    async def create(self, request: Request) -> Response:
+        """POST /v1/responses: the chat its body describes (after the conversation of the
+        response it continues), answered as a response."""
+        body = await self.api.body(request, ResponsesBody)
+        turns = conversation(body, await self._before(request, body.previous_response_id))
+        call = responses_call(body, turns)
+        model = model_name(body.model, self.api.settings, call.op)
+        stored = body.store is not False and self.kept.fits(turns)
+        if body.background:
+            return await self._background(request, body, call, model, turns if stored else None)
+        client = await self.api.client(request)
+        stream = getattr(client, call.op)(
+            *call.args, **with_header_options(request, call.kwargs, self.api.settings))
+        firsts = await unless_disconnected(request.scope, choices.firsts([stream]))
+        shape = ResponseShape(body, model, call.made, stored=stored)
+        if stored:
+            shape.on_finished = lambda response: self.kept.keep(shape.id, turns, body, response)
+        if body.stream:
+            return EventStream(events(shape, choices.chunks(firsts, [stream])))
+        (text,) = await unless_disconnected(request.scope,
+                                            choices.gather_all(firsts, [stream], shape.model))
+        return json_response(shape.whole(text))
+
+    async def _background(self, request: Request, body: ResponsesBody, call: PoolCall,
+                          model: str, turns: list[ChatMessage] | None) -> Response:
+        """Run as a job: answered queued at once, its id the job's, shown by GET
+        /v1/responses/{id} (the SDK's responses.retrieve) whatever connection asks."""
+        refuse_in_a_job(body, schema_field="text.format")
+        key = await self.api.jobs.submit_call(request, call)
+        shape = ResponseShape(body, model, call.made, key, stored=turns is not None)
+        if turns is not None:
+            self.kept.keep(shape.id, turns, body)
+        return json_response(shape.response("queued", []))
+
+    async def _before(self, request: Request, response_id: str | None) -> list[ChatMessage]:
+        """The conversation a continued response had, then its answer."""
+        if response_id is None:
+            return []
+        kept = self.kept.get(response_id)
+        if kept is None:
+            raise HttpError(400, f"previous_response_id: no response {response_id!r} is kept "
+                            "(never made, deleted, made with store false, or dropped for "
+                            "newer ones)", "previous_response_not_found", "previous_response_id")
+        response = kept.response
+        if response is None:
+            client = await self.api.client(request)
+            response = await _as_job_stands(client, _job_key(response_id), kept.body)
+        if response["status"] not in FINISHED:
+            raise bad("previous_response_id", f"{response_id} is {response['status']}: only "
+                      "a finished response can be continued")
+        return continued(kept.conversation, response["output"])
+
+    async def show(self, request: Request) -> Response:
+        """GET /v1/responses/{id}: a kept response; a background one as its job stands."""
+        response_id = request.path_params["id"]
+        kept = self.kept.get(response_id)
+        if kept is not None and kept.response is not None:
+            return json_response(kept.response)
+        client = await self.api.client(request)
+        return json_response(await _as_job_stands(client, _job_key(response_id),
+                                                  kept.body if kept else None))
+
+    async def cancel(self, request: Request) -> Response:
+        """POST /v1/responses/{id}/cancel: its job cancelled (an ended one is left)."""
+        response_id = request.path_params["id"]
+        kept = self.kept.get(response_id)
+        if kept is not None and kept.response is not None:
+            raise bad("id", "only a background response can be cancelled")
+        key = _job_key(response_id)
+        client = await self.api.client(request)
+        if (await _response_job(client, key))["state"] in ("queued", "running"):
+            await client.cancel(key)
+        return json_response(await _as_job_stands(client, key, kept.body if kept else None))
+
+    async def delete(self, request: Request) -> Response:
+        """DELETE /v1/responses/{id}: no longer kept; a background one's job cancelled if
+        it runs, and its result removed."""
+        response_id = request.path_params["id"]
+        kept = self.kept.get(response_id)
+        if kept is None or kept.response is None:  # a background one's, or not kept here
+            key = _job_key(response_id)
+            client = await self.api.client(request)
+            await _response_job(client, key)
+            await client.forget(key)
+        self.kept.forget(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+def _job_key(response_id: str) -> str:
+    if not response_id.startswith(RESPONSE_ID):
+        raise PoolError(ErrorCode.RESULT_NOT_FOUND, f"no response {response_id!r}")
+    return response_id.removeprefix(RESPONSE_ID)
+
+
+async def _response_job(client: AsyncClient, key: str) -> dict[str, Any]:
+    """A background response's job (not one of /v1/jobs, whose result is no response)."""
+    info = await client.job(key)
+    if info["op"] not in RESPONSE_OPS:
+        raise PoolError(ErrorCode.RESULT_NOT_FOUND, f"no response {RESPONSE_ID}{key}")
+    return info
+
+
+async def _as_job_stands(client: AsyncClient, key: str,
+                         body: ResponsesBody | None) -> dict[str, Any]:
+    info = await _response_job(client, key)
+    done = info["state"] == "done"
+    return background(info, await client.retrieve(key, timeout_s=1.0) if done else None, body)

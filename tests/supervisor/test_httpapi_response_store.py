@@ -1,0 +1,62 @@
+"""The Responses API's kept responses: bounded in bytes (`[http] kept_responses_mib`),
+the least recently used dropped first, one that alone is over the bound never kept."""
+
+from __future__ import annotations
+
+import msgspec
+
+from modelpool.supervisor.config import Config, HttpConfig
+from modelpool.supervisor.http_front import settings_of
+from modelpool.supervisor.httpapi.app import Api
+from modelpool.supervisor.httpapi.bodies import ChatMessage
+from modelpool.supervisor.httpapi.response_store import ResponseStore
+from modelpool.supervisor.httpapi.responses_in import ResponsesBody
+
+BODY = ResponsesBody(input="hi")
+
+
+def _turns(text: str) -> list[ChatMessage]:
+    return [ChatMessage(role="user", content=text)]
+
+
+def _size(text: str, response: dict[str, str]) -> int:
+    return len(msgspec.json.encode(_turns(text))) + len(msgspec.json.encode(response))
+
+
+def test_the_least_recently_used_are_dropped_for_a_new_one() -> None:
+    response = {"id": "r"}
+    store = ResponseStore(3 * _size("x" * 100, response))
+    for name in "abc":
+        assert store.keep(name, _turns("x" * 100), BODY, response)
+    assert len(store) == 3 and store.used == 3 * _size("x" * 100, response)
+    assert store.get("a") is not None  # used: now the most recent
+    assert store.keep("d", _turns("x" * 100), BODY, response)
+    assert store.get("b") is None and len(store) == 3
+    assert [store.get(n) is not None for n in "acd"] == [True, True, True]
+    assert store.keep("e", _turns("x" * 250), BODY, response)  # as large as two
+    assert [store.get(n) is not None for n in "acde"] == [False, False, True, True]
+    assert store.used <= store.max_bytes
+
+
+def test_one_over_the_bound_is_never_kept_and_a_kept_one_is_replaced_or_forgotten() -> None:
+    response = {"id": "r"}
+    store = ResponseStore(_size("x" * 100, response) + len(msgspec.json.encode(BODY)))
+    assert not store.fits(_turns("x" * store.max_bytes))
+    assert not store.keep("big", _turns("x" * store.max_bytes), BODY, response)
+    assert len(store) == 0
+    assert store.fits(_turns("x" * 10)) and store.keep("a", _turns("x" * 10), BODY)
+    kept = store.get("a")
+    assert kept is not None and kept.response is None and kept.body is BODY
+    assert store.keep("a", _turns("x" * 100), BODY, response)  # its answer, once made
+    assert len(store) == 1 and store.used == _size("x" * 100, response)
+    assert store.forget("a") and not store.forget("a") and store.used == 0
+    assert not ResponseStore(0).fits([])  # a bound of 0 keeps nothing
+
+
+def test_the_bound_is_the_configs() -> None:
+    config = Config(http=HttpConfig(listen="127.0.0.1:8000", kept_responses_mib=2))
+    settings = settings_of(config, "/s")
+    assert settings.kept_responses_bytes == 2 * 2**20
+    assert Api(settings).responses.kept.max_bytes == 2 * 2**20
+    default = Config(http=HttpConfig(listen="127.0.0.1:8000"))
+    assert settings_of(default, "/s").kept_responses_bytes == 64 * 2**20
