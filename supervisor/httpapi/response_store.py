@@ -22,7 +22,7 @@ _encoder = msgspec.json.Encoder()
 @dataclass(slots=True)
 class Kept:
     conversation: list[ChatMessage]  # the turns before it, then its own input
-    body: ResponsesBody  # its request: a background response's retrieval echoes it
+    body: ResponsesBody | None  # a background one's request, which its retrieval echoes
     response: dict[str, Any] | None  # as answered; None for a background one (its job's)
     size: int  # bytes, as JSON
 
@@ -43,7 +43,7 @@ class ResponseStore:
     def keep(self, response_id: str, conversation: list[ChatMessage], body: ResponsesBody,
              response: dict[str, Any] | None = None) -> bool:
         """Kept, dropping the least recently used as needed; False if it alone is over
-        the bound."""
+        the bound. With its `response`, its request is not kept: the response echoes it."""
         size = (len(_encoder.encode(conversation))
                 + len(_encoder.encode(body if response is None else response)))
         if size > self.max_bytes:
@@ -52,7 +52,8 @@ class ResponseStore:
         while self.used + size > self.max_bytes:
             _, dropped = self._kept.popitem(last=False)
             self.used -= dropped.size
-        self._kept[response_id] = Kept(conversation, body, response, size)
+        self._kept[response_id] = Kept(conversation, body if response is None else None,
+                                       response, size)
         self.used += size
         return True
 

@@ -49,6 +49,8 @@ def test_one_over_the_bound_is_never_kept_and_a_kept_one_is_replaced_or_forgotte
     assert kept is not None and kept.response is None and kept.body is BODY
     assert store.keep("a", _turns("x" * 100), BODY, response)  # its answer, once made
     assert len(store) == 1 and store.used == _size("x" * 100, response)
+    replaced = store.get("a")
+    assert replaced is not None and replaced.body is None  # the response echoes it
     assert store.forget("a") and not store.forget("a") and store.used == 0
     assert not ResponseStore(0).fits([])  # a bound of 0 keeps nothing
 
