@@ -18,6 +18,7 @@ from modelpool.supervisor.httpapi.bodies import ChatMessage, PoolCall, bad
 from modelpool.supervisor.httpapi.jobs_api import refuse_in_a_job
 from modelpool.supervisor.httpapi.plumbing import (
     EventStream,
+    client_identity,
     model_name,
     unless_disconnected,
     with_header_options,
@@ -65,7 +66,9 @@ class ResponsesApi:
         firsts = await unless_disconnected(request.scope, choices.firsts([stream]))
         shape = ResponseShape(body, model, call.made, stored=stored)
         if stored:
-            shape.on_finished = lambda response: self.kept.keep(shape.id, turns, body, response)
+            owner = client_identity(request)
+            shape.on_finished = lambda response: self.kept.keep(shape.id, owner, turns, body,
+                                                                response)
         if body.stream:
             return EventStream(events(shape, choices.chunks(firsts, [stream])))
         (text,) = await unless_disconnected(request.scope,
@@ -80,7 +83,7 @@ class ResponsesApi:
         key = await self.api.jobs.submit_call(request, call)
         shape = ResponseShape(body, model, call.made, key, stored=turns is not None)
         if turns is not None:
-            self.kept.keep(shape.id, turns, body)
+            self.kept.keep(shape.id, client_identity(request), turns, body)
         return json_response(shape.response("queued", []))
 
     async def _before(self, request: Request, response_id: str | None) -> list[ChatMessage]:

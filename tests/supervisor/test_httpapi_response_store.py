@@ -1,5 +1,6 @@
 """The Responses API's kept responses: bounded in bytes (`[http] kept_responses_mib`),
-the least recently used dropped first, one that alone is over the bound never kept."""
+shared by their owners, each one's least recently used dropped first; one that alone is
+over the bound is never kept."""
 
 from __future__ import annotations
 
@@ -27,27 +28,41 @@ def test_the_least_recently_used_are_dropped_for_a_new_one() -> None:
     response = {"id": "r"}
     store = ResponseStore(3 * _size("x" * 100, response))
     for name in "abc":
-        assert store.keep(name, _turns("x" * 100), BODY, response)
+        assert store.keep(name, "A", _turns("x" * 100), BODY, response)
     assert len(store) == 3 and store.used == 3 * _size("x" * 100, response)
     assert store.get("a") is not None  # used: now the most recent
-    assert store.keep("d", _turns("x" * 100), BODY, response)
+    assert store.keep("d", "A", _turns("x" * 100), BODY, response)
     assert store.get("b") is None and len(store) == 3
     assert [store.get(n) is not None for n in "acd"] == [True, True, True]
-    assert store.keep("e", _turns("x" * 250), BODY, response)  # as large as two
+    assert store.keep("e", "A", _turns("x" * 250), BODY, response)  # as large as two
     assert [store.get(n) is not None for n in "acde"] == [False, False, True, True]
     assert store.used <= store.max_bytes
+
+
+def test_an_owner_that_floods_the_store_drops_its_own_not_anothers() -> None:
+    response = {"id": "r"}
+    store = ResponseStore(4 * _size("x" * 100, response))
+    assert store.keep("b1", "B", _turns("x" * 100), BODY, response)
+    for index in range(10):
+        assert store.keep(f"a{index}", "A", _turns("x" * 100), BODY, response)
+    kept = [name for name in ["b1", *(f"a{i}" for i in range(10))] if store.get(name)]
+    assert kept == ["b1", "a7", "a8", "a9"]
+    assert store.keep("b2", "B", _turns("x" * 100), BODY, response)  # A holds more: A's go
+    assert store.get("a7") is None and store.get("b1") is not None
+    assert store.forget("b1") and store.forget("b2")
+    assert store.used == 2 * _size("x" * 100, response) and len(store) == 2
 
 
 def test_one_over_the_bound_is_never_kept_and_a_kept_one_is_replaced_or_forgotten() -> None:
     response = {"id": "r"}
     store = ResponseStore(_size("x" * 100, response) + len(msgspec.json.encode(BODY)))
     assert not store.fits(_turns("x" * store.max_bytes))
-    assert not store.keep("big", _turns("x" * store.max_bytes), BODY, response)
+    assert not store.keep("big", "A", _turns("x" * store.max_bytes), BODY, response)
     assert len(store) == 0
-    assert store.fits(_turns("x" * 10)) and store.keep("a", _turns("x" * 10), BODY)
+    assert store.fits(_turns("x" * 10)) and store.keep("a", "A", _turns("x" * 10), BODY)
     kept = store.get("a")
     assert kept is not None and kept.response is None and kept.body is BODY
-    assert store.keep("a", _turns("x" * 100), BODY, response)  # its answer, once made
+    assert store.keep("a", "A", _turns("x" * 100), BODY, response)  # its answer, once made
     assert len(store) == 1 and store.used == _size("x" * 100, response)
     replaced = store.get("a")
     assert replaced is not None and replaced.body is None  # the response echoes it
