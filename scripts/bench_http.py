@@ -50,10 +50,11 @@ class KeepAlive:
         headers = await self._headers(reader)
         return await reader.readexactly(int(headers["content-length"]))
 
-    async def first_event(self, path: str, payload: Any, marker: bytes = b"data: ") -> float:
-        """Seconds to the first server-sent event that starts with `marker` (chat's
-        first chunk; for the Responses API, its first text delta); the rest of the stream
-        is read."""
+    async def first_event(self, path: str, payload: Any,
+                          markers: tuple[bytes, ...] = (b"data: ",)) -> float:
+        """Seconds to the first server-sent event holding one of `markers` (chat's first
+        chunk; for the Responses API, its first text delta, or its end for an answer
+        sampled empty); the rest of the stream is read."""
         t0 = time.perf_counter()
         reader = await self._send(path, payload)
         await self._headers(reader)  # chunked: size line, then the event
@@ -61,7 +62,7 @@ class KeepAlive:
         while True:
             size = int((await reader.readline()).strip(), 16)
             data = await reader.readexactly(size + 2)
-            if first is None and marker in data:
+            if first is None and any(marker in data for marker in markers):
                 first = time.perf_counter() - t0
             if size == 0 or b"[DONE]" in data:
                 if size:
@@ -151,6 +152,10 @@ async def _in_flight(daemon: Daemon, port: int, texts: list[str], lanes: int,
             "ratio": round(h / s, 3), "target": target}
 
 
+RESPONSE_FIRST = (b"event: response.output_text.delta", b"event: response.completed",
+                  b"event: response.incomplete")
+
+
 async def _ttft(daemon: Daemon, port: int, rounds: int) -> dict[str, Any]:
     """Time to the first streamed token of tiny-llm: socket, HTTP's chat and HTTP's
     Responses API interleaved."""
@@ -169,8 +174,7 @@ async def _ttft(daemon: Daemon, port: int, rounds: int) -> dict[str, Any]:
             async for _ in stream:
                 pass
             over_http = await http.first_event("/v1/chat/completions", body)
-            responses = await http.first_event("/v1/responses", responses_body,
-                                               b"event: response.output_text.delta")
+            responses = await http.first_event("/v1/responses", responses_body, RESPONSE_FIRST)
             if i >= 10:
                 sock_lat.append(first)
                 http_lat.append(over_http)

@@ -249,12 +249,15 @@ class ResponseStream:
 
 async def events(shape: ResponseShape,
                  chunks: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
-    """The stream's events; an error of the pool mid-stream ends it as response.failed."""
+    """The stream's events; an error of the pool mid-stream ends it as response.failed.
+    The first chunk is in hand when the stream starts (its status depends on it): the
+    opening events go out with its own, in one write, not two."""
     stream = ResponseStream(shape)
-    yield stream.start()
+    opening = stream.start()
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         try:
             async for _, chunk in chunks:
-                yield stream.chunk(chunk)
+                yield opening + stream.chunk(chunk)
+                opening = b""
         except PoolError as exc:
-            yield stream.failed(exc)
+            yield opening + stream.failed(exc)
