@@ -21,7 +21,7 @@ _encoder = msgspec.json.Encoder()
 
 @dataclass(slots=True)
 class Kept:
-    owner: str  # whose (an API key, else an address): whose share it is
+    owner: str  # the client it is kept for (its API key, else its address): whose share
     conversation: list[ChatMessage]  # the turns before it, then its own input
     body: ResponsesBody | None  # a background one's request, which its retrieval echoes
     response: dict[str, Any] | None  # as answered; None for a background one (its job's)

@@ -131,12 +131,12 @@ class ResponsesApi:
         it runs, and its result removed."""
         response_id = request.path_params["id"]
         kept = self.kept.get(response_id)
+        self.kept.forget(response_id)
         if kept is None or kept.response is None:  # a background one's, or not kept here
             key = _job_key(response_id)
             client = await self.api.client(request)
             await _response_job(client, key)
             await client.forget(key)
-        self.kept.forget(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
