@@ -48,6 +48,7 @@ class Api:
         self.counters = HttpCounters()
         self.jobs = JobsApi(self)
         self.responses = ResponsesApi(self)
+        self.counters.watch(self.responses.kept)
 
     # ---- the frame around every endpoint ----------------------------------------------
 

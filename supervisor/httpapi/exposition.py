@@ -5,9 +5,9 @@ only names them)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -15,6 +15,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from modelpool.supervisor.httpapi.response_store import ResponseStore
 
 MB = 1024 * 1024
 WORKER_STATES = ("starting", "loading", "idle", "busy", "holding", "stopping")
@@ -27,6 +30,15 @@ class HttpCounters:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter("modelpool_http_requests", "HTTP requests answered",
                                 ["path", "status"], registry=self.registry)
+        self.kept = Gauge("modelpool_http_kept_responses", "Responses API responses kept "
+                          "(for previous_response_id)", registry=self.registry)
+        self.kept_bytes = Gauge("modelpool_http_kept_responses_bytes", "Their size as JSON, "
+                                "within [http] kept_responses_mib", registry=self.registry)
+
+    def watch(self, kept: ResponseStore) -> None:
+        """The kept responses' count and bytes, read at each scrape."""
+        self.kept.set_function(lambda: len(kept))
+        self.kept_bytes.set_function(lambda: kept.used)
 
 
 class StatusCollector(Collector):

@@ -5,6 +5,8 @@ over the bound is never kept."""
 from __future__ import annotations
 
 import msgspec
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from modelpool.supervisor.config import Config, HttpConfig
 from modelpool.supervisor.http_front import settings_of
@@ -70,10 +72,17 @@ def test_one_over_the_bound_is_never_kept_and_a_kept_one_is_replaced_or_forgotte
     assert not ResponseStore(0).fits([])  # a bound of 0 keeps nothing
 
 
-def test_the_bound_is_the_configs() -> None:
+def test_the_bound_is_the_configs_and_metrics_show_what_is_kept() -> None:
     config = Config(http=HttpConfig(listen="127.0.0.1:8000", kept_responses_mib=2))
     settings = settings_of(config, "/s")
     assert settings.kept_responses_bytes == 2 * 2**20
-    assert Api(settings).responses.kept.max_bytes == 2 * 2**20
+    api = Api(settings)
+    assert api.responses.kept.max_bytes == 2 * 2**20
+    api.responses.kept.keep("r1", "A", _turns("x" * 100), BODY, {"id": "r1"})
+    families = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(api.counters.registry).decode())}
+    assert families["modelpool_http_kept_responses"].samples[0].value == 1
+    assert (families["modelpool_http_kept_responses_bytes"].samples[0].value
+            == _size("x" * 100, {"id": "r1"}))
     default = Config(http=HttpConfig(listen="127.0.0.1:8000"))
     assert settings_of(default, "/s").kept_responses_bytes == 64 * 2**20
