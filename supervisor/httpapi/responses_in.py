@@ -117,7 +117,8 @@ class ResponsesBody(Options, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Annotated[str | None, refused_note("disabled only")] = None
-    previous_response_id: str | None = None  # a kept response this one continues
+    # A kept response this one continues (ours are 37 characters: resp_ and 32 hex digits)
+    previous_response_id: Annotated[str, msgspec.Meta(max_length=128)] | None = None
     conversation: Annotated[Any, refused_note("no conversations kept")] = None
     background: bool | None = None  # run as a job: GET /v1/responses/{id} shows it
     reasoning: Annotated[dict[str, Any] | None, refused_note("no reasoning models")] = None

@@ -318,6 +318,9 @@ def test_what_is_not_kept_is_neither_shown_nor_continued(sdk: openai.OpenAI) -> 
             sdk.responses.create(model=MODEL, input="more", previous_response_id=gone)
         assert refused.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
         assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as too_long:  # no id is echoed at any length
+        sdk.responses.create(model=MODEL, input="more", previous_response_id="r" * 129)
+    assert too_long.value.body["param"] == "previous_response_id"  # type: ignore[index]
 
 
 def test_a_background_response_is_kept_with_its_options_and_continued(
