@@ -24,7 +24,7 @@ from modelpool.supervisor.httpapi.plumbing import (
     with_header_options,
 )
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
-from modelpool.supervisor.httpapi.response_store import ResponseStore
+from modelpool.supervisor.httpapi.response_store import Kept, ResponseStore
 from modelpool.supervisor.httpapi.responses_in import (
     ResponsesBody,
     continued,
@@ -95,10 +95,7 @@ class ResponsesApi:
             raise HttpError(400, f"previous_response_id: no response {response_id!r} is kept "
                             "(never made, deleted, made with store false, or dropped for "
                             "newer ones)", "previous_response_not_found", "previous_response_id")
-        response = kept.response
-        if response is None:
-            client = await self.api.client(request)
-            response = await _as_job_stands(client, _job_key(response_id), kept.body)
+        response = kept.response or await self._as_job_stands(request, response_id, kept)
         if response["status"] not in FINISHED:
             raise bad("previous_response_id", f"{response_id} is {response['status']}: only "
                       "a finished response can be continued")
@@ -110,21 +107,21 @@ class ResponsesApi:
         kept = self.kept.get(response_id)
         if kept is not None and kept.response is not None:
             return json_response(kept.response)
-        client = await self.api.client(request)
-        return json_response(await _as_job_stands(client, _job_key(response_id),
-                                                  kept.body if kept else None))
+        return json_response(await self._as_job_stands(request, response_id, kept))
 
     async def cancel(self, request: Request) -> Response:
         """POST /v1/responses/{id}/cancel: its job cancelled (an ended one is left)."""
         response_id = request.path_params["id"]
         kept = self.kept.get(response_id)
         if kept is not None and kept.response is not None:
-            raise bad("id", "only a background response can be cancelled")
+            if not kept.response["background"]:
+                raise bad("id", "only a background response can be cancelled")
+            return json_response(kept.response)  # it has ended: left as it is
         key = _job_key(response_id)
         client = await self.api.client(request)
         if (await _response_job(client, key))["state"] in ("queued", "running"):
             await client.cancel(key)
-        return json_response(await _as_job_stands(client, key, kept.body if kept else None))
+        return json_response(await self._as_job_stands(request, response_id, kept))
 
     async def delete(self, request: Request) -> Response:
         """DELETE /v1/responses/{id}: no longer kept; a background one's job cancelled if
@@ -132,12 +129,27 @@ class ResponsesApi:
         response_id = request.path_params["id"]
         kept = self.kept.get(response_id)
         self.kept.forget(response_id)
-        if kept is None or kept.response is None:  # a background one's, or not kept here
-            key = _job_key(response_id)
-            client = await self.api.client(request)
-            await _response_job(client, key)
-            await client.forget(key)
+        if kept is None or kept.response is None or kept.response["background"]:
+            try:
+                key = _job_key(response_id)
+                client = await self.api.client(request)
+                await _response_job(client, key)
+                await client.forget(key)
+            except PoolError as exc:  # a kept one's job may be gone already
+                if kept is None or exc.code is not ErrorCode.RESULT_NOT_FOUND:
+                    raise
         return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def _as_job_stands(self, request: Request, response_id: str,
+                             kept: Kept | None) -> dict[str, Any]:
+        """A background response as its job stands; once it has finished, kept as
+        answered (its job's result is removed an hour after it ended, by default)."""
+        client = await self.api.client(request)
+        response = await _as_job_stands(client, _job_key(response_id),
+                                        kept.body if kept else None)
+        if kept is not None and response["status"] in FINISHED and kept.body is not None:
+            self.kept.keep(response_id, kept.owner, kept.conversation, kept.body, response)
+        return response
 
 
 def _job_key(response_id: str) -> str:

@@ -17,6 +17,8 @@ import pytest
 from conftest import Daemon
 from http_helpers import KEY, data_url, http_daemon, long_llm, png
 
+from modelpool.protocol.errors import PoolError
+
 MODEL = "tiny-llm-long"
 INSTRUCTIONS = "You are a tiny model."
 TOOL: Any = {"type": "function", "name": "get_weather", "strict": True, "parameters": {
@@ -324,7 +326,9 @@ def test_what_is_not_kept_is_neither_shown_nor_continued(sdk: openai.OpenAI) -> 
 
 
 def test_a_background_response_is_kept_with_its_options_and_continued(
-        sdk: openai.OpenAI) -> None:
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """Once seen finished, it is kept as answered: its job's result removed (as it is an
+    hour after the job ended), it is still retrieved and continued."""
     running = sdk.responses.create(model="counter", input="x", max_output_tokens=2000,
                                    background=True)
     with pytest.raises(openai.BadRequestError) as refused:
@@ -338,6 +342,11 @@ def test_a_background_response_is_kept_with_its_options_and_continued(
     assert done.status in ("completed", "incomplete") and done.store is True
     assert (done.instructions, done.metadata, done.max_output_tokens, done.temperature) == (
         INSTRUCTIONS, {"run": "7"}, 8, 0)
+    with served[0].client() as c:
+        c.forget(queued.id.removeprefix("resp_"))
+        with pytest.raises(PoolError):
+            c.job(queued.id.removeprefix("resp_"))
+    assert sdk.responses.retrieve(queued.id).model_dump() == done.model_dump()
     answer = sdk.responses.create(model=MODEL, previous_response_id=queued.id,
                                   input="and queues?", max_output_tokens=8, temperature=0)
     chat, _ = _then(sdk, [{"role": "user", "content": "tell me about workers"}], done,
@@ -345,3 +354,6 @@ def test_a_background_response_is_kept_with_its_options_and_continued(
     assert answer.usage is not None and chat.usage is not None
     assert answer.usage.input_tokens == chat.usage.prompt_tokens
     assert answer.output_text == chat.choices[0].message.content
+    sdk.responses.delete(queued.id)  # its job gone already: still deleted
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(queued.id)
