@@ -46,12 +46,16 @@ Members = dict["_Entry", None]  # entries in the order they were kept
 
 @dataclass(eq=False)
 class _Entry:
-    ids: torch.Tensor  # the token ids its keys and values hold, 1-D, on the CPU
     salt: str  # only prompts of the same salt may take it
     layers: Layers
     nbytes: int
-    raw: bytes  # its ids as int64 bytes, compared as such
+    raw: bytes  # the token ids its keys and values hold, as int64 bytes
     chain: list[int]  # its whole blocks' hashes
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """Its token ids, 1-D, on the CPU."""
+        return torch.frombuffer(bytearray(self.raw), dtype=torch.int64)
 
 
 class PrefixCache:
@@ -138,7 +142,7 @@ class PrefixCache:
             return
         for entry in self._extended_by(raw, chain, salt):
             self._remove(entry)
-        self._add(_Entry(ids.cpu(), salt, layers, nbytes, raw, chain))
+        self._add(_Entry(salt, layers, nbytes, raw, chain))
         while self.nbytes > self.budget_bytes:
             self._remove(next(iter(self._lru)))
 

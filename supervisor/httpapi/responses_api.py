@@ -145,7 +145,7 @@ class ResponsesApi:
         """A background response as its job stands; once it has finished, kept as
         answered (its job's result is removed an hour after it ended, by default)."""
         client = await self.api.client(request)
-        response = await _as_job_stands(client, _job_key(response_id),
+        response = await _job_response(client, _job_key(response_id),
                                         kept.body if kept else None)
         if kept is not None and response["status"] in FINISHED and kept.body is not None:
             self.kept.keep(response_id, kept.owner, kept.conversation, kept.body, response)
@@ -166,8 +166,8 @@ async def _response_job(client: AsyncClient, key: str) -> dict[str, Any]:
     return info
 
 
-async def _as_job_stands(client: AsyncClient, key: str,
-                         body: ResponsesBody | None) -> dict[str, Any]:
+async def _job_response(client: AsyncClient, key: str,
+                        body: ResponsesBody | None) -> dict[str, Any]:
     info = await _response_job(client, key)
     done = info["state"] == "done"
     return background(info, await client.retrieve(key, timeout_s=1.0) if done else None, body)
