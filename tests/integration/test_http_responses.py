@@ -5,6 +5,7 @@ is the chat completion of the same conversation, on the tiny random-weight Llama
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,34 @@ def test_a_response_whole_and_streamed_is_the_chats_answer(sdk: openai.OpenAI) -
     assert len(deltas) >= 2 and "".join(deltas) == whole.output_text
     final = events[-1].response  # type: ignore[union-attr]
     assert final.output_text == whole.output_text and final.usage == whole.usage
+
+
+def test_a_streams_opening_events_leave_with_its_first_text(
+        served: tuple[Daemon, str]) -> None:
+    """created, in_progress and the first delta in one HTTP chunk (one write): sent
+    apart, the client waited for a second write, and woke twice, for its first token."""
+    body = json.dumps({"model": MODEL, "input": "tell me about workers", "stream": True,
+                       "temperature": 0, "max_output_tokens": 8}).encode()
+    host, port = served[1].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(65536)
+        head, rest = reply.split(b"\r\n\r\n", 1)
+        assert b" 200 " in head.split(b"\r\n")[0] and b"chunked" in head.lower()
+        while b"\r\n" not in rest:
+            rest += sock.recv(65536)
+        size, rest = rest.split(b"\r\n", 1)
+        while len(rest) < int(size, 16):
+            rest += sock.recv(65536)
+    first = rest[:int(size, 16)]
+    kinds = [line.removeprefix(b"event: ") for line in first.split(b"\n")
+             if line.startswith(b"event: ")]
+    assert kinds[:2] == [b"response.created", b"response.in_progress"]
+    assert b"response.output_text.delta" in kinds
 
 
 def test_structured_output_through_parse_and_stream(sdk: openai.OpenAI) -> None:
