@@ -30,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+import socket
 from collections.abc import Awaitable, Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,35 +42,66 @@ from modelpool.registry.loaders import onnx_cache, weights_size_mb
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import scaling
 from modelpool.supervisor.models import ModelState
-from modelpool.supervisor.workers import WorkerHandle
+from modelpool.supervisor.workers import Launcher, WorkerHandle
 
 log = logging.getLogger("modelpool.exports")
 ONNX = "onnx"  # an export's outcome when its model should run it; else why not
 REPLACED_BECAUSE = "its model's ONNX export is ready"
+OUTPUT_KEPT = 64 * 1024  # of what an export prints: its last line says why it failed
 
 RunExport = Callable[[ModelSpec, Path, Path], Awaitable[str]]
 
 
-async def run_export(spec: ModelSpec, model_dir: Path, entry: Path) -> str:
-    """ONNX, or why the model keeps running eager PyTorch."""
-    argv, payload = onnx_cache.export_command(spec, model_dir, entry)
-    process = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    with contextlib.suppress(OSError):  # its threads, started later, inherit it
-        os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
+async def run_export(launcher: Launcher, spec: ModelSpec, model_dir: Path,
+                     entry: Path) -> str:
+    """ONNX, or why the model keeps running eager PyTorch. The export runs in a process
+    forked from the forkserver (onnx_cache.export_forked), killed if this is cancelled."""
+    loop = asyncio.get_running_loop()
+    result, result_end = socket.socketpair()
+    output, output_end = socket.socketpair()
+    process = launcher.ctx.Process(
+        target=onnx_cache.export_forked, name="modelpool-onnx-export", daemon=True,
+        args=(onnx_cache.export_payload(spec, model_dir, entry), result_end, output_end))
+    # start() talks to the forkserver: when cancelled meanwhile, the process is still
+    # started, then killed.
+    starting = asyncio.ensure_future(loop.run_in_executor(None, process.start))
     try:
-        out, err = await asyncio.wait_for(process.communicate(payload),
-                                          onnx_cache.EXPORT_TIMEOUT_S)
+        await asyncio.shield(starting)
+        result_end.close()
+        output_end.close()
+        out, err = await asyncio.wait_for(
+            asyncio.gather(_read(result), _read(output)), onnx_cache.EXPORT_TIMEOUT_S)
+        await loop.run_in_executor(None, process.join)  # it has closed both: it ends
     except BaseException:  # a timeout, or the daemon stopping: the export goes too
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await process.wait()
+        await _kill(process, starting)
         raise
-    if process.returncode != 0:
-        return f"the {onnx_cache.export_failure(process.returncode, err)}"
+    finally:
+        for sock in (result, result_end, output, output_end):
+            sock.close()
+    if process.exitcode != 0:
+        return f"the {onnx_cache.export_failure(process.exitcode or 0, err)}"
     manifest = msgspec.json.decode(out, type=onnx_cache.Manifest)
     return ONNX if manifest.choice == "onnx" else manifest.reason
+
+
+async def _read(sock: socket.socket, keep: int = OUTPUT_KEPT) -> bytes:
+    """What sock carries until it closes: its last `keep` bytes."""
+    sock.setblocking(False)
+    loop, got = asyncio.get_running_loop(), bytearray()
+    while data := await loop.sock_recv(sock, 65536):
+        got += data
+        del got[:-keep]
+    return bytes(got)
+
+
+async def _kill(process: BaseProcess, starting: asyncio.Future[None]) -> None:
+    with contextlib.suppress(Exception):
+        await starting
+    if process.pid is None:  # it never started
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    await asyncio.get_running_loop().run_in_executor(None, process.join)
 
 
 class Pending(NamedTuple):
@@ -83,8 +115,7 @@ class Exports:
     starts, and when a running one yields its memory, the scaling policy decides
     (scaling.plan_export, Plan.stop_export); `changed` asks the pool to decide again."""
 
-    def __init__(self, changed: Callable[[], None] = lambda: None,
-                 run: RunExport = run_export) -> None:
+    def __init__(self, changed: Callable[[], None], run: RunExport) -> None:
         self.changed = changed
         self.run = run
         self.outcomes: dict[str, str] = {}  # entry -> ONNX or why eager

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from modelpool.supervisor.capacity import Capacity
 from modelpool.supervisor.clock import Scheduler
 from modelpool.supervisor.config import Config, PoolConfig
 from modelpool.supervisor.dispatch import Dispatcher
-from modelpool.supervisor.exports import Exports
+from modelpool.supervisor.exports import Exports, run_export
 from modelpool.supervisor.gpus import Gpu, resolve_device
 from modelpool.supervisor.intake import Intake
 from modelpool.supervisor.jobs import JobBook
@@ -64,7 +65,8 @@ class Pool:
                                             config.pool.cooldown_idle_s)
         self.book = JobBook(scheduler, self)
         self.shared = SharedImages()
-        self.exports = Exports(lambda: self.plan_export())
+        self.exports = Exports(lambda: self.plan_export(),
+                               functools.partial(run_export, launcher))
         self.dispatcher = Dispatcher(scheduler, self.book, self.shared,
                                      config.pool.max_batch_wait_ms / 1000,
                                      ThreadBudget(cpus, self.models))

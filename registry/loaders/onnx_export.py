@@ -306,14 +306,19 @@ def _with(manifest: Manifest, **changes: Any) -> Manifest:
     return msgspec.structs.replace(manifest, **changes)
 
 
+def export_from_payload(payload: bytes) -> bytes:
+    """[spec, model dir, entry dir] as msgpack (onnx_cache.export_payload): the
+    manifest as JSON."""
+    raw = msgspec.msgpack.decode(payload)
+    spec = msgspec.convert(raw[0], ModelSpec)
+    return msgspec.json.encode(export_entry(spec, Path(raw[1]), Path(raw[2])))
+
+
 def main() -> None:
-    """[spec, model dir, entry dir] as msgpack on stdin; the manifest as JSON on stdout."""
+    """The payload on stdin; the manifest on stdout."""
     import sys
 
-    raw = msgspec.msgpack.decode(sys.stdin.buffer.read())
-    spec = msgspec.convert(raw[0], ModelSpec)
-    manifest = export_entry(spec, Path(raw[1]), Path(raw[2]))
-    sys.stdout.buffer.write(msgspec.json.encode(manifest))
+    sys.stdout.buffer.write(export_from_payload(sys.stdin.buffer.read()))
 
 
 if __name__ == "__main__":

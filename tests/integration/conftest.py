@@ -74,13 +74,13 @@ class Daemon:
             return []
 
     def running(self, marker: str) -> list[psutil.Process]:
-        """The descendants still running whose command line holds marker. One that has
-        exited may stay a zombie until the daemon reaps it, or be gone by the time its
-        command line is read: neither counts."""
+        """The descendants still running whose command line holds marker, or whose name
+        is marker. One that has exited may stay a zombie until the daemon reaps it, or be
+        gone by the time its command line is read: neither counts."""
         found = []
         for process in self.descendants():
             try:
-                if marker in " ".join(process.cmdline()):
+                if marker in " ".join(process.cmdline()) or process.name() == marker:
                     found.append(process)
             except (psutil.ZombieProcess, psutil.NoSuchProcess):
                 continue

@@ -5,6 +5,8 @@ forced to ONNX starts no worker until its export is made."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +20,7 @@ from modelpool.registry.loaders import onnx_cache
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import control
 from modelpool.supervisor.cli import _model_text
-from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE, run_export
+from modelpool.supervisor.exports import ONNX, REPLACED_BECAUSE
 from modelpool.supervisor.status import build_status
 from modelpool.supervisor.workers import WorkerState
 
@@ -129,11 +131,31 @@ async def test_a_failed_export_is_not_retried_and_stopping_kills_a_running_one(
     assert len(export2.calls) == 1  # none after close
 
 
-@pytest.mark.real_process
-async def test_a_real_export_process_that_fails_says_why(tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-model"
+# A process of its own: the forkserver is one per process, and pytest's must stay as it is.
+FAILING_EXPORT = """
+import asyncio, sys
+from pathlib import Path
+from modelpool.registry.spec import ModelSpec
+from modelpool.supervisor.exports import run_export
+from modelpool.supervisor.workers import Launcher, forkserver_context
+
+async def main():
+    launcher = Launcher(forkserver_context([]))
+    missing = Path(sys.argv[1], "no-such-model")
     spec = ModelSpec(key="broken", capability="text_embedding", path=str(missing))
-    outcome = await run_export(spec, missing, tmp_path / "cache" / "entry")
+    print(await run_export(launcher, spec, missing, Path(sys.argv[1], "cache", "entry")))
+    await launcher.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.real_process
+def test_a_real_export_process_that_fails_says_why(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", FAILING_EXPORT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    outcome = done.stdout.strip()
     assert outcome.startswith("the ONNX export exited with 1: ") and "no-such-model" in outcome
     assert not (tmp_path / "cache" / "entry").exists()
 
