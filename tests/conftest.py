@@ -6,11 +6,14 @@ import contextlib
 import fcntl
 import importlib.util
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 # There is no network in CI: any hub access must fail at once instead of hanging. Set
@@ -51,38 +54,54 @@ def llm(tiny_models_dir: Path) -> Any:
     return model
 
 
+# Makes each export given (payloads: onnx_cache.export_payload) in one process.
+_EXPORT_ALL = """
+import sys, msgspec
+from modelpool.registry.loaders.onnx_export import export_from_payload
+for payload in msgspec.msgpack.decode(sys.stdin.buffer.read()):
+    export_from_payload(payload)
+"""
+
+
 @pytest.fixture(scope="session")
-def minilm_export() -> None:
+def _run_exports(tiny_models_dir: Path) -> None:
+    """The run's exports of MiniLM and tiny-rerank (as the tests' daemons configure it:
+    no options), made once, in one process: its imports (torch, the exporter) took ~10 s
+    here, once for both."""
+    from modelpool.registry.download import resolve_model_dir
+    from modelpool.registry.loaders import onnx_cache
+    from modelpool.registry.spec import ModelSpec, Registry, load_catalog
+
+    minilm = Registry(load_catalog()).resolve("minilm")
+    assert minilm is not None
+    minilm_dir = resolve_model_dir(minilm)
+    assert minilm_dir is not None
+    rerank_dir = tiny_models_dir / "tiny-rerank"
+    rerank = ModelSpec(key="tiny-rerank", capability="rerank", path=str(rerank_dir))
+    payloads = [onnx_cache.export_payload(spec, model_dir, entry)
+                for spec, model_dir in ((minilm, minilm_dir), (rerank, rerank_dir))
+                if onnx_cache.read_manifest(entry := onnx_cache.entry_dir(spec, model_dir))
+                is None]
+    if payloads:
+        done = subprocess.run([sys.executable, "-I", "-c", _EXPORT_ALL],
+                              input=msgspec.msgpack.encode(payloads), capture_output=True,
+                              timeout=onnx_cache.EXPORT_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="session")
+def minilm_export(_run_exports: None) -> None:
     """The run's MiniLM export, made once before a test daemon needs it. A daemon without
     it serves eager PyTorch, makes the export in the background and then replaces its
     workers (tests/integration/test_onnx_background.py); the other tests want the
     steady state from their first request, and one export per run, not one per daemon."""
-    from modelpool.registry.download import resolve_model_dir
-    from modelpool.registry.loaders import encoder_exec, onnx_cache
-    from modelpool.registry.spec import Registry, load_catalog
-
-    spec = Registry(load_catalog()).resolve("minilm")
-    assert spec is not None
-    model_dir = resolve_model_dir(spec)
-    assert model_dir is not None
-    entry = onnx_cache.entry_dir(spec, model_dir)
-    if onnx_cache.read_manifest(entry) is None:
-        encoder_exec.export_in_child(spec, model_dir, entry)
 
 
 @pytest.fixture(scope="session")
-def tiny_rerank_export(tiny_models_dir: Path) -> None:
-    """The run's tiny-rerank export (as the tests' daemons configure it: no options),
-    made once, for the same reasons as MiniLM's. A daemon fixture that serves tiny-rerank
-    asks for it: it starts before any autouse fixture of its tests."""
-    from modelpool.registry.loaders import encoder_exec, onnx_cache
-    from modelpool.registry.spec import ModelSpec
-
-    model_dir = tiny_models_dir / "tiny-rerank"
-    spec = ModelSpec(key="tiny-rerank", capability="rerank", path=str(model_dir))
-    entry = onnx_cache.entry_dir(spec, model_dir)
-    if onnx_cache.read_manifest(entry) is None:
-        encoder_exec.export_in_child(spec, model_dir, entry)
+def tiny_rerank_export(_run_exports: None) -> None:
+    """The run's tiny-rerank export, made once, for the same reasons as MiniLM's. A
+    daemon fixture that serves tiny-rerank asks for it: it starts before any autouse
+    fixture of its tests."""
 
 
 @pytest.fixture(scope="session")
