@@ -4,12 +4,12 @@ embedder (its vectors) or a rerank cross-encoder (its scores).
 Runs in a process of its own: forked from the daemon's forkserver
 (onnx_cache.export_forked), or `python -m modelpool.registry.loaders.onnx_export` with
 the spec on stdin, started by a worker whose model has no cache entry yet. The export
-leaves ~100 MiB of heap behind, none of which a worker should keep. The graph is the transformer followed by what the eager loader does with
-its output (pooling and normalisation; the relevance logit and its activation),
-exported with torch's standard exporter, then fused and optimised once by ONNX Runtime
-and saved with its weights in an external file (which every worker maps). Eager
-PyTorch's outputs for the reference inputs are stored beside it: every later load checks
-the export against them.
+leaves ~100 MiB of heap behind, none of which a worker should keep. The graph is the
+transformer followed by what the eager loader does with its output (pooling and
+normalisation; the relevance logit and its activation), exported with torch's standard
+exporter, then fused and optimised once by ONNX Runtime and saved with its weights in
+an external file (which every worker maps). Eager PyTorch's outputs for the reference
+inputs are stored beside it: every later load checks the export against them.
 """
 
 from __future__ import annotations
