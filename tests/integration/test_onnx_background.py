@@ -72,6 +72,8 @@ def test_the_export_is_made_from_the_start_while_eager_serves_then_workers_are_r
             time.sleep(0.1)
         (export,) = _export_process(daemon)  # before any request: one, at idle priority
         assert _idle_soon(export)
+        # forked from the forkserver, which has torch imported, not a fresh interpreter
+        assert "forkserver" in " ".join(psutil.Process(export).parent().cmdline())
         with daemon.client(timeout_s=120) as c:
             first = np.asarray(c.embed(TEXTS))
             infos = [w["info"] for w in _workers(c) if w["info"]]
