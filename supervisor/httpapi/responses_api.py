@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -26,6 +27,7 @@ from modelpool.supervisor.httpapi.plumbing import (
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
 from modelpool.supervisor.httpapi.response_store import Kept, ResponseStore
 from modelpool.supervisor.httpapi.responses_in import (
+    InputItem,
     ResponsesBody,
     continued,
     conversation,
@@ -36,6 +38,7 @@ from modelpool.supervisor.httpapi.responses_out import (
     ResponseShape,
     background,
     events,
+    item_response_id,
 )
 
 if TYPE_CHECKING:
@@ -53,7 +56,7 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         """POST /v1/responses: the chat its body describes (after the conversation of the
         response it continues), answered as a response."""
-        body = await self.api.body(request, ResponsesBody)
+        body = await self._referenced(request, await self.api.body(request, ResponsesBody))
         turns = conversation(body, await self._before(request, body.previous_response_id))
         call = responses_call(body, turns)
         model = model_name(body.model, self.api.settings, call.op)
@@ -100,6 +103,29 @@ class ResponsesApi:
             raise bad("previous_response_id", f"{response_id} is {response['status']}: only "
                       "a finished response can be continued")
         return continued(kept.conversation, response["output"])
+
+    async def _referenced(self, request: Request, body: ResponsesBody) -> ResponsesBody:
+        """Its `item_reference`s replaced by the output items of kept responses they name
+        (what a client that sends the whole conversation each turn may send instead of
+        an item it was given)."""
+        if isinstance(body.input, str) or all(i.type != "item_reference" for i in body.input):
+            return body
+        items = [await self._kept_item(request, item.id or "", f"input[{index}]")
+                 if item.type == "item_reference" else item
+                 for index, item in enumerate(body.input)]
+        return msgspec.structs.replace(body, input=items)
+
+    async def _kept_item(self, request: Request, item_id: str, field: str) -> InputItem:
+        response_id = item_response_id(item_id)
+        kept = self.kept.get(response_id) if response_id else None
+        if kept is not None and response_id is not None:
+            response = kept.response or await self._as_job_stands(request, response_id, kept)
+            for item in response["output"]:
+                if item.get("id") == item_id:
+                    return msgspec.convert(item, InputItem)
+        raise bad(field, "item_reference: no kept response has this item (an output item's "
+                  "id: its response never made, not finished, deleted, made with store "
+                  "false, or dropped for newer ones)")
 
     async def show(self, request: Request) -> Response:
         """GET /v1/responses/{id}: a kept response; a background one as its job stands."""

@@ -5,10 +5,11 @@ output become an assistant's tool call and a tool's answer), the flat function t
 `text.format` chat's nested ones, and the chat's own path does the rest.
 
 `previous_response_id` continues a response the front door keeps (response_store.py):
-the conversation that led to it, then its output items, before this input. A
-`conversation` object and an `item_reference` are refused by name (no conversations or
-items are kept apart from their responses), as are OpenAI's hosted tools (web search,
-file search, ...) and reasoning options, which no model here has.
+the conversation that led to it, then its output items, before this input; an
+`item_reference` to one of those output items is replaced by it (responses_api.py). A
+`conversation` object is refused by name (no conversations are kept apart from their
+responses), as are OpenAI's hosted tools (web search, file search, ...) and reasoning
+options, which no model here has.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from modelpool.supervisor.httpapi.tools import (
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-NOT_KEPT = ("not supported: no conversations or items are kept apart from their responses; "
+NOT_KEPT = ("not supported: no conversations are kept apart from their responses; "
             "continue one with previous_response_id, or send the whole conversation")
 
 
@@ -205,8 +206,6 @@ def input_messages(items: str | list[InputItem], where: str) -> list[ChatMessage
                 raise bad(field, "a function_call_output needs its call_id and output")
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id,
                                    content=_content(item.output, field)))
-        elif item.type == "item_reference":
-            raise bad(field, NOT_KEPT)
         else:
             raise bad(field, f"items of type {item.type!r} are not supported: messages, "
                              "function_call and function_call_output are")

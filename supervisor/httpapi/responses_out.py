@@ -22,6 +22,19 @@ from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
 RESPONSE_ID = "resp_"
+MESSAGE_ITEM, CALL_ITEM = "msg_", "fc_"  # an output item's id: the prefix, its response's hex
+
+
+def item_response_id(item_id: str) -> str | None:
+    """The id of the response whose output item this is (msg_HEX or fc_HEX_INDEX name
+    resp_HEX), or None."""
+    if item_id.startswith(MESSAGE_ITEM):
+        hex_ = item_id.removeprefix(MESSAGE_ITEM)
+    elif item_id.startswith(CALL_ITEM):
+        hex_ = item_id.removeprefix(CALL_ITEM).rpartition("_")[0]
+    else:
+        return None
+    return f"{RESPONSE_ID}{hex_}" if hex_ else None
 
 
 class ResponseShape:
@@ -45,10 +58,10 @@ class ResponseShape:
         return self.calls is None or self.calls.auto
 
     def message_id(self) -> str:
-        return f"msg_{self.hex}"
+        return f"{MESSAGE_ITEM}{self.hex}"
 
     def call_item_id(self, index: int) -> str:
-        return f"fc_{self.hex}_{index}"
+        return f"{CALL_ITEM}{self.hex}_{index}"
 
     def items(self, result: TextResult) -> list[dict[str, Any]]:
         """The answer's output items: its message (unless it is only calls), then each

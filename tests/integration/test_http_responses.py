@@ -335,6 +335,47 @@ def test_a_function_calls_output_continues_the_response_that_called(
     assert answer.output_text == chat.choices[0].message.content
 
 
+def test_item_references_stand_for_kept_responses_output_items(sdk: openai.OpenAI) -> None:
+    """A client that sends the whole conversation each turn may name the items it was
+    given by their ids (as Codex does): each is the kept item, and the answer the chat's
+    of the conversation they make; an item whose response was deleted is refused."""
+    said = sdk.responses.create(model=MODEL, input="tell me about workers", temperature=0,
+                                max_output_tokens=6)
+    called = sdk.responses.create(model=MODEL, input="weather in Paris?", tools=[TOOL],
+                                  tool_choice={"type": "function", "name": "get_weather"},
+                                  max_output_tokens=40, temperature=0)
+    (message,), (call,) = said.output, called.output
+    assert message.type == "message" and call.type == "function_call"
+    answer = sdk.responses.create(model=MODEL, tools=[TOOL], tool_choice="none", input=[
+        {"role": "user", "content": "tell me about workers"},
+        {"type": "item_reference", "id": message.id},
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "item_reference", "id": call.id},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        max_output_tokens=8, temperature=0)
+    chat = _chat(sdk, [
+        {"role": "user", "content": "tell me about workers"},
+        {"role": "assistant", "content": said.output_text},
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function",
+                                              "function": {"name": call.name,
+                                                           "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
+        tools=[{"type": "function", "function": {k: v for k, v in TOOL.items()
+                                                 if k != "type"}}],
+        tool_choice="none", max_tokens=8)
+    assert answer.usage is not None and chat.usage is not None
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.output_text == chat.choices[0].message.content
+    sdk.responses.delete(said.id)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.responses.create(model=MODEL, stream=stream, input=[
+                {"type": "item_reference", "id": call.id},
+                {"type": "item_reference", "id": message.id}])
+        assert refused.value.body["param"] == "input[1]"  # type: ignore[index]
+
+
 def test_what_is_not_kept_is_neither_shown_nor_continued(sdk: openai.OpenAI) -> None:
     unkept = sdk.responses.create(model=MODEL, input="hi", store=False, max_output_tokens=4)
     deleted = sdk.responses.create(model=MODEL, input="hi", max_output_tokens=4)

@@ -24,7 +24,12 @@ from modelpool.supervisor.httpapi.responses_in import (
     conversation,
     responses_call,
 )
-from modelpool.supervisor.httpapi.responses_out import ResponseShape, ResponseStream, background
+from modelpool.supervisor.httpapi.responses_out import (
+    ResponseShape,
+    ResponseStream,
+    background,
+    item_response_id,
+)
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
 TOOL = {"type": "function", "name": "weather",
@@ -82,6 +87,14 @@ def test_a_continued_response_follows_its_conversation_and_answer() -> None:
                                  ["c9"]), ("tool", "sunny", [])]
     assert messages[2].tool_calls[0].function.arguments == '{"city": "Oslo"}'  # type: ignore[index]
     assert _roles(kept) == [("user", "weather?", [])]  # the kept conversation unchanged
+
+
+def test_an_output_items_id_names_its_response() -> None:
+    shape = ResponseShape(_body(input="hi"), "m", None)
+    for item_id in (shape.message_id(), shape.call_item_id(0), shape.call_item_id(12)):
+        assert item_response_id(item_id) == shape.id
+    for other in ("msg_", "fc_", "fc_x", "rs_abc", "resp_abc", ""):
+        assert item_response_id(other) is None
 
 
 def test_an_input_image_is_a_vision_request() -> None:
