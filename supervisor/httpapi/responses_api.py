@@ -110,19 +110,28 @@ class ResponsesApi:
         an item it was given)."""
         if isinstance(body.input, str) or all(i.type != "item_reference" for i in body.input):
             return body
-        items = [await self._kept_item(request, item.id or "", f"input[{index}]")
-                 if item.type == "item_reference" else item
-                 for index, item in enumerate(body.input)]
+        # Referenced items count against the body's bound: one large item named again and
+        # again would otherwise make a request of any size from a small body.
+        limit = left = self.api.settings.max_body_bytes
+        items = list(body.input)
+        for index, item in enumerate(items):
+            if item.type == "item_reference":
+                found = await self._kept_item(request, item.id or "", f"input[{index}]")
+                left -= len(msgspec.json.encode(found))
+                if left < 0:
+                    raise HttpError(413, f"input: the items referenced make a request over "
+                                    f"{limit} bytes", "request_too_large", "input")
+                items[index] = msgspec.convert(found, InputItem)
         return msgspec.structs.replace(body, input=items)
 
-    async def _kept_item(self, request: Request, item_id: str, field: str) -> InputItem:
+    async def _kept_item(self, request: Request, item_id: str, field: str) -> dict[str, Any]:
         response_id = item_response_id(item_id)
         kept = self.kept.get(response_id) if response_id else None
         if kept is not None and response_id is not None:
             response = kept.response or await self._as_job_stands(request, response_id, kept)
             for item in response["output"]:
                 if item.get("id") == item_id:
-                    return msgspec.convert(item, InputItem)
+                    return item
         raise bad(field, "item_reference: no kept response has this item (an output item's "
                   "id: its response never made, not finished, deleted, made with store "
                   "false, or dropped for newer ones)")

@@ -4,7 +4,8 @@ item whose identity changes, or a response completed with an item unfinished).""
 
 from __future__ import annotations
 
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import msgspec
 import openai
@@ -12,11 +13,14 @@ import pytest
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
+from starlette.requests import Request
 
 from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import TokenLogprob, ToolCall
 from modelpool.supervisor.httpapi.bodies import ChatMessage, ContentPart
+from modelpool.supervisor.httpapi.replies import HttpError
+from modelpool.supervisor.httpapi.responses_api import ResponsesApi
 from modelpool.supervisor.httpapi.responses_in import (
     ResponsesBody,
     chat_body,
@@ -30,6 +34,7 @@ from modelpool.supervisor.httpapi.responses_out import (
     background,
     item_response_id,
 )
+from modelpool.supervisor.httpapi.settings import HttpSettings
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
 TOOL = {"type": "function", "name": "weather",
@@ -95,6 +100,31 @@ def test_an_output_items_id_names_its_response() -> None:
         assert item_response_id(item_id) == shape.id
     for other in ("msg_", "fc_", "fc_x", "rs_abc", "resp_abc", ""):
         assert item_response_id(other) is None
+
+
+async def test_item_references_are_the_kept_items_within_the_bodys_bound() -> None:
+    """Each item_reference becomes the kept output item it names; the items it names
+    count against the body's bound, so a large item named again and again is a 413."""
+    api: Any = SimpleNamespace(settings=HttpSettings(socket_path="/s", max_body_bytes=4000))
+    responses = ResponsesApi(api)
+    shape = ResponseShape(_body(input="hi"), "m", None)
+    responses.kept.keep(shape.id, "owner", [], _body(input="hi"), shape.whole(TextResult(
+        text="x" * 1000, finish_reason="stop", prompt_tokens=1, completion_tokens=9,
+        model="m")))
+    named = {"type": "item_reference", "id": shape.message_id()}
+    body = await responses._referenced(cast(Request, None), _body(input=[named] * 3))
+    assert isinstance(body.input, list) and [i.type for i in body.input] == ["message"] * 3
+    assert conversation(body, []) == [ChatMessage(role="assistant", content=[
+        ContentPart(type="text", text="x" * 1000)])] * 3
+    with pytest.raises(HttpError) as over:
+        await responses._referenced(cast(Request, None), _body(input=[named] * 4))
+    assert (over.value.status, over.value.param) == (413, "input")
+    with pytest.raises(PoolError) as unknown:
+        await responses._referenced(cast(Request, None), _body(input=[
+            named, {"type": "item_reference", "id": "msg_" + "0" * 32}]))
+    assert unknown.value.code is ErrorCode.BAD_REQUEST
+    assert unknown.value.message.startswith("input[1]: ")
+    assert "0" * 32 not in unknown.value.message  # no id is echoed
 
 
 def test_an_input_image_is_a_vision_request() -> None:
