@@ -5,14 +5,11 @@ forced to ONNX starts no worker until its export is made."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
-import pytest
 
 from modelpool.protocol.messages import ErrorCode
 from modelpool.protocol.pipes import ExportFirst
@@ -129,35 +126,6 @@ async def test_a_failed_export_is_not_retried_and_stopping_kills_a_running_one(
     await h2.settle()
     h2.ready(late, info=dict(PENDING))
     assert len(export2.calls) == 1  # none after close
-
-
-# A process of its own: the forkserver is one per process, and pytest's must stay as it is.
-FAILING_EXPORT = """
-import asyncio, sys
-from pathlib import Path
-from modelpool.registry.spec import ModelSpec
-from modelpool.supervisor.exports import run_export
-from modelpool.supervisor.workers import Launcher, forkserver_context
-
-async def main():
-    launcher = Launcher(forkserver_context([]))
-    missing = Path(sys.argv[1], "no-such-model")
-    spec = ModelSpec(key="broken", capability="text_embedding", path=str(missing))
-    print(await run_export(launcher, spec, missing, Path(sys.argv[1], "cache", "entry")))
-    await launcher.close()
-
-asyncio.run(main())
-"""
-
-
-@pytest.mark.real_process
-def test_a_real_export_process_that_fails_says_why(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", FAILING_EXPORT, str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    outcome = done.stdout.strip()
-    assert outcome.startswith("the ONNX export exited with 1: ") and "no-such-model" in outcome
-    assert not (tmp_path / "cache" / "entry").exists()
 
 
 async def test_exports_of_two_models_run_one_after_the_other(
