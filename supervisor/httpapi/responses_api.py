@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 RESPONSE_OPS = ("generate", "describe")  # what a Responses body asks of the pool
 FINISHED = ("completed", "incomplete")
+NOT_KEPT = "never made, deleted, made with store false, or dropped for newer ones"
 
 
 class ResponsesApi:
@@ -96,9 +97,9 @@ class ResponsesApi:
         kept = self.kept.get(response_id)
         if kept is None:
             raise HttpError(400, f"previous_response_id: no response {response_id!r} is kept "
-                            "(never made, deleted, made with store false, or dropped for "
-                            "newer ones)", "previous_response_not_found", "previous_response_id")
-        response = kept.response or await self._as_job_stands(request, response_id, kept)
+                            f"({NOT_KEPT})", "previous_response_not_found",
+                            "previous_response_id")
+        response = await self._kept_response(request, response_id, kept)
         if response["status"] not in FINISHED:
             raise bad("previous_response_id", f"{response_id} is {response['status']}: only "
                       "a finished response can be continued")
@@ -128,21 +129,18 @@ class ResponsesApi:
         response_id = item_response_id(item_id)
         kept = self.kept.get(response_id) if response_id else None
         if kept is not None and response_id is not None:
-            response = kept.response or await self._as_job_stands(request, response_id, kept)
+            response = await self._kept_response(request, response_id, kept)
             for item in response["output"]:
                 if item.get("id") == item_id:
                     return item
-        raise bad(field, "item_reference: no kept response has this item (an output item's "
-                  "id: its response never made, not finished, deleted, made with store "
-                  "false, or dropped for newer ones)")
+        raise bad(field, "item_reference: no finished response kept has this item (an "
+                  f"output item's id; a response is not kept if {NOT_KEPT})")
 
     async def show(self, request: Request) -> Response:
         """GET /v1/responses/{id}: a kept response; a background one as its job stands."""
         response_id = request.path_params["id"]
-        kept = self.kept.get(response_id)
-        if kept is not None and kept.response is not None:
-            return json_response(kept.response)
-        return json_response(await self._as_job_stands(request, response_id, kept))
+        return json_response(await self._kept_response(request, response_id,
+                                                       self.kept.get(response_id)))
 
     async def cancel(self, request: Request) -> Response:
         """POST /v1/responses/{id}/cancel: its job cancelled (an ended one is left)."""
@@ -174,6 +172,13 @@ class ResponsesApi:
                 if kept is None or exc.code is not ErrorCode.RESULT_NOT_FOUND:
                     raise
         return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def _kept_response(self, request: Request, response_id: str,
+                             kept: Kept | None) -> dict[str, Any]:
+        """The response as answered if kept so, else as its job stands."""
+        if kept is not None and kept.response is not None:
+            return kept.response
+        return await self._as_job_stands(request, response_id, kept)
 
     async def _as_job_stands(self, request: Request, response_id: str,
                              kept: Kept | None) -> dict[str, Any]:
