@@ -141,26 +141,31 @@ def minilm_in_hub_cache(tmp_path: Path, put_minilm_in_hub_cache: Callable[[Path]
 
 @pytest.fixture
 def hold_minilm_export(monkeypatch: pytest.MonkeyPatch
-                       ) -> Callable[[Path], contextlib.AbstractContextManager[None]]:
+                       ) -> Callable[..., contextlib.AbstractContextManager[None]]:
     """with hold(cache): holds the lock MiniLM's export takes on its entry in that ONNX
     cache (and points this process at it), so that an export waits and a daemon's
-    first workers are sure to find none."""
+    first workers are sure to find none. With found_made, the run's export is linked
+    into that cache as the hold ends: the export that waited finds it made, as one
+    finds another process's, instead of making it again (~10 s of a test about waiting)."""
     from modelpool.registry.download import resolve_model_dir
     from modelpool.registry.loaders import onnx_cache
     from modelpool.registry.spec import Registry, load_catalog
 
     @contextlib.contextmanager
-    def hold(cache: Path) -> Iterator[None]:
-        monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))
+    def hold(cache: Path, *, found_made: bool = False) -> Iterator[None]:
         spec = Registry(load_catalog()).resolve("minilm")
         assert spec is not None
         model_dir = resolve_model_dir(spec)
         assert model_dir is not None
+        made = onnx_cache.entry_dir(spec, model_dir)  # the run's: minilm_export made it
+        monkeypatch.setenv("MODELPOOL_CACHE_DIR", str(cache))
         entry = onnx_cache.entry_dir(spec, model_dir)
         entry.parent.mkdir(parents=True)
         with open(entry.parent / f"{entry.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
+            if found_made:
+                entry.symlink_to(made)
 
     return hold
 

@@ -115,9 +115,9 @@ def _done(database: Database) -> int:
 
 def test_a_node_claims_no_job_of_a_model_that_waits_for_its_export(
         tmp_path: Path, database: Database,
-        hold_minilm_export: Callable[[Path], AbstractContextManager[None]]) -> None:
+        hold_minilm_export: Callable[..., AbstractContextManager[None]]) -> None:
     cache = tmp_path / "empty-cache"
-    with hold_minilm_export(cache):  # the node's export of MiniLM waits meanwhile
+    with hold_minilm_export(cache, found_made=True):  # the node's export waits meanwhile
         daemon = start_node(tmp_path / "alpha", node_config(database.dsn, "alpha",
                                                             FORCED_MINILM),
                             env={"MODELPOOL_CACHE_DIR": str(cache)})

@@ -25,7 +25,7 @@ from modelpool.registry.download import resolve_model_dir
 from modelpool.registry.loaders import onnx_cache, weights_size_mb
 from modelpool.registry.spec import ModelSpec, Registry, load_catalog
 
-HoldExport = Callable[[Path], AbstractContextManager[None]]
+HoldExport = Callable[..., AbstractContextManager[None]]  # (cache, *, found_made=False)
 TEXTS = ["a worker serves many clients", "short", "the quick brown fox " * 40]
 # torch's import and MiniLM's export at idle priority on 2 busy cores: the client's bound
 # and the request's own (the daemon's default, [pool] timeout_s, is 30 s)
@@ -125,7 +125,7 @@ def test_a_model_forced_to_onnx_waits_for_the_export_made_within_the_budget(
         make_daemon: MakeDaemon, tmp_path: Path, hold_minilm_export: HoldExport) -> None:
     cache = tmp_path / "empty-cache"
     answers: list[np.ndarray] = []
-    with hold_minilm_export(cache):
+    with hold_minilm_export(cache, found_made=True):
         daemon = make_daemon(FORCED_ONNX.format(pool=""), env={"MODELPOOL_CACHE_DIR": str(cache)})
 
         def embed() -> None:
