@@ -39,11 +39,20 @@ def wait_for_http(base: str, daemon: Daemon, timeout_s: float = 30) -> None:
 
 
 def http_daemon(workdir: Path, tiny_models_dir: Path, extra: str = "",
-                http: str = "") -> tuple[Daemon, str]:
+                http: str = "", images: bool = False) -> tuple[Daemon, str]:
     """A daemon with every capability on tiny models (MiniLM for text embeddings) and
     the HTTP API on a free loopback port; returns it and the API's base URL. Its callers'
-    fixtures ask for tiny_rerank_export, so that tiny-rerank starts on its export."""
+    fixtures ask for tiny_rerank_export, so that tiny-rerank starts on its export.
+    Text-to-image (tiny-sd) only with images: diffusers, which its forkserver would
+    import before any first worker, took ~2.5 s of each daemon's start here."""
     port = free_port()
+    if images:
+        extra = f"""
+        [[models]]
+        key = "tiny-sd"
+        capability = "text_to_image"
+        path = "{tiny_models_dir / 'tiny-sd'}"
+        {extra}"""
     daemon = start_daemon(workdir, f"""
         [pool]
         timeout_s = 60
@@ -68,10 +77,6 @@ def http_daemon(workdir: Path, tiny_models_dir: Path, extra: str = "",
         key = "tiny-vision"
         capability = "vision"
         path = "{tiny_models_dir / 'tiny-vision'}"
-        [[models]]
-        key = "tiny-sd"
-        capability = "text_to_image"
-        path = "{tiny_models_dir / 'tiny-sd'}"
         [[models]]
         key = "tiny-rerank"
         capability = "rerank"

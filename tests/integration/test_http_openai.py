@@ -44,7 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
     workdir = tmp_path_factory.mktemp("http")
     (workdir / "keys").write_text(OTHER_KEY + "\n")
-    daemon, base = http_daemon(workdir, tiny_models_dir,
+    daemon, base = http_daemon(workdir, tiny_models_dir, images=True,
                                http=f'max_body_bytes = 1048576\napi_key_file = "{workdir}/keys"',
                                extra=model_entry("huge") + "weights_mb = 100000000\n"
                                + MATRYOSHKA_MINILM)

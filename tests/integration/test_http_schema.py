@@ -31,7 +31,8 @@ from http_helpers import KEY, http_daemon
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
-    daemon, base = http_daemon(tmp_path_factory.mktemp("http-schema"), tiny_models_dir)
+    daemon, base = http_daemon(tmp_path_factory.mktemp("http-schema"), tiny_models_dir,
+                               images=True)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
 
