@@ -92,9 +92,9 @@ class Server:
         # Both before the forkserver starts: it and the workers read them.
         os.environ[onnx_cache.EXPORTS_BY_DAEMON_ENV] = "1"  # exports.py
         os.environ[loaders.LOADER_MODULES_ENV] = ",".join(loaders.custom_loader_modules(specs))
-        ctx = forkserver_context(loaders.preload_modules(specs))
+        preload = loaders.preload_modules(specs)
         self.exports_at_start = loaders.exports_to_make(specs)  # made before the first request
-        self.launcher = Launcher(ctx)
+        self.launcher = Launcher(forkserver_context(preload), preload)
         gpu_list = gpus.discover()
         if gpu_list:
             log.info("GPUs: %s", ", ".join(f"{g.device} {g.name} ({g.total_mb:.0f} MiB)"

@@ -18,6 +18,7 @@ import multiprocessing.context
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -35,11 +36,14 @@ from modelpool.protocol.pipes import (
     from_worker_decoder,
     heartbeat_decoder,
 )
+from modelpool.registry.loaders import TORCH_PRELOAD, preload_modules
 from modelpool.supervisor import cgroups
 from modelpool.supervisor.queueing import Job
 from modelpool.supervisor.throughput import TokenRate
+from modelpool.workers.fresh import run_fresh_worker
 
 log = logging.getLogger("modelpool.workers")
+REAP_AGAIN_S = 0.005
 
 
 class WorkerState(enum.StrEnum):  # str's own hash: transitions are checked per request
@@ -139,6 +143,14 @@ def forkserver_context(preload: list[str]) -> multiprocessing.context.ForkServer
     return ctx
 
 
+def starts_fresh(forkserver_preload: list[str], model_preload: list[str]) -> bool:
+    """Whether a worker asked for while the forkserver still imports starts in a fresh
+    interpreter rather than waiting to be forked: when the forkserver imports torch
+    (seconds) for other models and this one needs none of it. Once the forkserver is
+    ready, every worker is forked from it, sharing its pages."""
+    return TORCH_PRELOAD in forkserver_preload and TORCH_PRELOAD not in model_preload
+
+
 class Pipe(asyncio.Protocol):
     """A worker's pipe, read as its bytes arrive: each whole frame is decoded and handed
     to deliver at once, in the loop's callback (through a StreamReader task, each frame
@@ -191,15 +203,28 @@ class WorkerEvents(Protocol):
 class Launcher:
     """Starts worker processes and wires their pipes and sentinel into the event loop."""
 
-    def __init__(self, ctx: multiprocessing.context.ForkServerContext) -> None:
+    def __init__(self, ctx: multiprocessing.context.ForkServerContext,
+                 preload: list[str] | None = None) -> None:
         self.ctx = ctx
+        self.preload = preload or []  # what the forkserver imports, as forkserver_context
+        self.forkserver_ready = False  # its imports done: a fork now waits for nothing
         self.events: WorkerEvents | None = None  # the pool, once it exists
 
     async def warm_up(self) -> None:
-        """Start the forkserver now so its imports overlap with the daemon's start-up."""
-        from multiprocessing import forkserver
-
-        await asyncio.get_running_loop().run_in_executor(None, forkserver.ensure_running)
+        """Start the forkserver now so its imports overlap with the daemon's start-up,
+        and know when they are done: a first process forked from it (which exits at
+        once) starts only then."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        probe = self.ctx.Process(target=int, name="modelpool-forkserver-probe", daemon=True)
+        try:
+            await loop.run_in_executor(None, probe.start)
+        except (OSError, EOFError) as exc:  # stopped while it imported: nothing to know
+            log.debug("the forkserver was not ready: %s", exc)
+            return
+        self.forkserver_ready = True
+        log.info("forkserver ready in %.2fs", time.monotonic() - started)
+        await loop.run_in_executor(None, probe.join)
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Stop the forkserver so no process outlives the daemon. Told only by its pipe's
@@ -230,8 +255,11 @@ class Launcher:
         loop = asyncio.get_running_loop()
         work_parent, work_child = socket.socketpair()
         beat_parent, beat_child = socket.socketpair()
-        process = self.ctx.Process(
-            target=run_worker,
+        fresh = not self.forkserver_ready and starts_fresh(
+            self.preload, preload_modules([settings.spec]))
+        ctx = multiprocessing.get_context("spawn") if fresh else self.ctx
+        process = ctx.Process(
+            target=run_fresh_worker if fresh else run_worker,
             args=(msgspec.msgpack.encode(settings), work_child, beat_child),
             name=f"modelpool-worker-{handle.worker_id}",
             daemon=True,
@@ -264,10 +292,19 @@ class Launcher:
 
     def _exited(self, handle: WorkerHandle) -> None:
         process = handle.process
-        assert process is not None and self.events is not None
+        assert process is not None
         asyncio.get_running_loop().remove_reader(process.sentinel)
-        process.join(0)
-        exitcode = process.exitcode
+        self._reap(handle)
+
+    def _reap(self, handle: WorkerHandle) -> None:
+        process = handle.process
+        assert process is not None and self.events is not None
+        exitcode = process.exitcode  # without waiting
+        if exitcode is None:
+            # A fresh interpreter's sentinel (a pipe) closes as it exits, a moment before
+            # it can be reaped; the forkserver reports its children once reaped.
+            asyncio.get_running_loop().call_later(REAP_AGAIN_S, self._reap, handle)
+            return
         for writer in (handle.writer, handle.beat_writer):
             if writer is not None:
                 writer.close()

@@ -46,3 +46,39 @@ def test_a_loader_module_that_fails_at_import_fails_only_its_own_model(
         assert "broken at import" in failed.value.message
         assert c.embed("x", model="ok")[0] == 1.0
     assert forkserver(daemon).is_running()
+
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def test_a_model_needing_no_torch_does_not_wait_for_the_forkserver_to_import_it(
+        make_daemon: MakeDaemon, tiny_llm_dir: Path) -> None:
+    """MiniLM runs its cached export; tiny-llm beside it makes the forkserver import torch
+    and transformers (seconds). MiniLM's first worker does not wait for them: it starts in
+    a fresh interpreter, without torch. Once the forkserver is ready, workers are forked
+    from it again, the next one of MiniLM too."""
+    daemon = make_daemon(f"""
+        [pool]
+        cold_start_workers = 1
+        [[models]]
+        key = "tiny-llm"
+        capability = "text_to_text"
+        path = "{tiny_llm_dir}"
+        """)
+    with daemon.client() as c:
+        assert len(c.embed("hello", model="minilm")) == 384
+        (fresh,) = worker_pids(c, MINILM)
+        assert psutil.Process(fresh).ppid() == daemon.process.pid  # not the forkserver's
+        mapped = [m.path for m in psutil.Process(fresh).memory_maps()]
+        assert mapped and not [path for path in mapped if "libtorch" in path]
+        assert "forkserver ready" not in daemon.log()  # it was still importing
+        wait_until(lambda: "forkserver ready" in daemon.log(), 120, "the forkserver's imports")
+        psutil.Process(fresh).kill()
+        wait_until(lambda: fresh not in worker_pids(c, MINILM), 30, "its exit noticed")
+        assert len(c.embed("hello again", model="minilm")) == 384
+        (forked,) = worker_pids(c, MINILM)
+        assert psutil.Process(forked).ppid() == forkserver(daemon).pid
+    assert daemon.stop() == 0
+    log = daemon.log()
+    assert f"(pid {fresh}) of {MINILM} exited: killed by SIGKILL" in log
+    assert f"(pid {forked}) of {MINILM} exited: exit code 0" in log and "Traceback" not in log

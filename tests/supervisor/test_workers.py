@@ -16,8 +16,15 @@ import pytest
 from modelpool.protocol.framing import HEADER, MAX_FRAME_BYTES, frame
 from modelpool.protocol.messages import encoder
 from modelpool.protocol.pipes import Ready, WantWork, from_worker_decoder
+from modelpool.registry.loaders import ONNX_MODULES, TORCH_PRELOAD
 from modelpool.supervisor.eventloop import loop_factory
-from modelpool.supervisor.workers import IllegalTransition, Pipe, WorkerHandle, WorkerState
+from modelpool.supervisor.workers import (
+    IllegalTransition,
+    Pipe,
+    WorkerHandle,
+    WorkerState,
+    starts_fresh,
+)
 
 S = WorkerState
 
@@ -124,3 +131,13 @@ def test_the_forkserver_ends_at_once_without_its_exit_handlers(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "closed after the preload"
     assert not (tmp_path / "torn-down").exists()
+
+
+def test_a_worker_starts_fresh_only_to_skip_the_torch_it_does_not_need() -> None:
+    llm = [TORCH_PRELOAD, "modelpool.registry.loaders.causal_lm"]
+    onnx = list(ONNX_MODULES)
+    assert starts_fresh([*llm, *onnx], onnx)  # MiniLM's export, beside an LLM
+    assert not starts_fresh([*llm, *onnx], llm)  # the LLM: it would import torch itself
+    assert not starts_fresh(onnx, onnx)  # a forkserver without torch is ready in a moment
+    assert starts_fresh([*llm, "modelpool.workers.preload_loaders"],
+                        ["modelpool.workers.preload_loaders"])  # a custom loader's own
