@@ -44,7 +44,7 @@ def http_daemon(workdir: Path, tiny_models_dir: Path, extra: str = "",
     the HTTP API on a free loopback port; returns it and the API's base URL. Its callers'
     fixtures ask for tiny_rerank_export, so that tiny-rerank starts on its export.
     Text-to-image (tiny-sd) only with images: diffusers, which its forkserver would
-    import before any first worker, took ~2.5 s of each daemon's start here."""
+    import before any first worker, took 1.5-3 s of each daemon's start here."""
     port = free_port()
     if images:
         extra = f"""
