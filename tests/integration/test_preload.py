@@ -54,7 +54,8 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 def test_a_model_needing_no_torch_does_not_wait_for_the_forkserver_to_import_it(
         make_daemon: MakeDaemon, tiny_llm_dir: Path) -> None:
     """MiniLM runs its cached export; tiny-llm beside it makes the forkserver import torch
-    and transformers (seconds). MiniLM's first worker does not wait for them: it starts in
+    and transformers (seconds), and a custom loader's module 3 s more, so that it is still
+    importing on any machine. MiniLM's first worker does not wait for them: it starts in
     a fresh interpreter, without torch. Once the forkserver is ready, workers are forked
     from it again, the next one of MiniLM too."""
     daemon = make_daemon(f"""
@@ -64,7 +65,8 @@ def test_a_model_needing_no_torch_does_not_wait_for_the_forkserver_to_import_it(
         key = "tiny-llm"
         capability = "text_to_text"
         path = "{tiny_llm_dir}"
-        """)
+        """ + model_entry("slow-import", loader="import_test_loaders:recorded"),
+        env={"MP_IMPORT_SLEEP_S": "3"})
     with daemon.client() as c:
         assert len(c.embed("hello", model="minilm")) == 384
         (fresh,) = worker_pids(c, MINILM)
