@@ -47,7 +47,7 @@ from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.reload import apply_reload, plan_reload
 from modelpool.supervisor.shutdown import KILL_GRACE_S, drain_and_stop
 from modelpool.supervisor.socket_dir import bind_unix_socket, regroup_socket
-from modelpool.supervisor.workers import Launcher, forkserver_context
+from modelpool.supervisor.workers import Launcher
 
 log = logging.getLogger("modelpool.server")
 
@@ -92,9 +92,8 @@ class Server:
         # Both before the forkserver starts: it and the workers read them.
         os.environ[onnx_cache.EXPORTS_BY_DAEMON_ENV] = "1"  # exports.py
         os.environ[loaders.LOADER_MODULES_ENV] = ",".join(loaders.custom_loader_modules(specs))
-        preload = loaders.preload_modules(specs)
         self.exports_at_start = loaders.exports_to_make(specs)  # made before the first request
-        self.launcher = Launcher(forkserver_context(preload), preload)
+        self.launcher = Launcher(loaders.preload_modules(specs))
         gpu_list = gpus.discover()
         if gpu_list:
             log.info("GPUs: %s", ", ".join(f"{g.device} {g.name} ({g.total_mb:.0f} MiB)"

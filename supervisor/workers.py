@@ -203,10 +203,10 @@ class WorkerEvents(Protocol):
 class Launcher:
     """Starts worker processes and wires their pipes and sentinel into the event loop."""
 
-    def __init__(self, ctx: multiprocessing.context.ForkServerContext,
-                 preload: list[str] | None = None) -> None:
-        self.ctx = ctx
-        self.preload = preload or []  # what the forkserver imports, as forkserver_context
+    def __init__(self, preload: list[str]) -> None:
+        """preload: the configured models' modules, for the forkserver to import."""
+        self.preload = preload
+        self.ctx = forkserver_context(preload)
         self.forkserver_ready = False  # its imports done: a fork now waits for nothing
         self.events: WorkerEvents | None = None  # the pool, once it exists
 

@@ -127,8 +127,7 @@ class ResponsesApi:
 
     async def _kept_item(self, request: Request, item_id: str, field: str) -> dict[str, Any]:
         response_id = item_response_id(item_id)
-        kept = self.kept.get(response_id) if response_id else None
-        if kept is not None and response_id is not None:
+        if response_id is not None and (kept := self.kept.get(response_id)) is not None:
             response = await self._kept_response(request, response_id, kept)
             for item in response["output"]:
                 if item.get("id") == item_id:

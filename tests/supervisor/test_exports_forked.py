@@ -15,10 +15,10 @@ import asyncio, sys
 from pathlib import Path
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.exports import run_export
-from modelpool.supervisor.workers import Launcher, forkserver_context
+from modelpool.supervisor.workers import Launcher
 
 async def main():
-    launcher = Launcher(forkserver_context([]))
+    launcher = Launcher([])
     missing = Path(sys.argv[1], "no-such-model")
     spec = ModelSpec(key="broken", capability="text_embedding", path=str(missing))
     print(await run_export(launcher, spec, missing, Path(sys.argv[1], "cache", "entry")))

@@ -99,10 +99,10 @@ def test_pipe_refuses_a_frame_over_the_limit() -> None:
 # A process of its own: the forkserver is one per process, and pytest's must stay as it is.
 FORKSERVER_CLOSED = """
 import asyncio, pathlib, sys, time
-from modelpool.supervisor.workers import Launcher, forkserver_context
+from modelpool.supervisor.workers import Launcher
 
 async def main():
-    launcher = Launcher(forkserver_context(["ends_quietly"]))
+    launcher = Launcher(["ends_quietly"])
     await launcher.warm_up()
     imported = pathlib.Path(sys.argv[1], "imported")
     deadline = time.monotonic() + 30
