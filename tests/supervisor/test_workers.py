@@ -1,5 +1,5 @@
 """A worker's state moves only along the allowed transitions; its pipe hands on each
-whole frame, and stops at one it cannot read."""
+whole frame, and stops at one it cannot read; its exit is reported once it can be reaped."""
 
 from __future__ import annotations
 
@@ -131,6 +131,54 @@ def test_the_forkserver_ends_at_once_without_its_exit_handlers(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "closed after the preload"
     assert not (tmp_path / "torn-down").exists()
+
+
+# A fresh interpreter's sentinel is a pipe whose end it holds: closed as it exits, a moment
+# before the process can be reaped. This child closes it early and lives on a while, so
+# that the moment is long on any machine.
+EXITS_LATE = """
+import os, time
+
+def close_fds_then_exit() -> None:
+    os.closerange(3, 4096)
+    time.sleep(0.3)
+    os._exit(3)
+"""
+REAPED = """
+import asyncio, multiprocessing
+from exits_late import close_fds_then_exit
+from modelpool.supervisor.workers import Launcher, WorkerHandle
+
+class Events:
+    def __init__(self):
+        self.exited = asyncio.get_running_loop().create_future()
+
+    def handle_exit(self, handle, exitcode):
+        self.exited.set_result(exitcode)
+
+async def main():
+    launcher = Launcher([])
+    launcher.events = events = Events()
+    process = multiprocessing.get_context("spawn").Process(target=close_fds_then_exit)
+    process.start()
+    handle = WorkerHandle(worker_id=1, model_key="m", started_at=0.0, process=process)
+    asyncio.get_running_loop().add_reader(process.sentinel, launcher._exited, handle)
+    print("exit code", await asyncio.wait_for(events.exited, 30))
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_a_worker_whose_sentinel_closes_before_it_exits_is_reaped_once_it_has(
+        tmp_path: Path) -> None:
+    (tmp_path / "exits_late.py").write_text(EXITS_LATE)
+    (tmp_path / "reaped.py").write_text(REAPED)
+    done = subprocess.run([sys.executable, str(tmp_path / "reaped.py")],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exit code 3"
 
 
 def test_a_worker_starts_fresh_only_to_skip_the_torch_it_does_not_need() -> None:
