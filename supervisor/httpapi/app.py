@@ -233,6 +233,7 @@ def build_app(api: Api) -> Routes:
         ("/v1/responses/{id}", api.responses.show, "GET", False),
         ("/v1/responses/{id}", api.responses.delete, "DELETE", False),
         ("/v1/responses/{id}/cancel", api.responses.cancel, "POST", False),
+        ("/v1/responses/{id}/input_items", api.responses.input_items, "GET", False),
         ("/v1/images/generations", api.images, "POST", False),
         ("/v1/models", api.models, "GET", False),
         ("/v1/models/{model:path}", api.model, "GET", False),  # keys hold slashes

@@ -13,6 +13,7 @@ from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 from modelpool.supervisor.httpapi.responses_schema import (
     ResponseDeleted,
     ResponseEvent,
+    ResponseItemList,
     ResponseObject,
 )
 
@@ -255,6 +256,8 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type | None, type | None]] =
      ResponseObject, None),
     ("/v1/responses/{id}", "delete", "Remove a kept response (a background one cancelled)",
      None, ResponseDeleted, None),
+    ("/v1/responses/{id}/input_items", "get", "A page of a kept response's input items",
+     None, ResponseItemList, None),
     ("/v1/images/generations", "post", "Text to image", bodies.ImagesBody, ImagesResponse,
      None),
     ("/v1/models", "get", "Models the daemon knows", None, ModelList, None),
@@ -309,6 +312,8 @@ def openapi_document() -> bytes:
             if "{" + name + "}" in path:
                 operation["parameters"] = [{"name": name, "in": "path", "required": True,
                                             "schema": {"type": "string"}}]
+        if path.endswith("/input_items"):
+            operation["parameters"].extend(_LIST_PARAMETERS)
         paths.setdefault(path, {})[method] = operation
     return msgspec.json.encode({
         "openapi": "3.1.0",
@@ -318,6 +323,18 @@ def openapi_document() -> bytes:
             "bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
         "paths": paths})
+
+
+_LIST_PARAMETERS: list[dict[str, Any]] = [
+    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+    {"name": "limit", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+    {"name": "order", "in": "query", "required": False,
+     "schema": {"type": "string", "enum": ["asc", "desc"]}},
+    {"name": "include", "in": "query", "required": False, "explode": True,
+     "schema": {"type": "array", "items": {"type": "string",
+                                           "enum": ["message.input_image.image_url"]}}},
+]
 
 
 def _job_parameters(method: str) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """Responses kept for the Responses API: what `previous_response_id` continues and
-GET /v1/responses/{id} shows. Each is kept with the conversation that led to it, in the
+GET /v1/responses/{id} shows. Each is kept with the input items that led to it, in the
 front door's memory (as vLLM keeps them, in its server's memory), up to a bound in bytes
 shared fairly by their owners. A response's id (random, 128 bits) is what protects it,
 as a job's key does.
@@ -13,7 +13,6 @@ from typing import Any
 
 import msgspec
 
-from modelpool.supervisor.httpapi.bodies import ChatMessage
 from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 
 _encoder = msgspec.json.Encoder()
@@ -22,7 +21,7 @@ _encoder = msgspec.json.Encoder()
 @dataclass(slots=True)
 class Kept:
     owner: str  # the client it is kept for (its API key, else its address): whose share
-    conversation: list[ChatMessage]  # the turns before it, then its own input
+    items: list[dict[str, Any]]  # the conversation's items before it, then its own input
     body: ResponsesBody | None  # a background one's request, which its retrieval echoes
     response: dict[str, Any] | None  # as answered; None for a background one (its job's)
     size: int  # bytes, as JSON
@@ -42,15 +41,15 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def fits(self, conversation: list[ChatMessage]) -> bool:
-        """Whether a response to this conversation can be kept at all."""
-        return len(_encoder.encode(conversation)) < self.max_bytes
+    def fits(self, items: list[dict[str, Any]]) -> bool:
+        """Whether a response to these input items can be kept at all."""
+        return len(_encoder.encode(items)) < self.max_bytes
 
-    def keep(self, response_id: str, owner: str, conversation: list[ChatMessage],
+    def keep(self, response_id: str, owner: str, items: list[dict[str, Any]],
              body: ResponsesBody, response: dict[str, Any] | None = None) -> bool:
         """Kept, dropping others as needed; False if it alone is over the bound. With its
         `response`, its request is not kept: the response echoes it."""
-        size = (len(_encoder.encode(conversation))
+        size = (len(_encoder.encode(items))
                 + len(_encoder.encode(body if response is None else response)))
         if size > self.max_bytes:
             return False
@@ -58,7 +57,7 @@ class ResponseStore:
         while self.used + size > self.max_bytes:
             largest = max(self._owned, key=self._owned.__getitem__)
             self.forget(next(iter(self._by_owner[largest])))
-        self._kept[response_id] = Kept(owner, conversation,
+        self._kept[response_id] = Kept(owner, items,
                                        body if response is None else None, response, size)
         self._by_owner.setdefault(owner, OrderedDict())[response_id] = None
         self._owned[owner] = self._owned.get(owner, 0) + size

@@ -1,7 +1,8 @@
 """OpenAI's Responses API: POST /v1/responses answers the chat its body describes, whole,
 streamed, or in the background as a job; a response is kept (unless `store` is false)
 for `previous_response_id` to continue and GET /v1/responses/{id} to show; DELETE removes
-one, and POST /v1/responses/{id}/cancel cancels a background one's job.
+one, GET /v1/responses/{id}/input_items lists its input items, and
+POST /v1/responses/{id}/cancel cancels a background one's job.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from starlette.responses import Response
 from modelpool.protocol.client import AsyncClient
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.supervisor.httpapi import choices
-from modelpool.supervisor.httpapi.bodies import ChatMessage, PoolCall, bad
+from modelpool.supervisor.httpapi.bodies import PoolCall, bad
 from modelpool.supervisor.httpapi.jobs_api import refuse_in_a_job
 from modelpool.supervisor.httpapi.plumbing import (
     EventStream,
@@ -32,6 +33,13 @@ from modelpool.supervisor.httpapi.responses_in import (
     continued,
     conversation,
     responses_call,
+)
+from modelpool.supervisor.httpapi.responses_items import (
+    include_images,
+    kept_items,
+    listed,
+    page,
+    page_options,
 )
 from modelpool.supervisor.httpapi.responses_out import (
     RESPONSE_ID,
@@ -58,12 +66,13 @@ class ResponsesApi:
         """POST /v1/responses: the chat its body describes (after the conversation of the
         response it continues), answered as a response."""
         body = await self._referenced(request, await self.api.body(request, ResponsesBody))
-        turns = conversation(body, await self._before(request, body.previous_response_id))
-        call = responses_call(body, turns)
+        before = await self._before(request, body.previous_response_id)
+        call = responses_call(body, conversation(body, continued(before)))
         model = model_name(body.model, self.api.settings, call.op)
-        stored = body.store is not False and self.kept.fits(turns)
+        items = [*before, *kept_items(body.input)]
+        stored = body.store is not False and self.kept.fits(items)
         if body.background:
-            return await self._background(request, body, call, model, turns if stored else None)
+            return await self._background(request, body, call, model, items if stored else None)
         client = await self.api.client(request)
         stream = getattr(client, call.op)(
             *call.args, **with_header_options(request, call.kwargs, self.api.settings))
@@ -71,7 +80,7 @@ class ResponsesApi:
         shape = ResponseShape(body, model, call.made, stored=stored)
         if stored:
             owner = client_identity(request)
-            shape.on_finished = lambda response: self.kept.keep(shape.id, owner, turns, body,
+            shape.on_finished = lambda response: self.kept.keep(shape.id, owner, items, body,
                                                                 response)
         if body.stream:
             return EventStream(events(shape, choices.chunks(firsts, [stream])))
@@ -80,18 +89,19 @@ class ResponsesApi:
         return json_response(shape.whole(text))
 
     async def _background(self, request: Request, body: ResponsesBody, call: PoolCall,
-                          model: str, turns: list[ChatMessage] | None) -> Response:
+                          model: str, items: list[dict[str, Any]] | None) -> Response:
         """Run as a job: answered queued at once, its id the job's, shown by GET
         /v1/responses/{id} (the SDK's responses.retrieve) whatever connection asks."""
         refuse_in_a_job(body, schema_field="text.format")
         key = await self.api.jobs.submit_call(request, call)
-        shape = ResponseShape(body, model, call.made, key, stored=turns is not None)
-        if turns is not None:
-            self.kept.keep(shape.id, client_identity(request), turns, body)
+        shape = ResponseShape(body, model, call.made, key, stored=items is not None)
+        if items is not None:
+            self.kept.keep(shape.id, client_identity(request), items, body)
         return json_response(shape.response("queued", []))
 
-    async def _before(self, request: Request, response_id: str | None) -> list[ChatMessage]:
-        """The conversation a continued response had, then its answer."""
+    async def _before(self, request: Request,
+                      response_id: str | None) -> list[dict[str, Any]]:
+        """The input items a continued response had, then its output items."""
         if response_id is None:
             return []
         kept = self.kept.get(response_id)
@@ -103,7 +113,7 @@ class ResponsesApi:
         if response["status"] not in FINISHED:
             raise bad("previous_response_id", f"{response_id} is {response['status']}: only "
                       "a finished response can be continued")
-        return continued(kept.conversation, response["output"])
+        return [*kept.items, *response["output"]]
 
     async def _referenced(self, request: Request, body: ResponsesBody) -> ResponsesBody:
         """Its `item_reference`s replaced by the output items of kept responses they name
@@ -140,6 +150,20 @@ class ResponsesApi:
         response_id = request.path_params["id"]
         return json_response(await self._kept_response(request, response_id,
                                                        self.kept.get(response_id)))
+
+    async def input_items(self, request: Request) -> Response:
+        """GET /v1/responses/{id}/input_items: a page of a kept response's input items (a
+        continued one's: the whole conversation before its answer)."""
+        response_id = request.path_params["id"]
+        query = request.query_params
+        images = include_images([*query.getlist("include"), *query.getlist("include[]")])
+        after, limit, order = page_options(query)
+        kept = self.kept.get(response_id)
+        if kept is None:
+            raise PoolError(ErrorCode.RESULT_NOT_FOUND,
+                            f"no response {response_id!r} is kept ({NOT_KEPT})")
+        return json_response(page([listed(item, images) for item in kept.items],
+                                  after, limit, order))
 
     async def cancel(self, request: Request) -> Response:
         """POST /v1/responses/{id}/cancel: its job cancelled (an ended one is left)."""
@@ -187,7 +211,7 @@ class ResponsesApi:
         response = await _job_response(client, _job_key(response_id),
                                         kept.body if kept else None)
         if kept is not None and response["status"] in FINISHED and kept.body is not None:
-            self.kept.keep(response_id, kept.owner, kept.conversation, kept.body, response)
+            self.kept.keep(response_id, kept.owner, kept.items, kept.body, response)
         return response
 
 

@@ -175,11 +175,10 @@ def conversation(body: ResponsesBody, before: list[ChatMessage]) -> list[ChatMes
     return [*before, *input_messages(body.input, "input")]
 
 
-def continued(kept: list[ChatMessage], output: list[dict[str, Any]]) -> list[ChatMessage]:
-    """A kept response's conversation and its answer (its output items, which are input
-    items too), for the response that continues it."""
-    items = msgspec.convert(output, list[InputItem])
-    return [*kept, *input_messages(items, "previous_response_id")]
+def continued(items: list[dict[str, Any]]) -> list[ChatMessage]:
+    """A kept response's input items and its answer (its output items, which are input
+    items too) as the turns of the response that continues it."""
+    return input_messages(msgspec.convert(items, list[InputItem]), "previous_response_id")
 
 
 def input_messages(items: str | list[InputItem], where: str) -> list[ChatMessage]:

@@ -73,6 +73,16 @@ class ResponseDeleted(msgspec.Struct):
     deleted: bool
 
 
+class ResponseItemList(msgspec.Struct):
+    """A page of a kept response's input items, in OpenAI's cursor list."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]  # messages, function calls and their outputs, each with an id
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class ResponseEvent(msgspec.Struct, omit_defaults=True):
     """One streamed event (its `event:` line names its type)."""
 

@@ -1,7 +1,8 @@
 """The Responses API's kept responses through the official `openai` package:
-`previous_response_id` continues one, an `item_reference` names one's output item, a
-response not kept is neither shown nor continued, and a background one is kept with its
-options; each answer is the chat completion of the whole conversation."""
+`previous_response_id` continues one, its input items are listed, an `item_reference`
+names one's output item, a response not kept is neither shown, listed nor continued,
+and a background one is kept with its options; each answer is the chat completion of
+the whole conversation."""
 
 from __future__ import annotations
 
@@ -51,6 +52,25 @@ def test_previous_response_id_continues_the_kept_conversation(sdk: openai.OpenAI
     assert third.output_text == chat.choices[0].message.content
     for answered in (first, second, third):
         assert sdk.responses.retrieve(answered.id).model_dump() == answered.model_dump()
+    _lists_the_conversation(sdk, third.id, [
+        ("user", "tell me about workers"), ("assistant", first.output_text),
+        ("user", "and queues?"), ("assistant", second.output_text), ("user", "why?")])
+    assert [i.id for i in sdk.responses.input_items.list(third.id, order="asc")][1::2] == [
+        first.output[0].id, second.output[0].id]  # an answer's items keep their ids
+
+
+def _lists_the_conversation(sdk: openai.OpenAI, response_id: str,
+                            said: list[tuple[str, str]]) -> None:
+    """GET /v1/responses/{id}/input_items: the messages before its answer, oldest first
+    in ascending order, a page at a time (the SDK follows the pages)."""
+    items: Any = list(sdk.responses.input_items.list(response_id, order="asc"))
+    assert [(i.type, i.role, i.content[0].text) for i in items] == [
+        ("message", role, text) for role, text in said]
+    first = sdk.responses.input_items.list(response_id, limit=2)  # latest first
+    assert [i.id for i in first.data] == [i.id for i in items[::-1][:2]]
+    assert first.has_more is (len(said) > 2)
+    paged = [i.id for i in sdk.responses.input_items.list(response_id, limit=2)]
+    assert paged == [i.id for i in items[::-1]] and len(set(paged)) == len(said)
 
 
 def test_a_function_calls_output_continues_the_response_that_called(
@@ -76,6 +96,11 @@ def test_a_function_calls_output_continues_the_response_that_called(
     assert answer.usage is not None and chat.usage is not None
     assert answer.usage.input_tokens == chat.usage.prompt_tokens
     assert answer.output_text == chat.choices[0].message.content
+    items: Any = list(sdk.responses.input_items.list(answer.id, order="asc"))
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert (items[1].id, items[1].name, items[1].arguments) == (call.id, call.name,
+                                                                call.arguments)
+    assert (items[2].call_id, items[2].output) == (call.call_id, "sunny")
 
 
 def test_item_references_stand_for_kept_responses_output_items(sdk: openai.OpenAI) -> None:
@@ -129,6 +154,8 @@ def test_what_is_not_kept_is_neither_shown_nor_continued(sdk: openai.OpenAI) -> 
     for gone in (unkept.id, deleted.id):
         with pytest.raises(openai.NotFoundError):
             sdk.responses.retrieve(gone)
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.input_items.list(gone)
         with pytest.raises(openai.BadRequestError) as refused:
             sdk.responses.create(model=MODEL, input="more", previous_response_id=gone)
         assert refused.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
@@ -155,6 +182,7 @@ def test_a_background_response_is_kept_with_its_options_and_continued(
     assert done.status in ("completed", "incomplete") and done.store is True
     assert (done.instructions, done.metadata, done.max_output_tokens, done.temperature) == (
         INSTRUCTIONS, {"run": "7"}, 8, 0)
+    _lists_the_conversation(sdk, queued.id, [("user", "tell me about workers")])
     with served[0].client() as c:
         c.forget(queued.id.removeprefix("resp_"))
         with pytest.raises(PoolError):

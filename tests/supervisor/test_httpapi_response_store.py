@@ -11,15 +11,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from modelpool.supervisor.config import Config, HttpConfig
 from modelpool.supervisor.http_front import settings_of
 from modelpool.supervisor.httpapi.app import Api
-from modelpool.supervisor.httpapi.bodies import ChatMessage
 from modelpool.supervisor.httpapi.response_store import ResponseStore
 from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 
 BODY = ResponsesBody(input="hi")
 
 
-def _turns(text: str) -> list[ChatMessage]:
-    return [ChatMessage(role="user", content=text)]
+def _turns(text: str) -> list[dict[str, str]]:
+    return [{"type": "message", "role": "user", "content": text}]
 
 
 def _size(text: str, response: dict[str, str]) -> int:

@@ -28,6 +28,7 @@ from modelpool.supervisor.httpapi.responses_in import (
     conversation,
     responses_call,
 )
+from modelpool.supervisor.httpapi.responses_items import kept_items
 from modelpool.supervisor.httpapi.responses_out import (
     ResponseShape,
     ResponseStream,
@@ -76,7 +77,9 @@ def test_a_continued_response_follows_its_conversation_and_answer() -> None:
     message and calls, joined as a chat answer holds them), then the new input; the new
     instructions first, the old ones not carried over."""
     first = _body(instructions="old", input=[{"role": "user", "content": "weather?"}])
-    kept = conversation(first, [])
+    kept = kept_items(first.input)
+    assert kept == [{"type": "message", "role": "user", "content": "weather?",
+                     "id": kept[0]["id"]}] and kept[0]["id"].startswith("msg_")
     shape = ResponseShape(first, "m", ToolCalls(None, auto=True))
     output = shape.whole(TextResult(
         text="Checking.", finish_reason="tool_calls", prompt_tokens=3, completion_tokens=9,
@@ -85,13 +88,13 @@ def test_a_continued_response_follows_its_conversation_and_answer() -> None:
     assert [item["type"] for item in output] == ["message", "function_call"]
     turns = conversation(_body(instructions="new", input=[
         {"type": "function_call_output", "call_id": "c9", "output": "sunny"}]),
-        continued(kept, output))
+        continued([*kept, *output]))
     messages = chat_body(_body(instructions="new"), turns).messages
     assert _roles(messages) == [("system", "new", []), ("user", "weather?", []),
                                 ("assistant", [ContentPart(type="text", text="Checking.")],
                                  ["c9"]), ("tool", "sunny", [])]
     assert messages[2].tool_calls[0].function.arguments == '{"city": "Oslo"}'  # type: ignore[index]
-    assert _roles(kept) == [("user", "weather?", [])]  # the kept conversation unchanged
+    assert continued(kept) == [ChatMessage(role="user", content="weather?")]  # unchanged
 
 
 def test_an_output_items_id_names_its_response() -> None:
