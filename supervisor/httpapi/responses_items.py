@@ -51,10 +51,16 @@ def listed(item: dict[str, Any], images: bool) -> dict[str, Any]:
             content = ([{"type": "output_text", "text": content, "annotations": []}]
                        if item.get("role") == "assistant"
                        else [{"type": "input_text", "text": content}])
-        out["content"] = [part if images or part.get("type") != "input_image"
-                          else {k: v for k, v in part.items() if k != "image_url"}
-                          for part in content]
+        out["content"] = [_listed_part(part, images) for part in content]
     return out
+
+
+def _listed_part(part: dict[str, Any], images: bool) -> dict[str, Any]:
+    if part.get("type") == "input_image" and not images:
+        return {k: v for k, v in part.items() if k != "image_url"}
+    if part.get("type") == "output_text":  # an answer's text sent back as input
+        return {"annotations": [], **part}
+    return part
 
 
 def include_images(include: list[str]) -> bool:

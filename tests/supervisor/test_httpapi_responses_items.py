@@ -51,6 +51,10 @@ def test_items_are_listed_in_openais_shapes_an_image_only_when_asked_for() -> No
     asked = {"type": "message", "role": "developer", "content": "be brief", "id": "msg_2"}
     assert listed(asked, images=False)["content"] == [{"type": "input_text",
                                                        "text": "be brief"}]
+    sent_back = {"type": "message", "role": "assistant", "id": "msg_3",
+                 "content": [{"type": "output_text", "text": "it is"}]}
+    assert listed(sent_back, images=False)["content"] == [
+        {"type": "output_text", "text": "it is", "annotations": []}]
     cut = {"type": "function_call", "id": "fc_1", "status": "incomplete"}
     assert listed(cut, images=False)["status"] == "incomplete"  # an answer's own status
 
