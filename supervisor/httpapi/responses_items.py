@@ -10,6 +10,7 @@ input.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -88,7 +89,7 @@ def page(items: list[dict[str, Any]], after: str | None, limit: int,
             "has_more": start + limit < len(ordered)}
 
 
-def page_options(query: Any) -> tuple[str | None, int, Literal["asc", "desc"]]:
+def page_options(query: Mapping[str, str]) -> tuple[str | None, int, Literal["asc", "desc"]]:
     """`after`, `limit` (1 to 100, 20 by default) and `order` (desc by default) of a
     list's query."""
     raw = query.get("limit", "20")
