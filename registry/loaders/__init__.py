@@ -161,8 +161,7 @@ def exports_to_make(specs: list[ModelSpec]) -> list[tuple[ModelSpec, Path, Path]
     found = []
     for spec in specs:
         local = local_dir(spec)
-        if (local is None or not _may_run_onnx(spec)
-                or onnx_cache.unsupported(spec) is not None or not local.is_dir()):
+        if local is None or not _may_run_onnx(spec) or not local.is_dir():
             continue
         try:
             entry = onnx_cache.entry_dir(spec, local)
@@ -174,10 +173,12 @@ def exports_to_make(specs: list[ModelSpec]) -> list[tuple[ModelSpec, Path, Path]
 
 
 def _may_run_onnx(spec: ModelSpec) -> bool:
+    """Whether its worker may run an ONNX export: not if forced to eager, on a GPU,
+    sharing a weights holder's torch tensors or in a dtype other than float32."""
     from modelpool.registry.loaders import onnx_cache
 
     return (spec.capability in onnx_cache.OUTPUT_OPTIONS and not spec.loader
-            and spec.execution != "eager")
+            and onnx_cache.unsupported(spec) is None)
 
 
 def _runs_cached_onnx(spec: ModelSpec, local: Path | None) -> bool:

@@ -300,6 +300,10 @@ def test_a_cached_onnx_model_needs_no_torch_in_the_forkserver(in_cache: Path) ->
         "modelpool.registry.loaders.encoder_exec",
         "modelpool.registry.loaders.onnx_embedding", "onnxruntime", "tokenizers"]
     assert "modelpool.workers.preload_torch" in preload_modules([_minilm(execution="eager")])
+    # Its export cached, but run eager: a holder shares torch tensors, a GPU has no ONNX here
+    for eager in (_minilm(weights_holder="on"), _minilm(device="cuda"),
+                  _minilm(options={"dtype": "float16"})):
+        assert "modelpool.workers.preload_torch" in preload_modules([eager]), eager
 
 
 def test_a_worker_serving_the_export_never_imports_torch(in_cache: Path) -> None:
