@@ -143,7 +143,7 @@ def read_manifest(entry: Path) -> Manifest | None:
 def cached_choice(spec: ModelSpec, model_dir: Path | None) -> str | None:
     """What a load of this model will run ("onnx" or "eager"), when that is known without
     loading anything; None when an export is still to be made (or could not be checked)."""
-    if spec.execution == "eager":
+    if unsupported(spec) is not None:  # eager, whatever the cache holds
         return "eager"
     if model_dir is None:
         return None

@@ -304,6 +304,8 @@ def test_a_cached_onnx_model_needs_no_torch_in_the_forkserver(in_cache: Path) ->
     for eager in (_minilm(weights_holder="on"), _minilm(device="cuda"),
                   _minilm(options={"dtype": "float16"})):
         assert "modelpool.workers.preload_torch" in preload_modules([eager]), eager
+        assert onnx_cache.cached_choice(eager, resolve_model_dir(eager)) == "eager", eager
+    assert onnx_cache.cached_choice(_minilm(), resolve_model_dir(_minilm())) == "onnx"
 
 
 def test_a_worker_serving_the_export_never_imports_torch(in_cache: Path) -> None:
