@@ -37,6 +37,9 @@ class ResponseStore:
         self._kept: dict[str, Kept] = {}
         self._by_owner: dict[str, OrderedDict[str, None]] = {}  # least recently used first
         self._owned: dict[str, int] = {}  # bytes
+        # Each input item's id, to the kept responses it led to (a conversation's items
+        # lead to each of its later turns): what an `item_reference` names.
+        self._item_holders: dict[str, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -60,6 +63,8 @@ class ResponseStore:
         self._kept[response_id] = Kept(owner, items,
                                        body if response is None else None, response, size)
         self._by_owner.setdefault(owner, OrderedDict())[response_id] = None
+        for item_id in _ids(items):
+            self._item_holders.setdefault(item_id, []).append(response_id)
         self._owned[owner] = self._owned.get(owner, 0) + size
         self.used += size
         return True
@@ -70,13 +75,33 @@ class ResponseStore:
             self._by_owner[kept.owner].move_to_end(response_id)
         return kept
 
+    def input_item(self, item_id: str, owner: str) -> dict[str, Any] | None:
+        """An input item of a response kept for this owner, by its id. Only the owner's:
+        a client may have named the item itself (its id then guessable), while an output
+        item's id is the response's own, random."""
+        for response_id in reversed(self._item_holders.get(item_id, [])):
+            kept = self._kept[response_id]
+            if kept.owner == owner:
+                self._by_owner[owner].move_to_end(response_id)
+                return next(item for item in kept.items if item.get("id") == item_id)
+        return None
+
     def forget(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)
         if kept is None:
             return False
+        for item_id in _ids(kept.items):
+            holders = self._item_holders[item_id]
+            holders.remove(response_id)
+            if not holders:
+                del self._item_holders[item_id]
         del self._by_owner[kept.owner][response_id]
         self._owned[kept.owner] -= kept.size
         if not self._by_owner[kept.owner]:
             del self._by_owner[kept.owner], self._owned[kept.owner]
         self.used -= kept.size
         return True
+
+
+def _ids(items: list[dict[str, Any]]) -> list[str]:
+    return [item["id"] for item in items if isinstance(item.get("id"), str)]

@@ -116,9 +116,9 @@ class ResponsesApi:
         return [*kept.items, *response["output"]]
 
     async def _referenced(self, request: Request, body: ResponsesBody) -> ResponsesBody:
-        """Its `item_reference`s replaced by the output items of kept responses they name
-        (what a client that sends the whole conversation each turn may send instead of
-        an item it was given)."""
+        """Its `item_reference`s replaced by the items of kept responses they name: an
+        output item, or an input item of the client's own (what a client that sends the
+        whole conversation each turn may send instead of an item it was given)."""
         if isinstance(body.input, str) or all(i.type != "item_reference" for i in body.input):
             return body
         # Referenced items count against the body's bound: one large item named again and
@@ -142,8 +142,12 @@ class ResponsesApi:
             for item in response["output"]:
                 if item.get("id") == item_id:
                     return item
+        found = self.kept.input_item(item_id, client_identity(request))
+        if found is not None:
+            return found
         raise bad(field, "item_reference: no finished response kept has this item (an "
-                  f"output item's id; a response is not kept if {NOT_KEPT})")
+                  f"output item's id, or an input item's of a response kept for you; a "
+                  f"response is not kept if {NOT_KEPT})")
 
     async def show(self, request: Request) -> Response:
         """GET /v1/responses/{id}: a kept response; a background one as its job stands."""

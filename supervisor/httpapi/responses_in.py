@@ -6,7 +6,8 @@ output become an assistant's tool call and a tool's answer), the flat function t
 
 `previous_response_id` continues a response the front door keeps (response_store.py):
 the conversation that led to it, then its output items, before this input; an
-`item_reference` to one of those output items is replaced by it (responses_api.py). A
+`item_reference` to one of those output items, or to an input item of a response kept
+for the same client, is replaced by it (responses_api.py). A
 `conversation` object is refused by name (no conversations are kept apart from their
 responses), as are OpenAI's hosted tools (web search, file search, ...) and reasoning
 options, which no model here has.

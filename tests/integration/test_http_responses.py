@@ -19,6 +19,7 @@ from conftest import Daemon
 from http_helpers import KEY, data_url, http_daemon, long_llm, png
 
 MODEL = "tiny-llm-long"
+OTHER_KEY = "another-clients-key-7"  # a second client, whose kept responses are its own
 INSTRUCTIONS = "You are a tiny model."
 TOOL: Any = {"type": "function", "name": "get_weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
@@ -33,8 +34,10 @@ class Weather(pydantic.BaseModel):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
-    daemon, base = http_daemon(tmp_path_factory.mktemp("http-responses"), tiny_models_dir,
-                               extra=long_llm(tiny_models_dir))
+    workdir = tmp_path_factory.mktemp("http-responses")
+    (workdir / "keys").write_text(OTHER_KEY + "\n")
+    daemon, base = http_daemon(workdir, tiny_models_dir, extra=long_llm(tiny_models_dir),
+                               http=f'api_key_file = "{workdir}/keys"')
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
 
@@ -200,7 +203,7 @@ def test_an_image_goes_to_the_vision_model(served: tuple[Daemon, str],
     ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+    ({"input": [{"type": "item_reference", "id": "msg_kept_by_none"}]}, "input[0]"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
 ])
 def test_what_needs_a_kept_response_or_a_hosted_tool_is_refused_by_name(

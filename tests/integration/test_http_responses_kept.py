@@ -1,8 +1,8 @@
 """The Responses API's kept responses through the official `openai` package:
 `previous_response_id` continues one, its input items are listed, an `item_reference`
-names one's output item, a response not kept is neither shown, listed nor continued,
-and a background one is kept with its options; each answer is the chat completion of
-the whole conversation."""
+names one's output item (or an input item of the client's own), a response not kept is
+neither shown, listed nor continued, and a background one is kept with its options;
+each answer is the chat completion of the whole conversation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ from typing import Any
 import openai
 import pytest
 from conftest import Daemon
-from test_http_responses import INSTRUCTIONS, MODEL, TOOL, _chat, _ended, sdk, served
+from test_http_responses import (
+    INSTRUCTIONS,
+    MODEL,
+    OTHER_KEY,
+    TOOL,
+    _chat,
+    _ended,
+    sdk,
+    served,
+)
 
 from modelpool.protocol.errors import PoolError
 
@@ -106,7 +115,8 @@ def test_a_function_calls_output_continues_the_response_that_called(
 def test_item_references_stand_for_kept_responses_output_items(sdk: openai.OpenAI) -> None:
     """A client that sends the whole conversation each turn may name the items it was
     given by their ids (as Codex does): each is the kept item, and the answer the chat's
-    of the conversation they make; an item whose response was deleted is refused."""
+    of the conversation they make; an item no kept response holds any longer (its own
+    deleted, and the one it was named in) is refused."""
     said = sdk.responses.create(model=MODEL, input="tell me about workers", temperature=0,
                                 max_output_tokens=6)
     called = sdk.responses.create(model=MODEL, input="weather in Paris?", tools=[TOOL],
@@ -136,12 +146,43 @@ def test_item_references_stand_for_kept_responses_output_items(sdk: openai.OpenA
     assert answer.usage.input_tokens == chat.usage.prompt_tokens
     assert answer.output_text == chat.choices[0].message.content
     sdk.responses.delete(said.id)
+    sdk.responses.delete(answer.id)  # it holds the items it named, as its input
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as refused:
             sdk.responses.create(model=MODEL, stream=stream, input=[
                 {"type": "item_reference", "id": call.id},
                 {"type": "item_reference", "id": message.id}])
         assert refused.value.body["param"] == "input[1]"  # type: ignore[index]
+
+
+def test_item_references_stand_for_the_clients_own_kept_input_items(
+        sdk: openai.OpenAI, served: tuple[Daemon, str]) -> None:
+    """An input item of a kept response, by the id it is listed with (its own, sent with
+    it, or a new one), stands for that item for the client it was kept for; another
+    client's reference to it is refused (a client's own ids may be guessed)."""
+    first = sdk.responses.create(model=MODEL, max_output_tokens=4, input=[
+        {"type": "message", "role": "user", "content": "tell me about workers"},
+        {"type": "message", "role": "user", "content": "and queues?", "id": "msg_mine"}])
+    listed = [item.id for item in sdk.responses.input_items.list(first.id, order="asc")]
+    assert listed[1] == "msg_mine" and listed[0].startswith("msg_")
+    answer = sdk.responses.create(model=MODEL, temperature=0, max_output_tokens=8, input=[
+        {"type": "item_reference", "id": item_id} for item_id in listed])
+    chat = _chat(sdk, [{"role": "user", "content": "tell me about workers"},
+                       {"role": "user", "content": "and queues?"}], max_tokens=8)
+    assert answer.usage is not None and chat.usage is not None
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.output_text == chat.choices[0].message.content
+    other = openai.OpenAI(base_url=served[1] + "/v1", api_key=OTHER_KEY, max_retries=0,
+                          timeout=60)
+    for item_id in listed:
+        with pytest.raises(openai.BadRequestError) as refused:
+            other.responses.create(model=MODEL, input=[
+                {"type": "item_reference", "id": item_id}])
+        assert refused.value.body["param"] == "input[0]"  # type: ignore[index]
+    sdk.responses.delete(first.id)
+    sdk.responses.delete(answer.id)
+    with pytest.raises(openai.BadRequestError):
+        sdk.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "msg_mine"}])
 
 
 def test_what_is_not_kept_is_neither_shown_nor_continued(sdk: openai.OpenAI) -> None:

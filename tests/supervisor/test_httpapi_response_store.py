@@ -85,3 +85,25 @@ def test_the_bound_is_the_configs_and_metrics_show_what_is_kept() -> None:
             == _size("x" * 100, {"id": "r1"}))
     default = Config(http=HttpConfig(listen="127.0.0.1:8000"))
     assert settings_of(default, "/s").kept_responses_bytes == 64 * 2**20
+
+
+def _items(*ids: str) -> list[dict[str, str]]:
+    return [{"type": "message", "role": "user", "content": f"text of {i}", "id": i}
+            for i in ids]
+
+
+def test_input_items_are_found_by_id_for_their_owner_while_a_response_holds_them() -> None:
+    store = ResponseStore(1 << 20)
+    assert store.keep("r1", "A", _items("m1", "m2"), BODY, {"id": "r1"})
+    assert store.keep("r2", "A", _items("m1", "m2", "m3"), BODY, {"id": "r2"})  # continued
+    assert store.keep("r3", "B", _items("m1"), BODY, {"id": "r3"})  # B named one alike
+    assert store.input_item("m2", "A") == _items("m2")[0]
+    assert store.input_item("m1", "B") == _items("m1")[0]
+    assert store.input_item("m3", "B") is None  # A's only
+    assert store.input_item("nope", "A") is None
+    assert store.forget("r2")
+    assert store.input_item("m2", "A") is not None and store.input_item("m3", "A") is None
+    assert store.forget("r1")
+    assert store.input_item("m1", "A") is None and store.input_item("m1", "B") is not None
+    assert store.keep("r3", "B", _items("m4"), BODY, {"id": "r3"})  # replaced
+    assert store.input_item("m1", "B") is None and store.input_item("m4", "B") is not None

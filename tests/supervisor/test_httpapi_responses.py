@@ -115,15 +115,16 @@ async def test_item_references_are_the_kept_items_within_the_bodys_bound() -> No
         text="x" * 1000, finish_reason="stop", prompt_tokens=1, completion_tokens=9,
         model="m")))
     named = {"type": "item_reference", "id": shape.message_id()}
-    body = await responses._referenced(cast(Request, None), _body(input=[named] * 3))
+    request = cast(Request, SimpleNamespace(headers={"authorization": "Bearer k"}))
+    body = await responses._referenced(request, _body(input=[named] * 3))
     assert isinstance(body.input, list) and [i.type for i in body.input] == ["message"] * 3
     assert conversation(body, []) == [ChatMessage(role="assistant", content=[
         ContentPart(type="text", text="x" * 1000)])] * 3
     with pytest.raises(HttpError) as over:
-        await responses._referenced(cast(Request, None), _body(input=[named] * 4))
+        await responses._referenced(request, _body(input=[named] * 4))
     assert (over.value.status, over.value.param) == (413, "input")
     with pytest.raises(PoolError) as unknown:
-        await responses._referenced(cast(Request, None), _body(input=[
+        await responses._referenced(request, _body(input=[
             named, {"type": "item_reference", "id": "msg_" + "0" * 32}]))
     assert unknown.value.code is ErrorCode.BAD_REQUEST
     assert unknown.value.message.startswith("input[1]: ")
