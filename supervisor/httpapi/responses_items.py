@@ -78,10 +78,10 @@ def page(items: list[dict[str, Any]], after: str | None, limit: int,
     ordered = items if order == "asc" else items[::-1]
     start = 0
     if after is not None:
-        ids = [item.get("id") for item in ordered]
-        if after not in ids:
+        start = next((index + 1 for index, item in enumerate(ordered)
+                      if item.get("id") == after), 0)
+        if not start:
             raise bad("after", "no item of this response has this id")
-        start = ids.index(after) + 1
     data = ordered[start:start + limit]
     return {"object": "list", "data": data,
             "first_id": data[0]["id"] if data else None,
