@@ -13,6 +13,13 @@ format; the ones read here, and how a model's is known:
   by its template naming `[TOOL_CALLS]`. Its call ids are 9 letters and digits, which its
   template insists on when the conversation goes on.
 
+- "pythonic": the whole answer a Python list of calls with keyword arguments,
+  `[get_weather(city="Paris"), get_time()]` (Llama 3.2 and Llama 4 with their pythonic
+  templates, ToolACE), maybe between Llama 4's `<|python_start|>` and `<|python_end|>`.
+  Known by its template's `[func_name1(` example. Read by Python's own parser: only
+  literals (strings, numbers, True/False/None, lists and dicts of them) as values,
+  nothing evaluated.
+
 A model's loader option `tool_call_format` names one where the template does not say.
 A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
 `<tool_call>` in some Hermes tokenizers) are kept in the text of a sequence that may call,
@@ -21,6 +28,7 @@ as one (cut short, not JSON) is given back as text, as vLLM's parsers do."""
 
 from __future__ import annotations
 
+import ast
 import re
 import secrets
 import string
@@ -36,6 +44,8 @@ from modelpool.protocol.messages import ToolCall, new_call_id
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+PYTHONIC_EXAMPLE = "[func_name1("  # what the pythonic templates show their models
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,29 @@ def _mistral(text: str) -> list[ToolCall] | None:
     return _all_or_none(calls)
 
 
+def _pythonic(text: str) -> list[ToolCall] | None:
+    body = text.strip().removeprefix(PYTHON_START).strip().removesuffix(PYTHON_END)
+    try:
+        listed = ast.parse(body.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(listed, ast.List):
+        return None
+    return _all_or_none([_pythonic_call(node) for node in listed.elts])
+
+
+def _pythonic_call(node: ast.expr) -> ToolCall | None:
+    if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
+            or any(k.arg is None for k in node.keywords)):  # no positional, no **spread
+        return None
+    try:
+        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        text = msgspec.json.encode(arguments).decode()
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None  # a name, an expression, or a value JSON has not (a set, bytes)
+    return ToolCall(name=node.func.id, arguments=text)
+
+
 def _mistral_id() -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
@@ -105,7 +138,9 @@ FORMATS = {f.name: f for f in (
     ToolFormat("llama3_json", '{"name"', True, _llama3_json, lead=PYTHON_TAG,
                markers=(PYTHON_TAG,)),
     ToolFormat("mistral", TOOL_CALLS, False, _mistral, markers=(TOOL_CALLS, "[ARGS]"),
-               new_id=_mistral_id))}
+               new_id=_mistral_id),
+    ToolFormat("pythonic", "[", True, _pythonic, lead=PYTHON_START,
+               markers=(PYTHON_START, PYTHON_END)))}
 
 
 def format_of(template: str | None, configured: str | None, key: str) -> ToolFormat | None:
@@ -116,6 +151,8 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
                              f"{sorted(FORMATS)}")
         return FORMATS[configured]
     template = template or ""
+    if PYTHONIC_EXAMPLE in template:
+        return FORMATS["pythonic"]
     if "<tool_call>" in template:
         return FORMATS["hermes"]
     if TOOL_CALLS in template:

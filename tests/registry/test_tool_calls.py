@@ -109,11 +109,42 @@ def test_mistral_calls_as_a_list_or_one_by_one_with_their_ids(piece: int) -> Non
     assert hermes.finish()[1][0].id.startswith("call_")
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_pythonic_calls_are_a_list_of_keyword_calls_read_without_evaluating(
+        piece: int) -> None:
+    call = ' [get_weather(city="Paris"), get_time()]'
+    passed, rest, calls = _read("pythonic", call, piece)
+    assert passed == [""] * len(passed) and rest == "" and calls == [WEATHER, TIME]
+    wrapped = "<|python_start|>[get_weather(city='Paris')]<|python_end|>"  # Llama 4's
+    assert _read("pythonic", wrapped, piece)[2] == [WEATHER]
+    values = "[f(a=-1.5, b=True, c=None, d=[1, 'x'], e={'k': {'n': 2}})]"
+    assert _read("pythonic", values, piece)[2] == [ToolCall(
+        name="f", arguments='{"a":-1.5,"b":true,"c":null,"d":[1,"x"],"e":{"k":{"n":2}}}')]
+    text = "Paris is sunny. [get_weather(city='Paris')]"  # not at the start: text
+    passed, rest, calls = _read("pythonic", text, piece)
+    assert "".join(passed) == text and calls == []
+
+
+@pytest.mark.parametrize("text", [
+    "[1, 2]", "[see the docs](https://example.com)", "[get_weather('Paris')]",
+    "[get_weather(city=paris)]", "[get_weather(city=__import__('os').getcwd())]",
+    "[get_weather(**{'city': 'Paris'})]", "[os.system(command='ls')]",
+    "[get_weather(city='Paris')", "[rm_rf(path='/')]", "[" * 500 + "]" * 500,
+    "[get_weather(city='Paris')] and more",
+])
+def test_what_is_no_pythonic_call_comes_back_as_text(text: str) -> None:
+    passed, rest, calls = _read("pythonic", text, 3)
+    assert "".join(passed) + rest == text and calls == []
+
+
 def test_the_format_comes_from_the_options_or_the_template() -> None:
     assert format_of("... <tool_call> ...", None, "m") is HERMES
     assert format_of("<|start_header_id|> ... parameters ...", None, "m") is LLAMA3
     assert format_of("<|python_tag|>", None, "m") is LLAMA3
     assert format_of("{{ '[TOOL_CALLS] [' }}", None, "m") is FORMATS["mistral"]
+    pythonic = ("<|start_header_id|>system ... parameters ... 'Respond in the format "
+                "[func_name1(params_name1=params_value1, ...), func_name2(params)] '")
+    assert format_of(pythonic, None, "m") is FORMATS["pythonic"]  # though Llama 3's too
     assert format_of("<|im_start|>{{ message.content }}", None, "m") is None
     assert format_of(None, None, "m") is None
     assert format_of(None, "llama3_json", "m") is LLAMA3

@@ -271,6 +271,22 @@ def test_the_models_calls_end_its_stream_and_its_text_is_streamed_before(llm: An
                                                    tool_calls=None)
 
 
+def test_a_model_writing_pythonic_calls_has_them_read(llm: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model, its format taken as Llama 3.2's pythonic one, held by a regex to
+    a list of two calls: both are read, and nothing of them streams as text."""
+    monkeypatch.setattr(llm, "tool_format", FORMATS["pythonic"])
+    out = FakeOutbox()
+    written = "[get_weather(city='Paris'), get_weather(city=\"Oslo\")]"
+    request = _chat(tool_choice="auto", regex=re.escape(written), temperature=0)
+    text_to_text.run(llm, [WorkItem(job_id=6, request=request)], out, 1)
+    assert "".join(c.text for c in out.chunks()) == ""
+    end = out.sent[-1]
+    assert isinstance(end, End) and end.finish_reason == "tool_calls"
+    assert [msgspec.structs.replace(c, id="") for c in end.tool_calls or []] == [
+        WEATHER, ToolCall(name="get_weather", arguments='{"city":"Oslo"}')]
+
+
 def test_a_call_cut_short_is_text_and_a_model_that_cannot_read_calls_refuses() -> None:
     out = FakeOutbox()
     text_to_text.run(FakeModelWithCalls(["Hi ", CALL[:30]]),
