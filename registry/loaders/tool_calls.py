@@ -122,10 +122,20 @@ def _pythonic_call(node: ast.expr) -> ToolCall | None:
         return None
     try:
         arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-        text = msgspec.json.encode(arguments).decode()
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-        return None  # a name, an expression, or a value JSON has not (a set, bytes)
-    return ToolCall(name=node.func.id, arguments=text)
+        return None  # a name or an expression
+    if not _is_json(arguments):
+        return None  # a value JSON has not (bytes, a set, a complex number)
+    return ToolCall(name=node.func.id, arguments=msgspec.json.encode(arguments).decode())
+
+
+def _is_json(value: Any) -> bool:
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_is_json(v) for v in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and _is_json(v)
+                                           for k, v in value.items())
 
 
 def _mistral_id() -> str:
