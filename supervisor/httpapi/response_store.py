@@ -37,9 +37,12 @@ class ResponseStore:
         self._kept: dict[str, Kept] = {}
         self._by_owner: dict[str, OrderedDict[str, None]] = {}  # least recently used first
         self._owned: dict[str, int] = {}  # bytes
-        # Each input item's id, to the kept responses it led to (a conversation's items
-        # lead to each of its later turns): what an `item_reference` names.
-        self._item_holders: dict[str, list[str]] = {}
+        # Each owner's input items by id, to the kept responses holding them (a
+        # conversation's items are held by each of its later turns), oldest first, with
+        # the item's place among their items: what an `item_reference` names. Per owner,
+        # and by id: one client naming one id in many responses makes no other's lookup,
+        # nor any removal, longer.
+        self._item_holders: dict[tuple[str, str], dict[str, int]] = {}
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -63,8 +66,8 @@ class ResponseStore:
         self._kept[response_id] = Kept(owner, items,
                                        body if response is None else None, response, size)
         self._by_owner.setdefault(owner, OrderedDict())[response_id] = None
-        for item_id in _ids(items):
-            self._item_holders.setdefault(item_id, []).append(response_id)
+        for place, item_id in _ids(items):
+            self._item_holders.setdefault((owner, item_id), {})[response_id] = place
         self._owned[owner] = self._owned.get(owner, 0) + size
         self.used += size
         return True
@@ -79,22 +82,23 @@ class ResponseStore:
         """An input item of a response kept for this owner, by its id. Only the owner's:
         a client may have named the item itself (its id then guessable), while an output
         item's id is the response's own, random."""
-        for response_id in reversed(self._item_holders.get(item_id, [])):
-            kept = self._kept[response_id]
-            if kept.owner == owner:
-                self._by_owner[owner].move_to_end(response_id)
-                return next(item for item in kept.items if item.get("id") == item_id)
-        return None
+        holders = self._item_holders.get((owner, item_id))
+        if not holders:
+            return None
+        response_id, place = next(reversed(holders.items()))  # the latest
+        self._by_owner[owner].move_to_end(response_id)
+        return self._kept[response_id].items[place]
 
     def forget(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)
         if kept is None:
             return False
-        for item_id in _ids(kept.items):
-            holders = self._item_holders[item_id]
-            holders.remove(response_id)
-            if not holders:
-                del self._item_holders[item_id]
+        for _, item_id in _ids(kept.items):
+            holders = self._item_holders.get((kept.owner, item_id))
+            if holders is not None:  # None: an id the response holds twice, gone already
+                holders.pop(response_id, None)
+                if not holders:
+                    del self._item_holders[kept.owner, item_id]
         del self._by_owner[kept.owner][response_id]
         self._owned[kept.owner] -= kept.size
         if not self._by_owner[kept.owner]:
@@ -103,5 +107,7 @@ class ResponseStore:
         return True
 
 
-def _ids(items: list[dict[str, Any]]) -> list[str]:
-    return [item["id"] for item in items if isinstance(item.get("id"), str)]
+def _ids(items: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(place, id) of the items that have an id."""
+    return [(place, item["id"]) for place, item in enumerate(items)
+            if isinstance(item.get("id"), str)]

@@ -107,3 +107,8 @@ def test_input_items_are_found_by_id_for_their_owner_while_a_response_holds_them
     assert store.input_item("m1", "A") is None and store.input_item("m1", "B") is not None
     assert store.keep("r3", "B", _items("m4"), BODY, {"id": "r3"})  # replaced
     assert store.input_item("m1", "B") is None and store.input_item("m4", "B") is not None
+    twice = [*_items("m5"), {"type": "message", "role": "user", "content": "later", "id": "m5"}]
+    assert store.keep("r4", "B", [*_items("m6"), *twice], BODY, {"id": "r4"})
+    assert store.input_item("m5", "B") == twice[1]  # the last it holds
+    assert store.forget("r4") and store.input_item("m5", "B") is None
+    assert store._item_holders.keys() == {("B", "m4")}  # nothing of the others left
