@@ -166,8 +166,9 @@ class ResponsesApi:
         if kept is None:
             raise PoolError(ErrorCode.RESULT_NOT_FOUND,
                             f"no response {response_id!r} is kept ({NOT_KEPT})")
-        return json_response(page([listed(item, images) for item in kept.items],
-                                  after, limit, order))
+        listing = page(kept.items, after, limit, order)  # only a page's items converted
+        listing["data"] = [listed(item, images) for item in listing["data"]]
+        return json_response(listing)
 
     async def cancel(self, request: Request) -> Response:
         """POST /v1/responses/{id}/cancel: its job cancelled (an ended one is left)."""
