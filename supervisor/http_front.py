@@ -89,7 +89,8 @@ def settings_of(config: Config, socket_path: str,
         max_body_bytes=http.max_body_bytes or config.daemon.max_frame_bytes,
         body_timeout_s=http.body_timeout_s, connections=http.connections,
         max_priority=http.max_priority, prefix_cache_per_key=http.prefix_cache_per_key,
-        kept_responses_bytes=http.kept_responses_mib * 2**20, default_models=default_models or {})
+        kept_responses_bytes=http.kept_responses_mib * 2**20,
+        kept_responses_postgres=config.cluster.dsn, default_models=default_models or {})
 
 
 def bind(listen: str) -> socket.socket:

@@ -98,6 +98,22 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX IF NOT EXISTS jobs_waiting_owners ON modelpool.jobs (uid, tenant)
         WHERE state = 'queued';
     """,
+    # The Responses API's kept responses, shared by every node's HTTP front door
+    # (supervisor/httpapi/response_store_pg.py).
+    """
+    CREATE TABLE IF NOT EXISTS modelpool.responses (
+        id text PRIMARY KEY,
+        owner text NOT NULL,
+        items jsonb NOT NULL,
+        body bytea,
+        response jsonb,
+        size integer NOT NULL,
+        used_at timestamptz NOT NULL DEFAULT clock_timestamp()
+    );
+    CREATE INDEX IF NOT EXISTS responses_by_use ON modelpool.responses (owner, used_at);
+    CREATE INDEX IF NOT EXISTS responses_items ON modelpool.responses
+        USING gin (items jsonb_path_ops);
+    """,
 )
 
 

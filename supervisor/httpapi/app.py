@@ -80,6 +80,10 @@ class Api:
 
         return answer
 
+    async def close(self) -> None:
+        await self.link.close()
+        await self.responses.kept.close()
+
     async def client(self, request: Request) -> AsyncClient:
         return await self.link.client(client_identity(request))
 
@@ -248,4 +252,4 @@ def build_app(api: Api) -> Routes:
         ("/openapi.json", api.openapi, "GET", True),
     ]
     return Routes([Route(path, method, api.endpoint(handler, path, open_))
-                   for path, handler, method, open_ in table], api.link.close)
+                   for path, handler, method, open_ in table], api.close)

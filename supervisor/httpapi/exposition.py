@@ -17,7 +17,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from modelpool.supervisor.httpapi.response_store import ResponseStore
+    from modelpool.supervisor.httpapi.response_store_pg import MemoryKept, PgKept
 
 MB = 1024 * 1024
 WORKER_STATES = ("starting", "loading", "idle", "busy", "holding", "stopping")
@@ -35,9 +35,10 @@ class HttpCounters:
         self.kept_bytes = Gauge("modelpool_http_kept_responses_bytes", "Their size as JSON, "
                                 "within [http] kept_responses_mib", registry=self.registry)
 
-    def watch(self, kept: ResponseStore) -> None:
-        """The kept responses' count and bytes, read at each scrape."""
-        self.kept.set_function(lambda: len(kept))
+    def watch(self, kept: MemoryKept | PgKept) -> None:
+        """The kept responses' count and bytes, read at each scrape (in PostgreSQL, the
+        whole cluster's as last seen by this front door)."""
+        self.kept.set_function(lambda: kept.count)
         self.kept_bytes.set_function(lambda: kept.used)
 
 

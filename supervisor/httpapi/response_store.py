@@ -1,8 +1,8 @@
 """Responses kept for the Responses API: what `previous_response_id` continues and
 GET /v1/responses/{id} shows. Each is kept with the input items that led to it, in the
-front door's memory (as vLLM keeps them, in its server's memory), up to a bound in bytes
-shared fairly by their owners. A response's id (random, 128 bits) is what protects it,
-as a job's key does.
+front door's memory (as vLLM keeps them, in its server's memory; in a cluster, in its
+PostgreSQL instead: response_store_pg.py), up to a bound in bytes shared fairly by their
+owners. A response's id (random, 128 bits) is what protects it, as a job's key does.
 """
 
 from __future__ import annotations

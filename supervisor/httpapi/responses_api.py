@@ -7,6 +7,9 @@ POST /v1/responses/{id}/cancel cancels a background one's job.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -26,7 +29,8 @@ from modelpool.supervisor.httpapi.plumbing import (
     with_header_options,
 )
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
-from modelpool.supervisor.httpapi.response_store import Kept, ResponseStore
+from modelpool.supervisor.httpapi.response_store import Kept
+from modelpool.supervisor.httpapi.response_store_pg import MemoryKept, PgKept
 from modelpool.supervisor.httpapi.responses_in import (
     InputItem,
     ResponsesBody,
@@ -55,12 +59,16 @@ if TYPE_CHECKING:
 RESPONSE_OPS = ("generate", "describe")  # what a Responses body asks of the pool
 FINISHED = ("completed", "incomplete")
 NOT_KEPT = "never made, deleted, made with store false, or dropped for newer ones"
+log = logging.getLogger("modelpool.http")
 
 
 class ResponsesApi:
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.kept = ResponseStore(api.settings.kept_responses_bytes)
+        settings = api.settings
+        self.kept: MemoryKept | PgKept = (
+            PgKept(settings.kept_responses_postgres, settings.kept_responses_bytes)
+            if settings.kept_responses_postgres else MemoryKept(settings.kept_responses_bytes))
 
     async def create(self, request: Request) -> Response:
         """POST /v1/responses: the chat its body describes (after the conversation of the
@@ -78,15 +86,32 @@ class ResponsesApi:
             *call.args, **with_header_options(request, call.kwargs, self.api.settings))
         firsts = await unless_disconnected(request.scope, choices.firsts([stream]))
         shape = ResponseShape(body, model, call.made, stored=stored)
+        finished: list[dict[str, Any]] = []
         if stored:
-            owner = client_identity(request)
-            shape.on_finished = lambda response: self.kept.keep(shape.id, owner, items, body,
-                                                                response)
+            shape.on_finished = finished.append
+        keep = self._keeper(shape.id, client_identity(request), items, body, finished)
         if body.stream:
-            return EventStream(events(shape, choices.chunks(firsts, [stream])))
+            return EventStream(_kept_when_sent(events(shape, choices.chunks(firsts, [stream])),
+                                               keep))
         (text,) = await unless_disconnected(request.scope,
                                             choices.gather_all(firsts, [stream], shape.model))
-        return json_response(shape.whole(text))
+        response = shape.whole(text)
+        await keep()
+        return json_response(response)
+
+    def _keeper(self, response_id: str, owner: str, items: list[dict[str, Any]],
+                body: ResponsesBody, finished: list[dict[str, Any]]
+                ) -> Callable[[], Awaitable[None]]:
+        """What keeps the response once it has finished (before it is sent, so that a
+        client continuing it at once finds it). A store that cannot be reached costs the
+        answer nothing: it is sent, not kept, and the log says so."""
+        async def keep() -> None:
+            while finished:
+                try:
+                    await self.kept.keep(response_id, owner, items, body, finished.pop())
+                except PoolError as exc:
+                    log.warning("response %s not kept: %s", response_id, exc.message)
+        return keep
 
     async def _background(self, request: Request, body: ResponsesBody, call: PoolCall,
                           model: str, items: list[dict[str, Any]] | None) -> Response:
@@ -95,8 +120,11 @@ class ResponsesApi:
         refuse_in_a_job(body, schema_field="text.format")
         key = await self.api.jobs.submit_call(request, call)
         shape = ResponseShape(body, model, call.made, key, stored=items is not None)
-        if items is not None:
-            self.kept.keep(shape.id, client_identity(request), items, body)
+        if items is not None:  # not kept (a store out of reach): shown as its job stands
+            try:
+                await self.kept.keep(shape.id, client_identity(request), items, body)
+            except PoolError as exc:
+                log.warning("response %s not kept: %s", shape.id, exc.message)
         return json_response(shape.response("queued", []))
 
     async def _before(self, request: Request,
@@ -104,7 +132,7 @@ class ResponsesApi:
         """The input items a continued response had, then its output items."""
         if response_id is None:
             return []
-        kept = self.kept.get(response_id)
+        kept = await self.kept.get(response_id)
         if kept is None:
             raise HttpError(400, f"previous_response_id: no response {response_id!r} is kept "
                             f"({NOT_KEPT})", "previous_response_not_found",
@@ -137,12 +165,12 @@ class ResponsesApi:
 
     async def _kept_item(self, request: Request, item_id: str, field: str) -> dict[str, Any]:
         response_id = item_response_id(item_id)
-        if response_id is not None and (kept := self.kept.get(response_id)) is not None:
+        if response_id is not None and (kept := await self.kept.get(response_id)) is not None:
             response = await self._kept_response(request, response_id, kept)
             for item in response["output"]:
                 if item.get("id") == item_id:
                     return item
-        found = self.kept.input_item(item_id, client_identity(request))
+        found = await self.kept.input_item(item_id, client_identity(request))
         if found is not None:
             return found
         raise bad(field, "item_reference: no finished response kept has this item (an "
@@ -153,7 +181,7 @@ class ResponsesApi:
         """GET /v1/responses/{id}: a kept response; a background one as its job stands."""
         response_id = request.path_params["id"]
         return json_response(await self._kept_response(request, response_id,
-                                                       self.kept.get(response_id)))
+                                                       await self.kept.get(response_id)))
 
     async def input_items(self, request: Request) -> Response:
         """GET /v1/responses/{id}/input_items: a page of a kept response's input items (a
@@ -162,7 +190,7 @@ class ResponsesApi:
         query = request.query_params
         images = include_images([*query.getlist("include"), *query.getlist("include[]")])
         after, limit, order = page_options(query)
-        kept = self.kept.get(response_id)
+        kept = await self.kept.get(response_id)
         if kept is None:
             raise PoolError(ErrorCode.RESULT_NOT_FOUND,
                             f"no response {response_id!r} is kept ({NOT_KEPT})")
@@ -173,7 +201,7 @@ class ResponsesApi:
     async def cancel(self, request: Request) -> Response:
         """POST /v1/responses/{id}/cancel: its job cancelled (an ended one is left)."""
         response_id = request.path_params["id"]
-        kept = self.kept.get(response_id)
+        kept = await self.kept.get(response_id)
         if kept is not None and kept.response is not None:
             if not kept.response["background"]:
                 raise bad("id", "only a background response can be cancelled")
@@ -188,8 +216,8 @@ class ResponsesApi:
         """DELETE /v1/responses/{id}: no longer kept; a background one's job cancelled if
         it runs, and its result removed."""
         response_id = request.path_params["id"]
-        kept = self.kept.get(response_id)
-        self.kept.forget(response_id)
+        kept = await self.kept.get(response_id)
+        await self.kept.forget(response_id)
         if kept is None or kept.response is None or kept.response["background"]:
             try:
                 key = _job_key(response_id)
@@ -216,7 +244,7 @@ class ResponsesApi:
         response = await _job_response(client, _job_key(response_id),
                                         kept.body if kept else None)
         if kept is not None and response["status"] in FINISHED and kept.body is not None:
-            self.kept.keep(response_id, kept.owner, kept.items, kept.body, response)
+            await self.kept.keep(response_id, kept.owner, kept.items, kept.body, response)
         return response
 
 
@@ -239,3 +267,12 @@ async def _job_response(client: AsyncClient, key: str,
     info = await _response_job(client, key)
     done = info["state"] == "done"
     return background(info, await client.retrieve(key, timeout_s=1.0) if done else None, body)
+
+
+async def _kept_when_sent(events: AsyncIterator[bytes],
+                          keep: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """Each event once the response it finishes, if it does, is kept."""
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        async for event in events:
+            await keep()
+            yield event

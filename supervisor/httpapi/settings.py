@@ -21,5 +21,7 @@ class HttpSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_priority: Priority = "critical"
     prefix_cache_per_key: bool = True
     kept_responses_bytes: int = 64 * 2**20  # the Responses API's kept responses, at most
+    # The cluster's PostgreSQL, where they are kept when there is one ("": in memory)
+    kept_responses_postgres: str = ""
     # The model answering a request that names none, by capability (a reload sends new).
     default_models: dict[str, str] = {}

@@ -8,10 +8,11 @@ import msgspec
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelpool.supervisor.config import Config, HttpConfig
+from modelpool.supervisor.config import ClusterConfig, Config, HttpConfig
 from modelpool.supervisor.http_front import settings_of
 from modelpool.supervisor.httpapi.app import Api
 from modelpool.supervisor.httpapi.response_store import ResponseStore
+from modelpool.supervisor.httpapi.response_store_pg import MemoryKept, PgKept
 from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 
 BODY = ResponsesBody(input="hi")
@@ -76,8 +77,9 @@ def test_the_bound_is_the_configs_and_metrics_show_what_is_kept() -> None:
     settings = settings_of(config, "/s")
     assert settings.kept_responses_bytes == 2 * 2**20
     api = Api(settings)
-    assert api.responses.kept.max_bytes == 2 * 2**20
-    api.responses.kept.keep("r1", "A", _turns("x" * 100), BODY, {"id": "r1"})
+    kept = api.responses.kept
+    assert isinstance(kept, MemoryKept) and kept.store.max_bytes == 2 * 2**20
+    kept.store.keep("r1", "A", _turns("x" * 100), BODY, {"id": "r1"})
     families = {f.name: f for f in text_string_to_metric_families(
         generate_latest(api.counters.registry).decode())}
     assert families["modelpool_http_kept_responses"].samples[0].value == 1
@@ -85,6 +87,10 @@ def test_the_bound_is_the_configs_and_metrics_show_what_is_kept() -> None:
             == _size("x" * 100, {"id": "r1"}))
     default = Config(http=HttpConfig(listen="127.0.0.1:8000"))
     assert settings_of(default, "/s").kept_responses_bytes == 64 * 2**20
+    clustered = Config(http=HttpConfig(listen="127.0.0.1:8000"),
+                       cluster=ClusterConfig(postgres="postgresql://db/mp"))
+    assert settings_of(clustered, "/s").kept_responses_postgres == "postgresql://db/mp"
+    assert isinstance(Api(settings_of(clustered, "/s")).responses.kept, PgKept)
 
 
 def _items(*ids: str) -> list[dict[str, str]]:

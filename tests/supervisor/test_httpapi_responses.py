@@ -111,7 +111,7 @@ async def test_item_references_are_the_kept_items_within_the_bodys_bound() -> No
     api: Any = SimpleNamespace(settings=HttpSettings(socket_path="/s", max_body_bytes=4000))
     responses = ResponsesApi(api)
     shape = ResponseShape(_body(input="hi"), "m", None)
-    responses.kept.keep(shape.id, "owner", [], _body(input="hi"), shape.whole(TextResult(
+    await responses.kept.keep(shape.id, "owner", [], _body(input="hi"), shape.whole(TextResult(
         text="x" * 1000, finish_reason="stop", prompt_tokens=1, completion_tokens=9,
         model="m")))
     named = {"type": "item_reference", "id": shape.message_id()}
