@@ -128,6 +128,15 @@ def test_a_conversation_goes_on_through_either_node(two_front_doors: list[str]) 
     named = alpha.responses.create(model="gen", max_output_tokens=1, input=[
         {"type": "item_reference", "id": listed[0]}])  # an input item kept on beta's turn
     assert named.output_text == "tok0 "
+    with alpha.responses.create(model="gen", input="streamed", stream=True,
+                                max_output_tokens=2) as events:
+        last = next(e for e in events if e.type == "response.incomplete")  # then closed
+    streamed = last.response  # type: ignore[union-attr]
+    assert streamed.output_text == "tok0 tok1 "
+    # a streamed one is kept too, and continued on the other node as its stream ends
+    after = beta.responses.create(model="gen", previous_response_id=streamed.id,
+                                  input="more", max_output_tokens=1)
+    assert after.output_text == "tok0 "
     beta.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         alpha.responses.retrieve(first.id)
