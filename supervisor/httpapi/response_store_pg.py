@@ -43,12 +43,6 @@ class MemoryKept:
                    body: ResponsesBody, response: dict[str, Any] | None = None) -> bool:
         return self.store.keep(response_id, owner, items, body, response)
 
-    async def _totals(self) -> int:
-        [totals] = await self._fetch(
-            f"SELECT count(*) AS count, coalesce(sum(size), 0) AS used FROM {TABLE}")
-        self.count, self.used = totals["count"], int(totals["used"])
-        return self.used
-
     async def get(self, response_id: str) -> Kept | None:
         return self.store.get(response_id)
 
