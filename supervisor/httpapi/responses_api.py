@@ -107,11 +107,15 @@ class ResponsesApi:
         answer nothing: it is sent, not kept, and the log says so."""
         async def keep() -> None:
             while finished:
-                try:
-                    await self.kept.keep(response_id, owner, items, body, finished.pop())
-                except PoolError as exc:
-                    log.warning("response %s not kept: %s", response_id, exc.message)
+                await self._keep(response_id, owner, items, body, finished.pop())
         return keep
+
+    async def _keep(self, response_id: str, owner: str, items: list[dict[str, Any]],
+                    body: ResponsesBody, response: dict[str, Any] | None = None) -> None:
+        try:
+            await self.kept.keep(response_id, owner, items, body, response)
+        except PoolError as exc:
+            log.warning("response %s not kept: %s", response_id, exc.message)
 
     async def _background(self, request: Request, body: ResponsesBody, call: PoolCall,
                           model: str, items: list[dict[str, Any]] | None) -> Response:
@@ -120,11 +124,8 @@ class ResponsesApi:
         refuse_in_a_job(body, schema_field="text.format")
         key = await self.api.jobs.submit_call(request, call)
         shape = ResponseShape(body, model, call.made, key, stored=items is not None)
-        if items is not None:  # not kept (a store out of reach): shown as its job stands
-            try:
-                await self.kept.keep(shape.id, client_identity(request), items, body)
-            except PoolError as exc:
-                log.warning("response %s not kept: %s", shape.id, exc.message)
+        if items is not None:  # if not kept (a store out of reach): shown as its job stands
+            await self._keep(shape.id, client_identity(request), items, body)
         return json_response(shape.response("queued", []))
 
     async def _before(self, request: Request,
