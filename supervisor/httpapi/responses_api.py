@@ -8,6 +8,7 @@ POST /v1/responses/{id}/cancel cancels a background one's job.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -89,7 +90,7 @@ class ResponsesApi:
         finished: list[dict[str, Any]] = []
         if stored:
             shape.on_finished = finished.append
-        keep = self._keeper(shape.id, client_identity(request), items, body, finished)
+        keep = self._keeper(shape.id, _owner(request), items, body, finished)
         if body.stream:
             return EventStream(_kept_when_sent(events(shape, choices.chunks(firsts, [stream])),
                                                keep))
@@ -125,7 +126,7 @@ class ResponsesApi:
         key = await self.api.jobs.submit_call(request, call)
         shape = ResponseShape(body, model, call.made, key, stored=items is not None)
         if items is not None:  # if not kept (a store out of reach): shown as its job stands
-            await self._keep(shape.id, client_identity(request), items, body)
+            await self._keep(shape.id, _owner(request), items, body)
         return json_response(shape.response("queued", []))
 
     async def _before(self, request: Request,
@@ -171,7 +172,7 @@ class ResponsesApi:
             for item in response["output"]:
                 if item.get("id") == item_id:
                     return item
-        found = await self.kept.input_item(item_id, client_identity(request))
+        found = await self.kept.input_item(item_id, _owner(request))
         if found is not None:
             return found
         raise bad(field, "item_reference: no finished response kept has this item (an "
@@ -247,6 +248,12 @@ class ResponsesApi:
         if kept is not None and response["status"] in FINISHED and kept.body is not None:
             await self.kept.keep(response_id, kept.owner, kept.items, kept.body, response)
         return response
+
+
+def _owner(request: Request) -> str:
+    """Whose a kept response is: its client's identity (its API key, else its address),
+    hashed, so that no key is kept, in memory or in a cluster's database."""
+    return hashlib.sha256(client_identity(request).encode()).hexdigest()
 
 
 def _job_key(response_id: str) -> str:

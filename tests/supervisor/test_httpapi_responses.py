@@ -20,7 +20,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import TokenLogprob, ToolCall
 from modelpool.supervisor.httpapi.bodies import ChatMessage, ContentPart
 from modelpool.supervisor.httpapi.replies import HttpError
-from modelpool.supervisor.httpapi.responses_api import ResponsesApi
+from modelpool.supervisor.httpapi.responses_api import ResponsesApi, _owner
 from modelpool.supervisor.httpapi.responses_in import (
     ResponsesBody,
     chat_body,
@@ -129,6 +129,13 @@ async def test_item_references_are_the_kept_items_within_the_bodys_bound() -> No
     assert unknown.value.code is ErrorCode.BAD_REQUEST
     assert unknown.value.message.startswith("input[1]: ")
     assert "0" * 32 not in unknown.value.message  # no id is echoed
+
+
+def test_a_kept_responses_owner_is_its_clients_identity_hashed_never_its_key() -> None:
+    keyed = cast(Request, SimpleNamespace(headers={"authorization": "Bearer secret-key"}))
+    other = cast(Request, SimpleNamespace(headers={"authorization": "Bearer other-key"}))
+    assert "secret" not in _owner(keyed) and len(_owner(keyed)) == 64
+    assert _owner(keyed) == _owner(keyed) != _owner(other)
 
 
 def test_an_input_image_is_a_vision_request() -> None:
