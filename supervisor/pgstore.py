@@ -114,6 +114,38 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX IF NOT EXISTS responses_items ON modelpool.responses
         USING gin (items jsonb_path_ops);
     """,
+    # What each owner keeps, kept up to date by a trigger, so that checking the bound
+    # and choosing whom to trim read one row per owner, not every response.
+    """
+    CREATE TABLE IF NOT EXISTS modelpool.responses_owners (
+        owner text PRIMARY KEY,
+        count integer NOT NULL,
+        used bigint NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS responses_owners_by_use ON modelpool.responses_owners (used);
+    INSERT INTO modelpool.responses_owners
+        SELECT owner, count(*), sum(size) FROM modelpool.responses GROUP BY owner
+        ON CONFLICT (owner) DO NOTHING;
+    CREATE OR REPLACE FUNCTION modelpool.responses_owners_count() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP <> 'INSERT' THEN
+            UPDATE modelpool.responses_owners SET count = count - 1, used = used - OLD.size
+                WHERE owner = OLD.owner;
+            DELETE FROM modelpool.responses_owners WHERE owner = OLD.owner AND count = 0;
+        END IF;
+        IF TG_OP <> 'DELETE' THEN
+            INSERT INTO modelpool.responses_owners VALUES (NEW.owner, 1, NEW.size)
+                ON CONFLICT (owner) DO UPDATE SET count = responses_owners.count + 1,
+                    used = responses_owners.used + excluded.used;
+        END IF;
+        RETURN NULL;
+    END $$;
+    DROP TRIGGER IF EXISTS responses_owners_count ON modelpool.responses;
+    CREATE TRIGGER responses_owners_count
+        AFTER INSERT OR DELETE OR UPDATE OF owner, size ON modelpool.responses
+        FOR EACH ROW EXECUTE FUNCTION modelpool.responses_owners_count();
+    """,
 )
 
 

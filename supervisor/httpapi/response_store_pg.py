@@ -20,6 +20,8 @@ from modelpool.supervisor.pgstore import SCHEMA, PgStore
 
 _encoder = msgspec.json.Encoder()
 TABLE = f"{SCHEMA}.responses"
+OWNERS = f"{SCHEMA}.responses_owners"  # each owner's count and bytes, kept by a trigger
+TRIM_LOCK = 0x6D6F64656C747269  # pg_advisory_xact_lock: one front door trims at a time
 
 
 class MemoryKept:
@@ -94,17 +96,23 @@ class PgKept:
 
     async def _trim(self) -> None:
         """Over the bound, the owner holding the most drops its least recently used, one
-        at a time (as in memory); then the totals, for /metrics."""
-        while await self._totals() > self.max_bytes:
-            await self._fetch(
-                f"DELETE FROM {TABLE} WHERE id = (SELECT id FROM {TABLE} WHERE owner = "
-                f"(SELECT owner FROM {TABLE} GROUP BY owner ORDER BY sum(size) DESC LIMIT 1) "
-                "ORDER BY used_at LIMIT 1)")
+        at a time (as in memory); one front door at a time, so that two keeping at once
+        do not both drop for the same excess. Then the totals, for /metrics."""
+        async with self._db.transaction() as cur:
+            await cur.execute("SELECT pg_advisory_xact_lock(%s)", (TRIM_LOCK,))
+            while await self._totals(cur) > self.max_bytes:
+                await cur.execute(
+                    f"DELETE FROM {TABLE} WHERE id = (SELECT id FROM {TABLE} WHERE owner = "
+                    f"(SELECT owner FROM {OWNERS} ORDER BY used DESC LIMIT 1) "
+                    "ORDER BY used_at LIMIT 1)")
+                if cur.rowcount == 0:  # the owners' totals out of step: never spin
+                    break
 
-    async def _totals(self) -> int:
-        [totals] = await self._fetch(
-            f"SELECT count(*) AS count, coalesce(sum(size), 0) AS used FROM {TABLE}")
-        self.count, self.used = totals["count"], int(totals["used"])
+    async def _totals(self, cur: Any) -> int:
+        await cur.execute(f"SELECT coalesce(sum(count), 0) AS count, "
+                          f"coalesce(sum(used), 0) AS used FROM {OWNERS}")
+        totals = await cur.fetchone()
+        self.count, self.used = int(totals["count"]), int(totals["used"])
         return self.used
 
     async def get(self, response_id: str) -> Kept | None:
@@ -116,7 +124,7 @@ class PgKept:
     async def forget(self, response_id: str) -> bool:
         rows = await self._fetch(f"DELETE FROM {TABLE} WHERE id = %s RETURNING id",
                                  (response_id,))
-        await self._totals()
+        await self._trim()  # under the bound: only the totals, for /metrics
         return bool(rows)
 
     async def input_item(self, item_id: str, owner: str) -> dict[str, Any] | None:

@@ -82,6 +82,48 @@ async def test_over_the_bound_the_owner_holding_most_drops_its_least_recently_us
         await kept.close()
 
 
+def _scanned(database: Database) -> list[tuple[object, ...]]:
+    return database.query("SELECT owner, count(*)::int, sum(size)::bigint FROM "
+                          "modelpool.responses GROUP BY owner ORDER BY owner")
+
+
+def _owners(database: Database) -> list[tuple[object, ...]]:
+    return database.query("SELECT owner, count, used FROM modelpool.responses_owners "
+                          "ORDER BY owner")
+
+
+async def test_each_owners_totals_follow_every_change(database: Database) -> None:
+    kept = PgKept(database.dsn, 1 << 20)
+    try:
+        for index in range(3):
+            assert await kept.keep(f"a{index}", "A", _items("m" * index), BODY, {"id": "r"})
+        assert await kept.keep("b", "B", _items("m"), BODY)
+        assert await kept.keep("a1", "B", _items("longer"), BODY)  # kept again: moved
+        await kept.get("a0")  # a use changes no size
+        assert _owners(database) == _scanned(database) and len(_scanned(database)) == 2
+        assert await kept.forget("a0") and await kept.forget("a2")
+        assert _owners(database) == _scanned(database) == [("B", 2, kept.used)]
+        assert await kept.forget("b") and await kept.forget("a1")
+        assert _owners(database) == [] and (kept.count, kept.used) == (0, 0)
+    finally:
+        await kept.close()
+
+
+async def test_front_doors_keeping_at_once_drop_only_the_excess(database: Database) -> None:
+    response = {"id": "r"}
+    size = _size(_items("x" * 100), response)
+    doors = [PgKept(database.dsn, 5 * size) for _ in range(4)]
+    try:
+        await asyncio.gather(*(door.keep(f"r{door_index}-{index}", f"owner{index % 2}",
+                                         _items("x" * 100), BODY, response)
+                               for index in range(12)
+                               for door_index, door in enumerate(doors)))
+        assert sum(count for _, count, _ in _scanned(database)) == 5
+        assert _owners(database) == _scanned(database)
+    finally:
+        await asyncio.gather(*(door.close() for door in doors))
+
+
 def _free_address() -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
