@@ -19,6 +19,13 @@ format; the ones read here, and how a model's is known:
   Known by its template's `[func_name1(` example. Read by Python's own parser: only
   literals (strings, numbers, True/False/None, lists and dicts of them) as values,
   nothing evaluated.
+- "granite": `<|tool_call|>` then a JSON list of `{"name", "arguments"}` at the answer's
+  start (IBM Granite 3). Known by its template naming `<|tool_call|>`.
+- "deepseek": DeepSeek V3's and R1's calls between `<｜tool▁calls▁begin｜>` and
+  `<｜tool▁calls▁end｜>`, after any text, each `<｜tool▁call▁begin｜>function<｜tool▁sep｜>`
+  then its name and its arguments in a json code block, or (V3.1) the name, the separator
+  and the arguments; then `<｜tool▁call▁end｜>`. Known by its template naming
+  `<｜tool▁calls▁begin｜>`.
 
 A model's loader option `tool_call_format` names one where the template does not say.
 A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
@@ -46,6 +53,12 @@ PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 PYTHONIC_EXAMPLE = "[func_name1("  # what the pythonic templates show their models
+GRANITE_CALL = "<|tool_call|>"
+DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                    "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
+DEEPSEEK_CALL = re.compile("<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)",
+                           re.DOTALL)
+DEEPSEEK_V3_CALL = re.compile(r"([^\n]*)\n```json\n(.*)\n```", re.DOTALL)  # name, arguments
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,23 @@ def _mistral(text: str) -> list[ToolCall] | None:
     return _all_or_none(calls)
 
 
+def _granite(text: str) -> list[ToolCall] | None:
+    listed = _decoded(text.strip().removeprefix(GRANITE_CALL))
+    return _all_or_none([_call(c, "arguments") for c in listed]
+                        if isinstance(listed, list) else [])
+
+
+def _deepseek(text: str) -> list[ToolCall] | None:
+    calls = []
+    for head, rest in DEEPSEEK_CALL.findall(text):
+        v3 = DEEPSEEK_V3_CALL.fullmatch(rest.strip())  # V3: head is the call's type
+        name, arguments = (v3[1], v3[2]) if v3 else (head, rest)
+        decoded = _decoded(arguments)
+        calls.append(None if decoded is None else
+                     _call({"name": name.strip(), "arguments": decoded}, "arguments"))
+    return _all_or_none(calls)
+
+
 def _pythonic(text: str) -> list[ToolCall] | None:
     body = text.strip().removeprefix(PYTHON_START).strip().removesuffix(PYTHON_END)
     try:
@@ -150,7 +180,9 @@ FORMATS = {f.name: f for f in (
     ToolFormat("mistral", TOOL_CALLS, False, _mistral, markers=(TOOL_CALLS, "[ARGS]"),
                new_id=_mistral_id),
     ToolFormat("pythonic", "[", True, _pythonic, lead=PYTHON_START,
-               markers=(PYTHON_START, PYTHON_END)))}
+               markers=(PYTHON_START, PYTHON_END)),
+    ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
+    ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS))}
 
 
 def format_of(template: str | None, configured: str | None, key: str) -> ToolFormat | None:
@@ -163,6 +195,10 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
     template = template or ""
     if PYTHONIC_EXAMPLE in template:
         return FORMATS["pythonic"]
+    if GRANITE_CALL in template:
+        return FORMATS["granite"]
+    if DEEPSEEK_MARKERS[0] in template:
+        return FORMATS["deepseek"]
     if "<tool_call>" in template:
         return FORMATS["hermes"]
     if TOOL_CALLS in template:

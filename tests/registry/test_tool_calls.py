@@ -138,6 +138,40 @@ def test_what_is_no_pythonic_call_comes_back_as_text(text: str) -> None:
     assert "".join(passed) + rest == text and calls == []
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_granite_calls_are_a_json_list_after_its_marker(piece: int) -> None:
+    text = (' <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_time", "arguments": {}}]')
+    passed, rest, calls = _read("granite", text, piece)
+    assert "".join(passed) == "" and rest == "" and calls == [WEATHER, TIME]
+    for text in ('<|tool_call|>{"name": "get_time"}', '<|tool_call|>[{"name": "get_ti',
+                 "Sunny. <|tool_call|>[]", "<|tool_call|>[1]"):
+        passed, rest, calls = _read("granite", text, piece)
+        assert "".join(passed) + rest == text and calls == []
+
+
+DEEPSEEK_V3 = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+               'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n'
+               "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```"
+               "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+DEEPSEEK_V31 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time'
+                "<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_deepseek_calls_in_v3s_code_blocks_or_v31s_plain_json(piece: int) -> None:
+    passed, rest, calls = _read("deepseek", DEEPSEEK_V3, piece)
+    assert "".join(passed) + rest == "Let me check." and calls == [WEATHER, TIME]
+    assert all("<" not in p for p in passed)
+    assert _read("deepseek", DEEPSEEK_V31, piece)[1:] == ("", [WEATHER, TIME])
+    cut = DEEPSEEK_V31[:DEEPSEEK_V31.index("{}")]  # the second call's arguments cut off
+    for broken in (cut, "<｜tool▁calls▁begin｜>get_time", "<｜tool▁calls▁begin｜><｜tool▁cal"
+                   "l▁begin｜>get_time<｜tool▁sep｜>not json<｜tool▁call▁end｜>"):
+        passed, rest, calls = _read("deepseek", broken, piece)
+        assert "".join(passed) + rest == broken and calls == []
+
+
 def test_the_format_comes_from_the_options_or_the_template() -> None:
     assert format_of("... <tool_call> ...", None, "m") is HERMES
     assert format_of("<|start_header_id|> ... parameters ...", None, "m") is LLAMA3
@@ -146,6 +180,10 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
     pythonic = ("<|start_header_id|>system ... parameters ... 'Respond in the format "
                 "[func_name1(params_name1=params_value1, ...), func_name2(params)] '")
     assert format_of(pythonic, None, "m") is FORMATS["pythonic"]  # though Llama 3's too
+    assert format_of("{{ '<|tool_call|>' + tool_calls | tojson }}", None, "m") is FORMATS[
+        "granite"]
+    assert format_of("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}", None, "m") is FORMATS[
+        "deepseek"]
     assert format_of("<|im_start|>{{ message.content }}", None, "m") is None
     assert format_of(None, None, "m") is None
     assert format_of(None, "llama3_json", "m") is LLAMA3

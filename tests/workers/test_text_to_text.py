@@ -287,6 +287,23 @@ def test_a_model_writing_pythonic_calls_has_them_read(llm: Any,
         WEATHER, ToolCall(name="get_weather", arguments='{"city":"Oslo"}')]
 
 
+def test_a_model_writing_deepseek_calls_after_text_has_them_read(
+        llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model, its format taken as DeepSeek's, held by a regex to a sentence and
+    a call in V3's form: the sentence streams, the call is read."""
+    monkeypatch.setattr(llm, "tool_format", FORMATS["deepseek"])
+    out = FakeOutbox()
+    written = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+               'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+               "<｜tool▁calls▁end｜>")
+    request = _chat(tool_choice="auto", regex=re.escape(written), temperature=0)
+    text_to_text.run(llm, [WorkItem(job_id=7, request=request)], out, 1)
+    assert "".join(c.text for c in out.chunks()) == "Checking."
+    end = out.sent[-1]
+    assert isinstance(end, End) and end.finish_reason == "tool_calls"
+    assert [msgspec.structs.replace(c, id="") for c in end.tool_calls or []] == [WEATHER]
+
+
 def test_a_call_cut_short_is_text_and_a_model_that_cannot_read_calls_refuses() -> None:
     out = FakeOutbox()
     text_to_text.run(FakeModelWithCalls(["Hi ", CALL[:30]]),
