@@ -26,6 +26,10 @@ format; the ones read here, and how a model's is known:
   then its name and its arguments in a json code block, or (V3.1) the name, the separator
   and the arguments; then `<｜tool▁call▁end｜>`. Known by its template naming
   `<｜tool▁calls▁begin｜>`.
+- "qwen3_coder": Qwen3-Coder's XML, `<tool_call><function=name><parameter=key>value
+  </parameter></function></tool_call>`, after any text (tool_calls_xml.py), each value
+  given its type by the tool's schema. Known by its template's `<function=` and
+  `<parameter=` (ahead of hermes: the template names `<tool_call>` too).
 
 A model's loader option `tool_call_format` names one where the template does not say.
 A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
@@ -47,6 +51,8 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ToolCall, new_call_id
+from modelpool.registry.loaders import tool_calls_xml
+from modelpool.registry.loaders.tool_calls_xml import ParameterTypes, parameter_types
 
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
@@ -70,6 +76,8 @@ class ToolFormat:
     lead: str = ""  # at_start: what may come before `opens` (Llama's <|python_tag|>)
     markers: tuple[str, ...] = ()  # its tokens the text must keep, if special
     new_id: Callable[[], str] = new_call_id
+    # Arguments parsed as text, then given their types by the request's tools' schemas.
+    retype: Callable[[ToolCall, ParameterTypes], ToolCall] | None = None
 
 
 def _call(obj: Any, arguments_key: str) -> ToolCall | None:
@@ -182,7 +190,9 @@ FORMATS = {f.name: f for f in (
     ToolFormat("pythonic", "[", True, _pythonic, lead=PYTHON_START,
                markers=(PYTHON_START, PYTHON_END)),
     ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
-    ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS))}
+    ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS),
+    ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,
+               markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype))}
 
 
 def format_of(template: str | None, configured: str | None, key: str) -> ToolFormat | None:
@@ -195,6 +205,8 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
     template = template or ""
     if PYTHONIC_EXAMPLE in template:
         return FORMATS["pythonic"]
+    if all(sign in template for sign in tool_calls_xml.TEMPLATE_SIGNS):
+        return FORMATS["qwen3_coder"]
     if GRANITE_CALL in template:
         return FORMATS["granite"]
     if DEEPSEEK_MARKERS[0] in template:
@@ -231,7 +243,7 @@ def reader_for(tool_format: ToolFormat | None, key: str,
                         "template or its tool_call_format option)")
     functions = [t.get("function") for t in tools]
     return ToolCallReader(tool_format, {f.get("name") for f in functions
-                                        if isinstance(f, dict)})
+                                        if isinstance(f, dict)}, parameter_types(tools))
 
 
 class ToolCallReader:
@@ -240,9 +252,11 @@ class ToolCallReader:
     that name a function not among `names` are no calls (Llama 3's format cannot tell an
     answer in JSON with a "name" from a call, and a client can run no other function)."""
 
-    def __init__(self, tool_format: ToolFormat, names: set[Any]) -> None:
+    def __init__(self, tool_format: ToolFormat, names: set[Any],
+                 types: ParameterTypes | None = None) -> None:
         self.format = tool_format
         self.names = names
+        self.types = types or {}  # for a format whose arguments come as text
         self.pending = ""  # passed-on text held back: it may open a call
         self.held: str | None = None  # from the call's opening on
         self.decided = False  # at_start formats: the answer's start was not a call
@@ -293,4 +307,6 @@ class ToolCallReader:
         calls = self.format.parse(held)
         if calls is None or any(c.name not in self.names for c in calls):
             return text + held, []
+        if self.format.retype is not None:
+            calls = [self.format.retype(c, self.types) for c in calls]
         return text, [msgspec.structs.replace(c, id=self.format.new_id()) for c in calls]

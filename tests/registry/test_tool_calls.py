@@ -184,6 +184,11 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
         "granite"]
     assert format_of("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}", None, "m") is FORMATS[
         "deepseek"]
+    qwen3_coder = ("<tool_call>\n<function=example_function_name>\n"
+                   "<parameter=example_parameter_1>\nvalue_1\n</parameter>")
+    assert format_of(qwen3_coder, None, "m") is FORMATS["qwen3_coder"]  # not hermes
+    llama31_custom = "<function=example_function_name>{...}</function> <|python_tag|>"
+    assert format_of(llama31_custom, None, "m") is LLAMA3
     assert format_of("<|im_start|>{{ message.content }}", None, "m") is None
     assert format_of(None, None, "m") is None
     assert format_of(None, "llama3_json", "m") is LLAMA3

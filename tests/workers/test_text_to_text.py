@@ -304,6 +304,28 @@ def test_a_model_writing_deepseek_calls_after_text_has_them_read(
     assert [msgspec.structs.replace(c, id="") for c in end.tool_calls or []] == [WEATHER]
 
 
+def test_a_model_writing_qwen3_coder_calls_has_their_values_typed_by_the_tool(
+        llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model, its format taken as Qwen3-Coder's XML, held by a regex to a call
+    whose values are bare text: each is read as its parameter's schema type."""
+    monkeypatch.setattr(llm, "tool_format", FORMATS["qwen3_coder"])
+    out = FakeOutbox()
+    written = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+               "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+               "</tool_call>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    request = kinds.build("generate", [{"role": "user", "content": "weather?"}],
+                          tools=tools, tool_choice="auto", regex=re.escape(written),
+                          temperature=0)
+    text_to_text.run(llm, [WorkItem(job_id=8, request=request)], out, 1)
+    assert "".join(c.text for c in out.chunks()) == ""
+    end = out.sent[-1]
+    assert isinstance(end, End) and end.finish_reason == "tool_calls"
+    assert [msgspec.structs.replace(c, id="") for c in end.tool_calls or []] == [
+        ToolCall(name="get_weather", arguments='{"city":"Paris","days":3}')]
+
+
 def test_a_call_cut_short_is_text_and_a_model_that_cannot_read_calls_refuses() -> None:
     out = FakeOutbox()
     text_to_text.run(FakeModelWithCalls(["Hi ", CALL[:30]]),

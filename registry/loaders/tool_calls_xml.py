@@ -1,0 +1,116 @@
+"""Tool calls in Qwen3-Coder's XML (Qwen3-Coder, Qwen3.5; vLLM's `qwen3_coder` parser):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is bare text (a line break after its opening tag and before its
+closing one is the format's, not the value's), so the call's tool gives it its type: the
+JSON schema's type of that parameter (`retype`), as vLLM does. A string-typed parameter,
+or one the schema does not name, keeps its text; "null" is null whatever the type; a
+value that does not read as its type keeps its text, for the client to judge."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from modelpool.protocol.messages import ToolCall
+
+BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)  # cut: no call
+PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
+                       re.DOTALL)
+TEMPLATE_SIGNS = ("<function=", "<parameter=")  # what its chat template shows the model
+STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
+INTEGER_TYPES = ("int", "uint", "long", "short", "unsigned")
+NUMBER_TYPES = ("num", "float", "double")
+
+# A function's name -> its parameters' names -> their JSON schema types.
+ParameterTypes = Mapping[str, Mapping[str, str]]
+
+
+def parse(text: str) -> list[ToolCall] | None:
+    """The calls, each parameter's value as text; None if a block holds no one whole
+    function (one cut short by the length would be a call with a value cut short)."""
+    calls = []
+    for block in BLOCK.findall(text):
+        functions = FUNCTION.findall(block)
+        if len(functions) != 1 or not functions[0][0].strip():
+            return None
+        name, body = functions[0]
+        arguments = {key.strip(): _bare(value) for key, value in PARAMETER.findall(body)}
+        calls.append(ToolCall(name=name.strip(),
+                              arguments=msgspec.json.encode(arguments).decode()))
+    return calls or None
+
+
+def _bare(value: str) -> str:
+    return value.removeprefix("\n").removesuffix("\n")
+
+
+def retype(call: ToolCall, types: ParameterTypes) -> ToolCall:
+    """The call with each parameter's text read as its schema's type."""
+    known = types.get(call.name, {})
+    arguments = msgspec.json.decode(call.arguments)
+    typed = {key: _typed(value, known.get(key, "string")) for key, value in arguments.items()}
+    return msgspec.structs.replace(call, arguments=msgspec.json.encode(typed).decode())
+
+
+def _typed(text: str, json_type: str) -> Any:
+    if text.strip().lower() == "null":
+        return None
+    if json_type in STRING_TYPES:
+        return text
+    if json_type.startswith(INTEGER_TYPES):
+        return _read(text, int)
+    if json_type.startswith(NUMBER_TYPES):
+        number = _read(text, float)
+        if not isinstance(number, float) or not math.isfinite(number):
+            return text  # not a number, or one JSON has not (infinity)
+        integral = _read(text, int)
+        return integral if isinstance(integral, int) else number
+    if json_type in ("boolean", "bool"):
+        return {"true": True, "false": False}.get(text.strip().lower(), text)
+    try:  # an object, an array, or a type not given: JSON if it reads as JSON
+        return msgspec.json.decode(text.strip())
+    except msgspec.DecodeError:
+        return text
+
+
+def _read(text: str, as_type: type[int] | type[float]) -> Any:
+    try:
+        return as_type(text.strip())
+    except ValueError:
+        return text
+
+
+def parameter_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The JSON schema type of each parameter of each function tool ("string" where it
+    gives none; the first that is not "null" where it gives several)."""
+    found: dict[str, dict[str, str]] = {}
+    for tool in tools:
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            continue
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        found[function["name"]] = {
+            name: _schema_type(schema) for name, schema in properties.items()
+            if isinstance(schema, dict)} if isinstance(properties, dict) else {}
+    return found
+
+
+def _schema_type(schema: dict[str, Any]) -> str:
+    given = schema.get("type", "string")
+    if isinstance(given, list):
+        given = next((t for t in given if t != "null"), "string")
+    return str(given).strip().lower()

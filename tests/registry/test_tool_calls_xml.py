@@ -1,0 +1,113 @@
+"""Qwen3-Coder's XML tool calls: read from the model's text in pieces of any size, each
+parameter's text given the type its tool's JSON schema says."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from modelpool.protocol.messages import ToolCall
+from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader, reader_for
+from modelpool.registry.loaders.tool_calls_xml import parameter_types
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"},
+            "celsius": {"type": "boolean"}, "threshold": {"type": ["number", "null"]},
+            "hours": {"type": "array"}, "where": {"type": "object"}, "note": {}}}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+CALLS = """Let me look that up.
+<tool_call>
+<function=get_weather>
+<parameter=city>
+New York
+</parameter>
+<parameter=days>
+3
+</parameter>
+<parameter=celsius>
+False
+</parameter>
+<parameter=threshold>
+2.5
+</parameter>
+<parameter=hours>
+[9, 12]
+</parameter>
+<parameter=where>
+{"lat": 40.7}
+</parameter>
+<parameter=note>
+line one
+line two
+</parameter>
+</function>
+</tool_call>
+<tool_call>
+<function=get_time>
+</function>
+</tool_call>"""
+
+
+def _read(text: str, piece: int) -> tuple[str, str, list[ToolCall]]:
+    reader = reader_for(FORMATS["qwen3_coder"], "m", TOOLS)
+    passed = "".join(reader.feed(text[i:i + piece]) for i in range(0, len(text), piece))
+    rest, calls = reader.finish()
+    return passed, rest, [msgspec.structs.replace(c, id="") for c in calls]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 8, 10_000])
+def test_calls_after_text_with_each_value_of_its_schemas_type(piece: int) -> None:
+    passed, rest, calls = _read(CALLS, piece)
+    assert passed + rest == "Let me look that up.\n" and "<" not in passed
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert msgspec.json.decode(calls[0].arguments) == {
+        "city": "New York", "days": 3, "celsius": False, "threshold": 2.5,
+        "hours": [9, 12], "where": {"lat": 40.7}, "note": "line one\nline two"}
+    assert calls[1].arguments == "{}"
+
+
+@pytest.mark.parametrize(("schema", "text", "value"), [
+    ("string", "42", "42"),  # a string stays text, though it reads as a number
+    ("integer", "4.5", "4.5"),  # not an integer: its text, for the client to judge
+    ("number", "7", 7), ("number", "1e400", "1e400"), ("number", "inf", "inf"),
+    ("boolean", "TRUE", True), ("boolean", "maybe", "maybe"),
+    ("object", "{not json", "{not json"), ("integer", "null", None),
+])
+def test_each_type_read_or_its_text_kept(schema: str, text: str, value: object) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"x": {"type": schema}}}}}]
+    reader = reader_for(FORMATS["qwen3_coder"], "m", tools)
+    reader.feed(f"<tool_call>\n<function=f>\n<parameter=x>\n{text}\n</parameter>\n"
+                "</function>\n</tool_call>")
+    (call,) = reader.finish()[1]
+    assert msgspec.json.decode(call.arguments) == {"x": value}
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",  # not among the tools
+    "<tool_call>\n</tool_call>",  # no function
+    "<tool_call>\n<function=get_time>\n<parameter=x>\n1\n</parameter>",  # cut short
+    "<tool_call>\n<function=>\n</function>\n</tool_call>",
+    "<tool_call><function=get_time></function><function=get_time></function></tool_call>",
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',  # hermes' JSON
+])
+def test_what_is_no_call_comes_back_as_text(text: str) -> None:
+    assert _read(text, 4) == ("", text, [])
+
+
+def test_a_call_cut_short_is_text_and_schemas_of_any_shape_are_read() -> None:
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    assert _read(cut, 5) == ("", cut, [])  # not a call with "Par" for a city
+    unclosed = "<tool_call><function=get_weather><parameter=city>Paris</function>"
+    assert _read(unclosed, 5)[2] == [ToolCall(name="get_weather",
+                                              arguments='{"city":"Paris"}')]
+    odd = [{"function": {"name": "a", "parameters": "none"}}, {"function": "b"}, {},
+           {"function": {"name": "c", "parameters": {"properties": {"x": 1, "y": {
+               "type": ["null", "integer"]}}}}}]
+    assert parameter_types(odd) == {"a": {}, "c": {"y": "integer"}}
+    untyped = ToolCallReader(FORMATS["qwen3_coder"], {"f"})  # no schemas: all text
+    untyped.feed("<tool_call><function=f><parameter=n>1</parameter></function></tool_call>")
+    assert untyped.finish()[1][0].arguments == '{"n":"1"}'
