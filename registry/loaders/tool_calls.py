@@ -30,6 +30,14 @@ format; the ones read here, and how a model's is known:
   </parameter></function></tool_call>`, after any text (tool_calls_xml.py), each value
   given its type by the tool's schema. Known by its template's `<function=` and
   `<parameter=` (ahead of hermes: the template names `<tool_call>` too).
+- "glm45": GLM's `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>
+  </tool_call>`, after any text, each value typed as Qwen3-Coder's are. Known by its
+  template's `<arg_key>` (ahead of hermes, too).
+- "kimi_k2": Kimi K2's calls between `<|tool_calls_section_begin|>` and
+  `<|tool_calls_section_end|>`, after any text, each `<|tool_call_begin|>` its id
+  (`functions.name:index`, kept: its template writes it back), then
+  `<|tool_call_argument_begin|>`, its JSON arguments and `<|tool_call_end|>`. Known by
+  its template naming `<|tool_calls_section_begin|>`.
 
 A model's loader option `tool_call_format` names one where the template does not say.
 A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
@@ -64,6 +72,11 @@ DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
                     "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
 DEEPSEEK_CALL = re.compile("<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)",
                            re.DOTALL)
+KIMI_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(functions\.)?([^\s:<]+):(\d+)\s*"
+                       r"<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)",
+                       re.DOTALL)
 DEEPSEEK_V3_CALL = re.compile(r"([^\n]*)\n```json\n(.*)\n```", re.DOTALL)  # name, arguments
 
 
@@ -133,13 +146,29 @@ def _granite(text: str) -> list[ToolCall] | None:
 
 
 def _deepseek(text: str) -> list[ToolCall] | None:
+    found = DEEPSEEK_CALL.findall(text)
+    if len(found) != text.count(DEEPSEEK_MARKERS[2]):
+        return None  # a call without its separator
     calls = []
-    for head, rest in DEEPSEEK_CALL.findall(text):
+    for head, rest in found:
         v3 = DEEPSEEK_V3_CALL.fullmatch(rest.strip())  # V3: head is the call's type
         name, arguments = (v3[1], v3[2]) if v3 else (head, rest)
         decoded = _decoded(arguments)
         calls.append(None if decoded is None else
                      _call({"name": name.strip(), "arguments": decoded}, "arguments"))
+    return _all_or_none(calls)
+
+
+def _kimi_k2(text: str) -> list[ToolCall] | None:
+    found = KIMI_CALL.findall(text)
+    if len(found) != text.count(KIMI_MARKERS[2]):
+        return None  # a call that is not an id and its arguments
+    calls = []
+    for prefix, name, index, arguments in found:
+        decoded = _decoded(arguments)
+        call = None if decoded is None else _call({"name": name, "arguments": decoded},
+                                                  "arguments")
+        calls.append(call and msgspec.structs.replace(call, id=f"{prefix}{name}:{index}"))
     return _all_or_none(calls)
 
 
@@ -192,7 +221,11 @@ FORMATS = {f.name: f for f in (
     ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
     ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS),
     ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,
-               markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype))}
+               markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype),
+    ToolFormat("glm45", "<tool_call>", False, tool_calls_xml.parse_glm,
+               markers=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                        "<arg_value>", "</arg_value>"), retype=tool_calls_xml.retype),
+    ToolFormat("kimi_k2", KIMI_MARKERS[0], False, _kimi_k2, markers=KIMI_MARKERS))}
 
 
 def format_of(template: str | None, configured: str | None, key: str) -> ToolFormat | None:
@@ -207,6 +240,10 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
         return FORMATS["pythonic"]
     if all(sign in template for sign in tool_calls_xml.TEMPLATE_SIGNS):
         return FORMATS["qwen3_coder"]
+    if tool_calls_xml.GLM_TEMPLATE_SIGN in template:
+        return FORMATS["glm45"]
+    if KIMI_MARKERS[0] in template:
+        return FORMATS["kimi_k2"]
     if GRANITE_CALL in template:
         return FORMATS["granite"]
     if DEEPSEEK_MARKERS[0] in template:
@@ -309,4 +346,5 @@ class ToolCallReader:
             return text + held, []
         if self.format.retype is not None:
             calls = [self.format.retype(c, self.types) for c in calls]
-        return text, [msgspec.structs.replace(c, id=self.format.new_id()) for c in calls]
+        return text, [msgspec.structs.replace(c, id=c.id or self.format.new_id())
+                      for c in calls]  # an id the model wrote (Kimi K2's) is kept

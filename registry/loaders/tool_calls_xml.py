@@ -1,16 +1,17 @@
-"""Tool calls in Qwen3-Coder's XML (Qwen3-Coder, Qwen3.5; vLLM's `qwen3_coder` parser):
+"""Tool calls in XML, whose values are bare text: Qwen3-Coder's (Qwen3-Coder, Qwen3.5;
+vLLM's `qwen3_coder` parser) and GLM's (GLM 4.5 and later; vLLM's `glm45`):
 
-    <tool_call>
-    <function=get_weather>
-    <parameter=city>
-    Paris
+    <tool_call>                           <tool_call>get_weather
+    <function=get_weather>                <arg_key>city</arg_key>
+    <parameter=city>                      <arg_value>Paris</arg_value>
+    Paris                                 </tool_call>
     </parameter>
     </function>
     </tool_call>
 
-A parameter's value is bare text (a line break after its opening tag and before its
-closing one is the format's, not the value's), so the call's tool gives it its type: the
-JSON schema's type of that parameter (`retype`), as vLLM does. A string-typed parameter,
+(In Qwen3-Coder's, a line break after a value's opening tag and before its closing one
+is the format's, not the value's.) The call's tool gives each value its type: the JSON
+schema's type of that parameter (`retype`), as vLLM does. A string-typed parameter,
 or one the schema does not name, keeps its text; "null" is null whatever the type; a
 value that does not read as its type keeps its text, for the client to judge."""
 
@@ -26,6 +27,9 @@ import msgspec
 from modelpool.protocol.messages import ToolCall
 
 BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
+                          re.DOTALL)
+GLM_TEMPLATE_SIGN = "<arg_key>"
 FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)  # cut: no call
 PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
                        re.DOTALL)
@@ -50,6 +54,23 @@ def parse(text: str) -> list[ToolCall] | None:
         arguments = {key.strip(): _bare(value) for key, value in PARAMETER.findall(body)}
         calls.append(ToolCall(name=name.strip(),
                               arguments=msgspec.json.encode(arguments).decode()))
+    return calls or None
+
+
+def parse_glm(text: str) -> list[ToolCall] | None:
+    """The calls, each value as text; None if a block is not a name and its arguments, or
+    is cut short (no `</tool_call>`)."""
+    calls = []
+    for block in BLOCK.finditer(text):
+        if not block[0].endswith("</tool_call>"):
+            return None
+        name, _, arguments = block[1].partition("<arg_key>")
+        name, arguments = name.strip(), "<arg_key>" + arguments if arguments else ""
+        if not name or any(c.isspace() or c == "<" for c in name) or \
+                GLM_ARGUMENT.sub("", arguments).strip():
+            return None
+        calls.append(ToolCall(name=name, arguments=msgspec.json.encode(
+            {key.strip(): value for key, value in GLM_ARGUMENT.findall(arguments)}).decode()))
     return calls or None
 
 

@@ -166,10 +166,31 @@ def test_deepseek_calls_in_v3s_code_blocks_or_v31s_plain_json(piece: int) -> Non
     assert all("<" not in p for p in passed)
     assert _read("deepseek", DEEPSEEK_V31, piece)[1:] == ("", [WEATHER, TIME])
     cut = DEEPSEEK_V31[:DEEPSEEK_V31.index("{}")]  # the second call's arguments cut off
+    no_separator = DEEPSEEK_V31.replace("get_time<｜tool▁sep｜>", "get_time")
     for broken in (cut, "<｜tool▁calls▁begin｜>get_time", "<｜tool▁calls▁begin｜><｜tool▁cal"
-                   "l▁begin｜>get_time<｜tool▁sep｜>not json<｜tool▁call▁end｜>"):
+                   "l▁begin｜>get_time<｜tool▁sep｜>not json<｜tool▁call▁end｜>", no_separator):
         passed, rest, calls = _read("deepseek", broken, piece)
         assert "".join(passed) + rest == broken and calls == []
+
+
+KIMI = ("Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+        "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|>")
+
+
+@pytest.mark.parametrize("piece", [1, 9, 1000])
+def test_kimi_k2_calls_keep_the_ids_the_model_wrote(piece: int) -> None:
+    reader = ToolCallReader(FORMATS["kimi_k2"], NAMES)
+    passed = "".join(reader.feed(KIMI[i:i + piece]) for i in range(0, len(KIMI), piece))
+    rest, calls = reader.finish()
+    assert passed + rest == "Checking." and "<" not in passed
+    assert calls == [msgspec.structs.replace(WEATHER, id="functions.get_weather:0"),
+                     msgspec.structs.replace(TIME, id="functions.get_time:1")]
+    cut = KIMI[:KIMI.index("{}")]
+    for broken in (cut, KIMI.replace('{"city": "Paris"}', "{city}"),
+                   KIMI.replace("get_time:1", "get_time")):
+        assert _read("kimi_k2", broken, piece)[2] == []
 
 
 def test_the_format_comes_from_the_options_or_the_template() -> None:
@@ -187,6 +208,9 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
     qwen3_coder = ("<tool_call>\n<function=example_function_name>\n"
                    "<parameter=example_parameter_1>\nvalue_1\n</parameter>")
     assert format_of(qwen3_coder, None, "m") is FORMATS["qwen3_coder"]  # not hermes
+    glm = "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>"
+    assert format_of(glm, None, "m") is FORMATS["glm45"]  # not hermes either
+    assert format_of("{{'<|tool_calls_section_begin|>'}}", None, "m") is FORMATS["kimi_k2"]
     llama31_custom = "<function=example_function_name>{...}</function> <|python_tag|>"
     assert format_of(llama31_custom, None, "m") is LLAMA3
     assert format_of("<|im_start|>{{ message.content }}", None, "m") is None

@@ -111,3 +111,32 @@ def test_a_call_cut_short_is_text_and_schemas_of_any_shape_are_read() -> None:
     untyped = ToolCallReader(FORMATS["qwen3_coder"], {"f"})  # no schemas: all text
     untyped.feed("<tool_call><function=f><parameter=n>1</parameter></function></tool_call>")
     assert untyped.finish()[1][0].arguments == '{"n":"1"}'
+
+
+GLM = ("I'll check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York"
+       "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+       "<tool_call>get_time</tool_call>")
+
+
+@pytest.mark.parametrize("piece", [1, 6, 10_000])
+def test_glm_calls_a_name_and_its_keys_and_values_typed_by_the_schema(piece: int) -> None:
+    reader = reader_for(FORMATS["glm45"], "m", TOOLS)
+    passed = "".join(reader.feed(GLM[i:i + piece]) for i in range(0, len(GLM), piece))
+    rest, calls = reader.finish()
+    assert passed + rest == "I'll check." and "<" not in passed
+    assert [(c.name, msgspec.json.decode(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "New York", "days": 3}), ("get_time", {})]
+    assert all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",  # cut short
+    "<tool_call>get_weather<arg_key>city</arg_key></tool_call>",  # a key without value
+    "<tool_call>get weather</tool_call>", "<tool_call></tool_call>",
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',  # hermes' JSON
+    "<tool_call>get_time</tool_call><tool_call>rm_rf</tool_call>",  # not among the tools
+])
+def test_what_is_no_glm_call_comes_back_as_text(text: str) -> None:
+    reader = reader_for(FORMATS["glm45"], "m", TOOLS)
+    passed = "".join(reader.feed(text[i:i + 5]) for i in range(0, len(text), 5))
+    assert (passed, *reader.finish()) == ("", text, [])
