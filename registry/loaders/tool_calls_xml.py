@@ -64,8 +64,8 @@ def parse_glm(text: str) -> list[ToolCall] | None:
     for block in BLOCK.finditer(text):
         if not block[0].endswith("</tool_call>"):
             return None
-        name, _, arguments = block[1].partition("<arg_key>")
-        name, arguments = name.strip(), "<arg_key>" + arguments if arguments else ""
+        name, key, rest = block[1].partition("<arg_key>")
+        name, arguments = name.strip(), key + rest
         if not name or any(c.isspace() or c == "<" for c in name) or \
                 GLM_ARGUMENT.sub("", arguments).strip():
             return None

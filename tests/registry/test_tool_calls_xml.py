@@ -132,6 +132,7 @@ def test_glm_calls_a_name_and_its_keys_and_values_typed_by_the_schema(piece: int
 @pytest.mark.parametrize("text", [
     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",  # cut short
     "<tool_call>get_weather<arg_key>city</arg_key></tool_call>",  # a key without value
+    "<tool_call>get_weather<arg_key></tool_call>",
     "<tool_call>get weather</tool_call>", "<tool_call></tool_call>",
     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',  # hermes' JSON
     "<tool_call>get_time</tool_call><tool_call>rm_rf</tool_call>",  # not among the tools
