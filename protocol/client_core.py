@@ -43,6 +43,7 @@ class TextChunk:
     prompt_logprobs: list[TokenLogprob] | None = None  # the last chunk's, if asked for
     tool_calls: list[ToolCall] | None = None  # the last chunk's: the calls the model made
     cached_tokens: int | None = None  # the last chunk's: prompt tokens of the prefix cache
+    reasoning: str = ""  # a reasoning model's thinking since the last chunk, not its answer
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class TextResult:
     prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, if asked for
     tool_calls: list[ToolCall] | None = None  # the calls the model made (tool_choice "auto")
     cached_tokens: int = 0  # of prompt_tokens, taken from the worker's prefix cache
+    reasoning: str = ""  # a reasoning model's thinking, apart from its answer (text)
 
 
 def job_result(reply: JobResult) -> Any:
@@ -80,7 +82,8 @@ def job_result(reply: JobResult) -> Any:
     if isinstance(result, Completion):
         return TextResult(result.text, result.finish_reason, result.prompt_tokens,
                           result.completion_tokens, result.model, result.logprobs,
-                          result.prompt_logprobs, result.tool_calls, result.cached_tokens)
+                          result.prompt_logprobs, result.tool_calls, result.cached_tokens,
+                          result.reasoning)
     if isinstance(result, ImageMsg):
         return image_chunk(result)
     array = np.frombuffer(result.data, dtype=_little_endian(result.dtype))
@@ -205,7 +208,7 @@ def op_signature(kind: Kind, is_method: bool = True) -> inspect.Signature:
 
 def text_chunk(msg: Any) -> TextChunk:
     if isinstance(msg, Chunk):
-        return TextChunk(text=msg.text, logprobs=msg.logprobs)
+        return TextChunk(text=msg.text, logprobs=msg.logprobs, reasoning=msg.reasoning)
     assert isinstance(msg, End)
     return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
                      completion_tokens=msg.completion_tokens,

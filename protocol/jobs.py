@@ -65,6 +65,7 @@ class Completion(_Msg, frozen=True, kw_only=True, tag="completion"):
     prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, if asked for
     tool_calls: list[ToolCall] | None = None  # the calls it made (tool_choice "auto")
     cached_tokens: int = 0  # of prompt_tokens, taken from the worker's prefix cache
+    reasoning: str = ""  # a reasoning model's thinking, apart from its answer (text)
 
 
 class JobResult(_Msg, frozen=True, kw_only=True, tag="job_result"):

@@ -294,6 +294,9 @@ class Chunk(_Msg, frozen=True, kw_only=True, tag="chunk"):
     id: int
     seq: int
     text: str
+    # a reasoning model's thinking made since the last chunk, kept apart from its answer
+    # (`text`); "" for a model that does not reason
+    reasoning: str = ""
     logprobs: list[TokenLogprob] | None = None
 
 

@@ -60,6 +60,8 @@ def _result(args: argparse.Namespace) -> int:
     with _client(args) as client:
         result = client.retrieve(args.key, timeout_s=args.wait)
     if isinstance(result, TextResult):
+        if result.reasoning:  # a reasoning model's thinking: stderr, as generate's
+            print(result.reasoning, file=sys.stderr)
         sys.stdout.write(result.text)
         print_text_end(result)
     elif isinstance(result, ImageChunk):

@@ -133,10 +133,20 @@ def print_rows(array: Any) -> None:
 
 
 def _print_text(chunks: Any, as_json: bool = False) -> None:
+    """The answer on stdout as it comes; a reasoning model's thinking on stderr (so that
+    what a script reads is the answer)."""
+    thinking = False
     for chunk in chunks:
         if as_json:
             print(json.dumps(_text_line(chunk)), flush=True)
             continue
+        if chunk.reasoning:
+            sys.stderr.write(chunk.reasoning)
+            sys.stderr.flush()
+            thinking = True
+        if chunk.text and thinking:
+            sys.stderr.write("\n")
+            thinking = False
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         if chunk.finish_reason:
@@ -147,6 +157,8 @@ def _text_line(chunk: Any) -> dict[str, Any]:
     line: dict[str, Any] = {"text": chunk.text} if chunk.finish_reason is None else {
         "finish_reason": chunk.finish_reason, "prompt_tokens": chunk.prompt_tokens,
         "completion_tokens": chunk.completion_tokens}
+    if getattr(chunk, "reasoning", ""):  # a reasoning model's thinking
+        line["reasoning"] = chunk.reasoning
     if getattr(chunk, "cached_tokens", None):  # of the prompt's, from the prefix cache
         line["cached_tokens"] = chunk.cached_tokens
     if getattr(chunk, "tool_calls", None):  # with --tool-choice auto

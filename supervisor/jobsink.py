@@ -49,6 +49,7 @@ class MailboxSink:
         self.refusal: Error | None = None  # the pool refused to queue it
         self._text: list[str] = []
         self._chars = 0  # of text so far
+        self._reasoning: list[str] = []  # a reasoning model's thinking so far
         self._logprobs: list[TokenLogprob] = []  # of its tokens so far, if asked for
 
     @property
@@ -60,8 +61,12 @@ class MailboxSink:
         if self.lost:
             return
         match msg:
-            case Chunk(text=text, logprobs=logprobs):
-                if self.record.stream_to is not None and text:  # a relayed stream
+            case Chunk(text=text, reasoning=reasoning, logprobs=logprobs):
+                # A relayed stream's pieces carry text only: one that thinks comes whole,
+                # at its end, from the result (its thinking first, as it was made).
+                if reasoning:
+                    self._reasoning.append(reasoning)
+                elif self.record.stream_to is not None and text and not self._reasoning:
                     self.service.stream_piece(self.record, self._chars, text)
                 self._text.append(text)
                 self._chars += len(text)
@@ -73,7 +78,7 @@ class MailboxSink:
                     prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
                     model=msg.model, logprobs=self._logprobs or None,
                     prompt_logprobs=msg.prompt_logprobs, tool_calls=msg.tool_calls,
-                    cached_tokens=msg.cached_tokens))
+                    cached_tokens=msg.cached_tokens, reasoning="".join(self._reasoning)))
             case Error() if not self.jobs.registered:
                 self.refusal = msg  # answered at once, never queued
             case Error() | Embeddings() | Scores() | Image():

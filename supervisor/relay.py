@@ -101,6 +101,7 @@ def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
               completion_tokens=reply.completion_tokens, model=reply.model,
               prompt_logprobs=reply.prompt_logprobs, tool_calls=reply.tool_calls,
               cached_tokens=reply.cached_tokens)
-    if not rest and not reply.logprobs:
+    if not rest and not reply.logprobs and not reply.reasoning:
         return [end]
-    return [Chunk(id=rid, seq=assembly.chunks, text=rest, logprobs=reply.logprobs), end]
+    return [Chunk(id=rid, seq=assembly.chunks, text=rest, reasoning=reply.reasoning,
+                  logprobs=reply.logprobs), end]

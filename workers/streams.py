@@ -161,7 +161,8 @@ class StreamLoop:
                 continue
             self.decoder.add(item.job_id, prepared)
             self.streams[item.job_id] = _Stream(TextOutput(
-                item.request.sampling, getattr(prepared, "tool_calls", None)))
+                item.request.sampling, getattr(prepared, "tool_calls", None),
+                getattr(prepared, "reasoning", None)))
         self.worker.image_bytes = {}
 
     def _step(self) -> None:
@@ -191,8 +192,10 @@ class StreamLoop:
             tail, calls = stream.output.finish()
             text += tail
         logprobs = None if event.logprob is None else [event.logprob]
-        if text or logprobs:
-            self.worker.send(Chunk(id=job_id, seq=stream.seq, text=text, logprobs=logprobs))
+        thinking = stream.output.take_thinking()
+        if text or thinking or logprobs:
+            self.worker.send(Chunk(id=job_id, seq=stream.seq, text=text, reasoning=thinking,
+                                   logprobs=logprobs))
             stream.seq += 1
         if stats is not None:
             reason = "stop" if hit else stats.finish_reason

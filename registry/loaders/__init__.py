@@ -39,7 +39,7 @@ LOADERS: dict[str, CapabilityLoader] = {
         options=("pooling", "max_seq_length", "normalize", "matryoshka_dimensions")),
     "text_to_text": CapabilityLoader("modelpool.registry.loaders.causal_lm:load",
                                      options=("context", "tool_call_format",
-                                                              "prefix_cache_mb")),
+                                              "reasoning_format", "prefix_cache_mb")),
     "image_embedding": CapabilityLoader("modelpool.registry.loaders.clip:load",
                                         options=("text_padding",)),
     "vision": CapabilityLoader("modelpool.registry.loaders.vision_lm:load",

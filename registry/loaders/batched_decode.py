@@ -38,6 +38,7 @@ from modelpool.registry.loaders.grammar import GrammarMatcher
 from modelpool.registry.loaders.kv_rows import Rows, row_of
 from modelpool.registry.loaders.logit_rules import LogitRules
 from modelpool.registry.loaders.prefix_cache import PrefixCache, shared_prefix
+from modelpool.registry.loaders.reasoning import ReasoningReader
 from modelpool.registry.loaders.token_logprobs import prompt_logprobs, token_logprob
 from modelpool.registry.loaders.tool_calls import ToolCallReader
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -65,6 +66,7 @@ class Prepared:
     sampling: Sampling
     grammar: GrammarMatcher | None = None  # structured output: its place in the language
     tool_calls: ToolCallReader | None = None  # tool_choice "auto": reads its calls (streams)
+    reasoning: ReasoningReader | None = None  # a reasoning model's: reads its thinking
     kept: dict[int, str] | None = None  # special tokens its text keeps (the calls' markers)
     cache_salt: str = ""  # kept prompts are shared only among sequences of the same salt
 

@@ -31,6 +31,13 @@ from modelpool.registry.loaders.common import (
 from modelpool.registry.loaders.grammar import GrammarMatcher, Grammars
 from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
 from modelpool.registry.loaders.prefix_cache import PrefixCache
+from modelpool.registry.loaders.reasoning import (
+    CLOSES,
+    OPENS,
+    ReasoningReader,
+    opened_by_template,
+    reasons,
+)
 from modelpool.registry.loaders.token_logprobs import (
     check_prompt_logprobs,
     prompt_logprobs,
@@ -49,7 +56,8 @@ from modelpool.workers.capabilities.text_to_text import GenerationStats
 class CausalLM:
     def __init__(self, key: str, tokenizer: Any, model: Any, context: int,
                  tool_call_format: str | None = None,
-                 prefix_cache_bytes: int | None = None) -> None:
+                 prefix_cache_bytes: int | None = None,
+                 reasoning_format: str | None = None) -> None:
         self.key = key
         self.tokenizer = tokenizer
         self.model = model.eval()
@@ -59,7 +67,12 @@ class CausalLM:
         self.grammars = Grammars(tokenizer, self.vocab, self.eos_ids)
         template = tokenizer.chat_template
         self.tool_format = format_of(str(template) if template else None, tool_call_format, key)
-        self.tool_markers = kept_tokens(tokenizer, self.tool_format)
+        self.tool_markers = kept_tokens(tokenizer, self.tool_format.markers
+                                        if self.tool_format else ())
+        self.reasons = reasons(str(template) if template else None, reasoning_format, key)
+        # the output starts inside the thinking: the template opens it
+        self.thinks_at_once = self.reasons and opened_by_template(tokenizer)
+        self.reasoning_markers = kept_tokens(tokenizer, (OPENS, CLOSES) if self.reasons else ())
         self.batchable = batch_fit.unsupported(model) is None  # continuously
         # the prefix cache's budget (0: none, as for a model that cannot batch continuously);
         # None: the default share of memory
@@ -71,6 +84,7 @@ class CausalLM:
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template),
                 "tool_call_format": self.tool_format.name if self.tool_format else None,
+                "reasoning_format": "think" if self.reasons else None,
                 "prefix_cache_mb": round(self.prefix_cache_bytes / (1 << 20), 1)}
 
     def prompt_ids(self, request: Generate) -> list[int]:
@@ -135,6 +149,7 @@ class CausalLM:
                         prompt_tokens=len(ids), budget=budget, sampling=request.sampling,
                         grammar=self.grammars.matcher(request.sampling.structured),
                         tool_calls=self.tool_reader(request), kept=self._kept(request),
+                        reasoning=self.reasoning_reader(request),
                         cache_salt=request.cache_salt)
 
     def tool_reader(self, request: Generate) -> ToolCallReader | None:
@@ -143,9 +158,24 @@ class CausalLM:
             return None
         return reader_for(self.tool_format, self.key, request.tools)
 
+    def reasoning_reader(self, request: Generate) -> ReasoningReader | None:
+        """What reads the thinking out of the output of a model that reasons, for a chat
+        (not a raw prompt, whose text is the client's to read). Held to a language
+        (structured output), the output is the answer unless it opens the thinking."""
+        if not self._reads_thinking(request):
+            return None
+        return ReasoningReader(self.thinks_at_once and request.sampling.structured is None)
+
+    def _reads_thinking(self, request: Generate) -> bool:
+        chat = bool(request.messages) or bool(self.tokenizer.chat_template and not request.raw)
+        return self.reasons and chat and not request.prompt_ids
+
     def _kept(self, request: Generate) -> dict[int, str] | None:
-        """The special tokens its text keeps: the format's markers, when it may call."""
-        return self.tool_markers if request.tool_choice == "auto" else None
+        """The special tokens its text keeps: the format's markers, when it may call, and
+        the thinking's tags, when it is read."""
+        kept = {**(self.tool_markers if request.tool_choice == "auto" else {}),
+                **(self.reasoning_markers if self._reads_thinking(request) else {})}
+        return kept or None
 
     @torch.inference_mode()
     def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
@@ -330,7 +360,7 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
                                                              **pretrained_kwargs(spec)))
     context = configured_tokens(spec, "context", own_tokens(model.config, 2048))
     return CausalLM(spec.key, tokenizer, model, context, spec.options.get("tool_call_format"),
-                    _prefix_cache_bytes(spec))
+                    _prefix_cache_bytes(spec), spec.options.get("reasoning_format"))
 
 
 def _prefix_cache_bytes(spec: ModelSpec) -> int | None:

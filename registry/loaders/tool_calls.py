@@ -258,11 +258,11 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
     return None
 
 
-def kept_tokens(tokenizer: Any, tool_format: ToolFormat | None) -> dict[int, str]:
-    """The format's markers that are special tokens of this tokenizer, by id: decoding
-    drops special tokens, and the reader needs these."""
+def kept_tokens(tokenizer: Any, markers: tuple[str, ...]) -> dict[int, str]:
+    """The markers (a format's) that are special tokens of this tokenizer, by id:
+    decoding drops special tokens, and the reader needs these."""
     kept = {}
-    for marker in tool_format.markers if tool_format else ():
+    for marker in markers:
         token = tokenizer.convert_tokens_to_ids(marker)
         if (isinstance(token, int) and tokenizer.convert_ids_to_tokens(token) == marker
                 and tokenizer.decode([token], skip_special_tokens=True) == ""):

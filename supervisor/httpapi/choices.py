@@ -91,17 +91,21 @@ async def gather_all(first: list[Any], streams: list[Stream], model: str) -> lis
 
 async def gather(first: Any, stream: Stream, model: str) -> TextResult:
     parts, logprobs, last = [first.text], list(first.logprobs or ()), first
+    thinking = [first.reasoning]
     async with contextlib.aclosing(stream):
         async for chunk in stream:
             parts.append(chunk.text)
+            thinking.append(chunk.reasoning)
             logprobs.extend(chunk.logprobs or ())
             last = chunk
-    return whole_text(parts, logprobs, last, model)
+    return whole_text(parts, logprobs, last, model, thinking)
 
 
 def whole_text(parts: list[str], logprobs: list[TokenLogprob], last: TextChunk,
-               model: str) -> TextResult:
-    """A stream's whole answer: its chunks' texts and logprobs, and its last chunk."""
+               model: str, thinking: list[str] | None = None) -> TextResult:
+    """A stream's whole answer: its chunks' texts, thinking and logprobs, and its last
+    chunk."""
     return TextResult("".join(parts), last.finish_reason or "stop", last.prompt_tokens or 0,
                       last.completion_tokens or 0, model, logprobs or None,
-                      last.prompt_logprobs, last.tool_calls, last.cached_tokens or 0)
+                      last.prompt_logprobs, last.tool_calls, last.cached_tokens or 0,
+                      "".join(thinking or ()))

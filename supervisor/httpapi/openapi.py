@@ -73,6 +73,7 @@ class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
     content: str | None  # None: tool calls only
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (as vLLM's)
 
 
 class StreamedCall(msgspec.Struct, omit_defaults=True):
@@ -141,6 +142,7 @@ class TextCompletion(msgspec.Struct):
 
 class Delta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking
     content: str | None = None
     tool_calls: list[StreamedCall] | None = None
 

@@ -133,7 +133,9 @@ def completion(texts: list[TextResult], chat: bool, model: str,
         elif chat:
             choice.update(message={"role": "assistant", "content": text.text},
                           logprobs=logprobs.chat(text.logprobs))
-        else:
+        if chat and text.reasoning:
+            choice["message"]["reasoning_content"] = text.reasoning
+        if not chat:
             choice.update(_completion_text(text, None if echo is None else echo[index // n]))
         choices.append(choice)
     prompt_tokens = sum(t.prompt_tokens for t in texts[::n])
@@ -196,7 +198,9 @@ class StreamShape:
             choice["delta"] = {"content": chunk.text} if index in self.started else {
                 "role": "assistant", "content": chunk.text}
             choice["logprobs"] = logprobs.chat(chunk.logprobs)
-        else:
+        if self.chat and chunk.reasoning:  # vLLM's and DeepSeek's field
+            choice["delta"] = _thinking_first(choice["delta"], chunk.reasoning)
+        if not self.chat:
             listed, self.offsets[index] = logprobs.completion(chunk.logprobs,
                                                               self.offsets.get(index, 0))
             text = chunk.text
@@ -222,6 +226,13 @@ class StreamShape:
                 "choices": choices, "usage": use}
 
 
+def _thinking_first(delta: dict[str, Any], thinking: str) -> dict[str, Any]:
+    """A delta with the thinking made since the last; its content left out while it has
+    none (a client that joins the contents then sees the answer's alone)."""
+    return {**{k: v for k, v in delta.items() if k != "content" or v},
+            "reasoning_content": thinking}
+
+
 def sse(data: Any) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
@@ -238,7 +249,8 @@ def image(chunk: ImageChunk) -> dict[str, Any]:
 def job_result(op: str, result: Any) -> dict[str, Any]:
     """A finished job's result, by what its operation returns."""
     if isinstance(result, TextResult):
-        return {"text": result.text, "finish_reason": _finish(result.finish_reason),
+        return {"text": result.text, "reasoning": result.reasoning or None,
+                "finish_reason": _finish(result.finish_reason),
                 "tool_calls": openai_calls(result.tool_calls) if result.tool_calls else None,
                 "model": result.model, "logprobs": logprobs.chat(result.logprobs),
                 "prompt_logprobs": logprobs.chat(result.prompt_logprobs),

@@ -9,8 +9,11 @@ the conversation that led to it, then its output items, before this input; an
 `item_reference` to one of those output items, or to an input item of a response kept
 for the same client, is replaced by it (responses_api.py). A
 `conversation` object is refused by name (no conversations are kept apart from their
-responses), as are OpenAI's hosted tools (web search, file search, ...) and reasoning
-options, which no model here has.
+responses), as are OpenAI's hosted tools (web search, file search, ...), which no model
+here has, and reasoning options (effort, summaries): a reasoning model thinks as its
+template has it. An earlier answer's reasoning item sent back as input is taken and
+left out of the conversation, as the reasoning models' templates leave out earlier
+thinking.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class InputItem(msgspec.Struct, kw_only=True):
     output: Parts | None = None
     id: str | None = None
     status: str | None = None
+    summary: list[InputPart] | None = None  # a reasoning item's (its content: its thinking)
+    encrypted_content: str | None = None  # a reasoning item's: none is made here
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):
@@ -123,7 +128,8 @@ class ResponsesBody(Options, kw_only=True):
     previous_response_id: Annotated[str, msgspec.Meta(max_length=128)] | None = None
     conversation: Annotated[Any, refused_note("no conversations kept")] = None
     background: bool | None = None  # run as a job: GET /v1/responses/{id} shows it
-    reasoning: Annotated[dict[str, Any] | None, refused_note("no reasoning models")] = None
+    reasoning: Annotated[dict[str, Any] | None,
+                         refused_note("no effort or summary is set here")] = None
     prompt: Annotated[dict[str, Any] | None, refused_note("no stored prompts")] = None
     max_tool_calls: Annotated[int | None, refused_note("one answer's calls only")] = None
     # vLLM's extensions, as in its chat bodies
@@ -153,7 +159,8 @@ def chat_body(body: ResponsesBody, turns: list[ChatMessage] | None = None) -> Ch
         if name != LOGPROBS_INCLUDE:
             raise bad("include", f"{name!r} is not supported; only {LOGPROBS_INCLUDE!r}")
     if body.reasoning and any(value is not None for value in body.reasoning.values()):
-        raise bad("reasoning", "not supported: no model here reasons")
+        raise bad("reasoning", "not supported: no effort or summary is set here (a "
+                  "reasoning model thinks as its chat template has it)")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise bad("text.verbosity", "not supported: no model here takes it")
     logprobs = LOGPROBS_INCLUDE in (body.include or ())
@@ -201,6 +208,8 @@ def input_messages(items: str | list[InputItem], where: str) -> list[ChatMessage
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 out.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif item.type == "reasoning":
+            continue  # earlier thinking: not shown to the model again
         elif item.type == "function_call_output":
             if item.output is None or not item.call_id:
                 raise bad(field, "a function_call_output needs its call_id and output")
@@ -208,7 +217,7 @@ def input_messages(items: str | list[InputItem], where: str) -> list[ChatMessage
                                    content=_content(item.output, field)))
         else:
             raise bad(field, f"items of type {item.type!r} are not supported: messages, "
-                             "function_call and function_call_output are")
+                             "function_call, function_call_output and reasoning are")
     return out
 
 

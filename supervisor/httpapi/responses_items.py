@@ -21,7 +21,8 @@ from modelpool.supervisor.httpapi.responses_in import InputItem
 IMAGES_INCLUDE = "message.input_image.image_url"
 MAX_PAGE = 100
 # A new input item's id: by its type (an answer's own items are msg_ and fc_ too)
-ITEM_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+ITEM_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
+                  "reasoning": "rs_"}
 
 
 def kept_items(items: str | list[InputItem]) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
-"""What the Responses API answers: a `response` whose output items are the chat answer's
-message and function calls, whole, or streamed as OpenAI's typed events (created, each
-item added, its text or arguments in deltas, done, then completed or incomplete), which
-the SDK's `responses.stream` checks item by item."""
+"""What the Responses API answers: a `response` whose output items are a reasoning
+model's thinking, then the chat answer's message and function calls, whole, or streamed
+as OpenAI's typed events (created, each item added, its text or arguments in deltas,
+done, then completed or incomplete), which the SDK's `responses.stream` checks item by
+item."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
 RESPONSE_ID = "resp_"
-MESSAGE_ITEM, CALL_ITEM = "msg_", "fc_"  # an output item's id: the prefix, its response's hex
+# an output item's id: the prefix, its response's hex
+MESSAGE_ITEM, CALL_ITEM, REASONING_ITEM = "msg_", "fc_", "rs_"
 
 
 def item_response_id(item_id: str) -> str | None:
-    """The id of the response whose output item this is (msg_HEX or fc_HEX_INDEX name
-    resp_HEX), or None."""
-    if item_id.startswith(MESSAGE_ITEM):
-        hex_ = item_id.removeprefix(MESSAGE_ITEM)
+    """The id of the response whose output item this is (msg_HEX, rs_HEX or
+    fc_HEX_INDEX name resp_HEX), or None."""
+    if item_id.startswith((MESSAGE_ITEM, REASONING_ITEM)):
+        hex_ = item_id.partition("_")[2]
     elif item_id.startswith(CALL_ITEM):
         hex_ = item_id.removeprefix(CALL_ITEM).rpartition("_")[0]
     else:
@@ -63,14 +65,25 @@ class ResponseShape:
     def call_item_id(self, index: int) -> str:
         return f"{CALL_ITEM}{self.hex}_{index}"
 
+    def reasoning_id(self) -> str:
+        return f"{REASONING_ITEM}{self.hex}"
+
+    def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        """A reasoning model's thinking, whole, as OpenAI's open-weight models' (no
+        summary: none is made)."""
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self.reasoning_id(), "summary": [],
+                "content": content, "status": status}
+
     def items(self, result: TextResult) -> list[dict[str, Any]]:
-        """The answer's output items: its message (unless it is only calls), then each
-        function call."""
+        """The answer's output items: its thinking (a reasoning model's), its message
+        (unless it is only calls), then each function call."""
         status = "incomplete" if result.finish_reason == "length" else "completed"
         message = (self.calls.message(result.text, result.tool_calls) if self.calls
                    else {"content": result.text})
         calls = message.get("tool_calls") or []
-        out = []
+        out = [self.reasoning_item(result.reasoning, "completed" if result.text or calls
+                                   else status)] if result.reasoning else []
         if message["content"] is not None and (message["content"] or not calls):
             out.append(self.message_item(message["content"], status, result.logprobs))
         named = self.calls is not None and self.calls.named is not None
@@ -159,14 +172,18 @@ def _output_text(text: str, entries: list[TokenLogprob] | None) -> dict[str, Any
 
 
 class ResponseStream:
-    """One streamed answer's events, numbered in order."""
+    """One streamed answer's events, numbered in order. A reasoning model's thinking
+    streams first, as item 0; its answer's items follow it."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
         self.sequence = 0
         self.parts: list[str] = []
+        self.thinking: list[str] = []
         self.entries: list[TokenLogprob] = []
-        self.opened = False  # the first item (the message, or a named call) announced
+        self.opened = False  # the answer's first item (its message, a named call) announced
+        self.first = 0  # the answer's first item's output index (1 after thinking)
+        self.thought = False  # the thinking's item is done
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = msgspec.json.encode({"type": kind, "sequence_number": self.sequence, **fields})
@@ -181,21 +198,48 @@ class ResponseStream:
     def chunk(self, chunk: TextChunk) -> bytes:
         self.parts.append(chunk.text)
         self.entries.extend(chunk.logprobs or ())
-        out = b""
+        out = self._think(chunk.reasoning) if chunk.reasoning else b""
+        if chunk.text or chunk.finish_reason is not None:
+            cut = chunk.finish_reason == "length" and not any(self.parts)
+            out += self._thought("incomplete" if cut else "completed")
         if self.shape.streams_text and chunk.text:
             out += self._open_message()
             out += self.event("response.output_text.delta", item_id=self.shape.message_id(),
-                              output_index=0, content_index=0, delta=chunk.text,
+                              output_index=self.first, content_index=0, delta=chunk.text,
                               logprobs=(logprobs.chat(chunk.logprobs) or {}).get("content", []))
         elif self.shape.calls is not None and self.shape.calls.named is not None:
             out += self._open_call()
             if chunk.text:
                 out += self.event("response.function_call_arguments.delta",
-                                  item_id=self.shape.call_item_id(0), output_index=0,
+                                  item_id=self.shape.call_item_id(0), output_index=self.first,
                                   delta=chunk.text)
         if chunk.finish_reason is not None:
-            out += self._end(whole_text(self.parts, self.entries, chunk, self.shape.model))
+            out += self._end(whole_text(self.parts, self.entries, chunk, self.shape.model,
+                                        self.thinking))
         return out
+
+    def _think(self, text: str) -> bytes:
+        """The thinking's delta, its item announced first."""
+        out = b""
+        if not self.thinking:
+            self.first = 1
+            out += self.event("response.output_item.added", output_index=0,
+                              item=self.shape.reasoning_item("", "in_progress"))
+        self.thinking.append(text)
+        return out + self.event("response.reasoning_text.delta", item_id=self.shape.reasoning_id(),
+                                output_index=0, content_index=0, delta=text)
+
+    def _thought(self, status: str) -> bytes:
+        """The thinking's item done, once the answer begins (or the output ends)."""
+        if not self.thinking or self.thought:
+            return b""
+        self.thought = True
+        text = "".join(self.thinking)
+        item_id = self.shape.reasoning_id()
+        return (self.event("response.reasoning_text.done", item_id=item_id, output_index=0,
+                           content_index=0, text=text)
+                + self.event("response.output_item.done", output_index=0,
+                             item=self.shape.reasoning_item(text, status)))
 
     def failed(self, exc: PoolError) -> bytes:
         return self.event("response.failed", response=self.shape.response(
@@ -209,25 +253,29 @@ class ResponseStream:
 
     def _message_added(self) -> bytes:
         message_id = self.shape.message_id()
-        return (self.event("response.output_item.added", output_index=0,
+        return (self.event("response.output_item.added", output_index=self.first,
                            item=self.shape.message_item("", "in_progress"))
                 + self.event("response.content_part.added", item_id=message_id,
-                             output_index=0, content_index=0, part=_output_text("", None)))
+                             output_index=self.first, content_index=0,
+                             part=_output_text("", None)))
 
     def _open_call(self) -> bytes:
         if self.opened:
             return b""
         self.opened = True
         assert self.shape.calls is not None and self.shape.calls.named is not None
-        return self.event("response.output_item.added", output_index=0, item=self.shape.call_item(
-            0, self.shape.calls.named, "", "in_progress", self.shape.named_call_id))
+        return self.event("response.output_item.added", output_index=self.first,
+                          item=self.shape.call_item(0, self.shape.calls.named, "",
+                                                    "in_progress", self.shape.named_call_id))
 
     def _end(self, result: TextResult) -> bytes:
         """Each item done (those not streamed announced first), then the response."""
         items = self.shape.items(result)
         out = b""
         for index, item in enumerate(items):
-            announced = index == 0 and self.opened
+            if item["type"] == "reasoning":
+                continue  # streamed, and done as the answer began
+            announced = index == self.first and self.opened
             out += self._item_done(index, item, announced)
         response = self.shape.finished(result, items)
         return out + self.event(f"response.{response['status']}", response=response)

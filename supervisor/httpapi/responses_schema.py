@@ -12,21 +12,26 @@ class InputTokensDetails(msgspec.Struct):
     cached_tokens: int  # input tokens whose keys and values the prefix cache held
 
 
-class OutputText(msgspec.Struct):
-    type: Literal["output_text"]
+class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
     text: str
     annotations: list[Any]
     logprobs: list[dict[str, Any]]  # with include: ["message.output_text.logprobs"]
 
 
-class OutputItem(msgspec.Struct, omit_defaults=True):
-    """The answer's message, or one of its function calls."""
+class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
+    text: str
 
-    type: Literal["message", "function_call"]
+
+class OutputItem(msgspec.Struct, omit_defaults=True):
+    """A reasoning model's thinking, the answer's message, or one of its function
+    calls."""
+
+    type: Literal["reasoning", "message", "function_call"]
     id: str
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] | None = None
-    content: list[OutputText] | None = None
+    content: list[OutputText | ReasoningText] | None = None
+    summary: list[Any] | None = None  # a reasoning item's: none is made
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None  # JSON text

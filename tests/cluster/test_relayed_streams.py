@@ -53,7 +53,9 @@ async def test_a_streams_pieces_reach_the_node_it_was_asked_of_whole_and_in_orde
 
 
 GENERATOR = model_entry("gen", loader="counting_generator", capability="text_to_text",
-                        step_s=0.1)
+                        step_s=0.1) + model_entry("thinker", loader="counting_generator",
+                                                  capability="text_to_text", step_s=0.01,
+                                                  think_tokens=2)
 
 
 @pytest.fixture
@@ -97,6 +99,12 @@ def test_a_client_of_one_node_streams_a_model_another_node_runs_as_it_is_made(
     assert [part.text for part in whole] == ["tok0 tok1 tok2 ", ""]
     assert [(e.token, e.logprob) for e in whole[0].logprobs or []] == [
         ("tok0 ", 0.0), ("tok1 ", -1.0), ("tok2 ", -2.0)]
+    # A reasoning model's stream comes whole too: its thinking, then its answer.
+    with beta.client() as c:
+        wait_until(lambda: any(m["key"] == "thinker" for m in c.models()), 20, "thinker")
+        thought = list(c.generate("hello", model="thinker", max_tokens=4))
+    assert [(part.reasoning, part.text) for part in thought] == [
+        ("tok0 tok1", "tok2 tok3 "), ("", "")]
 
 
 def test_a_cancelled_relayed_stream_stops_on_the_node_that_runs_it(

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from modelpool.protocol.messages import Generate, TokenLogprob
+from modelpool.registry.loaders.reasoning import ReasoningReader
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -50,13 +51,18 @@ class SlowEmbedder:
 
 
 class CountingGenerator:
-    """Streams "tok0 tok1 ..." one token per step_s seconds."""
+    """Streams "tok0 tok1 ..." one token per step_s seconds; with think_tokens, as a
+    reasoning model, the first that many between <think> and </think>."""
 
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, think_tokens: int = 0) -> None:
         self.step_s = step_s
+        self.think_tokens = think_tokens
 
     def info(self) -> dict[str, Any]:
         return {"context": 1 << 20}
+
+    def reasoning_reader(self, request: Generate) -> ReasoningReader | None:
+        return ReasoningReader(inside=False) if self.think_tokens else None
 
     def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
         stats.prompt_tokens = len(request.prompt.split())
@@ -64,7 +70,9 @@ class CountingGenerator:
             time.sleep(self.step_s)
             stats.completion_tokens += 1
             stats.logprob = _entry(request, i)
-            yield f"tok{i} "
+            tags = ("<think>" if i == 0 and self.think_tokens else "") + (
+                "</think>" if i == self.think_tokens > 0 else "")
+            yield f"{tags}tok{i} "
         stats.finish_reason = "length"
 
 
@@ -91,7 +99,8 @@ def slow_embedder(spec: ModelSpec, model_dir: Path | None) -> SlowEmbedder:
 
 def counting_generator(spec: ModelSpec, model_dir: Path | None) -> CountingGenerator:
     time.sleep(float(spec.options.get("load_s", 0)))
-    return CountingGenerator(float(spec.options.get("step_s", 0.01)))
+    return CountingGenerator(float(spec.options.get("step_s", 0.01)),
+                             int(spec.options.get("think_tokens", 0)))
 
 
 def failing(spec: ModelSpec, model_dir: Path | None) -> None:

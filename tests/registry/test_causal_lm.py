@@ -65,6 +65,7 @@ def _penalized_without_cache(llm: CausalLM, ids: list[int], steps: int, repetiti
 
 def test_info(llm: CausalLM) -> None:
     assert llm.info() == {"context": 2048, "chat_template": True, "tool_call_format": "hermes",
+                          "reasoning_format": None,
                           "prefix_cache_mb": round(llm.prefix_cache_bytes / (1 << 20), 1)}
     assert 0 < llm.prefix_cache_bytes <= batch_fit.PREFIX_CACHE_MAX_BYTES
     assert llm.tokenizer.eos_token_id in llm.eos_ids

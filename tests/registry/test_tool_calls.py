@@ -276,8 +276,8 @@ def test_a_formats_special_markers_are_kept_in_the_text_of_a_sequence_that_may_c
     start = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
     marked = ToolFormat("marked", "<|im_start|>", False, lambda text: None,
                         markers=("<|im_start|>", "<tool_call>", "nope"))
-    assert kept_tokens(llm.tokenizer, marked) == {start: "<|im_start|>"}  # special ones only
-    assert kept_tokens(llm.tokenizer, HERMES) == {}  # <tool_call> is text to it
+    assert kept_tokens(llm.tokenizer, marked.markers) == {start: "<|im_start|>"}  # special only
+    assert kept_tokens(llm.tokenizer, HERMES.markers) == {}  # <tool_call> is text to it
     monkeypatch.setattr(llm, "tool_markers", {start: "<|im_start|>"})
     chat = [{"role": "user", "content": "hi"}]
     forced = {"logit_bias": {start: 100.0}, "max_tokens": 2, "temperature": 0}

@@ -53,6 +53,8 @@ def _roles(messages: list[ChatMessage]) -> list[tuple[str, Any, list[str]]]:
 def test_instructions_and_input_items_become_the_chats_messages() -> None:
     body = _body(instructions="be brief", input=[
         {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],  # earlier thinking: left out
+         "content": [{"type": "reasoning_text", "text": "A call, then."}]},
         {"type": "message", "role": "assistant",
          "content": [{"type": "output_text", "text": "Let me check."}]},
         {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
@@ -99,9 +101,10 @@ def test_a_continued_response_follows_its_conversation_and_answer() -> None:
 
 def test_an_output_items_id_names_its_response() -> None:
     shape = ResponseShape(_body(input="hi"), "m", None)
-    for item_id in (shape.message_id(), shape.call_item_id(0), shape.call_item_id(12)):
+    for item_id in (shape.message_id(), shape.call_item_id(0), shape.call_item_id(12),
+                    shape.reasoning_id()):
         assert item_response_id(item_id) == shape.id
-    for other in ("msg_", "fc_", "fc_x", "rs_abc", "resp_abc", ""):
+    for other in ("msg_", "fc_", "fc_x", "rs_", "resp_abc", ""):
         assert item_response_id(other) is None
 
 
@@ -172,7 +175,7 @@ def test_the_options_map_to_the_chats() -> None:
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"tools": [{"type": "file_search"}]}, "tools[0]"),
-    ({"input": [{"type": "reasoning", "id": "r"}]}, "input[0]"),
+    ({"input": [{"type": "web_search_call", "id": "w"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0]"),
     ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]"),
@@ -223,6 +226,31 @@ def test_an_auto_answers_text_streams_and_its_calls_follow_as_items() -> None:
     assert (call.type, call.call_id, call.name, call.arguments) == (
         "function_call", "call_7", "weather", '{"city": "Oslo"}')
     assert final.usage.input_tokens == 9 and final.usage.output_tokens == 4
+
+
+def test_a_reasoning_models_thinking_streams_first_as_its_own_item() -> None:
+    """Its thinking is item 0, done as the answer begins; the message and the calls
+    follow it, whole and streamed alike, as the SDK's accumulator checks."""
+    shape = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls(None, auto=True))
+    chunks = [TextChunk("", reasoning="Weather, "), TextChunk("", reasoning="so a call."),
+              TextChunk("Checking.", reasoning=""),
+              TextChunk("", "tool_calls", 9, 4, tool_calls=[ToolCall(name="weather",
+                                                                       arguments="{}")])]
+    events, final = _accepted(_streamed(shape, chunks))
+    assert [(e.type, getattr(e, "output_index", None)) for e in events][2:10] == [
+        ("response.output_item.added", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.delta", 0), ("response.reasoning_text.done", 0),
+        ("response.output_item.done", 0), ("response.output_item.added", 1),
+        ("response.content_part.added", 1), ("response.output_text.delta", 1)]
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output[0].content[0].text == "Weather, so a call."
+    whole = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls(None, auto=True)).whole(
+        TextResult("Checking.", "tool_calls", 9, 4, "m", tool_calls=[
+            ToolCall(name="weather", arguments="{}")], reasoning="Weather, so a call."))
+    assert [(i["type"], i["status"]) for i in whole["output"]] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text",
+                                              "text": "Weather, so a call."}]
 
 
 def test_calls_alone_take_the_first_place_and_a_cut_answer_is_incomplete() -> None:

@@ -78,25 +78,52 @@ class ToolReader(Protocol):
     def finish(self) -> tuple[str, list[ToolCall]]: ...
 
 
-class TextOutput:
-    """What a stream's pieces become: text cut at the first stop string and, with
-    tool_choice "auto", the model's calls read out of that text."""
+class ReasoningSplitter(Protocol):
+    """Reads a reasoning model's thinking out of its text (registry/loaders/reasoning)."""
 
-    def __init__(self, sampling: Sampling, calls: ToolReader | None = None) -> None:
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def finish(self) -> tuple[str, str]: ...
+
+
+class TextOutput:
+    """What a stream's pieces become: text cut at the first stop string, a reasoning
+    model's thinking read out of it, and, with tool_choice "auto", the model's calls
+    read out of its answer."""
+
+    def __init__(self, sampling: Sampling, calls: ToolReader | None = None,
+                 reasoning: ReasoningSplitter | None = None) -> None:
         self.stop = StopMatcher(sampling.stop, sampling.min_tokens)
         self.calls = calls
+        self.reasoning = reasoning
+        self.thinking = ""  # thinking read since the last take_thinking
 
     def feed(self, piece: str) -> tuple[str, bool]:
-        """Text safe to emit now, and whether a stop string was hit."""
+        """Answer text safe to emit now, and whether a stop string was hit."""
         text, hit = self.stop.feed(piece)
-        return (text if self.calls is None else self.calls.feed(text)), hit
+        return self._answer(text), hit
+
+    def _answer(self, text: str) -> str:
+        if self.reasoning is not None:
+            thinking, text = self.reasoning.feed(text)
+            self.thinking += thinking
+        return text if self.calls is None else self.calls.feed(text)
+
+    def take_thinking(self) -> str:
+        """The thinking read since the last call (for the next chunk)."""
+        thinking, self.thinking = self.thinking, ""
+        return thinking
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the stream's end: the text still held back, and the calls made."""
-        tail = self.stop.flush()
+        """At the stream's end: the answer text still held back, and the calls made (the
+        thinking still held is left for take_thinking)."""
+        text = self._answer(self.stop.flush())
+        if self.reasoning is not None:
+            thinking, tail = self.reasoning.finish()
+            self.thinking += thinking
+            text += tail if self.calls is None else self.calls.feed(tail)
         if self.calls is None:
-            return tail, []
-        text = self.calls.feed(tail)
+            return text, []
         rest, calls = self.calls.finish()
         return text + rest, calls
 
@@ -119,6 +146,12 @@ def tool_reader(model: Any, request: Generate) -> ToolReader | None:
         raise PoolError(ErrorCode.BAD_REQUEST, "tool_choice auto: this model's loader "
                                                "does not read tool calls")
     return None
+
+
+def reasoning_reader(model: Any, request: Generate) -> ReasoningSplitter | None:
+    """What reads a reasoning model's thinking out of its text, if the model reasons."""
+    read = getattr(model, "reasoning_reader", None)
+    return None if read is None else read(request)  # type: ignore[no-any-return]
 
 
 def run(model: TextGenerationModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
@@ -144,7 +177,8 @@ def prepare(model: Any, item: WorkItem, out: Outbox) -> Any:
 def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
     try:
         request = _check(model, item)
-        output = TextOutput(request.sampling, tool_reader(model, request))
+        output = TextOutput(request.sampling, tool_reader(model, request),
+                            reasoning_reader(model, request))
     except PoolError as exc:
         out.send(error_reply(item.job_id, exc))
         return
@@ -166,16 +200,19 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
                 break
             text, hit = output.feed(piece)
             logprobs = stats.take_logprobs()
-            if text or logprobs:
-                out.send(Chunk(id=job_id, seq=seq, text=text, logprobs=logprobs))
+            thinking = output.take_thinking()
+            if text or thinking or logprobs:
+                out.send(Chunk(id=job_id, seq=seq, text=text, reasoning=thinking,
+                               logprobs=logprobs))
                 seq += 1
             if hit:
                 stats.finish_reason = "stop"
                 break
         if stats.finish_reason != "cancelled":
             text, calls = output.finish()
-            if text:
-                out.send(Chunk(id=job_id, seq=seq, text=text))
+            thinking = output.take_thinking()
+            if text or thinking:
+                out.send(Chunk(id=job_id, seq=seq, text=text, reasoning=thinking))
     except Exception as exc:
         out.send(error_reply(job_id, exc))
         return

@@ -1,0 +1,169 @@
+"""A reasoning model's thinking, apart from its answer, through the official `openai`
+package: chat's `reasoning_content` (vLLM's and DeepSeek's field), whole and streamed,
+and the Responses API's reasoning item and `response.reasoning_text` events; the
+socket client's chunks carry the same. The tiny random-weight Llama plays a reasoning
+model: a copy whose chat template opens the thinking (as DeepSeek-R1-0528's does), held
+by a regex to a thought and an answer where the test needs both."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from conftest import ROOT, Daemon
+from http_helpers import KEY, http_daemon
+
+MODEL = "tiny-thinker"
+WRITTEN = "<think>\nThe user wants a city.\n</think>\n\nParis."
+HELD = {"extra_body": {"guided_regex": re.escape(WRITTEN)}}
+QUESTION = [{"role": "user", "content": "tell me about workers"}]
+# Seeded: greedy, the tiny model says only newlines after this prompt
+SAMPLED: Any = {"temperature": 1.0, "seed": 3}
+SAMPLED_RESPONSE: Any = {"temperature": 1.0, "extra_body": {"seed": 3}}  # vLLM's extension
+
+
+def _thinker(tiny_models_dir: Path, workdir: Path) -> Path:
+    """tiny-llm whose generation prompt ends with `<think>`, as a reasoning model's."""
+    model_dir = workdir / MODEL
+    shutil.copytree(tiny_models_dir / "tiny-llm", model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    prompt = "<|im_start|>assistant\n"
+    assert config["chat_template"].count(prompt) == 1
+    config["chat_template"] = config["chat_template"].replace(prompt, prompt + "<think>\n")
+    config_path.write_text(json.dumps(config))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
+           tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
+    workdir = tmp_path_factory.mktemp("http-reasoning")
+    daemon, base = http_daemon(workdir, tiny_models_dir, extra=f"""
+        [[models]]
+        key = "{MODEL}"
+        capability = "text_to_text"
+        path = "{_thinker(tiny_models_dir, workdir)}"
+        options = {{ context = 1024, reasoning_format = "think" }}
+        """)
+    yield daemon, base
+    assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.fixture(scope="module")
+def sdk(served: tuple[Daemon, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_a_chats_thinking_is_its_reasoning_content_whole_and_streamed(
+        sdk: openai.OpenAI) -> None:
+    asked: Any = {"model": MODEL, "messages": QUESTION, "temperature": 0, **HELD}
+    message = sdk.chat.completions.create(**asked).choices[0].message
+    assert message.content == "Paris."
+    assert message.model_extra == {"reasoning_content": "The user wants a city."}
+    deltas = [c.choices[0].delta for c in sdk.chat.completions.create(**asked, stream=True)
+              if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join((d.model_extra or {}).get("reasoning_content", "") for d in deltas) == (
+        "The user wants a city.")
+    assert "".join(d.content or "" for d in deltas) == "Paris."
+    thinking = [i for i, d in enumerate(deltas) if (d.model_extra or {}).get("reasoning_content")]
+    said = [i for i, d in enumerate(deltas) if d.content]
+    assert thinking and said and max(thinking) <= min(said)  # the thinking first
+
+
+def test_a_thought_cut_short_is_all_thinking_through_the_sdk_and_the_socket(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """The template opened the thinking and the model never closed it: all of its
+    output is thinking, as the socket client's chunks say too; a model that does not
+    reason (tiny-llm, the same weights) gives the same text as its answer."""
+    kw: Any = {"messages": QUESTION, "max_tokens": 10, **SAMPLED}
+    choice = sdk.chat.completions.create(model=MODEL, **kw).choices[0]
+    thought = (choice.message.model_extra or {}).get("reasoning_content")
+    assert choice.finish_reason == "length" and choice.message.content == "" and thought
+    with served[0].client() as client:
+        chunks = list(client.generate(QUESTION, model=MODEL, max_tokens=10, **SAMPLED))
+    assert "".join(c.reasoning for c in chunks) == thought
+    assert "".join(c.text for c in chunks) == ""
+    # the command line: the thinking on stderr (stdout is the answer), and in --json lines
+    argv = [sys.executable, "-m", "modelpool.supervisor.cli", "generate", "--model", MODEL,
+            "--max-tokens", "10", "--temperature", "1.0", "--seed", "3",
+            "--socket", served[0].socket_path, QUESTION[0]["content"]]
+    plain = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert plain.returncode == 0 and plain.stdout == "\n"
+    assert plain.stderr.startswith(thought)
+    lines = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60,
+                           cwd=ROOT).stdout.splitlines()
+    assert "".join(json.loads(line).get("reasoning", "") for line in lines) == thought
+    raw = sdk.completions.create(model=MODEL, prompt="<|im_start|>user\ntell me about "
+                                 "workers<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                                 max_tokens=10, **SAMPLED).choices[0].text
+    assert raw.strip() == thought  # a raw prompt's text is all text
+
+
+def _ended(sdk: openai.OpenAI, response_id: str) -> Any:
+    deadline = time.monotonic() + 60
+    while True:
+        response = sdk.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.1)
+
+
+def test_a_responses_thinking_is_its_reasoning_item_whole_streamed_and_in_the_background(
+        sdk: openai.OpenAI) -> None:
+    asked: Any = {"model": MODEL, "input": QUESTION, "max_output_tokens": 10,
+                  **SAMPLED_RESPONSE}
+    thought = (sdk.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=10, **SAMPLED).choices[0].message
+        .model_extra or {})["reasoning_content"]
+    whole = sdk.responses.create(**asked)
+    assert whole.status == "incomplete" and [i.type for i in whole.output] == [
+        "reasoning", "message"]
+    reasoning = whole.output[0]
+    assert reasoning.id.startswith("rs_") and reasoning.summary == []
+    assert reasoning.content is not None and reasoning.content[0].text == thought
+    with sdk.responses.stream(**asked) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"  # cut at max_output_tokens
+    streamed = events[-1].response
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thought
+    assert [e.type for e in events if e.type.startswith("response.output_item")][:2] == [
+        "response.output_item.added", "response.output_item.done"]  # the thinking's item
+    assert [i.type for i in streamed.output] == ["reasoning", "message"]
+    assert streamed.output[0].content is not None
+    assert streamed.output[0].content[0].text == thought
+    queued = sdk.responses.create(**asked, background=True)
+    done = _ended(sdk, queued.id)
+    assert [i.type for i in done.output] == ["reasoning", "message"]
+    assert done.output[0].content is not None and done.output[0].content[0].text == thought
+
+
+def test_a_reasoning_answer_is_continued_and_sent_back_as_input(sdk: openai.OpenAI) -> None:
+    """Its reasoning item is taken back as input (left out of the conversation, as the
+    reasoning templates leave out earlier thinking): continuing it by id and sending its
+    items back are the same conversation."""
+    first = sdk.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6,
+                                 **SAMPLED_RESPONSE)
+    turn = {"role": "user", "content": "and then?"}
+    by_id = sdk.responses.create(model=MODEL, input=[turn], previous_response_id=first.id,
+                                 max_output_tokens=6, **SAMPLED_RESPONSE)
+    sent_back = sdk.responses.create(
+        model=MODEL, input=[*QUESTION, *(i.model_dump(exclude_none=True) for i in first.output),
+                            turn], max_output_tokens=6, **SAMPLED_RESPONSE)
+    assert by_id.output[0].type == sent_back.output[0].type == "reasoning"
+    assert by_id.output[0].content == sent_back.output[0].content
+    assert by_id.usage is not None and sent_back.usage is not None
+    assert by_id.usage.input_tokens == sent_back.usage.input_tokens
+    items = list(sdk.responses.input_items.list(by_id.id, order="asc"))
+    assert [i.type for i in items] == ["message", "reasoning", "message", "message"]

@@ -1,0 +1,142 @@
+"""A reasoning model's thinking read out of its text (`<think>`), as it streams, and
+which models reason."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from modelpool.protocol import kinds
+from modelpool.protocol.messages import Chunk, End
+from modelpool.protocol.pipes import WorkItem
+from modelpool.registry.loaders.reasoning import ReasoningReader, opened_by_template, reasons
+from modelpool.workers.capabilities import text_to_text
+from modelpool.workers.streams import StreamLoop
+
+
+def _split(text: str, piece: int, inside: bool = False) -> tuple[str, str]:
+    """(thinking, answer) as read from `text` fed `piece` characters at a time."""
+    reader = ReasoningReader(inside)
+    read = [reader.feed(text[i:i + piece]) for i in range(0, len(text), piece)]
+    read.append(reader.finish())
+    return "".join(t for t, _ in read), "".join(a for _, a in read)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 1000])
+def test_thinking_and_answer_are_apart_whatever_the_pieces(piece: int) -> None:
+    text = "<think>\nThe user greets me. <thin is not a tag.\n</think>\n\nHello there!"
+    assert _split(text, piece) == ("The user greets me. <thin is not a tag.", "Hello there!")
+    # a template that opened the thinking: only its close comes
+    assert _split("Short one.</think>\n\nHi", piece, inside=True) == ("Short one.", "Hi")
+    # no thinking: the answer as it is, its leading space kept
+    assert _split("  Hi <think> there", piece) == ("", "  Hi <think> there")
+    assert _split("<thinking>x", piece) == ("", "<thinking>x")
+
+
+def test_an_answer_passes_on_as_it_comes_and_a_tag_in_pieces_is_held() -> None:
+    reader = ReasoningReader(False)
+    assert reader.feed("<th") == ("", "")  # may open the thinking
+    assert reader.feed("ink>Let me") == ("Let me", "")
+    assert reader.feed(" see </th") == (" see", "")  # the tag may be closing
+    assert reader.feed("ink>\n") == ("", "")
+    assert reader.feed("\nOK") == ("", "OK")
+    assert reader.feed(", done") == ("", ", done")
+    assert reader.finish() == ("", "")
+
+
+def test_an_output_cut_short_inside_the_thinking_is_all_thinking() -> None:
+    assert _split("<think>Still going </th", 4) == ("Still going </th", "")
+    assert _split("<think>\n\n</think>\n\n", 1) == ("", "")  # thought nothing, said nothing
+    assert _split("  <thi", 2) == ("", "  <thi")  # the answer's start, not a tag
+
+
+def test_a_model_reasons_by_its_option_else_by_its_template() -> None:
+    qwen3 = "{%- if '</think>' in content %}{{ content.split('</think>')[-1] }}{% endif %}"
+    assert reasons(qwen3, None, "m") and not reasons("{{ messages }}", None, "m")
+    assert reasons("{{ messages }}", "think", "m") and not reasons(qwen3, "none", "m")
+    with pytest.raises(ValueError, match="reasoning_format 'r1' is not one of"):
+        reasons(qwen3, "r1", "m")
+
+
+def test_a_template_that_opens_the_thinking_is_seen_by_its_generation_prompt(
+        llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    template = llm.tokenizer.chat_template
+    assert not opened_by_template(llm.tokenizer)
+    monkeypatch.setattr(llm.tokenizer, "chat_template",
+                        template + "{% if add_generation_prompt %}<think>\n{% endif %}")
+    assert opened_by_template(llm.tokenizer)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ raise_exception('no') }}")
+    assert not opened_by_template(llm.tokenizer)
+
+
+class Outbox:
+    """What a worker's adapters and its stream loop send to, recorded."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.image_bytes: dict[int, bytes] = {}
+
+    def take_images(self, items: list[WorkItem]) -> None:
+        pass
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+    def tick(self, tokens: int = 0) -> None:
+        pass
+
+    def aborted(self, job_id: int) -> bool:
+        return False
+
+
+WRITTEN = "<think>\nThe user asks for a city.\n</think>\n\nParis."
+
+
+def _chat(**options: Any) -> Any:
+    return kinds.build("generate", [{"role": "user", "content": "a city?"}],
+                       regex=re.escape(WRITTEN), temperature=0, **options)
+
+
+def test_the_tiny_model_held_to_thinking_then_an_answer_has_them_apart(
+        llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny-llm, taken as a reasoning model, held by a regex to a thought and an answer:
+    its chunks carry them apart, one request at a time."""
+    monkeypatch.setattr(llm, "reasons", True)
+    out = Outbox()
+    text_to_text.run(llm, [WorkItem(job_id=1, request=_chat())], out, 1)
+    chunks = [m for m in out.sent if isinstance(m, Chunk)]
+    assert "".join(c.reasoning for c in chunks) == "The user asks for a city."
+    assert "".join(c.text for c in chunks) == "Paris."
+    assert isinstance(out.sent[-1], End) and out.sent[-1].finish_reason == "stop"
+    # a template that opens the thinking: held to a language, the output opens it itself
+    monkeypatch.setattr(llm, "thinks_at_once", True)
+    out = Outbox()
+    text_to_text.run(llm, [WorkItem(job_id=5, request=_chat())], out, 1)
+    assert "".join(m.reasoning for m in out.sent if isinstance(m, Chunk)) == (
+        "The user asks for a city.")
+    # a raw prompt's text is the client's to read: all of it is text
+    out = Outbox()
+    raw = kinds.build("generate", "a city?", raw=True, regex=re.escape(WRITTEN),
+                      temperature=0)
+    text_to_text.run(llm, [WorkItem(job_id=2, request=raw)], out, 1)
+    assert "".join(m.text for m in out.sent if isinstance(m, Chunk)) == WRITTEN
+    # a model that does not reason: text too
+    monkeypatch.setattr(llm, "reasons", False)
+    out = Outbox()
+    text_to_text.run(llm, [WorkItem(job_id=3, request=_chat())], out, 1)
+    assert "".join(m.text for m in out.sent if isinstance(m, Chunk)) == WRITTEN
+
+
+def test_continuous_batching_reads_the_thinking_too(llm: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llm, "reasons", True)
+    out = Outbox()
+    loop = StreamLoop(llm.decoder(), lambda item: text_to_text.prepare(llm, item, out), out)
+    loop._start([WorkItem(job_id=4, request=_chat())])
+    while loop.streams:
+        loop._step()
+    chunks = [m for m in out.sent if isinstance(m, Chunk)]
+    assert "".join(c.reasoning for c in chunks) == "The user asks for a city."
+    assert "".join(c.text for c in chunks) == "Paris."
