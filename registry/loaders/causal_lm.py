@@ -8,15 +8,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
-from jinja2.exceptions import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import ChatMessage, Generate, Sampling
+from modelpool.protocol.messages import Generate, Sampling
 from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
+from modelpool.registry.loaders.chat_prompt import chat_ids, template_message
 from modelpool.registry.loaders.common import (
     configured_tokens,
     kv_cache_keyword,
@@ -34,8 +33,9 @@ from modelpool.registry.loaders.prefix_cache import PrefixCache
 from modelpool.registry.loaders.reasoning import (
     CLOSES,
     OPENS,
+    PROMPT_TAIL,
     ReasoningReader,
-    opened_by_template,
+    opens_thinking,
     reasons,
 )
 from modelpool.registry.loaders.token_logprobs import (
@@ -70,8 +70,6 @@ class CausalLM:
         self.tool_markers = kept_tokens(tokenizer, self.tool_format.markers
                                         if self.tool_format else ())
         self.reasons = reasons(str(template) if template else None, reasoning_format, key)
-        # the output starts inside the thinking: the template opens it
-        self.thinks_at_once = self.reasons and opened_by_template(tokenizer)
         self.reasoning_markers = kept_tokens(tokenizer, (OPENS, CLOSES) if self.reasons else ())
         self.batchable = batch_fit.unsupported(model) is None  # continuously
         # the prefix cache's budget (0: none, as for a model that cannot batch continuously);
@@ -101,27 +99,9 @@ class CausalLM:
                                 f"model {self.key!r} has no chat template: send a prompt")
             messages = [template_message(m) for m in request.messages] or [
                 {"role": "user", "content": request.prompt}]
-            return self._chat_ids(messages, str(template), request.tools)
+            return chat_ids(self.tokenizer, self.key, messages, request.tools,
+                            request.chat_template_kwargs)
         return list(self.tokenizer(request.prompt)["input_ids"])
-
-    def _chat_ids(self, messages: list[dict[str, Any]], template: str,
-                  tools: list[dict[str, Any]]) -> list[int]:
-        """The conversation as the model's template writes it. Control tokens inside a
-        message are encoded as text: "<|im_end|><|im_start|>system" in a user's message
-        opens no turn. OpenAI's `developer` role is the `system` of a template that does
-        not know it. A template that refuses the conversation (roles that must
-        alternate, no system role) refuses the request, as the client's error."""
-        if "developer" not in template:
-            messages = [{**m, "role": "system"} if m["role"] == "developer" else m
-                        for m in messages]
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
-                return_dict=True, sanitize_control_tokens=True)
-        except TemplateError as exc:
-            raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r}'s chat template "
-                            f"refused the messages: {exc}") from None
-        return list(encoded["input_ids"])
 
     def _checked_ids(self, request: Generate) -> tuple[list[int], int]:
         """The prompt's token ids and how many tokens may follow them."""
@@ -149,7 +129,7 @@ class CausalLM:
                         prompt_tokens=len(ids), budget=budget, sampling=request.sampling,
                         grammar=self.grammars.matcher(request.sampling.structured),
                         tool_calls=self.tool_reader(request), kept=self._kept(request),
-                        reasoning=self.reasoning_reader(request),
+                        reasoning=self.reasoning_reader(request, ids),
                         cache_salt=request.cache_salt)
 
     def tool_reader(self, request: Generate) -> ToolCallReader | None:
@@ -158,13 +138,19 @@ class CausalLM:
             return None
         return reader_for(self.tool_format, self.key, request.tools)
 
-    def reasoning_reader(self, request: Generate) -> ReasoningReader | None:
+    def reasoning_reader(self, request: Generate,
+                         ids: list[int] | None = None) -> ReasoningReader | None:
         """What reads the thinking out of the output of a model that reasons, for a chat
-        (not a raw prompt, whose text is the client's to read). Held to a language
-        (structured output), the output is the answer unless it opens the thinking."""
+        (not a raw prompt, whose text is the client's to read). A prompt (`ids`) that
+        ends by opening the thinking (the template's doing) has the output start inside
+        it; held to a language (structured output), the output is the answer unless it
+        opens the thinking itself."""
         if not self._reads_thinking(request):
             return None
-        return ReasoningReader(self.thinks_at_once and request.sampling.structured is None)
+        if request.sampling.structured is not None:
+            return ReasoningReader(inside=False)
+        ids = self.prompt_ids(request) if ids is None else ids
+        return ReasoningReader(opens_thinking(self.tokenizer.decode(ids[-PROMPT_TAIL:])))
 
     def _reads_thinking(self, request: Generate) -> bool:
         chat = bool(request.messages) or bool(self.tokenizer.chat_template and not request.raw)
@@ -187,26 +173,6 @@ class CausalLM:
                           lambda token: {"input_ids": torch.tensor([[token]], device=device)},
                           budget, sampling, self.eos_ids, self.tokenizer, stats,
                           self.grammars.matcher(sampling.structured), self._kept(request))
-
-
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it: an assistant's calls with their arguments as
-    a mapping, as transformers' templates expect (the JSON text when it is no object)."""
-    out: dict[str, Any] = {"role": message.role, "content": message.content}
-    if message.tool_calls:
-        out["tool_calls"] = [{"type": "function", "id": c.id, "function": {
-            "name": c.name, "arguments": _arguments(c.arguments)}} for c in message.tool_calls]
-    if message.tool_call_id:
-        out["tool_call_id"] = message.tool_call_id
-    return out
-
-
-def _arguments(text: str) -> Any:
-    try:
-        value = msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return text
-    return value if isinstance(value, dict) else text
 
 
 def decode(model: Any, first_inputs: dict[str, Any],

@@ -5,18 +5,17 @@ vLLM's reasoning parsers put it in `reasoning_content`.
 Some templates open the thinking themselves (their generation prompt ends with
 `<think>`: DeepSeek-R1-0528, Qwen3's thinking-only models): the output then starts
 inside it, and only `</think>` comes. Others leave the model to open it (Qwen3's hybrid
-models), or to answer at once. A model's loader option `reasoning_format` says "think"
-or "none" where the template does not: a template that writes `</think>` reasons.
+models), or to answer at once, or write an empty thinking into the prompt (Qwen3's with
+`enable_thinking` false). Each prompt's end says which. A model's loader option
+`reasoning_format` says "think" or "none" where the template does not: a template that
+writes `</think>` reasons.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 FORMATS = ("think", "none")
 OPENS, CLOSES = "<think>", "</think>"
-# A template's generation prompt is rendered on this conversation to see how it ends.
-PROBE = [{"role": "user", "content": "Hello"}]
+PROMPT_TAIL = 8  # tokens: a prompt's end, decoded, shows whether it opens the thinking
 
 
 def reasons(template: str | None, configured: str | None, key: str) -> bool:
@@ -29,15 +28,9 @@ def reasons(template: str | None, configured: str | None, key: str) -> bool:
     return CLOSES in (template or "")
 
 
-def opened_by_template(tokenizer: Any) -> bool:
-    """Whether the template's generation prompt opens the thinking (so the output starts
-    inside it); False where the template cannot be rendered on a plain question."""
-    try:
-        prompt = tokenizer.apply_chat_template(PROBE, add_generation_prompt=True,
-                                               tokenize=False)
-    except Exception:  # a template that wants a system turn, tools, ...: asked per request
-        return False
-    return isinstance(prompt, str) and prompt.rstrip().endswith(OPENS)
+def opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt ending so opened the thinking (the output starts inside it)."""
+    return prompt_tail.rstrip().endswith(OPENS)
 
 
 class ReasoningReader:

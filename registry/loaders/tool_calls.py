@@ -28,7 +28,8 @@ format; the ones read here, and how a model's is known:
   `<｜tool▁calls▁begin｜>`.
 - "qwen3_coder": Qwen3-Coder's XML, `<tool_call><function=name><parameter=key>value
   </parameter></function></tool_call>`, after any text (tool_calls_xml.py), each value
-  given its type by the tool's schema. Known by its template's `<function=` and
+  given its type by the tool's schema; a bare `<function=...>` (no `<tool_call>`) is a
+  call too, as vLLM reads it. Known by its template's `<function=` and
   `<parameter=` (ahead of hermes: the template names `<tool_call>` too).
 - "glm45": GLM's `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>
   </tool_call>`, after any text, each value typed as Qwen3-Coder's are. Known by its
@@ -91,6 +92,7 @@ class ToolFormat:
     new_id: Callable[[], str] = new_call_id
     # Arguments parsed as text, then given their types by the request's tools' schemas.
     retype: Callable[[ToolCall, ParameterTypes], ToolCall] | None = None
+    also_opens: tuple[str, ...] = ()  # other texts a call may begin with (not at_start)
 
 
 def _call(obj: Any, arguments_key: str) -> ToolCall | None:
@@ -221,7 +223,8 @@ FORMATS = {f.name: f for f in (
     ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
     ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS),
     ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,
-               markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype),
+               markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype,
+               also_opens=(tool_calls_xml.BARE_OPENS,)),
     ToolFormat("glm45", "<tool_call>", False, tool_calls_xml.parse_glm,
                markers=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
                         "<arg_value>", "</arg_value>"), retype=tool_calls_xml.retype),
@@ -322,13 +325,15 @@ class ToolCallReader:
         return ""
 
     def _anywhere(self) -> str:
-        opens = self.format.opens
-        at = self.pending.find(opens)
-        if at >= 0:
+        openers = (self.format.opens, *self.format.also_opens)
+        found = [at for at in (self.pending.find(opens) for opens in openers) if at >= 0]
+        if found:
+            at = min(found)
             text, self.held, self.pending = self.pending[:at], self.pending[at:], ""
             return text
-        kept = next((n for n in range(min(len(opens) - 1, len(self.pending)), 0, -1)
-                     if opens.startswith(self.pending[-n:])), 0)
+        longest = max(len(opens) for opens in openers)
+        kept = next((n for n in range(min(longest - 1, len(self.pending)), 0, -1)
+                     if any(o.startswith(self.pending[-n:]) for o in openers)), 0)
         return self._pass(len(self.pending) - kept)
 
     def _pass(self, length: int) -> str:

@@ -34,6 +34,7 @@ FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)  # cut
 PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
                        re.DOTALL)
 TEMPLATE_SIGNS = ("<function=", "<parameter=")  # what its chat template shows the model
+BARE_OPENS = "<function="  # a Qwen3-Coder call without its <tool_call> around it
 STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 INTEGER_TYPES = ("int", "uint", "long", "short", "unsigned")
 NUMBER_TYPES = ("num", "float", "double")
@@ -44,17 +45,23 @@ ParameterTypes = Mapping[str, Mapping[str, str]]
 
 def parse(text: str) -> list[ToolCall] | None:
     """The calls, each parameter's value as text; None if a block holds no one whole
-    function (one cut short by the length would be a call with a value cut short)."""
-    calls = []
-    for block in BLOCK.findall(text):
-        functions = FUNCTION.findall(block)
-        if len(functions) != 1 or not functions[0][0].strip():
+    function (one cut short by the length would be a call with a value cut short).
+    Without `<tool_call>`, bare functions: None unless they are all the text is."""
+    if text.startswith(BARE_OPENS):
+        functions = FUNCTION.findall(text)
+        if FUNCTION.sub("", text).strip():
+            return None  # one cut short, or text after the calls
+    else:
+        blocks = [FUNCTION.findall(block) for block in BLOCK.findall(text)]
+        if any(len(found) != 1 for found in blocks):
             return None
-        name, body = functions[0]
-        arguments = {key.strip(): _bare(value) for key, value in PARAMETER.findall(body)}
-        calls.append(ToolCall(name=name.strip(),
-                              arguments=msgspec.json.encode(arguments).decode()))
-    return calls or None
+        functions = [found[0] for found in blocks]
+    if not functions or any(not name.strip() for name, _ in functions):
+        return None
+    return [ToolCall(name=name.strip(), arguments=msgspec.json.encode(
+        {key.strip(): _bare(value) for key, value in PARAMETER.findall(body)}).decode())
+            for name, body in functions]
+
 
 
 def parse_glm(text: str) -> list[ToolCall] | None:

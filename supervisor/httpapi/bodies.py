@@ -155,6 +155,8 @@ class Sampling(Options, kw_only=True):
 
 class ChatBody(Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...)
+    chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=32)] | None = None
     max_completion_tokens: Tokens | None = None
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
@@ -322,10 +324,12 @@ def chat_call(body: ChatBody) -> PoolCall:
               for part in m.content if part.type == "image_url"]
     if not images:
         messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
-        return PoolCall("generate", (messages,), {**sampling, **for_tools,
-                                                  "cache_salt": body.cache_salt}, made)
-    if body.tools:
-        raise bad("tools", "not with an image: a vision model is given no tools")
+        return PoolCall("generate", (messages,), {
+            **sampling, **for_tools, "cache_salt": body.cache_salt,
+            "chat_template_kwargs": body.chat_template_kwargs}, made)
+    for name in ("tools", "chat_template_kwargs"):
+        if getattr(body, name):
+            raise bad(name, "not with an image: a vision model's template takes none")
     if len(images) > 1:
         raise bad("messages", "one image per request is supported")
     index, part = images[0]

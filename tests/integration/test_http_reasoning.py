@@ -32,14 +32,17 @@ SAMPLED_RESPONSE: Any = {"temperature": 1.0, "extra_body": {"seed": 3}}  # vLLM'
 
 
 def _thinker(tiny_models_dir: Path, workdir: Path) -> Path:
-    """tiny-llm whose generation prompt ends with `<think>`, as a reasoning model's."""
+    """tiny-llm whose generation prompt ends with `<think>`, as a reasoning model's, or,
+    with the variable `enable_thinking` false, with an empty thinking (Qwen3's)."""
     model_dir = workdir / MODEL
     shutil.copytree(tiny_models_dir / "tiny-llm", model_dir)
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     prompt = "<|im_start|>assistant\n"
     assert config["chat_template"].count(prompt) == 1
-    config["chat_template"] = config["chat_template"].replace(prompt, prompt + "<think>\n")
+    config["chat_template"] = config["chat_template"].replace(prompt, prompt + (
+        "{% if enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"))
     config_path.write_text(json.dumps(config))
     return model_dir
 
@@ -94,6 +97,13 @@ def test_a_thought_cut_short_is_all_thinking_through_the_sdk_and_the_socket(
         chunks = list(client.generate(QUESTION, model=MODEL, max_tokens=10, **SAMPLED))
     assert "".join(c.reasoning for c in chunks) == thought
     assert "".join(c.text for c in chunks) == ""
+    # vLLM's chat_template_kwargs turn the thinking off: what the model says is its answer
+    off = sdk.chat.completions.create(model=MODEL, **kw, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert off.content and not (off.model_extra or {}).get("reasoning_content")
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs: 'chat_template'"):
+        sdk.chat.completions.create(model=MODEL, **kw, extra_body={
+            "chat_template_kwargs": {"chat_template": "{{ 'mine' }}"}})
     # the command line: the thinking on stderr (stdout is the answer), and in --json lines
     argv = [sys.executable, "-m", "modelpool.supervisor.cli", "generate", "--model", MODEL,
             "--max-tokens", "10", "--temperature", "1.0", "--seed", "3",

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from modelpool.protocol import kinds
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Chunk, End
 from modelpool.protocol.pipes import WorkItem
-from modelpool.registry.loaders.reasoning import ReasoningReader, opened_by_template, reasons
+from modelpool.registry.loaders.reasoning import ReasoningReader, reasons
 from modelpool.workers.capabilities import text_to_text
 from modelpool.workers.streams import StreamLoop
 
@@ -60,15 +61,40 @@ def test_a_model_reasons_by_its_option_else_by_its_template() -> None:
         reasons(qwen3, "r1", "m")
 
 
-def test_a_template_that_opens_the_thinking_is_seen_by_its_generation_prompt(
+# Qwen3's switch: its generation prompt opens the thinking, or writes an empty one
+QWEN3_PROMPT = ("<|im_start|>assistant\n{% if enable_thinking is defined and "
+                "enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n"
+                "{% endif %}")
+
+
+def test_each_prompt_says_whether_the_output_starts_inside_the_thinking(
         llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template that opens the thinking (Qwen3's, unless a request's
+    chat_template_kwargs turn it off) has the output start inside it."""
     template = llm.tokenizer.chat_template
-    assert not opened_by_template(llm.tokenizer)
-    monkeypatch.setattr(llm.tokenizer, "chat_template",
-                        template + "{% if add_generation_prompt %}<think>\n{% endif %}")
-    assert opened_by_template(llm.tokenizer)
-    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ raise_exception('no') }}")
-    assert not opened_by_template(llm.tokenizer)
+    assert template.count("<|im_start|>assistant\n{% endif") == 1
+    monkeypatch.setattr(llm, "reasons", True)
+    chat = [{"role": "user", "content": "hi"}]
+    assert llm.reasoning_reader(kinds.build("generate", chat)).state == "start"
+    monkeypatch.setattr(llm.tokenizer, "chat_template", template.replace(
+        "<|im_start|>assistant\n{% endif", QWEN3_PROMPT + "{% endif"))
+    assert llm.reasoning_reader(kinds.build("generate", chat)).state == "inside"
+    off = kinds.build("generate", chat, chat_template_kwargs={"enable_thinking": False})
+    assert llm.tokenizer.decode(llm.prompt_ids(off)).endswith("<think>\n\n</think>\n\n")
+    assert llm.reasoning_reader(off).state == "start"
+    assert llm.reasoning_reader(kinds.build("generate", chat, regex="a")).state == "start"
+
+
+@pytest.mark.parametrize("name", ["chat_template", "messages", "add_generation_prompt",
+                                  "bos_token", "tokenize"])
+def test_a_requests_template_variables_may_not_stand_for_the_daemons(llm: Any,
+                                                                      name: str) -> None:
+    request = kinds.build("generate", [{"role": "user", "content": "hi"}],
+                          chat_template_kwargs={name: "{{ 1 }}"})
+    with pytest.raises(PoolError) as refused:
+        llm.prompt_ids(request)
+    assert refused.value.code is ErrorCode.BAD_REQUEST
+    assert refused.value.message.startswith(f"chat_template_kwargs: {name!r}")
 
 
 class Outbox:
@@ -111,7 +137,8 @@ def test_the_tiny_model_held_to_thinking_then_an_answer_has_them_apart(
     assert "".join(c.text for c in chunks) == "Paris."
     assert isinstance(out.sent[-1], End) and out.sent[-1].finish_reason == "stop"
     # a template that opens the thinking: held to a language, the output opens it itself
-    monkeypatch.setattr(llm, "thinks_at_once", True)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", llm.tokenizer.chat_template.replace(
+        "<|im_start|>assistant\n{% endif", QWEN3_PROMPT + "{% endif"))
     out = Outbox()
     text_to_text.run(llm, [WorkItem(job_id=5, request=_chat())], out, 1)
     assert "".join(m.reasoning for m in out.sent if isinstance(m, Chunk)) == (

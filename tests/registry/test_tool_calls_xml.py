@@ -98,6 +98,20 @@ def test_what_is_no_call_comes_back_as_text(text: str) -> None:
     assert _read(text, 4) == ("", text, [])
 
 
+@pytest.mark.parametrize("piece", [1, 4, 10_000])
+def test_bare_functions_without_tool_call_are_calls_as_vllm_reads_them(piece: int) -> None:
+    """What Qwen3-Coder sometimes writes: its functions without the <tool_call> around."""
+    bare = CALLS.replace("<tool_call>\n", "").replace("</tool_call>", "")
+    passed, rest, calls = _read(bare, piece)
+    assert passed + rest == "Let me look that up.\n" and "<" not in passed
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert msgspec.json.decode(calls[0].arguments)["days"] == 3
+    for no_call in ("<function=get_time>\n</function>\nand then I", "<function=get_we",
+                    "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"):
+        assert _read(no_call, piece) == ("", no_call, [])  # text after, or cut short
+    assert _read("a <function> tag", piece) == ("a <function> tag", "", [])
+
+
 def test_a_call_cut_short_is_text_and_schemas_of_any_shape_are_read() -> None:
     cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
     assert _read(cut, 5) == ("", cut, [])  # not a call with "Par" for a city
