@@ -34,6 +34,12 @@ format; the ones read here, and how a model's is known:
 - "glm45": GLM's `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>
   </tool_call>`, after any text, each value typed as Qwen3-Coder's are. Known by its
   template's `<arg_key>` (ahead of hermes, too).
+- "minimax": MiniMax M1's `<tool_calls>` block after any text, a JSON `{"name",
+  "arguments"}` a line. Known by its template's `<tool_calls>`.
+- "minimax_m2": MiniMax M2's `<minimax:tool_call>` block after any text, each
+  `<invoke name="...">` a call with its `<parameter name="...">value</parameter>`s,
+  typed as Qwen3-Coder's are (tool_calls_xml.py). Known by its template's
+  `<minimax:tool_call>`.
 - "kimi_k2": Kimi K2's calls between `<|tool_calls_section_begin|>` and
   `<|tool_calls_section_end|>`, after any text, each `<|tool_call_begin|>` its id
   (`functions.name:index`, kept: its template writes it back), then
@@ -64,6 +70,7 @@ from modelpool.registry.loaders import tool_calls_xml
 from modelpool.registry.loaders.tool_calls_xml import ParameterTypes, parameter_types
 
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+MINIMAX_M1_BLOCK = re.compile(r"<tool_calls>(.*?)(?:</tool_calls>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -117,6 +124,13 @@ def _decoded(text: str) -> Any:
 def _hermes(text: str) -> list[ToolCall] | None:
     return _all_or_none([_call(_decoded(body), "arguments")
                          for body in HERMES_BLOCK.findall(text)])
+
+
+def _minimax_m1(text: str) -> list[ToolCall] | None:
+    """MiniMax M1's: a JSON object a line, in each `<tool_calls>` block."""
+    return _all_or_none([_call(_decoded(line), "arguments")
+                         for block in MINIMAX_M1_BLOCK.findall(text)
+                         for line in block.splitlines() if line.strip()])
 
 
 def _llama3_json(text: str) -> list[ToolCall] | None:
@@ -228,7 +242,12 @@ FORMATS = {f.name: f for f in (
     ToolFormat("glm45", "<tool_call>", False, tool_calls_xml.parse_glm,
                markers=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
                         "<arg_value>", "</arg_value>"), retype=tool_calls_xml.retype),
-    ToolFormat("kimi_k2", KIMI_MARKERS[0], False, _kimi_k2, markers=KIMI_MARKERS))}
+    ToolFormat("kimi_k2", KIMI_MARKERS[0], False, _kimi_k2, markers=KIMI_MARKERS),
+    ToolFormat("minimax", "<tool_calls>", False, _minimax_m1,
+               markers=("<tool_calls>", "</tool_calls>")),
+    ToolFormat("minimax_m2", tool_calls_xml.MINIMAX_OPENS, False, tool_calls_xml.parse_minimax,
+               markers=(tool_calls_xml.MINIMAX_OPENS, "</minimax:tool_call>"),
+               retype=tool_calls_xml.retype))}
 
 
 def format_of(template: str | None, configured: str | None, key: str) -> ToolFormat | None:
@@ -247,6 +266,10 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
         return FORMATS["glm45"]
     if KIMI_MARKERS[0] in template:
         return FORMATS["kimi_k2"]
+    if tool_calls_xml.MINIMAX_OPENS in template:
+        return FORMATS["minimax_m2"]
+    if "<tool_calls>" in template:
+        return FORMATS["minimax"]
     if GRANITE_CALL in template:
         return FORMATS["granite"]
     if DEEPSEEK_MARKERS[0] in template:

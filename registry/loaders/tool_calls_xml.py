@@ -1,12 +1,13 @@
 """Tool calls in XML, whose values are bare text: Qwen3-Coder's (Qwen3-Coder, Qwen3.5;
-vLLM's `qwen3_coder` parser) and GLM's (GLM 4.5 and later; vLLM's `glm45`):
+vLLM's `qwen3_coder` parser), GLM's (GLM 4.5 and later; vLLM's `glm45`) and MiniMax
+M2's (vLLM's `minimax_m2`):
 
-    <tool_call>                           <tool_call>get_weather
-    <function=get_weather>                <arg_key>city</arg_key>
-    <parameter=city>                      <arg_value>Paris</arg_value>
-    Paris                                 </tool_call>
-    </parameter>
-    </function>
+    <tool_call>                 <tool_call>get_weather        <minimax:tool_call>
+    <function=get_weather>      <arg_key>city</arg_key>       <invoke name="get_weather">
+    <parameter=city>            <arg_value>Paris</arg_value>  <parameter name="city">Paris
+    Paris                       </tool_call>                  </parameter>
+    </parameter>                                              </invoke>
+    </function>                                               </minimax:tool_call>
     </tool_call>
 
 (In Qwen3-Coder's, a line break after a value's opening tag and before its closing one
@@ -33,6 +34,10 @@ GLM_TEMPLATE_SIGN = "<arg_key>"
 FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)  # cut: no call
 PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
                        re.DOTALL)
+MINIMAX_OPENS = "<minimax:tool_call>"  # its template shows the model this too
+MINIMAX_BLOCK = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
+INVOKE = re.compile(r"<invoke name=([^>\n]*)>(.*?)</invoke>", re.DOTALL)
+NAMED_PARAMETER = re.compile(r"<parameter name=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 TEMPLATE_SIGNS = ("<function=", "<parameter=")  # what its chat template shows the model
 BARE_OPENS = "<function="  # a Qwen3-Coder call without its <tool_call> around it
 STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
@@ -79,6 +84,29 @@ def parse_glm(text: str) -> list[ToolCall] | None:
         calls.append(ToolCall(name=name, arguments=msgspec.json.encode(
             {key.strip(): value for key, value in GLM_ARGUMENT.findall(arguments)}).decode()))
     return calls or None
+
+
+def parse_minimax(text: str) -> list[ToolCall] | None:
+    """MiniMax M2's calls, each value as text; None if a block holds anything but whole
+    invokes (one cut short, text beside them) or an invoke anything but parameters."""
+    calls = []
+    for block in MINIMAX_BLOCK.findall(text):
+        invokes = INVOKE.findall(block)
+        if not invokes or INVOKE.sub("", block).strip():
+            return None
+        for name, body in invokes:
+            if not _unquoted(name) or NAMED_PARAMETER.sub("", body).strip():
+                return None
+            arguments = {_unquoted(key): value.strip()
+                         for key, value in NAMED_PARAMETER.findall(body)}
+            calls.append(ToolCall(name=_unquoted(name),
+                                  arguments=msgspec.json.encode(arguments).decode()))
+    return calls or None
+
+
+def _unquoted(name: str) -> str:
+    name = name.strip()
+    return name[1:-1].strip() if len(name) > 1 and name[0] == name[-1] in "'\"" else name
 
 
 def _bare(value: str) -> str:

@@ -193,6 +193,19 @@ def test_kimi_k2_calls_keep_the_ids_the_model_wrote(piece: int) -> None:
         assert _read("kimi_k2", broken, piece)[2] == []
 
 
+MINIMAX_M1 = ('Let me look.\n<tool_calls>\n{"name": "get_weather", "arguments": {"city": '
+              '"Paris"}}\n{"name": "get_time", "arguments": {}}\n</tool_calls>')
+
+
+@pytest.mark.parametrize("piece", [1, 6, 1000])
+def test_minimax_m1_calls_are_a_json_object_a_line(piece: int) -> None:
+    passed, rest, calls = _read("minimax", MINIMAX_M1, piece)
+    assert "".join(passed) + rest == "Let me look.\n" and "<" not in "".join(passed)
+    assert calls == [WEATHER, TIME]
+    cut = MINIMAX_M1[:MINIMAX_M1.index("}}") + 1]  # its first call's arguments cut short
+    assert _read("minimax", cut, piece)[1:] == (cut[cut.index("<"):], [])
+
+
 def test_the_format_comes_from_the_options_or_the_template() -> None:
     assert format_of("... <tool_call> ...", None, "m") is HERMES
     assert format_of("<|start_header_id|> ... parameters ...", None, "m") is LLAMA3
@@ -211,6 +224,10 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
     glm = "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>"
     assert format_of(glm, None, "m") is FORMATS["glm45"]  # not hermes either
     assert format_of("{{'<|tool_calls_section_begin|>'}}", None, "m") is FORMATS["kimi_k2"]
+    minimax_m2 = '<minimax:tool_call>\n<invoke name="tool-name-1">\n<parameter name="k">'
+    assert format_of(minimax_m2, None, "m") is FORMATS["minimax_m2"]
+    minimax_m1 = 'respond with <tool_calls></tool_calls> XML tags ... {"name": <tool-name>'
+    assert format_of(minimax_m1, None, "m") is FORMATS["minimax"]
     llama31_custom = "<function=example_function_name>{...}</function> <|python_tag|>"
     assert format_of(llama31_custom, None, "m") is LLAMA3
     assert format_of("<|im_start|>{{ message.content }}", None, "m") is None

@@ -112,6 +112,43 @@ def test_bare_functions_without_tool_call_are_calls_as_vllm_reads_them(piece: in
     assert _read("a <function> tag", piece) == ("a <function> tag", "", [])
 
 
+MINIMAX_M2 = """I will check both.
+<minimax:tool_call>
+<invoke name="get_weather">
+<parameter name="city">New York</parameter>
+<parameter name="days">3</parameter>
+<parameter name="hours">[9, 12]</parameter>
+</invoke>
+<invoke name='get_time'>
+</invoke>
+</minimax:tool_call>"""
+
+
+@pytest.mark.parametrize("piece", [1, 7, 10_000])
+def test_minimax_m2_invokes_with_each_value_of_its_schemas_type(piece: int) -> None:
+    reader = reader_for(FORMATS["minimax_m2"], "m", TOOLS)
+    passed = "".join(reader.feed(MINIMAX_M2[i:i + piece])
+                     for i in range(0, len(MINIMAX_M2), piece))
+    rest, calls = reader.finish()
+    assert passed + rest == "I will check both.\n" and "<" not in passed
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert msgspec.json.decode(calls[0].arguments) == {"city": "New York", "days": 3,
+                                                       "hours": [9, 12]}
+    assert calls[1].arguments == "{}"
+
+
+@pytest.mark.parametrize("text", [
+    MINIMAX_M2[MINIMAX_M2.index("<"):MINIMAX_M2.index("</invoke>")],  # cut short
+    '<minimax:tool_call><invoke name="get_time"></invoke> and more</minimax:tool_call>',
+    '<minimax:tool_call><invoke name="get_time">x</invoke></minimax:tool_call>',
+    '<minimax:tool_call><invoke name="">\n</invoke></minimax:tool_call>',
+    "<minimax:tool_call>\n</minimax:tool_call>",
+])
+def test_what_is_no_minimax_m2_call_comes_back_as_text(text: str) -> None:
+    reader = reader_for(FORMATS["minimax_m2"], "m", TOOLS)
+    assert (reader.feed(text), reader.finish()) == ("", (text, []))
+
+
 def test_a_call_cut_short_is_text_and_schemas_of_any_shape_are_read() -> None:
     cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
     assert _read(cut, 5) == ("", cut, [])  # not a call with "Par" for a city
