@@ -31,12 +31,10 @@ from modelpool.registry.loaders.grammar import GrammarMatcher, Grammars
 from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
 from modelpool.registry.loaders.prefix_cache import PrefixCache
 from modelpool.registry.loaders.reasoning import (
-    CLOSES,
-    OPENS,
     PROMPT_TAIL,
     ReasoningReader,
     opens_thinking,
-    reasons,
+    thinking_tags,
 )
 from modelpool.registry.loaders.token_logprobs import (
     check_prompt_logprobs,
@@ -69,8 +67,10 @@ class CausalLM:
         self.tool_format = format_of(str(template) if template else None, tool_call_format, key)
         self.tool_markers = kept_tokens(tokenizer, self.tool_format.markers
                                         if self.tool_format else ())
-        self.reasons = reasons(str(template) if template else None, reasoning_format, key)
-        self.reasoning_markers = kept_tokens(tokenizer, (OPENS, CLOSES) if self.reasons else ())
+        self.thinking = thinking_tags(str(template) if template else None, reasoning_format,
+                                      key)
+        self.reasoning_markers = kept_tokens(tokenizer, (
+            self.thinking.opens, self.thinking.closes) if self.thinking else ())
         self.batchable = batch_fit.unsupported(model) is None  # continuously
         # the prefix cache's budget (0: none, as for a model that cannot batch continuously);
         # None: the default share of memory
@@ -82,7 +82,7 @@ class CausalLM:
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template),
                 "tool_call_format": self.tool_format.name if self.tool_format else None,
-                "reasoning_format": "think" if self.reasons else None,
+                "reasoning_format": self.thinking.name if self.thinking else None,
                 "prefix_cache_mb": round(self.prefix_cache_bytes / (1 << 20), 1)}
 
     def prompt_ids(self, request: Generate) -> list[int]:
@@ -145,16 +145,17 @@ class CausalLM:
         ends by opening the thinking (the template's doing) has the output start inside
         it; held to a language (structured output), the output is the answer unless it
         opens the thinking itself."""
-        if not self._reads_thinking(request):
+        if self.thinking is None or not self._reads_thinking(request):
             return None
         if request.sampling.structured is not None:
-            return ReasoningReader(inside=False)
+            return ReasoningReader(False, self.thinking)
         ids = self.prompt_ids(request) if ids is None else ids
-        return ReasoningReader(opens_thinking(self.tokenizer.decode(ids[-PROMPT_TAIL:])))
+        tail = self.tokenizer.decode(ids[-PROMPT_TAIL:])
+        return ReasoningReader(opens_thinking(tail, self.thinking), self.thinking)
 
     def _reads_thinking(self, request: Generate) -> bool:
         chat = bool(request.messages) or bool(self.tokenizer.chat_template and not request.raw)
-        return self.reasons and chat and not request.prompt_ids
+        return self.thinking is not None and chat and not request.prompt_ids
 
     def _kept(self, request: Generate) -> dict[int, str] | None:
         """The special tokens its text keeps: the format's markers, when it may call, and

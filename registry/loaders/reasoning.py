@@ -1,36 +1,57 @@
-"""A reasoning model's thinking, read out of its text: what it writes between `<think>`
-and `</think>` (DeepSeek-R1, Qwen3, QwQ, GLM-4.5, ...) goes apart from its answer, as
-vLLM's reasoning parsers put it in `reasoning_content`.
+"""A reasoning model's thinking, read out of its text: what it writes between its tags
+goes apart from its answer, as vLLM's reasoning parsers put it in `reasoning_content`:
 
-Some templates open the thinking themselves (their generation prompt ends with
-`<think>`: DeepSeek-R1-0528, Qwen3's thinking-only models): the output then starts
-inside it, and only `</think>` comes. Others leave the model to open it (Qwen3's hybrid
-models), or to answer at once, or write an empty thinking into the prompt (Qwen3's with
-`enable_thinking` false). Each prompt's end says which. A model's loader option
-`reasoning_format` says "think" or "none" where the template does not: a template that
-writes `</think>` reasons.
+- "think": `<think>` and `</think>` (DeepSeek-R1, Qwen3, QwQ, GLM-4.5, MiniMax, ...);
+- "mistral": `[THINK]` and `[/THINK]` (Magistral);
+- "seed_oss": `<seed:think>` and `</seed:think>` (Seed-OSS).
+
+Some templates open the thinking themselves (their generation prompt ends with the
+opening tag: DeepSeek-R1-0528, Qwen3's thinking-only models): the output then starts
+inside it, and only the closing tag comes. Others leave the model to open it (Qwen3's
+hybrid models), or to answer at once, or write an empty thinking into the prompt
+(Qwen3's with `enable_thinking` false). Each prompt's end says which. A model's loader
+option `reasoning_format` names its tags, or "none", where the template does not: a
+template that writes a closing tag reasons so.
 """
 
 from __future__ import annotations
 
-FORMATS = ("think", "none")
-OPENS, CLOSES = "<think>", "</think>"
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ThinkingTags:
+    name: str
+    opens: str
+    closes: str
+
+
+FORMATS = {t.name: t for t in (ThinkingTags("think", "<think>", "</think>"),
+                               ThinkingTags("mistral", "[THINK]", "[/THINK]"),
+                               ThinkingTags("seed_oss", "<seed:think>", "</seed:think>"))}
 PROMPT_TAIL = 8  # tokens: a prompt's end, decoded, shows whether it opens the thinking
 
 
-def reasons(template: str | None, configured: str | None, key: str) -> bool:
-    """Whether the model thinks in `<think>`: what its options say, else its template."""
+def thinking_tags(template: str | None, configured: str | None,
+                  key: str) -> ThinkingTags | None:
+    """The model's tags: those its options name, else those its template writes; None:
+    it does not reason."""
     if configured is not None:
-        if configured not in FORMATS:
+        if configured != "none" and configured not in FORMATS:
             raise ValueError(f"model {key!r}: reasoning_format {configured!r} is not one of "
-                             f"{list(FORMATS)}")
-        return configured == "think"
-    return CLOSES in (template or "")
+                             f"{[*FORMATS, 'none']}")
+        return FORMATS.get(configured)
+    template = template or ""
+    # the rarer tags first: a template naming them may name </think> too
+    for tags in (FORMATS["seed_oss"], FORMATS["mistral"], FORMATS["think"]):
+        if tags.closes in template:
+            return tags
+    return None
 
 
-def opens_thinking(prompt_tail: str) -> bool:
+def opens_thinking(prompt_tail: str, tags: ThinkingTags) -> bool:
     """Whether a prompt ending so opened the thinking (the output starts inside it)."""
-    return prompt_tail.rstrip().endswith(OPENS)
+    return prompt_tail.rstrip().endswith(tags.opens)
 
 
 class ReasoningReader:
@@ -39,7 +60,8 @@ class ReasoningReader:
     the tags (the templates' newlines) belongs to neither. An output cut short inside the
     thinking has only thinking, as vLLM's DeepSeek-R1 parser reads it."""
 
-    def __init__(self, inside: bool) -> None:
+    def __init__(self, inside: bool, tags: ThinkingTags = FORMATS["think"]) -> None:
+        self.tags = tags
         self.state = "inside" if inside else "start"  # start, inside, after, answer
         self.pending = ""
         self.thought = False  # some thinking has been passed on
@@ -67,24 +89,25 @@ class ReasoningReader:
 
     def _opened(self) -> bool:
         """At the answer's start: True once it is known whether `<think>` opens it."""
-        start = self.pending.lstrip()
-        if start.startswith(OPENS):
-            self.state, self.pending = "inside", start.removeprefix(OPENS)
+        start, opens = self.pending.lstrip(), self.tags.opens
+        if start.startswith(opens):
+            self.state, self.pending = "inside", start.removeprefix(opens)
             return True
-        if not OPENS.startswith(start):
+        if not opens.startswith(start):
             self.state = "answer"
             return True
         return False  # maybe the tag: wait for more
 
     def _thinking(self) -> tuple[str, bool]:
         """The thinking that may be passed on, and whether `</think>` was reached."""
-        at = self.pending.find(CLOSES)
+        closes = self.tags.closes
+        at = self.pending.find(closes)
         if at >= 0:
-            text, self.pending = self.pending[:at], self.pending[at + len(CLOSES):]
+            text, self.pending = self.pending[:at], self.pending[at + len(closes):]
             self.state = "after"
             return self._passed(text.rstrip()), True
-        kept = next((n for n in range(min(len(CLOSES) - 1, len(self.pending)), 0, -1)
-                     if CLOSES.startswith(self.pending[-n:])), 0)
+        kept = next((n for n in range(min(len(closes) - 1, len(self.pending)), 0, -1)
+                     if closes.startswith(self.pending[-n:])), 0)
         cut = len(self.pending) - kept
         stripped = self.pending[:cut].rstrip()  # trailing space may precede the tag
         text, self.pending = stripped, self.pending[len(stripped):]

@@ -12,7 +12,7 @@ from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Chunk, End
 from modelpool.protocol.pipes import WorkItem
-from modelpool.registry.loaders.reasoning import ReasoningReader, reasons
+from modelpool.registry.loaders.reasoning import FORMATS, ReasoningReader, thinking_tags
 from modelpool.workers.capabilities import text_to_text
 from modelpool.workers.streams import StreamLoop
 
@@ -55,10 +55,25 @@ def test_an_output_cut_short_inside_the_thinking_is_all_thinking() -> None:
 
 def test_a_model_reasons_by_its_option_else_by_its_template() -> None:
     qwen3 = "{%- if '</think>' in content %}{{ content.split('</think>')[-1] }}{% endif %}"
-    assert reasons(qwen3, None, "m") and not reasons("{{ messages }}", None, "m")
-    assert reasons("{{ messages }}", "think", "m") and not reasons(qwen3, "none", "m")
+    assert thinking_tags(qwen3, None, "m") is FORMATS["think"]
+    assert thinking_tags("{{ messages }}", None, "m") is None
+    assert thinking_tags("{{ '[THINK]' + t + '[/THINK]' }}", None, "m") is FORMATS["mistral"]
+    assert thinking_tags("<seed:think>{{ t }}</seed:think>", None, "m") is FORMATS["seed_oss"]
+    assert thinking_tags("{{ messages }}", "think", "m") is FORMATS["think"]
+    assert thinking_tags(qwen3, "none", "m") is None
     with pytest.raises(ValueError, match="reasoning_format 'r1' is not one of"):
-        reasons(qwen3, "r1", "m")
+        thinking_tags(qwen3, "r1", "m")
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_other_tags_are_read_alike(piece: int) -> None:
+    for tags, text in ((FORMATS["mistral"], "[THINK]Hmm [/THI, no.[/THINK]\nYes."),
+                       (FORMATS["seed_oss"], "<seed:think>Hmm</think>.</seed:think>Yes.")):
+        reader = ReasoningReader(False, tags)
+        read = [reader.feed(text[i:i + piece]) for i in range(0, len(text), piece)]
+        read.append(reader.finish())
+        thinking, answer = "".join(t for t, _ in read), "".join(a for _, a in read)
+        assert (thinking, answer) == (text[len(tags.opens):text.index(tags.closes)], "Yes.")
 
 
 # Qwen3's switch: its generation prompt opens the thinking, or writes an empty one
@@ -73,7 +88,7 @@ def test_each_prompt_says_whether_the_output_starts_inside_the_thinking(
     chat_template_kwargs turn it off) has the output start inside it."""
     template = llm.tokenizer.chat_template
     assert template.count("<|im_start|>assistant\n{% endif") == 1
-    monkeypatch.setattr(llm, "reasons", True)
+    monkeypatch.setattr(llm, "thinking", FORMATS["think"])
     chat = [{"role": "user", "content": "hi"}]
     assert llm.reasoning_reader(kinds.build("generate", chat)).state == "start"
     monkeypatch.setattr(llm.tokenizer, "chat_template", template.replace(
@@ -129,7 +144,7 @@ def test_the_tiny_model_held_to_thinking_then_an_answer_has_them_apart(
         llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """tiny-llm, taken as a reasoning model, held by a regex to a thought and an answer:
     its chunks carry them apart, one request at a time."""
-    monkeypatch.setattr(llm, "reasons", True)
+    monkeypatch.setattr(llm, "thinking", FORMATS["think"])
     out = Outbox()
     text_to_text.run(llm, [WorkItem(job_id=1, request=_chat())], out, 1)
     chunks = [m for m in out.sent if isinstance(m, Chunk)]
@@ -150,7 +165,7 @@ def test_the_tiny_model_held_to_thinking_then_an_answer_has_them_apart(
     text_to_text.run(llm, [WorkItem(job_id=2, request=raw)], out, 1)
     assert "".join(m.text for m in out.sent if isinstance(m, Chunk)) == WRITTEN
     # a model that does not reason: text too
-    monkeypatch.setattr(llm, "reasons", False)
+    monkeypatch.setattr(llm, "thinking", None)
     out = Outbox()
     text_to_text.run(llm, [WorkItem(job_id=3, request=_chat())], out, 1)
     assert "".join(m.text for m in out.sent if isinstance(m, Chunk)) == WRITTEN
@@ -158,7 +173,7 @@ def test_the_tiny_model_held_to_thinking_then_an_answer_has_them_apart(
 
 def test_continuous_batching_reads_the_thinking_too(llm: Any,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llm, "reasons", True)
+    monkeypatch.setattr(llm, "thinking", FORMATS["think"])
     out = Outbox()
     loop = StreamLoop(llm.decoder(), lambda item: text_to_text.prepare(llm, item, out), out)
     loop._start([WorkItem(job_id=4, request=_chat())])
