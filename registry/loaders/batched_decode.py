@@ -35,6 +35,7 @@ from modelpool.registry.loaders import continued_prefill, prefill_groups
 from modelpool.registry.loaders.batch_fit import default_max_sequences
 from modelpool.registry.loaders.common import kv_cache_keyword, kv_cache_of
 from modelpool.registry.loaders.grammar import GrammarMatcher
+from modelpool.registry.loaders.harmony import HarmonyCalls, HarmonyReader
 from modelpool.registry.loaders.kv_rows import Rows, row_of
 from modelpool.registry.loaders.logit_rules import LogitRules
 from modelpool.registry.loaders.prefix_cache import PrefixCache, shared_prefix
@@ -65,8 +66,8 @@ class Prepared:
     budget: int  # tokens it may generate: max_tokens, cut to the context left
     sampling: Sampling
     grammar: GrammarMatcher | None = None  # structured output: its place in the language
-    tool_calls: ToolCallReader | None = None  # tool_choice "auto": reads its calls (streams)
-    reasoning: ReasoningReader | None = None  # a reasoning model's: reads its thinking
+    tool_calls: ToolCallReader | HarmonyCalls | None = None  # tool_choice "auto": its calls
+    reasoning: ReasoningReader | HarmonyReader | None = None  # reads a model's thinking
     kept: dict[int, str] | None = None  # special tokens its text keeps (the calls' markers)
     cache_salt: str = ""  # kept prompts are shared only among sequences of the same salt
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Generate, Sampling
-from modelpool.registry.loaders import batch_fit
+from modelpool.registry.loaders import batch_fit, harmony
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.chat_prompt import chat_ids, template_message
 from modelpool.registry.loaders.common import (
@@ -28,6 +28,7 @@ from modelpool.registry.loaders.common import (
     vocab_size,
 )
 from modelpool.registry.loaders.grammar import GrammarMatcher, Grammars
+from modelpool.registry.loaders.harmony import HarmonyCalls, HarmonyReader
 from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
 from modelpool.registry.loaders.prefix_cache import PrefixCache
 from modelpool.registry.loaders.reasoning import (
@@ -44,6 +45,7 @@ from modelpool.registry.loaders.token_logprobs import (
 from modelpool.registry.loaders.tool_calls import (
     ToolCallReader,
     format_of,
+    function_names,
     kept_tokens,
     reader_for,
 )
@@ -63,12 +65,14 @@ class CausalLM:
         self.eos_ids = eos_ids_of(model, tokenizer)
         self.vocab = vocab_size(model)
         self.grammars = Grammars(tokenizer, self.vocab, self.eos_ids)
-        template = tokenizer.chat_template
-        self.tool_format = format_of(str(template) if template else None, tool_call_format, key)
+        template = str(tokenizer.chat_template) if tokenizer.chat_template else None
+        # gpt-oss's channels hold both its thinking and its calls
+        self.harmony = harmony.used(template, tool_call_format, reasoning_format)
+        self.harmony_markers = kept_tokens(tokenizer, harmony.MARKERS if self.harmony else ())
+        self.tool_format = None if self.harmony else format_of(template, tool_call_format, key)
         self.tool_markers = kept_tokens(tokenizer, self.tool_format.markers
                                         if self.tool_format else ())
-        self.thinking = thinking_tags(str(template) if template else None, reasoning_format,
-                                      key)
+        self.thinking = None if self.harmony else thinking_tags(template, reasoning_format, key)
         self.reasoning_markers = kept_tokens(tokenizer, (
             self.thinking.opens, self.thinking.closes) if self.thinking else ())
         self.batchable = batch_fit.unsupported(model) is None  # continuously
@@ -81,8 +85,10 @@ class CausalLM:
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template),
-                "tool_call_format": self.tool_format.name if self.tool_format else None,
-                "reasoning_format": self.thinking.name if self.thinking else None,
+                "tool_call_format": harmony.FORMAT if self.harmony else
+                self.tool_format.name if self.tool_format else None,
+                "reasoning_format": harmony.FORMAT if self.harmony else
+                self.thinking.name if self.thinking else None,
                 "prefix_cache_mb": round(self.prefix_cache_bytes / (1 << 20), 1)}
 
     def prompt_ids(self, request: Generate) -> list[int]:
@@ -125,12 +131,23 @@ class CausalLM:
     def prepare(self, request: Generate) -> Prepared:
         """A sequence for the decoder; raises PoolError for a prompt too long."""
         ids, budget = self._checked_ids(request)
+        calls, reasoning = self.readers(request, ids)
         return Prepared(inputs={"input_ids": torch.tensor([ids], device=self.model.device)},
                         prompt_tokens=len(ids), budget=budget, sampling=request.sampling,
                         grammar=self.grammars.matcher(request.sampling.structured),
-                        tool_calls=self.tool_reader(request), kept=self._kept(request),
-                        reasoning=self.reasoning_reader(request, ids),
+                        tool_calls=calls, kept=self._kept(request), reasoning=reasoning,
                         cache_salt=request.cache_salt)
+
+    def readers(self, request: Generate, ids: list[int] | None = None
+                ) -> tuple[ToolCallReader | HarmonyCalls | None,
+                           ReasoningReader | HarmonyReader | None]:
+        """What reads the calls (tool_choice "auto") and the thinking out of the output:
+        for a harmony chat, one reader of its channels."""
+        if self.harmony and self._chat(request):
+            channels = HarmonyReader(reads_calls=request.tool_choice == "auto")
+            calls = HarmonyCalls(channels, function_names(request.tools))
+            return (calls if request.tool_choice == "auto" else None), channels
+        return self.tool_reader(request), self.reasoning_reader(request, ids)
 
     def tool_reader(self, request: Generate) -> ToolCallReader | None:
         """What reads the calls out of the output (tool_choice "auto"), else None."""
@@ -154,14 +171,19 @@ class CausalLM:
         return ReasoningReader(opens_thinking(tail, self.thinking), self.thinking)
 
     def _reads_thinking(self, request: Generate) -> bool:
+        return self.thinking is not None and self._chat(request)
+
+    def _chat(self, request: Generate) -> bool:
+        """The prompt is the template's: its output is read (a raw one is the client's)."""
         chat = bool(request.messages) or bool(self.tokenizer.chat_template and not request.raw)
-        return self.thinking is not None and chat and not request.prompt_ids
+        return chat and not request.prompt_ids
 
     def _kept(self, request: Generate) -> dict[int, str] | None:
         """The special tokens its text keeps: the format's markers, when it may call, and
-        the thinking's tags, when it is read."""
+        the thinking's tags (or harmony's), when they are read."""
         kept = {**(self.tool_markers if request.tool_choice == "auto" else {}),
-                **(self.reasoning_markers if self._reads_thinking(request) else {})}
+                **(self.reasoning_markers if self._reads_thinking(request) else {}),
+                **(self.harmony_markers if self.harmony and self._chat(request) else {})}
         return kept or None
 
     @torch.inference_mode()

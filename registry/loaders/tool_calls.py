@@ -304,9 +304,13 @@ def reader_for(tool_format: ToolFormat | None, key: str,
         raise PoolError(ErrorCode.BAD_REQUEST, f"tool_choice auto: model {key!r}'s tool-call "
                         f"format is not known (one of {sorted(FORMATS)}, from its chat "
                         "template or its tool_call_format option)")
+    return ToolCallReader(tool_format, function_names(tools), parameter_types(tools))
+
+
+def function_names(tools: list[dict[str, Any]]) -> set[Any]:
+    """The names of a request's function tools (OpenAI's shape)."""
     functions = [t.get("function") for t in tools]
-    return ToolCallReader(tool_format, {f.get("name") for f in functions
-                                        if isinstance(f, dict)}, parameter_types(tools))
+    return {f.get("name") for f in functions if isinstance(f, dict)}
 
 
 class ToolCallReader:

@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import openai
 import pytest
 from conftest import ROOT, Daemon
 from http_helpers import KEY, http_daemon
+from test_http_responses import _ended
 
 MODEL = "tiny-thinker"
 WRITTEN = "<think>\nThe user wants a city.\n</think>\n\nParis."
@@ -47,6 +47,17 @@ def _thinker(tiny_models_dir: Path, workdir: Path) -> Path:
     return model_dir
 
 
+def _harmony(tiny_models_dir: Path, workdir: Path) -> Path:
+    """tiny-llm whose template writes harmony's channels, as gpt-oss's does."""
+    model_dir = workdir / "tiny-harmony"
+    shutil.copytree(tiny_models_dir / "tiny-llm", model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] += "{#- its answers: <|channel|>final<|message|>... -#}"
+    config_path.write_text(json.dumps(config))
+    return model_dir
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
@@ -57,6 +68,11 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
         capability = "text_to_text"
         path = "{_thinker(tiny_models_dir, workdir)}"
         options = {{ context = 1024, reasoning_format = "think" }}
+        [[models]]
+        key = "tiny-harmony"
+        capability = "text_to_text"
+        path = "{_harmony(tiny_models_dir, workdir)}"
+        options = {{ context = 1024 }}
         """)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
@@ -120,15 +136,6 @@ def test_a_thought_cut_short_is_all_thinking_through_the_sdk_and_the_socket(
     assert raw.strip() == thought  # a raw prompt's text is all text
 
 
-def _ended(sdk: openai.OpenAI, response_id: str) -> Any:
-    deadline = time.monotonic() + 60
-    while True:
-        response = sdk.responses.retrieve(response_id)
-        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
-            return response
-        time.sleep(0.1)
-
-
 def test_a_responses_thinking_is_its_reasoning_item_whole_streamed_and_in_the_background(
         sdk: openai.OpenAI) -> None:
     asked: Any = {"model": MODEL, "input": QUESTION, "max_output_tokens": 10,
@@ -177,3 +184,29 @@ def test_a_reasoning_answer_is_continued_and_sent_back_as_input(sdk: openai.Open
     assert by_id.usage.input_tokens == sent_back.usage.input_tokens
     items = list(sdk.responses.input_items.list(by_id.id, order="asc"))
     assert [i.type for i in items] == ["message", "reasoning", "message", "message"]
+
+
+HARMONY = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
+           "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+           "<|start|>assistant<|channel|>commentary to=functions.get_weather "
+           '<|constrain|>json<|message|>{"city": "Paris"}')
+
+
+def test_gpt_oss_channels_are_its_thinking_its_answer_and_its_calls(sdk: openai.OpenAI) -> None:
+    """A model whose template writes harmony's channels (gpt-oss's), held by a regex to a
+    thought, a preamble and a call: chat's reasoning_content, content and tool_calls."""
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    asked: Any = {"model": "tiny-harmony", "messages": QUESTION, "tools": tools,
+                  "temperature": 0, "extra_body": {"guided_regex": re.escape(HARMONY)}}
+    choice = sdk.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert (choice.message.model_extra or {})["reasoning_content"] == "Need the weather."
+    assert choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather", {"city": "Paris"})
+    deltas = [c.choices[0].delta for c in sdk.chat.completions.create(**asked, stream=True)
+              if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    assert [c.function.name for d in deltas for c in d.tool_calls or []] == ["get_weather"]

@@ -148,10 +148,15 @@ def tool_reader(model: Any, request: Generate) -> ToolReader | None:
     return None
 
 
-def reasoning_reader(model: Any, request: Generate) -> ReasoningSplitter | None:
-    """What reads a reasoning model's thinking out of its text, if the model reasons."""
-    read = getattr(model, "reasoning_reader", None)
-    return None if read is None else read(request)  # type: ignore[no-any-return]
+def readers(model: Any, request: Generate) -> tuple[ToolReader | None,
+                                                   ReasoningSplitter | None]:
+    """What reads the model's calls and its thinking out of its text: its `readers`, or
+    its `tool_reader` and (a reasoning model's) `reasoning_reader`."""
+    both = getattr(model, "readers", None)
+    if both is not None:
+        return both(request)  # type: ignore[no-any-return]
+    think = getattr(model, "reasoning_reader", None)
+    return tool_reader(model, request), None if think is None else think(request)
 
 
 def run(model: TextGenerationModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
@@ -177,8 +182,7 @@ def prepare(model: Any, item: WorkItem, out: Outbox) -> Any:
 def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
     try:
         request = _check(model, item)
-        output = TextOutput(request.sampling, tool_reader(model, request),
-                            reasoning_reader(model, request))
+        output = TextOutput(request.sampling, *readers(model, request))
     except PoolError as exc:
         out.send(error_reply(item.job_id, exc))
         return
