@@ -141,8 +141,8 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
              grammar: str | None = None, tools: str | list[dict[str, Any]] | None = None,
              tool_choice: Literal["none", "auto"] = "none",
              raw: bool = False, cache_salt: str = "",
-             chat_template_kwargs: str | dict[str, Any] | None = None
-             ) -> tuple[Fields, bool]:
+             chat_template_kwargs: str | dict[str, Any] | None = None,
+             reasoning_effort: str | None = None) -> tuple[Fields, bool]:
     """Stream generated text; a prompt, its token ids (given to the model as they are), or
     a chat as [{"role", "content"}, ...] (an assistant's message may hold the
     "tool_calls" it made, as ToolCalls or their dicts; a "tool" message its
@@ -160,14 +160,16 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     "tool_calls"). The worker reuses what it computed for prompts that started the same
     way (the last chunk's cached_tokens) only among requests of the same cache_salt.
     chat_template_kwargs (or their JSON text): more variables for the chat template
-    (Qwen3's {"enable_thinking": False}, ...).
+    (Qwen3's {"enable_thinking": False}, ...); reasoning_effort ("low", "medium", "high",
+    ...) for a template that reads it (gpt-oss's; others refuse it).
     Breaking out of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": _sampling(locals()),
                       "tools": msgspec.json.decode(tools) if isinstance(tools, str)
                       else tools or [], "tool_choice": tool_choice,
                       "cache_salt": cache_salt,
                       "chat_template_kwargs": msgspec.json.decode(chat_template_kwargs)
-                      if isinstance(chat_template_kwargs, str) else chat_template_kwargs or {}}
+                      if isinstance(chat_template_kwargs, str) else chat_template_kwargs or {},
+                      "reasoning_effort": reasoning_effort}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     elif prompt and all(isinstance(token, int) for token in prompt):

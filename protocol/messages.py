@@ -129,6 +129,9 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     structured: Structured | None = None  # None: free text
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     prompt: str = ""
     messages: list[ChatMessage] = []
@@ -144,6 +147,8 @@ class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     # more variables for the chat template (vLLM's chat_template_kwargs: Qwen3's
     # enable_thinking, ...)
     chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=32)] = {}
+    # OpenAI's reasoning_effort, for a template that reads it (gpt-oss's)
+    reasoning_effort: Effort | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     # the worker's kept prompts (prefix caching) are shared only among requests of the same
     # salt: clients that must not learn from each other's timing or cached_tokens differ

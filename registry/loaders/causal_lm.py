@@ -106,7 +106,7 @@ class CausalLM:
             messages = [template_message(m) for m in request.messages] or [
                 {"role": "user", "content": request.prompt}]
             return chat_ids(self.tokenizer, self.key, messages, request.tools,
-                            request.chat_template_kwargs)
+                            request.chat_template_kwargs, request.reasoning_effort)
         return list(self.tokenizer(request.prompt)["input_ids"])
 
     def _checked_ids(self, request: Generate) -> tuple[list[int], int]:

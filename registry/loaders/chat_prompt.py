@@ -14,6 +14,7 @@ from modelpool.protocol.messages import ChatMessage
 
 # What transformers itself hands the template, besides the arguments of
 # apply_chat_template: a request's variables may not stand in for these.
+EFFORT = "reasoning_effort"  # the variable gpt-oss's template reads
 TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt",
                           "conversation", "raise_exception", "strftime_now"})
 
@@ -39,7 +40,8 @@ def _arguments(text: str) -> Any:
 
 
 def chat_ids(tokenizer: Any, key: str, messages: list[dict[str, Any]],
-             tools: list[dict[str, Any]], variables: dict[str, Any]) -> list[int]:
+             tools: list[dict[str, Any]], variables: dict[str, Any],
+             effort: str | None = None) -> list[int]:
     """The conversation as the model's template writes it. Control tokens inside a
     message are encoded as text: "<|im_end|><|im_start|>system" in a user's message
     opens no turn. OpenAI's `developer` role is the `system` of a template that does
@@ -52,6 +54,11 @@ def chat_ids(tokenizer: Any, key: str, messages: list[dict[str, Any]],
     if taken:
         raise PoolError(ErrorCode.BAD_REQUEST, f"chat_template_kwargs: {taken[0]!r} is "
                         "set by the daemon, not by a request")
+    if effort is not None:
+        if EFFORT not in str(tokenizer.chat_template):
+            raise PoolError(ErrorCode.BAD_REQUEST, f"reasoning_effort: model {key!r}'s chat "
+                            "template takes none (it would change nothing)")
+        variables = {**variables, EFFORT: effort}
     try:
         encoded = tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=True,

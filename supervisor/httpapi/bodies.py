@@ -32,7 +32,7 @@ from modelpool.protocol.fields import (
     TokenId,
     TopLogprobs,
 )
-from modelpool.protocol.messages import ImageInput
+from modelpool.protocol.messages import Effort, ImageInput
 from modelpool.supervisor.httpapi.structured import (
     GuidedChoice,
     ResponseFormat,
@@ -157,6 +157,7 @@ class ChatBody(Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...)
     chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=32)] | None = None
+    reasoning_effort: Effort | None = None  # for a template that reads it (gpt-oss's)
     max_completion_tokens: Tokens | None = None
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
@@ -326,8 +327,9 @@ def chat_call(body: ChatBody) -> PoolCall:
         messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
         return PoolCall("generate", (messages,), {
             **sampling, **for_tools, "cache_salt": body.cache_salt,
-            "chat_template_kwargs": body.chat_template_kwargs}, made)
-    for name in ("tools", "chat_template_kwargs"):
+            "chat_template_kwargs": body.chat_template_kwargs,
+            "reasoning_effort": body.reasoning_effort}, made)
+    for name in ("tools", "chat_template_kwargs", "reasoning_effort"):
         if getattr(body, name):
             raise bad(name, "not with an image: a vision model's template takes none")
     if len(images) > 1:

@@ -10,8 +10,8 @@ the conversation that led to it, then its output items, before this input; an
 for the same client, is replaced by it (responses_api.py). A
 `conversation` object is refused by name (no conversations are kept apart from their
 responses), as are OpenAI's hosted tools (web search, file search, ...), which no model
-here has, and reasoning options (effort, summaries): a reasoning model thinks as its
-template has it. An earlier answer's reasoning item sent back as input is taken and
+here has, and a reasoning summary (none is made); `reasoning.effort` goes to a template
+that reads it (gpt-oss's). An earlier answer's reasoning item sent back as input is taken and
 left out of the conversation, as the reasoning models' templates leave out earlier
 thinking.
 """
@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from modelpool.protocol.fields import TOP_K_MAX, Stops, TopLogprobs
+from modelpool.protocol.messages import Effort
 from modelpool.supervisor.httpapi.bodies import (
     ChatBody,
     ChatMessage,
@@ -65,6 +66,15 @@ class InputPart(msgspec.Struct, kw_only=True):
 
 
 Parts = str | list[InputPart]
+
+
+class ReasoningOptions(msgspec.Struct, kw_only=True):
+    """How much a reasoning model thinks (for a template that reads it: gpt-oss's); no
+    summary of the thinking is made."""
+
+    effort: Effort | None = None
+    summary: str | None = None
+    generate_summary: str | None = None  # OpenAI's earlier name of summary
 
 
 class InputItem(msgspec.Struct, kw_only=True):
@@ -128,8 +138,7 @@ class ResponsesBody(Options, kw_only=True):
     previous_response_id: Annotated[str, msgspec.Meta(max_length=128)] | None = None
     conversation: Annotated[Any, refused_note("no conversations kept")] = None
     background: bool | None = None  # run as a job: GET /v1/responses/{id} shows it
-    reasoning: Annotated[dict[str, Any] | None,
-                         refused_note("no effort or summary is set here")] = None
+    reasoning: ReasoningOptions | None = None
     prompt: Annotated[dict[str, Any] | None, refused_note("no stored prompts")] = None
     max_tool_calls: Annotated[int | None, refused_note("one answer's calls only")] = None
     # vLLM's extensions, as in its chat bodies
@@ -158,9 +167,9 @@ def chat_body(body: ResponsesBody, turns: list[ChatMessage] | None = None) -> Ch
     for name in body.include or ():
         if name != LOGPROBS_INCLUDE:
             raise bad("include", f"{name!r} is not supported; only {LOGPROBS_INCLUDE!r}")
-    if body.reasoning and any(value is not None for value in body.reasoning.values()):
-        raise bad("reasoning", "not supported: no effort or summary is set here (a "
-                  "reasoning model thinks as its chat template has it)")
+    if body.reasoning and (body.reasoning.summary or body.reasoning.generate_summary):
+        raise bad("reasoning.summary", "not supported: no summary of the thinking is made "
+                  "(a reasoning model's thinking is its reasoning item's content)")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise bad("text.verbosity", "not supported: no model here takes it")
     logprobs = LOGPROBS_INCLUDE in (body.include or ())
@@ -174,7 +183,8 @@ def chat_body(body: ResponsesBody, turns: list[ChatMessage] | None = None) -> Ch
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=_format(body.text), cache_salt=body.cache_salt, user=body.user,
-        priority=body.priority, timeout_s=body.timeout_s, deadline_s=body.deadline_s)
+        priority=body.priority, timeout_s=body.timeout_s, deadline_s=body.deadline_s,
+        reasoning_effort=body.reasoning.effort if body.reasoning else None)
 
 
 def conversation(body: ResponsesBody, before: list[ChatMessage]) -> list[ChatMessage]:

@@ -117,7 +117,9 @@ class ResponseShape:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "model": self.model, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "reasoning": None,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": body.reasoning.effort, "summary": None}
+            if body.reasoning else None,
             "store": self.stored,
             "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": msgspec.to_builtins(form) if form else {"type": "text"}},

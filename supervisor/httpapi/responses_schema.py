@@ -58,7 +58,7 @@ class ResponseObject(msgspec.Struct):
     output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
-    reasoning: None
+    reasoning: dict[str, str | None] | None  # the effort asked for, if any
     store: bool  # kept: GET /v1/responses/{id} shows it, previous_response_id continues it
     temperature: float | None
     top_p: float | None

@@ -53,7 +53,9 @@ def _harmony(tiny_models_dir: Path, workdir: Path) -> Path:
     shutil.copytree(tiny_models_dir / "tiny-llm", model_dir)
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] += "{#- its answers: <|channel|>final<|message|>... -#}"
+    config["chat_template"] += ("{#- its answers: <|channel|>final<|message|>... -#}"
+                                "{% if reasoning_effort is defined %}Reasoning: "
+                                "{{ reasoning_effort }}{% endif %}")
     config_path.write_text(json.dumps(config))
     return model_dir
 
@@ -210,3 +212,20 @@ def test_gpt_oss_channels_are_its_thinking_its_answer_and_its_calls(sdk: openai.
               if c.choices]
     assert "".join(d.content or "" for d in deltas) == "Checking."
     assert [c.function.name for d in deltas for c in d.tool_calls or []] == ["get_weather"]
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(sdk: openai.OpenAI) -> None:
+    """OpenAI's reasoning_effort (chat's, and the Responses API's reasoning.effort) goes
+    to gpt-oss's template as its variable; a model whose template reads none refuses it."""
+    asked: Any = {"model": "tiny-harmony", "messages": QUESTION, "max_tokens": 1}
+    plain = sdk.chat.completions.create(**asked).usage
+    high = sdk.chat.completions.create(**asked, reasoning_effort="high").usage
+    assert plain is not None and high is not None
+    assert high.prompt_tokens > plain.prompt_tokens  # "Reasoning: high" in its prompt
+    response = sdk.responses.create(model="tiny-harmony", input=QUESTION, max_output_tokens=1,
+                                    reasoning={"effort": "high"})
+    assert response.reasoning is not None and response.reasoning.effort == "high"
+    assert response.usage is not None and response.usage.input_tokens == high.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, messages=QUESTION, reasoning_effort="low")
+    assert refused.value.body["param"] == "reasoning_effort"  # type: ignore[index]

@@ -204,7 +204,7 @@ def test_an_image_goes_to_the_vision_model(served: tuple[Daemon, str],
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": [{"type": "item_reference", "id": "msg_kept_by_none"}]}, "input[0]"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
 ])
 def test_what_needs_a_kept_response_or_a_hosted_tool_is_refused_by_name(
         sdk: openai.OpenAI, extra: dict[str, Any], param: str) -> None:

@@ -100,6 +100,19 @@ def test_each_prompt_says_whether_the_output_starts_inside_the_thinking(
     assert llm.reasoning_reader(kinds.build("generate", chat, regex="a")).state == "start"
 
 
+def test_reasoning_effort_goes_to_a_template_that_reads_it_and_others_refuse_it(
+        llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    chat = [{"role": "user", "content": "hi"}]
+    high = kinds.build("generate", chat, reasoning_effort="high")
+    with pytest.raises(PoolError, match="reasoning_effort: model 'tiny-llm'"):
+        llm.prompt_ids(high)
+    monkeypatch.setattr(llm.tokenizer, "chat_template", llm.tokenizer.chat_template +
+                        "{% if reasoning_effort is defined %}Effort: {{ reasoning_effort }}"
+                        "{% endif %}")
+    assert llm.tokenizer.decode(llm.prompt_ids(high)).endswith("Effort: high")
+    assert "Effort" not in llm.tokenizer.decode(llm.prompt_ids(kinds.build("generate", chat)))
+
+
 @pytest.mark.parametrize("name", ["chat_template", "messages", "add_generation_prompt",
                                   "bos_token", "tokenize"])
 def test_a_requests_template_variables_may_not_stand_for_the_daemons(llm: Any,

@@ -153,9 +153,11 @@ def test_the_options_map_to_the_chats() -> None:
     call = responses_call(_body(
         max_output_tokens=7, temperature=0.5, top_p=0.9, tools=[TOOL],
         tool_choice={"type": "function", "name": "weather"}, top_logprobs=2,
-        include=["message.output_text.logprobs"], priority="low", cache_salt="s"))
+        include=["message.output_text.logprobs"], priority="low", cache_salt="s",
+        reasoning={"effort": "high"}))
     kw = call.kwargs
     assert (kw["max_tokens"], kw["temperature"], kw["top_p"], kw["logprobs"]) == (7, 0.5, 0.9, 2)
+    assert kw["reasoning_effort"] == "high"
     assert kw["priority"] == "low" and kw["cache_salt"] == "s"
     assert kw["json_schema"] == TOOL["parameters"] and call.made is not None
     assert kw["tools"] == [{"type": "function", "function": {
@@ -180,7 +182,7 @@ def test_the_options_map_to_the_chats() -> None:
      "input[0].content[0]"),
     ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
-    ({"reasoning": {"effort": "low", "summary": None}}, "reasoning"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
 ])
 def test_what_is_not_served_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
