@@ -160,8 +160,8 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     "tool_calls"). The worker reuses what it computed for prompts that started the same
     way (the last chunk's cached_tokens) only among requests of the same cache_salt.
     chat_template_kwargs (or their JSON text): more variables for the chat template
-    (Qwen3's {"enable_thinking": False}, ...); reasoning_effort ("low", "medium", "high",
-    ...) for a template that reads it (gpt-oss's; others refuse it).
+    (a switch such as {"enable_thinking": False}, ...); reasoning_effort ("low",
+    "medium", "high", ...) for a template that reads it (others refuse it).
     Breaking out of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": _sampling(locals()),
                       "tools": msgspec.json.decode(tools) if isinstance(tools, str)

@@ -144,10 +144,10 @@ class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     # "auto": the model may call them, in its own format (its chat template's): the calls
     # are read out of its output and come in End.tool_calls, not as text
     tool_choice: Literal["none", "auto"] = "none"
-    # more variables for the chat template (vLLM's chat_template_kwargs: Qwen3's
-    # enable_thinking, ...)
+    # more variables for the chat template (vLLM's chat_template_kwargs: a template's
+    # switches, such as enable_thinking)
     chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=32)] = {}
-    # OpenAI's reasoning_effort, for a template that reads it (gpt-oss's)
+    # OpenAI's reasoning_effort, for a template that reads that variable
     reasoning_effort: Effort | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     # the worker's kept prompts (prefix caching) are shared only among requests of the same

@@ -50,7 +50,7 @@ def chat_ids(tokenizer: Any, key: str, messages: list[dict[str, Any]],
     if "developer" not in str(tokenizer.chat_template):
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m
                     for m in messages]
-    taken = sorted(set(variables) & reserved(tokenizer))
+    taken = sorted(set(variables) & reserved(tokenizer)) if variables else []
     if taken:
         raise PoolError(ErrorCode.BAD_REQUEST, f"chat_template_kwargs: {taken[0]!r} is "
                         "set by the daemon, not by a request")

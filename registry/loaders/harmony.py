@@ -22,6 +22,7 @@ import re
 import msgspec
 
 from modelpool.protocol.messages import ToolCall, new_call_id
+from modelpool.registry.loaders.marks import partial_mark
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
@@ -106,10 +107,7 @@ class HarmonyReader:
             self._take(parts, text)
             self._ended()
             return True
-        longest = max(len(end) for end in ENDS)
-        kept = next((n for n in range(min(longest - 1, len(self.pending)), 0, -1)
-                     if any(end.startswith(self.pending[-n:]) for end in ENDS)), 0)
-        cut = len(self.pending) - kept  # what may begin an end is held
+        cut = len(self.pending) - partial_mark(self.pending, ENDS)
         self._take(parts, self.pending[:cut])
         self.pending = self.pending[cut:]
         return False

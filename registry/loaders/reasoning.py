@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modelpool.registry.loaders.marks import partial_mark
+
 
 @dataclass(frozen=True)
 class ThinkingTags:
@@ -99,16 +101,14 @@ class ReasoningReader:
         return False  # maybe the tag: wait for more
 
     def _thinking(self) -> tuple[str, bool]:
-        """The thinking that may be passed on, and whether `</think>` was reached."""
+        """The thinking that may be passed on, and whether its closing tag was reached."""
         closes = self.tags.closes
         at = self.pending.find(closes)
         if at >= 0:
             text, self.pending = self.pending[:at], self.pending[at + len(closes):]
             self.state = "after"
             return self._passed(text.rstrip()), True
-        kept = next((n for n in range(min(len(closes) - 1, len(self.pending)), 0, -1)
-                     if closes.startswith(self.pending[-n:])), 0)
-        cut = len(self.pending) - kept
+        cut = len(self.pending) - partial_mark(self.pending, (closes,))
         stripped = self.pending[:cut].rstrip()  # trailing space may precede the tag
         text, self.pending = stripped, self.pending[len(stripped):]
         return self._passed(text), False

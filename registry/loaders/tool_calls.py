@@ -67,6 +67,7 @@ import msgspec
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import ToolCall, new_call_id
 from modelpool.registry.loaders import tool_calls_xml
+from modelpool.registry.loaders.marks import partial_mark
 from modelpool.registry.loaders.tool_calls_xml import ParameterTypes, parameter_types
 
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -358,10 +359,7 @@ class ToolCallReader:
             at = min(found)
             text, self.held, self.pending = self.pending[:at], self.pending[at:], ""
             return text
-        longest = max(len(opens) for opens in openers)
-        kept = next((n for n in range(min(longest - 1, len(self.pending)), 0, -1)
-                     if any(o.startswith(self.pending[-n:]) for o in openers)), 0)
-        return self._pass(len(self.pending) - kept)
+        return self._pass(len(self.pending) - partial_mark(self.pending, openers))
 
     def _pass(self, length: int) -> str:
         text, self.pending = self.pending[:length], self.pending[length:]

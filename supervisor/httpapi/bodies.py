@@ -155,9 +155,9 @@ class Sampling(Options, kw_only=True):
 
 class ChatBody(Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
-    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...)
+    # vLLM's: more variables for the chat template (its switches, such as enable_thinking)
     chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=32)] | None = None
-    reasoning_effort: Effort | None = None  # for a template that reads it (gpt-oss's)
+    reasoning_effort: Effort | None = None  # for a template that reads that variable
     max_completion_tokens: Tokens | None = None
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None

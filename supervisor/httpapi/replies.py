@@ -198,7 +198,7 @@ class StreamShape:
             choice["delta"] = {"content": chunk.text} if index in self.started else {
                 "role": "assistant", "content": chunk.text}
             choice["logprobs"] = logprobs.chat(chunk.logprobs)
-        if self.chat and chunk.reasoning:  # vLLM's and DeepSeek's field
+        if self.chat and chunk.reasoning:  # vLLM's field
             choice["delta"] = _thinking_first(choice["delta"], chunk.reasoning)
         if not self.chat:
             listed, self.offsets[index] = logprobs.completion(chunk.logprobs,

@@ -11,7 +11,7 @@ for the same client, is replaced by it (responses_api.py). A
 `conversation` object is refused by name (no conversations are kept apart from their
 responses), as are OpenAI's hosted tools (web search, file search, ...), which no model
 here has, and a reasoning summary (none is made); `reasoning.effort` goes to a template
-that reads it (gpt-oss's). An earlier answer's reasoning item sent back as input is taken and
+that reads that variable. An earlier answer's reasoning item sent back as input is taken and
 left out of the conversation, as the reasoning models' templates leave out earlier
 thinking.
 """
@@ -69,7 +69,7 @@ Parts = str | list[InputPart]
 
 
 class ReasoningOptions(msgspec.Struct, kw_only=True):
-    """How much a reasoning model thinks (for a template that reads it: gpt-oss's); no
+    """How much a reasoning model thinks (for a template that reads it); no
     summary of the thinking is made."""
 
     effort: Effort | None = None
