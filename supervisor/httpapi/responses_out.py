@@ -184,8 +184,12 @@ class ResponseStream:
         self.thinking: list[str] = []
         self.entries: list[TokenLogprob] = []
         self.opened = False  # the answer's first item (its message, a named call) announced
-        self.first = 0  # the answer's first item's output index (1 after thinking)
         self.thought = False  # the thinking's item is done
+
+    @property
+    def first(self) -> int:
+        """The answer's first item's output index: after the thinking's, if any."""
+        return 1 if self.thinking else 0
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = msgspec.json.encode({"type": kind, "sequence_number": self.sequence, **fields})
@@ -224,7 +228,6 @@ class ResponseStream:
         """The thinking's delta, its item announced first."""
         out = b""
         if not self.thinking:
-            self.first = 1
             out += self.event("response.output_item.added", output_index=0,
                               item=self.shape.reasoning_item("", "in_progress"))
         self.thinking.append(text)
