@@ -88,7 +88,8 @@ def train_tokenizer(vocab_size: int) -> Any:
     return tokenizer
 
 
-def save_hf_tokenizer(tokenizer: Any, model_dir: Path, max_length: int) -> Any:
+def save_hf_tokenizer(tokenizer: Any, model_dir: Path, max_length: int,
+                      chat_template: str | None = None) -> Any:
     """Wrap a `tokenizers.Tokenizer` as a transformers fast tokenizer and save it."""
     from transformers import PreTrainedTokenizerFast
 
@@ -98,7 +99,7 @@ def save_hf_tokenizer(tokenizer: Any, model_dir: Path, max_length: int) -> Any:
         eos_token=EOS,
         pad_token=PAD,
         model_max_length=max_length,
-        chat_template=CHAT_TEMPLATE_FILE.read_text(),
+        chat_template=chat_template or CHAT_TEMPLATE_FILE.read_text(),
     )
     # Keep the chat template inside tokenizer_config.json (the pre-5.x layout) rather than
     # a separate chat_template.jinja, so older transformers releases see it too.
@@ -160,6 +161,29 @@ def build_tiny_llm(outdir: Path) -> Path:
     # len() counts added special tokens too, so every id the tokenizer can emit has an
     # embedding row.
     save_llama(model_dir, len(tokenizer), _token_ids(tokenizer))
+    return model_dir
+
+
+def build_tiny_thinker(outdir: Path) -> Path:
+    """Write OUTDIR/tiny-thinker: tiny-llm's tokenizer with `<think>` and `</think>` as
+    tokens of their own, not special (as Qwen3's: decoding keeps them), and a chat
+    template whose generation prompt opens the thinking, or with the variable
+    `enable_thinking` false writes an empty one (Qwen3's switch); its own random Llama."""
+    from tokenizers import AddedToken
+
+    model_dir = outdir / "tiny-thinker"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(LLM_VOCAB_SIZE)
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False)
+                          for tag in ("<think>", "</think>")])
+    prompt = "<|im_start|>assistant\n"
+    template = CHAT_TEMPLATE_FILE.read_text()
+    assert template.count(prompt) == 1
+    template = template.replace(prompt, prompt + (
+        "{% if enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"))
+    hf_tokenizer = save_hf_tokenizer(tokenizer, model_dir, 2048, template)
+    save_llama(model_dir, len(hf_tokenizer), _token_ids(hf_tokenizer))
     return model_dir
 
 
@@ -317,6 +341,7 @@ Builder = Callable[[Path], Path]
 
 BUILDERS: dict[str, Builder] = {
     "tiny-llm": build_tiny_llm,
+    "tiny-thinker": build_tiny_thinker,
     "tiny-clip": build_tiny_clip,
     "tiny-vision": build_tiny_vision,
     "tiny-sd": build_tiny_sd,

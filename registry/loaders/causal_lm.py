@@ -27,7 +27,7 @@ from modelpool.registry.loaders.common import (
     require_dir,
     vocab_size,
 )
-from modelpool.registry.loaders.grammar import GrammarMatcher, Grammars
+from modelpool.registry.loaders.grammar import AfterThinking, GrammarMatcher, Grammars
 from modelpool.registry.loaders.harmony import HarmonyCalls, HarmonyReader
 from modelpool.registry.loaders.logit_rules import LogitRules, check_logit_bias
 from modelpool.registry.loaders.prefix_cache import PrefixCache
@@ -57,7 +57,8 @@ class CausalLM:
     def __init__(self, key: str, tokenizer: Any, model: Any, context: int,
                  tool_call_format: str | None = None,
                  prefix_cache_bytes: int | None = None,
-                 reasoning_format: str | None = None) -> None:
+                 reasoning_format: str | None = None,
+                 structured_in_reasoning: bool = False) -> None:
         self.key = key
         self.tokenizer = tokenizer
         self.model = model.eval()
@@ -75,6 +76,9 @@ class CausalLM:
         self.thinking = None if self.harmony else thinking_tags(template, reasoning_format, key)
         self.reasoning_markers = kept_tokens(tokenizer, (
             self.thinking.opens, self.thinking.closes) if self.thinking else ())
+        # a structured output's language holds the thinking too (vLLM's enable_in_reasoning)
+        self.structured_in_reasoning = structured_in_reasoning
+        self.open_token = one_token(tokenizer, self.thinking.opens) if self.thinking else None
         self.batchable = batch_fit.unsupported(model) is None  # continuously
         # the prefix cache's budget (0: none, as for a model that cannot batch continuously);
         # None: the default share of memory
@@ -134,7 +138,7 @@ class CausalLM:
         calls, reasoning = self.readers(request, ids)
         return Prepared(inputs={"input_ids": torch.tensor([ids], device=self.model.device)},
                         prompt_tokens=len(ids), budget=budget, sampling=request.sampling,
-                        grammar=self.grammars.matcher(request.sampling.structured),
+                        grammar=self.language(request, ids),
                         tool_calls=calls, kept=self._kept(request), reasoning=reasoning,
                         cache_salt=request.cache_salt)
 
@@ -161,14 +165,32 @@ class CausalLM:
         (not a raw prompt, whose text is the client's to read). A prompt (`ids`) that
         ends by opening the thinking (the template's doing) has the output start inside
         it; held to a language (structured output), the output is the answer unless it
-        opens the thinking itself."""
+        opens the thinking itself (`structured_in_reasoning`; else the language starts
+        after the thinking: `language`)."""
         if self.thinking is None or not self._reads_thinking(request):
             return None
-        if request.sampling.structured is not None:
+        if request.sampling.structured is not None and self.structured_in_reasoning:
             return ReasoningReader(False, self.thinking)
+        return ReasoningReader(self._opened(request, ids), self.thinking)
+
+    def language(self, request: Generate, ids: list[int]) -> GrammarMatcher | None:
+        """What holds the output to the request's language (structured output), None
+        when it asks for none; a reasoning model's thinks first, as vLLM's does."""
+        grammar = self.grammars.matcher(request.sampling.structured)
+        if grammar is None or self.thinking is None or self.structured_in_reasoning \
+                or not self._reads_thinking(request):
+            return grammar
+        return AfterThinking(grammar, self.thinking.closes, self._decode_kept,
+                             self._opened(request, ids), self.open_token)
+
+    def _opened(self, request: Generate, ids: list[int] | None) -> bool:
+        """Whether the prompt ends by opening the thinking (the template's doing)."""
+        assert self.thinking is not None
         ids = self.prompt_ids(request) if ids is None else ids
-        tail = self.tokenizer.decode(ids[-PROMPT_TAIL:])
-        return ReasoningReader(opens_thinking(tail, self.thinking), self.thinking)
+        return opens_thinking(self.tokenizer.decode(ids[-PROMPT_TAIL:]), self.thinking)
+
+    def _decode_kept(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _reads_thinking(self, request: Generate) -> bool:
         return self.thinking is not None and self._chat(request)
@@ -195,7 +217,7 @@ class CausalLM:
         yield from decode(self.model, {"input_ids": torch.tensor([ids], device=device)},
                           lambda token: {"input_ids": torch.tensor([[token]], device=device)},
                           budget, sampling, self.eos_ids, self.tokenizer, stats,
-                          self.grammars.matcher(sampling.structured), self._kept(request))
+                          self.language(request, ids), self._kept(request))
 
 
 def decode(model: Any, first_inputs: dict[str, Any],
@@ -348,8 +370,18 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
     model = place(spec, AutoModelForCausalLM.from_pretrained(model_dir,
                                                              **pretrained_kwargs(spec)))
     context = configured_tokens(spec, "context", own_tokens(model.config, 2048))
+    held = spec.options.get("structured_in_reasoning", False)
+    if not isinstance(held, bool):
+        raise ValueError(f"model {spec.key!r}: structured_in_reasoning must be true or "
+                         f"false, not {held!r}")
     return CausalLM(spec.key, tokenizer, model, context, spec.options.get("tool_call_format"),
-                    _prefix_cache_bytes(spec), spec.options.get("reasoning_format"))
+                    _prefix_cache_bytes(spec), spec.options.get("reasoning_format"), held)
+
+
+def one_token(tokenizer: Any, text: str) -> int | None:
+    """The token that is this whole text (a tag the vocabulary has), else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 def _prefix_cache_bytes(spec: ModelSpec) -> int | None:

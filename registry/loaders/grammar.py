@@ -13,6 +13,7 @@ which never does would pay at its start."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -127,3 +128,44 @@ class GrammarMatcher:
         if not self.matcher.consume_token(token):
             raise PoolError(ErrorCode.INTERNAL, "structured output: token "
                             f"{token} left the grammar: {self.matcher.get_error()}")
+
+
+class AfterThinking(GrammarMatcher):
+    """A reasoning model's language held off its thinking, as vLLM holds it: the model
+    thinks freely and the language starts with the token after the one that closes the
+    thinking. A prompt that did not open the thinking leaves the model to: its first
+    token may be the opening tag (when the tag is one token), or the answer's first in
+    the language."""
+
+    def __init__(self, grammar: GrammarMatcher, closes: str,
+                 decode: Callable[[list[int]], str], inside: bool,
+                 open_token: int | None) -> None:
+        super().__init__(grammar.matcher)
+        self.closes, self.decode, self.open_token = closes, decode, open_token
+        self.state = "inside" if inside else "start" if open_token is not None else "answer"
+        self.thought: list[int] = []  # the thinking's last tokens, to find its closing tag
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.state == "inside":
+            return logits
+        masked = super().mask(logits)
+        if self.state == "start" and self.open_token is not None \
+                and self.open_token < logits.numel():
+            masked[self.open_token] = logits[self.open_token]
+        return masked
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "answer" and super().complete
+
+    def add(self, token: int) -> None:
+        if self.state == "start":
+            self.state = "inside" if token == self.open_token else "answer"
+        elif self.state == "inside":
+            # the tag may be several tokens; each is at least a character of it
+            self.thought = [*self.thought, token][-len(self.closes):]
+            if self.closes in self.decode(self.thought):
+                self.state = "answer"
+            return
+        if self.state == "answer":
+            super().add(token)

@@ -213,11 +213,13 @@ class ResponseStream:
             out += self.event("response.output_text.delta", item_id=self.shape.message_id(),
                               output_index=self.first, content_index=0, delta=chunk.text,
                               logprobs=(logprobs.chat(chunk.logprobs) or {}).get("content", []))
-        elif self.shape.calls is not None and self.shape.calls.named is not None:
+        elif self.shape.calls is not None and self.shape.calls.named is not None \
+                and (chunk.text or chunk.finish_reason is not None):  # not while it thinks
             out += self._open_call()
             if chunk.text:
                 out += self.event("response.function_call_arguments.delta",
-                                  item_id=self.shape.call_item_id(0), output_index=self.first,
+                                  item_id=self.shape.call_item_id(self.first),
+                                  output_index=self.first,
                                   delta=chunk.text)
         if chunk.finish_reason is not None:
             out += self._end(whole_text(self.parts, self.entries, chunk, self.shape.model,
@@ -270,7 +272,7 @@ class ResponseStream:
         self.opened = True
         assert self.shape.calls is not None and self.shape.calls.named is not None
         return self.event("response.output_item.added", output_index=self.first,
-                          item=self.shape.call_item(0, self.shape.calls.named, "",
+                          item=self.shape.call_item(self.first, self.shape.calls.named, "",
                                                     "in_progress", self.shape.named_call_id))
 
     def _end(self, result: TextResult) -> bytes:

@@ -76,6 +76,7 @@ class ToolCalls:
         self.auto = auto
         self.parallel = parallel  # False: an "auto" answer's first call only
         self.held: dict[int, tuple[str, list[TokenLogprob]]] = {}  # by choice: a list's
+        self.called: set[int] = set()  # the choices whose named call has begun
 
     def message(self, text: str, made: list[ToolCall] | None = None) -> dict[str, Any]:
         """A whole answer's assistant message (`made`: the calls the pool read, "auto")."""
@@ -107,8 +108,11 @@ class ToolCalls:
                                        enumerate(openai_calls(self._kept(chunk.tool_calls)))]
             return delta, chunk.logprobs
         if self.named is not None:
+            if not chunk.text:  # thinking, or the end: the call begins with its arguments
+                return role, chunk.logprobs
             call: dict[str, Any] = {"index": 0, "function": {"arguments": chunk.text}}
-            if first:
+            if index not in self.called:
+                self.called.add(index)
                 call.update(id=new_call_id(), type="function")
                 call["function"]["name"] = self.named
             return {**role, "tool_calls": [call]}, chunk.logprobs

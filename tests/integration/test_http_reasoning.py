@@ -3,7 +3,9 @@ package: chat's `reasoning_content` (vLLM's and DeepSeek's field), whole and str
 and the Responses API's reasoning item and `response.reasoning_text` events; the
 socket client's chunks carry the same. The tiny random-weight Llama plays a reasoning
 model: a copy whose chat template opens the thinking (as DeepSeek-R1-0528's does), held
-by a regex to a thought and an answer where the test needs both."""
+by a regex to a thought and an answer where the test needs both (its language holds the
+thinking too: `structured_in_reasoning`). tiny-thinker, whose `</think>` is one token,
+thinks freely before a structured answer, its thinking closed by a bias on that token."""
 
 from __future__ import annotations
 
@@ -14,15 +16,17 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
+import pydantic
 import pytest
 from conftest import ROOT, Daemon
 from http_helpers import KEY, http_daemon
 from test_http_responses import _ended
 
 MODEL = "tiny-thinker"
+FIRST = "thinks-first"  # the language holds only its answer, as vLLM holds it
 WRITTEN = "<think>\nThe user wants a city.\n</think>\n\nParis."
 HELD = {"extra_body": {"guided_regex": re.escape(WRITTEN)}}
 QUESTION = [{"role": "user", "content": "tell me about workers"}]
@@ -69,7 +73,12 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
         key = "{MODEL}"
         capability = "text_to_text"
         path = "{_thinker(tiny_models_dir, workdir)}"
-        options = {{ context = 1024, reasoning_format = "think" }}
+        options = {{ context = 1024, reasoning_format = "think", structured_in_reasoning = true }}
+        [[models]]
+        key = "{FIRST}"
+        capability = "text_to_text"
+        path = "{tiny_models_dir / 'tiny-thinker'}"
+        options = {{ context = 1024 }}
         [[models]]
         key = "tiny-harmony"
         capability = "text_to_text"
@@ -229,3 +238,64 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(sdk: openai.OpenAI) -
     with pytest.raises(openai.BadRequestError) as refused:
         sdk.chat.completions.create(model=MODEL, messages=QUESTION, reasoning_effort="low")
     assert refused.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+
+
+class City(pydantic.BaseModel):
+    city: Literal["Paris", "Rome"]
+
+
+SCHEMA = {**City.model_json_schema(), "additionalProperties": False}
+# Sampled, tiny-thinker closes its thinking within a few tens of tokens, biased to
+CLOSING: Any = {"temperature": 1.0, "max_tokens": 64, "logit_bias": {"1025": 5}}
+
+
+def test_structured_output_and_a_forced_call_come_after_free_thinking(
+        sdk: openai.OpenAI) -> None:
+    """The model thinks what it thinks (random tokens, in no language), then answers in
+    the schema's: the SDK's parse, its stream, and a named function's call."""
+    thoughts = []
+    for seed in range(3):
+        choice = sdk.chat.completions.parse(model=FIRST, messages=QUESTION, seed=seed,
+                                            response_format=City, **CLOSING).choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
+        thoughts.append((choice.message.model_extra or {}).get("reasoning_content") or "")
+        deltas = [c.choices[0].delta for c in sdk.chat.completions.create(
+            model=FIRST, messages=QUESTION, seed=seed, response_format={
+                "type": "json_schema", "json_schema": {"name": "City", "schema": SCHEMA}},
+            stream=True, **CLOSING) if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas
+                       ) == thoughts[-1]
+        assert City.model_validate_json("".join(d.content or "" for d in deltas))
+    assert any(t and not t.startswith("{") for t in thoughts)
+    tool: Any = {"type": "function", "function": {
+        "name": "visit", "parameters": SCHEMA}}
+    forced: Any = {"model": FIRST, "messages": QUESTION, "seed": 1, "tools": [tool],
+                   "tool_choice": {"type": "function", "function": {"name": "visit"}},
+                   **CLOSING}
+    message = sdk.chat.completions.create(**forced).choices[0].message
+    assert (message.model_extra or {}).get("reasoning_content") == thoughts[1]
+    (call,) = message.tool_calls or []
+    assert City.model_validate_json(call.function.arguments)
+    deltas = [c.choices[0].delta for c in sdk.chat.completions.create(**forced, stream=True)
+              if c.choices]
+    calls = [(i, c) for i, d in enumerate(deltas) for c in d.tool_calls or []]
+    thinking = [i for i, d in enumerate(deltas) if (d.model_extra or {}).get("reasoning_content")]
+    assert thinking and max(thinking) < calls[0][0]  # the call begins once it has thought
+    assert calls[0][1].id and calls[0][1].function.name == "visit"
+    assert "".join(c.function.arguments or "" for _, c in calls) == call.function.arguments
+
+
+def test_a_forced_calls_item_follows_the_thinkings(sdk: openai.OpenAI) -> None:
+    """The Responses API, a named function forced, the output cut short while it thinks:
+    the call's item is added once the reasoning item is done, not beside it."""
+    with sdk.responses.stream(model=FIRST, input=QUESTION, max_output_tokens=6,
+                              tools=[{"type": "function", "name": "visit",
+                                      "parameters": SCHEMA}],
+                              tool_choice={"type": "function", "name": "visit"},
+                              **SAMPLED_RESPONSE) as stream:
+        events = [(e.type, getattr(e, "item", None)) for e in stream]
+    items = [(kind, item.type) for kind, item in events if kind.startswith("response.output_item")]
+    assert items == [("response.output_item.added", "reasoning"),
+                     ("response.output_item.done", "reasoning"),
+                     ("response.output_item.added", "function_call"),
+                     ("response.output_item.done", "function_call")]

@@ -318,11 +318,12 @@ def test_function_calling_through_the_sdks_parse_named_required_and_streamed(
     assert listed.choices[0].finish_reason == "tool_calls"
     (one,) = listed.choices[0].message.tool_calls or []
     Weather.model_validate_json(one.function.arguments)  # type: ignore[union-attr]
-    streamed = "".join(
-        (part.choices[0].delta.tool_calls or [None])[0].function.arguments or ""  # type: ignore[union-attr]
-        for part in sdk.chat.completions.create(
+    streamed = "".join(  # the last delta is empty, as OpenAI's is
+        call.function.arguments or "" for part in sdk.chat.completions.create(
             model="tiny-llm-long", messages=messages, tools=[tool], tool_choice=named,
-            max_tokens=40, temperature=0, stream=True) if part.choices)
+            max_tokens=40, temperature=0, stream=True)
+        if part.choices for call in part.choices[0].delta.tool_calls or []
+        if call.function is not None)
     assert streamed == same
 
 

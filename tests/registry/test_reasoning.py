@@ -97,6 +97,10 @@ def test_each_prompt_says_whether_the_output_starts_inside_the_thinking(
     off = kinds.build("generate", chat, chat_template_kwargs={"enable_thinking": False})
     assert llm.tokenizer.decode(llm.prompt_ids(off)).endswith("<think>\n\n</think>\n\n")
     assert llm.reasoning_reader(off).state == "start"
+    # held to a language, the output thinks first all the same (the language holds the
+    # answer: test_thinking_first.py), unless the language holds the thinking too
+    assert llm.reasoning_reader(kinds.build("generate", chat, regex="a")).state == "inside"
+    monkeypatch.setattr(llm, "structured_in_reasoning", True)
     assert llm.reasoning_reader(kinds.build("generate", chat, regex="a")).state == "start"
 
 
@@ -155,9 +159,11 @@ def _chat(**options: Any) -> Any:
 
 def test_the_tiny_model_held_to_thinking_then_an_answer_has_them_apart(
         llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tiny-llm, taken as a reasoning model, held by a regex to a thought and an answer:
-    its chunks carry them apart, one request at a time."""
+    """tiny-llm, taken as a reasoning model, held by a regex to a thought and an answer
+    (structured_in_reasoning: the language holds the thinking too): its chunks carry
+    them apart, one request at a time."""
     monkeypatch.setattr(llm, "thinking", FORMATS["think"])
+    monkeypatch.setattr(llm, "structured_in_reasoning", True)
     out = Outbox()
     text_to_text.run(llm, [WorkItem(job_id=1, request=_chat())], out, 1)
     chunks = [m for m in out.sent if isinstance(m, Chunk)]
@@ -187,6 +193,7 @@ def test_the_tiny_model_held_to_thinking_then_an_answer_has_them_apart(
 def test_continuous_batching_reads_the_thinking_too(llm: Any,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llm, "thinking", FORMATS["think"])
+    monkeypatch.setattr(llm, "structured_in_reasoning", True)
     out = Outbox()
     loop = StreamLoop(llm.decoder(), lambda item: text_to_text.prepare(llm, item, out), out)
     loop._start([WorkItem(job_id=4, request=_chat())])

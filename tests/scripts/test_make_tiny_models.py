@@ -135,7 +135,7 @@ def test_rerun_skips_complete_models_unless_forced(
 # ---- the multimodal models: tiny-clip, tiny-vision, tiny-sd ----------------------------
 
 MULTIMODAL = ("tiny-clip", "tiny-vision", "tiny-sd")
-BEYOND_LLM = (*MULTIMODAL, "tiny-rerank")
+BEYOND_LLM = (*MULTIMODAL, "tiny-rerank", "tiny-thinker")
 
 
 def _files(model_dir: Path) -> dict[str, bytes]:
@@ -155,6 +155,19 @@ def test_other_directories_are_small(outdir: Path, name: str) -> None:
     assert sum(len(data) for data in files.values()) < 5 * 1024 * 1024
     weights = [path for path in files if path.endswith(".safetensors")]
     assert weights and not any(path.endswith((".bin", ".pt", ".pth")) for path in files)
+
+
+def test_thinkers_tags_are_tokens_decoding_keeps_and_its_prompt_opens_them(
+        outdir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(outdir / "tiny-thinker")
+    ids = tokenizer.encode("<think>Hm.</think>Yes", add_special_tokens=False)
+    assert ids[0] == len(tokenizer) - 2 and len(tokenizer) - 1 in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>Hm.</think>Yes"
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True
+                                         ).endswith("<think>\n")
 
 
 def test_clip_loads_with_auto_classes(outdir: Path) -> None:

@@ -281,6 +281,16 @@ def test_a_list_of_calls_is_held_until_whole_and_a_named_call_streams() -> None:
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert deltas == ['{"city"', ': "Oslo"}']
     assert final.output[0].arguments == '{"city": "Oslo"}'
+    # after thinking: its item follows the reasoning item's, the arguments under its id
+    thought = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls("weather"))
+    events, final = _accepted(_streamed(thought, [
+        TextChunk("", reasoning="Oslo, I think."), TextChunk('{"city": "Oslo"}'),
+        TextChunk("", "stop", 3, 9)]))
+    assert [(e.type, e.output_index) for e in events if "output_item" in e.type] == [
+        ("response.output_item.added", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.output_item.done", 1)]
+    assert [i.type for i in final.output] == ["reasoning", "function_call"]
+    assert final.output[1].arguments == '{"city": "Oslo"}'
 
 
 def test_an_empty_answer_still_has_its_message_and_a_failure_ends_the_stream() -> None:
