@@ -44,6 +44,7 @@ class TextChunk:
     tool_calls: list[ToolCall] | None = None  # the last chunk's: the calls the model made
     cached_tokens: int | None = None  # the last chunk's: prompt tokens of the prefix cache
     reasoning: str = ""  # a reasoning model's thinking since the last chunk, not its answer
+    reasoning_tokens: int | None = None  # the last chunk's: of completion_tokens, thinking
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class TextResult:
     tool_calls: list[ToolCall] | None = None  # the calls the model made (tool_choice "auto")
     cached_tokens: int = 0  # of prompt_tokens, taken from the worker's prefix cache
     reasoning: str = ""  # a reasoning model's thinking, apart from its answer (text)
+    reasoning_tokens: int = 0  # of completion_tokens, the thinking's
 
 
 def job_result(reply: JobResult) -> Any:
@@ -83,7 +85,7 @@ def job_result(reply: JobResult) -> Any:
         return TextResult(result.text, result.finish_reason, result.prompt_tokens,
                           result.completion_tokens, result.model, result.logprobs,
                           result.prompt_logprobs, result.tool_calls, result.cached_tokens,
-                          result.reasoning)
+                          result.reasoning, result.reasoning_tokens)
     if isinstance(result, ImageMsg):
         return image_chunk(result)
     array = np.frombuffer(result.data, dtype=_little_endian(result.dtype))
@@ -213,7 +215,8 @@ def text_chunk(msg: Any) -> TextChunk:
     return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
                      completion_tokens=msg.completion_tokens,
                      prompt_logprobs=msg.prompt_logprobs, tool_calls=msg.tool_calls,
-                     cached_tokens=msg.cached_tokens)
+                     cached_tokens=msg.cached_tokens,
+                     reasoning_tokens=msg.reasoning_tokens)
 
 
 def image_chunk(msg: Any) -> ImageChunk:

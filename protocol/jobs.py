@@ -66,6 +66,7 @@ class Completion(_Msg, frozen=True, kw_only=True, tag="completion"):
     tool_calls: list[ToolCall] | None = None  # the calls it made (tool_choice "auto")
     cached_tokens: int = 0  # of prompt_tokens, taken from the worker's prefix cache
     reasoning: str = ""  # a reasoning model's thinking, apart from its answer (text)
+    reasoning_tokens: int = 0  # of completion_tokens, the thinking's
 
 
 class JobResult(_Msg, frozen=True, kw_only=True, tag="job_result"):

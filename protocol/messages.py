@@ -318,6 +318,7 @@ class End(_Msg, frozen=True, kw_only=True, tag="end"):
     model: str = ""
     prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs asked for
     tool_calls: list[ToolCall] | None = None  # with tool_choice "auto": the calls it made
+    reasoning_tokens: int = 0  # of completion_tokens, a reasoning model's thinking
 
 
 class ImageProgress(_Msg, frozen=True, kw_only=True, tag="image_progress"):

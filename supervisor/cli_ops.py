@@ -159,8 +159,9 @@ def _text_line(chunk: Any) -> dict[str, Any]:
         "completion_tokens": chunk.completion_tokens}
     if getattr(chunk, "reasoning", ""):  # a reasoning model's thinking
         line["reasoning"] = chunk.reasoning
-    if getattr(chunk, "cached_tokens", None):  # of the prompt's, from the prefix cache
-        line["cached_tokens"] = chunk.cached_tokens
+    for name in ("cached_tokens", "reasoning_tokens"):  # of the prompt's, of the output's
+        if getattr(chunk, name, None):
+            line[name] = getattr(chunk, name)
     if getattr(chunk, "tool_calls", None):  # with --tool-choice auto
         line["tool_calls"] = _calls(chunk)
     for name in ("logprobs", "prompt_logprobs"):  # with --logprobs / --prompt-logprobs
@@ -182,9 +183,10 @@ def print_text_end(result: Any) -> None:
     for call in _calls(result):
         print(json.dumps(call))
     cached = getattr(result, "cached_tokens", None)
+    thought = getattr(result, "reasoning_tokens", None)
     print(f"[{result.finish_reason}: {result.prompt_tokens} prompt "
           f"{f'({cached} cached) ' if cached else ''}+ {result.completion_tokens} generated "
-          "tokens]", file=sys.stderr)
+          f"{f'({thought} thinking) ' if thought else ''}tokens]", file=sys.stderr)
 
 
 def write_image(chunks: Any, output: str, as_json: bool = False) -> None:

@@ -78,7 +78,8 @@ class MailboxSink:
                     prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
                     model=msg.model, logprobs=self._logprobs or None,
                     prompt_logprobs=msg.prompt_logprobs, tool_calls=msg.tool_calls,
-                    cached_tokens=msg.cached_tokens, reasoning="".join(self._reasoning)))
+                    cached_tokens=msg.cached_tokens, reasoning="".join(self._reasoning),
+                    reasoning_tokens=msg.reasoning_tokens))
             case Error() if not self.jobs.registered:
                 self.refusal = msg  # answered at once, never queued
             case Error() | Embeddings() | Scores() | Image():

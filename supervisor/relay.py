@@ -100,7 +100,7 @@ def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
     end = End(id=rid, finish_reason=reply.finish_reason, prompt_tokens=reply.prompt_tokens,
               completion_tokens=reply.completion_tokens, model=reply.model,
               prompt_logprobs=reply.prompt_logprobs, tool_calls=reply.tool_calls,
-              cached_tokens=reply.cached_tokens)
+              cached_tokens=reply.cached_tokens, reasoning_tokens=reply.reasoning_tokens)
     if not rest and not reply.logprobs and not reply.reasoning:
         return [end]
     return [Chunk(id=rid, seq=assembly.chunks, text=rest, reasoning=reply.reasoning,

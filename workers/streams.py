@@ -39,6 +39,7 @@ class Emitted(Protocol):
     logprob: TokenLogprob | None  # its token's, if the stream asks for logprobs
     stats: GenerationStats | None  # set when it ended (it has left the decoder)
     error: BaseException | None  # set when it failed (it has left the decoder)
+    tokens: int  # the piece's tokens (0: text the decoder held, flushed at its end)
 
 
 class Decoder(Protocol):
@@ -183,7 +184,7 @@ class StreamLoop:
         if event.error is not None:
             self._close(job_id, error_reply(job_id, event.error))
             return
-        text, hit = stream.output.feed(event.text)
+        text, hit = stream.output.feed(event.text, event.tokens)
         stats = event.stats
         if hit and stats is None:
             stats = self.decoder.drop(job_id) or GenerationStats()
@@ -199,7 +200,7 @@ class StreamLoop:
             stream.seq += 1
         if stats is not None:
             reason = "stop" if hit else stats.finish_reason
-            self._close(job_id, end_reply(job_id, stats, reason, calls))
+            self._close(job_id, end_reply(job_id, stats, reason, calls, stream.output))
 
     def _cancel(self, job_id: int) -> None:
         stats = self.decoder.drop(job_id) or GenerationStats()

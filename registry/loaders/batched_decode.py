@@ -82,6 +82,7 @@ class Emitted:
     logprob: TokenLogprob | None = None
     stats: GenerationStats | None = None
     error: BaseException | None = None
+    tokens: int = 1  # the piece's tokens: 0 for an end's text the decoder held
 
 
 @dataclass(eq=False)
@@ -383,7 +384,7 @@ class ContinuousDecoder:
         stats.prompt_tokens = seq.prepared.prompt_tokens
         if ends(token, sampling, self.eos_ids):
             stats.finish_reason = "stop"
-            return Emitted(seq.seq_id, seq.detok.flush(), stats=stats)
+            return Emitted(seq.seq_id, seq.detok.flush(), stats=stats, tokens=0)
         stats.completion_tokens += 1
         seq.token = token
         text = seq.detok.add(token)

@@ -60,6 +60,11 @@ class HarmonyReader:
         self.calls: list[ToolCall] = []
         self.plain = False  # the output is not in harmony: all of it is answer
 
+    @property
+    def thinking(self) -> bool:
+        """Inside a message of the thinking (its header read, its end not)."""
+        return self.route == "thinking"
+
     def feed(self, text: str) -> tuple[str, str]:
         """(thinking, answer) that may be passed on now."""
         self.pending += text

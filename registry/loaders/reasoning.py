@@ -68,6 +68,11 @@ class ReasoningReader:
         self.pending = ""
         self.thought = False  # some thinking has been passed on
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the thinking (its opening tag read, its closing tag not)."""
+        return self.state == "inside"
+
     def feed(self, text: str) -> tuple[str, str]:
         """(thinking, answer) that may be passed on now."""
         self.pending += text

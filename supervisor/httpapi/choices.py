@@ -108,4 +108,4 @@ def whole_text(parts: list[str], logprobs: list[TokenLogprob], last: TextChunk,
     return TextResult("".join(parts), last.finish_reason or "stop", last.prompt_tokens or 0,
                       last.completion_tokens or 0, model, logprobs or None,
                       last.prompt_logprobs, last.tool_calls, last.cached_tokens or 0,
-                      "".join(thinking or ()))
+                      "".join(thinking or ()), last.reasoning_tokens or 0)

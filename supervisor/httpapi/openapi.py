@@ -51,11 +51,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int  # prompt tokens whose keys and values the prefix cache held
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int  # of completion_tokens, a reasoning model's thinking
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 class CalledFunction(msgspec.Struct):

@@ -107,11 +107,13 @@ def rerank(scores: np.ndarray, documents: list[str], model: str, top_n: int | No
 
 
 def usage(prompt_tokens: int | None, completion_tokens: int | None,
-          cached_tokens: int | None = 0) -> dict[str, Any]:
-    """OpenAI's usage; `cached_tokens`: of the prompt's, those the prefix cache held."""
+          cached_tokens: int | None = 0, reasoning_tokens: int | None = 0) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: of the prompt's, those the prefix cache held;
+    `reasoning_tokens`: of the completion's, a reasoning model's thinking."""
     p, c = prompt_tokens or 0, completion_tokens or 0
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens or 0}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens or 0},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens or 0}}
 
 
 def completion(texts: list[TextResult], chat: bool, model: str,
@@ -145,7 +147,8 @@ def completion(texts: list[TextResult], chat: bool, model: str,
             "created": int(time.time()), "model": texts[0].model or model,
             "choices": choices, "usage": usage(prompt_tokens,
                                                sum(t.completion_tokens for t in texts),
-                                               cached_tokens)}
+                                               cached_tokens,
+                                               sum(t.reasoning_tokens for t in texts))}
 
 
 def _completion_text(text: TextResult, echo: str | list[int] | None) -> dict[str, Any]:
@@ -182,7 +185,7 @@ class StreamShape:
         self.running, self.n = choices, n  # choice i is prompt i // n's
         self.prompt_tokens: dict[int, int] = {}  # by prompt
         self.cached_tokens: dict[int, int] = {}  # by prompt
-        self.completion_tokens = 0
+        self.completion_tokens = self.reasoning_tokens = 0
         self.offsets: dict[int, int] = {}  # by choice: its tokens' text so far, in chars
 
     def event(self, chunk: TextChunk, index: int = 0) -> bytes:
@@ -214,10 +217,12 @@ class StreamShape:
             self.prompt_tokens[index // self.n] = chunk.prompt_tokens or 0
             self.cached_tokens[index // self.n] = chunk.cached_tokens or 0
             self.completion_tokens += chunk.completion_tokens or 0
+            self.reasoning_tokens += chunk.reasoning_tokens or 0
             if self.running == 0 and self.include_usage:
                 out += sse(self._wrap([], usage(sum(self.prompt_tokens.values()),
                                                 self.completion_tokens,
-                                                sum(self.cached_tokens.values()))))
+                                                sum(self.cached_tokens.values()),
+                                                self.reasoning_tokens)))
         return out
 
     def _wrap(self, choices: list[dict[str, Any]], use: dict[str, Any] | None) -> dict[str, Any]:
@@ -255,7 +260,7 @@ def job_result(op: str, result: Any) -> dict[str, Any]:
                 "model": result.model, "logprobs": logprobs.chat(result.logprobs),
                 "prompt_logprobs": logprobs.chat(result.prompt_logprobs),
                 "usage": usage(result.prompt_tokens, result.completion_tokens,
-                               result.cached_tokens)}
+                               result.cached_tokens, result.reasoning_tokens)}
     if isinstance(result, ImageChunk):
         assert result.png is not None
         return {"b64_json": base64.b64encode(result.png).decode(), "width": result.width,

@@ -163,7 +163,7 @@ def usage(result: TextResult) -> dict[str, Any]:
     return {"input_tokens": result.prompt_tokens,
             "input_tokens_details": {"cached_tokens": result.cached_tokens},
             "output_tokens": result.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 

@@ -105,6 +105,7 @@ def test_a_client_of_one_node_streams_a_model_another_node_runs_as_it_is_made(
         thought = list(c.generate("hello", model="thinker", max_tokens=4))
     assert [(part.reasoning, part.text) for part in thought] == [
         ("tok0 tok1", "tok2 tok3 "), ("", "")]
+    assert thought[-1].reasoning_tokens == 3  # "<think>tok0 ", "tok1 ", "</think>tok2 "
 
 
 def test_a_cancelled_relayed_stream_stops_on_the_node_that_runs_it(

@@ -120,6 +120,9 @@ def test_a_thought_cut_short_is_all_thinking_through_the_sdk_and_the_socket(
     choice = sdk.chat.completions.create(model=MODEL, **kw).choices[0]
     thought = (choice.message.model_extra or {}).get("reasoning_content")
     assert choice.finish_reason == "length" and choice.message.content == "" and thought
+    used = sdk.chat.completions.create(model=MODEL, **kw).usage
+    assert used is not None and used.completion_tokens_details is not None
+    assert used.completion_tokens_details.reasoning_tokens == used.completion_tokens == 10
     with served[0].client() as client:
         chunks = list(client.generate(QUESTION, model=MODEL, max_tokens=10, **SAMPLED))
     assert "".join(c.reasoning for c in chunks) == thought
@@ -141,6 +144,8 @@ def test_a_thought_cut_short_is_all_thinking_through_the_sdk_and_the_socket(
     lines = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60,
                            cwd=ROOT).stdout.splitlines()
     assert "".join(json.loads(line).get("reasoning", "") for line in lines) == thought
+    assert json.loads(lines[-1])["reasoning_tokens"] == 10  # all of the 10 it made
+    assert plain.stderr.endswith("+ 10 generated (10 thinking) tokens]\n")
     raw = sdk.completions.create(model=MODEL, prompt="<|im_start|>user\ntell me about "
                                  "workers<|im_end|>\n<|im_start|>assistant\n<think>\n",
                                  max_tokens=10, **SAMPLED).choices[0].text
@@ -160,6 +165,7 @@ def test_a_responses_thinking_is_its_reasoning_item_whole_streamed_and_in_the_ba
     reasoning = whole.output[0]
     assert reasoning.id.startswith("rs_") and reasoning.summary == []
     assert reasoning.content is not None and reasoning.content[0].text == thought
+    assert whole.usage is not None and whole.usage.output_tokens_details.reasoning_tokens == 10
     with sdk.responses.stream(**asked) as stream:
         events = list(stream)
     assert events[-1].type == "response.incomplete"  # cut at max_output_tokens
@@ -175,6 +181,7 @@ def test_a_responses_thinking_is_its_reasoning_item_whole_streamed_and_in_the_ba
     done = _ended(sdk, queued.id)
     assert [i.type for i in done.output] == ["reasoning", "message"]
     assert done.output[0].content is not None and done.output[0].content[0].text == thought
+    assert done.usage is not None and done.usage.output_tokens_details.reasoning_tokens == 10
 
 
 def test_a_reasoning_answer_is_continued_and_sent_back_as_input(sdk: openai.OpenAI) -> None:

@@ -101,6 +101,8 @@ def test_the_tiny_model_held_to_harmony_has_its_channels_read(
         end = out.sent[-1]
         assert isinstance(end, End)
         assert "".join(c.reasoning for c in chunks) == "Need the weather."
+        thought = len(llm.tokenizer.encode("Need the weather.", add_special_tokens=False))
+        assert thought <= end.reasoning_tokens < end.completion_tokens  # its message's
         if choice == "auto":
             assert "".join(c.text for c in chunks) == "Checking both."
             assert end.finish_reason == "tool_calls"

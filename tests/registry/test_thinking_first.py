@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from registry.test_reasoning import Outbox
+from test_reasoning import Outbox
 
 from modelpool.protocol import kinds
 from modelpool.protocol.messages import Chunk, End, Structured
@@ -101,11 +101,15 @@ def test_the_model_thinks_freely_then_answers_in_the_language(thinker: Any) -> N
     """Its template opens the thinking; what it thinks is not in the language (random
     tokens), its answer is, one request at a time and continuously batched alike."""
     thoughts = []
+    paris = len(_ids(thinker, "Paris."))
     for seed in range(3):
         out = Outbox()
-        text_to_text.run(thinker, [WorkItem(job_id=seed, request=_chat(seed))], out, 1)
+        # a stop string holds text back: each token is still known for thinking or not
+        request = _chat(seed, stop=["never said"] if seed == 1 else [])
+        text_to_text.run(thinker, [WorkItem(job_id=seed, request=request)], out, 1)
         thought, answer, end = _parts(out)
         assert (answer, end.finish_reason) == ("Paris.", "stop")
+        assert end.reasoning_tokens == end.completion_tokens - paris  # its tags included
         thoughts.append(thought)
         batched = Outbox()
         loop = StreamLoop(thinker.decoder(),
@@ -115,6 +119,7 @@ def test_the_model_thinks_freely_then_answers_in_the_language(thinker: Any) -> N
         while loop.streams:
             loop._step()
         assert _parts(batched)[:2] == (thought, "Paris.")
+        assert _parts(batched)[2].reasoning_tokens == end.reasoning_tokens
     assert any(t and not re.fullmatch(r"Paris\.", t) for t in thoughts)
 
 
@@ -137,6 +142,7 @@ def test_thinking_switched_off_or_opened_by_the_model_and_held_whole(thinker: An
     thought, answer, end = _parts(out)
     paris = len(_ids(thinker, "Paris."))
     assert (thought, answer, end.completion_tokens) == ("", "Paris.", 2 + paris)
+    assert end.reasoning_tokens == 2  # <think></think>
     monkeypatch.setattr(thinker, "structured_in_reasoning", True)
     out = Outbox()
     text_to_text.run(thinker, [WorkItem(job_id=3, request=_chat(0))], out, 1)

@@ -114,26 +114,29 @@ def _events(data: bytes) -> list[dict[str, Any]]:
 def test_a_streamed_answer_of_two_choices_sends_one_usage_after_both() -> None:
     shape = replies.StreamShape(chat=True, model="m", include_usage=True, choices=2, n=2)
     data = (shape.event(TextChunk("a"), 0) + shape.event(TextChunk("b"), 1)
-            + shape.event(TextChunk("a2", "stop", 4, 3), 0))
+            + shape.event(TextChunk("a2", "stop", 4, 3, reasoning_tokens=2), 0))
     assert not [e for e in _events(data) if e["usage"]]  # choice 1 still runs
-    data += shape.event(TextChunk("b2", "length", 4, 5), 1)
+    data += shape.event(TextChunk("b2", "length", 4, 5, reasoning_tokens=5), 1)
     events = _events(data)
     assert [e["choices"][0]["delta"] for e in events[:2]] == [
         {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
     assert [e["choices"][0]["index"] for e in events[:4]] == [0, 1, 0, 1]
     assert events[4]["choices"] == [] and events[4]["usage"] == {
         "prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
-        "prompt_tokens_details": {"cached_tokens": 0}}
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 7}}  # of each choice's
 
 
 def test_a_whole_answer_has_a_choice_each_and_counts_the_prompt_once() -> None:
     answer = replies.completion([TextResult("x", "stop", 4, 1, "m"),
-                                 TextResult("yz", "length", 4, 2, "m")], chat=False, model="m",
+                                 TextResult("yz", "length", 4, 2, "m", reasoning_tokens=1)],
+                                chat=False, model="m",
                                 n=2)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]] == [
         (0, "x", "stop"), (1, "yz", "length")]
     assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
-                               "prompt_tokens_details": {"cached_tokens": 0}}
+                               "prompt_tokens_details": {"cached_tokens": 0},
+                               "completion_tokens_details": {"reasoning_tokens": 1}}
 
 
 def test_several_prompts_count_each_prompt_once_whole_and_streamed() -> None:
@@ -151,7 +154,8 @@ def test_several_prompts_count_each_prompt_once_whole_and_streamed() -> None:
                     for i, t in enumerate(texts))
     assert _events(data)[-1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 4,
                                           "total_tokens": 14,
-                                          "prompt_tokens_details": {"cached_tokens": 8}}
+                                          "prompt_tokens_details": {"cached_tokens": 8},
+                                          "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
 def test_a_streamed_echo_puts_each_choices_prompt_before_its_first_chunk_only() -> None:

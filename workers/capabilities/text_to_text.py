@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -85,6 +86,9 @@ class ReasoningSplitter(Protocol):
 
     def finish(self) -> tuple[str, str]: ...
 
+    # Optional: `thinking`, whether the text fed so far leaves it inside the thinking,
+    # for usage's reasoning_tokens (0 without it).
+
 
 class TextOutput:
     """What a stream's pieces become: text cut at the first stop string, a reasoning
@@ -97,9 +101,19 @@ class TextOutput:
         self.calls = calls
         self.reasoning = reasoning
         self.thinking = ""  # thinking read since the last take_thinking
+        # The reader's twin, fed each piece as it comes (the stop strings hold text back):
+        # whether each token was thinking, its tags included
+        self.counter = copy.deepcopy(reasoning) if hasattr(reasoning, "thinking") else None
+        self.reasoning_tokens = 0
 
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """Answer text safe to emit now, and whether a stop string was hit."""
+    def feed(self, piece: str, tokens: int = 1) -> tuple[str, bool]:
+        """Answer text safe to emit now, and whether a stop string was hit; `tokens`:
+        how many tokens the piece is (0: text the decoder held, flushed at the end)."""
+        if self.counter is not None:
+            was = self.counter.thinking
+            self.counter.feed(piece)
+            if was or self.counter.thinking:
+                self.reasoning_tokens += tokens
         text, hit = self.stop.feed(piece)
         return self._answer(text), hit
 
@@ -129,12 +143,13 @@ class TextOutput:
 
 
 def end_reply(job_id: int, stats: GenerationStats, reason: str,
-              calls: list[ToolCall]) -> End:
+              calls: list[ToolCall], output: TextOutput) -> End:
     """A stream's End; one that made tool calls ends with "tool_calls", as OpenAI's."""
     return End(id=job_id, finish_reason="tool_calls" if calls else reason,
                prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
                completion_tokens=stats.completion_tokens,
-               prompt_logprobs=stats.prompt_logprobs, tool_calls=calls or None)
+               prompt_logprobs=stats.prompt_logprobs, tool_calls=calls or None,
+               reasoning_tokens=min(output.reasoning_tokens, stats.completion_tokens))
 
 
 def tool_reader(model: Any, request: Generate) -> ToolReader | None:
@@ -196,13 +211,15 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
     (or one Error if the model fails)."""
     seq = 0
     calls: list[ToolCall] = []
+    made = 0  # tokens, as the model counts them: its last piece may be held text alone
     try:
         for piece in start():
             out.tick(1)
             if out.aborted(job_id):
                 stats.finish_reason = "cancelled"
                 break
-            text, hit = output.feed(piece)
+            text, hit = output.feed(piece, stats.completion_tokens - made)
+            made = stats.completion_tokens
             logprobs = stats.take_logprobs()
             thinking = output.take_thinking()
             if text or thinking or logprobs:
@@ -220,4 +237,4 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
     except Exception as exc:
         out.send(error_reply(job_id, exc))
         return
-    out.send(end_reply(job_id, stats, stats.finish_reason, calls))
+    out.send(end_reply(job_id, stats, stats.finish_reason, calls, output))
