@@ -39,7 +39,8 @@ class Emitted(Protocol):
     logprob: TokenLogprob | None  # its token's, if the stream asks for logprobs
     stats: GenerationStats | None  # set when it ended (it has left the decoder)
     error: BaseException | None  # set when it failed (it has left the decoder)
-    tokens: int  # the piece's tokens (0: text the decoder held, flushed at its end)
+    # Optional: tokens, how many tokens the piece is (0: text the decoder held, flushed
+    # at its end); 1 without it.
 
 
 class Decoder(Protocol):
@@ -184,7 +185,7 @@ class StreamLoop:
         if event.error is not None:
             self._close(job_id, error_reply(job_id, event.error))
             return
-        text, hit = stream.output.feed(event.text, event.tokens)
+        text, hit = stream.output.feed(event.text, getattr(event, "tokens", 1))
         stats = event.stats
         if hit and stats is None:
             stats = self.decoder.drop(job_id) or GenerationStats()
