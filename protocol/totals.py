@@ -36,3 +36,4 @@ class ModelTotals(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0  # of the streams answered (text_to_text, vision)
     cached_tokens: int = 0  # of prompt_tokens, taken from the workers' prefix caches
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, reasoning models' thinking

@@ -74,6 +74,7 @@ class ModelMetrics:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, from the workers' prefix caches
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, reasoning models' thinking
 
     def batch(self, size: int) -> None:
         """A batch of `size` went to a worker (each job's wait is in queue_wait_s)."""
@@ -94,6 +95,7 @@ class ModelMetrics:
             self.prompt_tokens += reply.prompt_tokens
             self.cached_tokens += reply.cached_tokens
             self.completion_tokens += reply.completion_tokens
+            self.reasoning_tokens += reply.reasoning_tokens
         self.outcomes[op, priority, reply.code.value if failed else "OK"] += 1
         histogram = self.latency_s.get(op)
         if histogram is None:
@@ -137,7 +139,8 @@ class ModelMetrics:
             queue_wait_s=self.queue_wait_s.totals(), batch_size=self.batch_size.totals(),
             loads=self.loads, load_failures=self.load_failures,
             worker_deaths=self.worker_deaths, prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens)
+            cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens,
+            reasoning_tokens=self.reasoning_tokens)
 
 
 def _percentile_ms(sorted_s: list[float], q: float) -> float | None:

@@ -175,10 +175,14 @@ class CausalLM:
 
     def language(self, request: Generate, ids: list[int]) -> GrammarMatcher | None:
         """What holds the output to the request's language (structured output), None
-        when it asks for none; a reasoning model's thinks first, as vLLM's does."""
+        when it asks for none; a reasoning model's thinks first, as vLLM's does (a
+        harmony model's channels are free until its final one)."""
         grammar = self.grammars.matcher(request.sampling.structured)
-        if grammar is None or self.thinking is None or self.structured_in_reasoning \
-                or not self._reads_thinking(request):
+        if grammar is None or self.structured_in_reasoning or not self._chat(request):
+            return grammar
+        if self.harmony:
+            return AfterThinking(grammar, harmony.FINAL, self._decode_kept, True, None)
+        if self.thinking is None:
             return grammar
         return AfterThinking(grammar, self.thinking.closes, self._decode_kept,
                              self._opened(request, ids), self.open_token)

@@ -29,6 +29,7 @@ CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 ENDS = (END, RETURN, CALL)
 TEMPLATE_SIGNS = (CHANNEL, MESSAGE)  # what its chat template writes
+FINAL = f"{CHANNEL}final{MESSAGE}"  # the answer's header: a structured output's start
 FORMAT = "harmony"  # its name as a tool_call_format or reasoning_format option
 CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 RECIPIENT = re.compile(r"\bto=([^\s<]+)")

@@ -108,6 +108,9 @@ def _per_model(models: list[dict[str, Any]]) -> Iterator[Metric]:
         "completion_tokens": CounterMetricFamily("modelpool_generation_tokens", "Tokens "
                                                  "generated in the streams answered",
                                                  labels=["model"]),
+        "reasoning_tokens": CounterMetricFamily("modelpool_generation_tokens_reasoning",
+                                                "Generated tokens a reasoning model "
+                                                "thought", labels=["model"]),
     }
     ready = GaugeMetricFamily("modelpool_model_ready", "1 if the model serves",
                               labels=["model", "state"])

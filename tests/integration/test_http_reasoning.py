@@ -24,6 +24,7 @@ import pytest
 from conftest import ROOT, Daemon
 from http_helpers import KEY, http_daemon
 from test_http_responses import _ended
+from test_http_service import _samples
 
 MODEL = "tiny-thinker"
 FIRST = "thinks-first"  # the language holds only its answer, as vLLM holds it
@@ -83,7 +84,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
         key = "tiny-harmony"
         capability = "text_to_text"
         path = "{_harmony(tiny_models_dir, workdir)}"
-        options = {{ context = 1024 }}
+        options = {{ context = 1024, structured_in_reasoning = true }}
         """)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
@@ -120,9 +121,12 @@ def test_a_thought_cut_short_is_all_thinking_through_the_sdk_and_the_socket(
     choice = sdk.chat.completions.create(model=MODEL, **kw).choices[0]
     thought = (choice.message.model_extra or {}).get("reasoning_content")
     assert choice.finish_reason == "length" and choice.message.content == "" and thought
+    thinking = ("modelpool_generation_tokens_reasoning_total", (("model", MODEL),))
+    before = _samples(served[1]).get(thinking, 0)
     used = sdk.chat.completions.create(model=MODEL, **kw).usage
     assert used is not None and used.completion_tokens_details is not None
     assert used.completion_tokens_details.reasoning_tokens == used.completion_tokens == 10
+    assert _samples(served[1])[thinking] - before == 10  # /metrics counts them too
     with served[0].client() as client:
         chunks = list(client.generate(QUESTION, model=MODEL, max_tokens=10, **SAMPLED))
     assert "".join(c.reasoning for c in chunks) == thought

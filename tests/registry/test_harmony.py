@@ -90,6 +90,7 @@ def test_the_tiny_model_held_to_harmony_has_its_channels_read(
     calls: the chunks carry the thinking and the preamble, the End the calls; without
     tool_choice auto, the calls' arguments are text."""
     monkeypatch.setattr(llm, "harmony", True)
+    monkeypatch.setattr(llm, "structured_in_reasoning", True)  # the regex holds it all
     tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
     chat = [{"role": "user", "content": "weather?"}]
     for job_id, choice in enumerate(("auto", "none")):

@@ -147,3 +147,23 @@ def test_thinking_switched_off_or_opened_by_the_model_and_held_whole(thinker: An
     out = Outbox()
     text_to_text.run(thinker, [WorkItem(job_id=3, request=_chat(0))], out, 1)
     assert _parts(out)[:2] == ("", "Paris.")  # the language allowed no thinking
+
+
+def test_a_harmony_models_language_starts_with_its_final_channel(
+        llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's channels (tiny-llm taken as it, its markers several tokens each) are free
+    until the final channel's header, as vLLM holds them: its analysis, a preamble."""
+    monkeypatch.setattr(llm, "harmony", True)
+    request = kinds.build("generate", QUESTION, regex=r"Paris\.")
+    matcher = llm.language(request, llm.prompt_ids(request))
+    assert isinstance(matcher, AfterThinking) and matcher.state == "inside"
+    vocab = len(llm.tokenizer)
+    for token in _ids(llm, "<|channel|>analysis<|message|>Hm, {x}.<|end|><|start|>assistant"
+                           "<|channel|>commentary<|message|>Wait.<|end|><|start|>assistant"):
+        assert len(_allowed(matcher, vocab)) == vocab
+        matcher.add(token)
+    for token in _ids(llm, "<|channel|>final<|message|>"):
+        matcher.add(token)
+    assert _allowed(matcher, vocab) == {_ids(llm, "P")[0]}
+    monkeypatch.setattr(llm, "structured_in_reasoning", True)
+    assert not isinstance(llm.language(request, llm.prompt_ids(request)), AfterThinking)
