@@ -374,12 +374,18 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
     model = place(spec, AutoModelForCausalLM.from_pretrained(model_dir,
                                                              **pretrained_kwargs(spec)))
     context = configured_tokens(spec, "context", own_tokens(model.config, 2048))
+    return CausalLM(spec.key, tokenizer, model, context, spec.options.get("tool_call_format"),
+                    _prefix_cache_bytes(spec), spec.options.get("reasoning_format"),
+                    structured_in_reasoning(spec))
+
+
+def structured_in_reasoning(spec: ModelSpec) -> bool:
+    """The option: a structured output's language holds the thinking too."""
     held = spec.options.get("structured_in_reasoning", False)
     if not isinstance(held, bool):
         raise ValueError(f"model {spec.key!r}: structured_in_reasoning must be true or "
                          f"false, not {held!r}")
-    return CausalLM(spec.key, tokenizer, model, context, spec.options.get("tool_call_format"),
-                    _prefix_cache_bytes(spec), spec.options.get("reasoning_format"), held)
+    return held
 
 
 def one_token(tokenizer: Any, text: str) -> int | None:

@@ -18,7 +18,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Describe
 from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
-from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
+from modelpool.registry.loaders.causal_lm import decode, eos_ids_of, structured_in_reasoning
 from modelpool.registry.loaders.common import (
     configured_tokens,
     own_tokens,
@@ -27,9 +27,16 @@ from modelpool.registry.loaders.common import (
     require_dir,
     vocab_size,
 )
-from modelpool.registry.loaders.grammar import Grammars
+from modelpool.registry.loaders.grammar import AfterThinking, GrammarMatcher, Grammars
 from modelpool.registry.loaders.logit_rules import check_logit_bias
+from modelpool.registry.loaders.reasoning import (
+    ReasoningReader,
+    ThinkingTags,
+    opens_thinking,
+    thinking_tags,
+)
 from modelpool.registry.loaders.token_logprobs import check_prompt_logprobs
+from modelpool.registry.loaders.tool_calls import kept_tokens
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -37,7 +44,9 @@ DEFAULT_PROMPT = "Describe this image."
 
 
 class VisionLM:
-    def __init__(self, key: str, processor: Any, model: Any, context: int) -> None:
+    def __init__(self, key: str, processor: Any, model: Any, context: int,
+                 thinking: ThinkingTags | None = None,
+                 structured_in_reasoning: bool = False) -> None:
         self.key = key
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -47,11 +56,46 @@ class VisionLM:
                         | _config_eos(model.config.get_text_config()))
         self.vocab = vocab_size(model)
         self.grammars = Grammars(self.tokenizer, self.vocab, self.eos_ids)
+        # a reasoning model's thinking, read as a causal LM's is (causal_lm.py)
+        self.thinking = thinking if getattr(processor, "chat_template", None) else None
+        self.structured_in_reasoning = structured_in_reasoning
+        self.kept = kept_tokens(self.tokenizer, (
+            self.thinking.opens, self.thinking.closes) if self.thinking else ()) or None
+
+    def reasoning_reader(self, request: Describe) -> ReasoningReader | None:
+        """What reads the thinking out of the output, for a model that reasons: inside
+        it from the start when the template's generation prompt opened it."""
+        if self.thinking is None:
+            return None
+        if request.sampling.structured is not None and self.structured_in_reasoning:
+            return ReasoningReader(False, self.thinking)
+        return ReasoningReader(self._opened(request), self.thinking)
+
+    def _opened(self, request: Describe) -> bool:
+        assert self.thinking is not None
+        messages = [{"role": "user", "content": [{"type": "image"}, {
+            "type": "text", "text": request.prompt or DEFAULT_PROMPT}]}]
+        rendered = self.processor.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
+        return opens_thinking(str(rendered), self.thinking)
+
+    def language(self, request: Describe) -> GrammarMatcher | None:
+        """What holds the output to the request's language: after the thinking, for a
+        model that reasons (causal_lm.CausalLM.language)."""
+        grammar = self.grammars.matcher(request.sampling.structured)
+        if grammar is None or self.thinking is None or self.structured_in_reasoning:
+            return grammar
+        return AfterThinking(grammar, self.thinking.closes, self._decode_kept,
+                             self._opened(request), None)
+
+    def _decode_kept(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def info(self) -> dict[str, Any]:
         vision = getattr(self.model.config, "vision_config", None)
         return {"context": self.context, "image_size": getattr(vision, "image_size", None),
-                "chat_template": bool(getattr(self.processor, "chat_template", None))}
+                "chat_template": bool(getattr(self.processor, "chat_template", None)),
+                "reasoning_format": self.thinking.name if self.thinking else None}
 
     def prompt_inputs(self, image: Image.Image, prompt: str) -> dict[str, torch.Tensor]:
         """input_ids (image placeholders expanded), attention_mask, pixel_values, ..."""
@@ -95,8 +139,8 @@ class VisionLM:
     def prepare(self, image: Image.Image, request: Describe) -> Prepared:
         inputs, n_prompt, budget = self._checked_inputs(image, request)
         return Prepared(inputs=inputs, prompt_tokens=n_prompt, budget=budget,
-                        sampling=request.sampling,
-                        grammar=self.grammars.matcher(request.sampling.structured))
+                        sampling=request.sampling, grammar=self.language(request),
+                        reasoning=self.reasoning_reader(request), kept=self.kept)
 
     @torch.inference_mode()
     def describe(self, image: Image.Image, request: Describe,
@@ -113,8 +157,8 @@ class VisionLM:
                     "attention_mask": mask}
 
         yield from decode(self.model, inputs, next_inputs, budget, request.sampling,
-                          self.eos_ids, self.tokenizer, stats,
-                          self.grammars.matcher(request.sampling.structured))
+                          self.eos_ids, self.tokenizer, stats, self.language(request),
+                          self.kept)
 
 
 def _config_eos(config: Any) -> set[int]:
@@ -134,4 +178,8 @@ def load(spec: ModelSpec, model_dir: Path | None) -> VisionLM:
     model = place(spec, AutoModelForImageTextToText.from_pretrained(
         model_dir, **pretrained_kwargs(spec)))
     own = own_tokens(model.config.get_text_config(), 2048)
-    return VisionLM(spec.key, processor, model, configured_tokens(spec, "context", own))
+    template = getattr(processor, "chat_template", None)
+    thinking = thinking_tags(str(template) if template else None,
+                             spec.options.get("reasoning_format"), spec.key)
+    return VisionLM(spec.key, processor, model, configured_tokens(spec, "context", own),
+                    thinking, structured_in_reasoning(spec))

@@ -62,7 +62,7 @@ def _decode_without_cache(vlm: VisionLM, image: Image.Image, steps: int,
 
 
 def test_info(vlm: VisionLM) -> None:
-    assert vlm.info() == {"context": 2048, "chat_template": True,
+    assert vlm.info() == {"context": 2048, "chat_template": True, "reasoning_format": None,
                           "image_size": vlm.model.config.vision_config.image_size}
     assert vlm.tokenizer.eos_token_id in vlm.eos_ids
 

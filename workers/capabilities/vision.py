@@ -50,5 +50,7 @@ def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) 
             out.send(error_reply(item.job_id, exc))
             continue
         stats = GenerationStats()
+        think = getattr(model, "reasoning_reader", None)  # a model that reasons
+        output = TextOutput(request.sampling, None, None if think is None else think(request))
         stream_text(item.job_id, lambda i=image, r=request, s=stats: model.describe(i, r, s),
-                    stats, TextOutput(request.sampling), out)
+                    stats, output, out)
