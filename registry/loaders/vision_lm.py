@@ -18,7 +18,12 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Describe
 from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
-from modelpool.registry.loaders.causal_lm import decode, eos_ids_of, structured_in_reasoning
+from modelpool.registry.loaders.causal_lm import (
+    decode,
+    eos_ids_of,
+    one_token,
+    structured_in_reasoning,
+)
 from modelpool.registry.loaders.common import (
     configured_tokens,
     own_tokens,
@@ -61,6 +66,7 @@ class VisionLM:
         self.structured_in_reasoning = structured_in_reasoning
         self.kept = kept_tokens(self.tokenizer, (
             self.thinking.opens, self.thinking.closes) if self.thinking else ()) or None
+        self.open_token = one_token(self.tokenizer, self.thinking.opens) if self.thinking else None
 
     def reasoning_reader(self, request: Describe) -> ReasoningReader | None:
         """What reads the thinking out of the output, for a model that reasons: inside
@@ -86,7 +92,7 @@ class VisionLM:
         if grammar is None or self.thinking is None or self.structured_in_reasoning:
             return grammar
         return AfterThinking(grammar, self.thinking.closes, self._decode_kept,
-                             self._opened(request), None)
+                             self._opened(request), self.open_token)
 
     def _decode_kept(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
