@@ -12,6 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from modelpool.registry import loaders
+from modelpool.registry.loaders import onnx_cache
 from modelpool.supervisor import server as server_module
 from modelpool.supervisor.config import Config, ConfigError, DaemonConfig, load_config
 from modelpool.supervisor.startcheck import check_models
@@ -94,6 +96,10 @@ def test_a_start_that_fails_after_binding_removes_its_socket_and_cgroup(
 
     monkeypatch.setattr(server_module.cgroups, "enter", enter)
     monkeypatch.setattr(server_module.shm, "remove_stale_segments", broken)
+    # serve() sets these for its forkserver and workers: gone again after this test,
+    # or a later one in this process would take itself for a daemon's worker
+    for name in (onnx_cache.EXPORTS_BY_DAEMON_ENV, loaders.LOADER_MODULES_ENV):
+        monkeypatch.setenv(name, "")
     config = msgspec.structs.replace(Config(), daemon=DaemonConfig(socket=socket_path))
     with pytest.raises(RuntimeError, match="the start fails here"):
         asyncio.run(server_module.serve(config))
