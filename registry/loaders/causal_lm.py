@@ -34,7 +34,9 @@ from modelpool.registry.loaders.prefix_cache import PrefixCache
 from modelpool.registry.loaders.reasoning import (
     PROMPT_TAIL,
     ReasoningReader,
+    one_token,
     opens_thinking,
+    structured_in_reasoning,
     thinking_tags,
 )
 from modelpool.registry.loaders.token_logprobs import (
@@ -377,21 +379,6 @@ def load(spec: ModelSpec, model_dir: Path | None) -> CausalLM:
     return CausalLM(spec.key, tokenizer, model, context, spec.options.get("tool_call_format"),
                     _prefix_cache_bytes(spec), spec.options.get("reasoning_format"),
                     structured_in_reasoning(spec))
-
-
-def structured_in_reasoning(spec: ModelSpec) -> bool:
-    """The option: a structured output's language holds the thinking too."""
-    held = spec.options.get("structured_in_reasoning", False)
-    if not isinstance(held, bool):
-        raise ValueError(f"model {spec.key!r}: structured_in_reasoning must be true or "
-                         f"false, not {held!r}")
-    return held
-
-
-def one_token(tokenizer: Any, text: str) -> int | None:
-    """The token that is this whole text (a tag the vocabulary has), else None."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return int(ids[0]) if len(ids) == 1 else None
 
 
 def _prefix_cache_bytes(spec: ModelSpec) -> int | None:

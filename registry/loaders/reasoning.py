@@ -17,8 +17,10 @@ template that writes a closing tag reasons so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from modelpool.registry.loaders.marks import partial_mark
+from modelpool.registry.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,21 @@ def thinking_tags(template: str | None, configured: str | None,
         if tags.closes in template:
             return tags
     return None
+
+
+def structured_in_reasoning(spec: ModelSpec) -> bool:
+    """The option: a structured output's language holds the thinking too."""
+    held = spec.options.get("structured_in_reasoning", False)
+    if not isinstance(held, bool):
+        raise ValueError(f"model {spec.key!r}: structured_in_reasoning must be true or "
+                         f"false, not {held!r}")
+    return held
+
+
+def one_token(tokenizer: Any, text: str) -> int | None:
+    """The token that is this whole text (a tag the vocabulary has), else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 def opens_thinking(prompt_tail: str, tags: ThinkingTags) -> bool:

@@ -18,12 +18,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Describe
 from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
-from modelpool.registry.loaders.causal_lm import (
-    decode,
-    eos_ids_of,
-    one_token,
-    structured_in_reasoning,
-)
+from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
 from modelpool.registry.loaders.common import (
     configured_tokens,
     own_tokens,
@@ -37,7 +32,9 @@ from modelpool.registry.loaders.logit_rules import check_logit_bias
 from modelpool.registry.loaders.reasoning import (
     ReasoningReader,
     ThinkingTags,
+    one_token,
     opens_thinking,
+    structured_in_reasoning,
     thinking_tags,
 )
 from modelpool.registry.loaders.token_logprobs import check_prompt_logprobs
