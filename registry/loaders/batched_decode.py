@@ -14,9 +14,8 @@ logprobs as causal_lm.py's loop.
 
 It needs a model whose cache is a plain DynamicCache (full attention in every layer, no
 sliding window or recurrent state) and whose positions are one index per token, taken
-from `position_ids`: Llama, Mistral without a sliding window, Qwen2/3, Phi-3, GPT-2,
-LLaVA on any of those. `batch_fit.unsupported` says why another model is not, and it then
-runs one sequence at a time as before.
+from `position_ids`: Llama, Mistral without a sliding window, Qwen2/3, Phi-3, GPT-2, LLaVA
+on any of those. `batch_fit.unsupported` says why another is not (it runs one at a time).
 """
 
 from __future__ import annotations
