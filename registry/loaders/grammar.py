@@ -12,6 +12,7 @@ which never does would pay at its start."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -92,15 +93,28 @@ class Grammars:
     def vocabulary(self) -> Any:
         """The model's vocabulary as llguidance reads it, read at the first call."""
         if self._llg_tokenizer is None:
-            import llguidance.hf
+            from llguidance import LLTokenizer
 
-            try:
-                self._llg_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab, eos_token=sorted(self.eos_ids))
-            except ValueError as exc:  # a slow (Python) tokenizer: llguidance reads fast ones
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is None:  # a slow (Python) tokenizer: llguidance reads fast ones
                 raise PoolError(ErrorCode.BAD_REQUEST, "structured output: this model's "
-                                f"tokenizer cannot be read for it: {exc}") from None
+                                "tokenizer cannot be read for it (not a fast one)")
+            self._llg_tokenizer = LLTokenizer(
+                _without_text_tokens(backend.to_str()), n_vocab=self.vocab,
+                eos_token=sorted(self.eos_ids))
         return self._llg_tokenizer
+
+
+def _without_text_tokens(tokenizer_json: str) -> str:
+    """The tokenizer without its added tokens that are text, not special (Qwen3's
+    `<think>`): llguidance takes every added token for a special one, which a grammar
+    cannot write, yet allows one where its text is forced and then refuses it. Without
+    them such text is written in ordinary tokens (as llguidance.hf.from_tokenizer reads
+    it otherwise: no padding or truncation)."""
+    data = json.loads(tokenizer_json)
+    data["added_tokens"] = [t for t in data.get("added_tokens", []) if t.get("special")]
+    data["padding"] = data["truncation"] = None
+    return json.dumps(data)
 
 
 class GrammarMatcher:

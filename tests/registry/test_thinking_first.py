@@ -147,6 +147,13 @@ def test_thinking_switched_off_or_opened_by_the_model_and_held_whole(thinker: An
     out = Outbox()
     text_to_text.run(thinker, [WorkItem(job_id=3, request=_chat(0))], out, 1)
     assert _parts(out)[:2] == ("", "Paris.")  # the language allowed no thinking
+    # a language that writes the tags writes them in ordinary tokens: llguidance takes
+    # tiny-thinker's (added, not special, as Qwen3's) for special ones it cannot consume
+    held = kinds.build("generate", QUESTION, regex=re.escape("<think>Hm.</think>Paris."),
+                       temperature=0)
+    out = Outbox()
+    text_to_text.run(thinker, [WorkItem(job_id=4, request=held)], out, 1)
+    assert _parts(out)[:2] == ("Hm.", "Paris.")
 
 
 def test_a_harmony_models_language_starts_with_its_final_channel(
