@@ -1,11 +1,11 @@
 """A reasoning model's thinking, apart from its answer, through the official `openai`
 package: chat's `reasoning_content` (vLLM's and DeepSeek's field), whole and streamed,
 and the Responses API's reasoning item and `response.reasoning_text` events; the
-socket client's chunks carry the same. The tiny random-weight Llama plays a reasoning
-model: a copy whose chat template opens the thinking (as DeepSeek-R1-0528's does), held
-by a regex to a thought and an answer where the test needs both (its language holds the
-thinking too: `structured_in_reasoning`). tiny-thinker, whose `</think>` is one token,
-thinks freely before a structured answer, its thinking closed by a bias on that token."""
+socket client's chunks carry the same. tiny-thinker plays a reasoning model: its chat
+template opens the thinking (as DeepSeek-R1-0528's does). As MODEL it is held by a regex
+to a thought and an answer where the test needs both (its language holds the thinking
+too: `structured_in_reasoning`); as FIRST it thinks freely before a structured answer,
+its thinking closed by a bias on its `</think>` token."""
 
 from __future__ import annotations
 
@@ -36,22 +36,6 @@ SAMPLED: Any = {"temperature": 1.0, "seed": 3}
 SAMPLED_RESPONSE: Any = {"temperature": 1.0, "extra_body": {"seed": 3}}  # vLLM's extension
 
 
-def _thinker(tiny_models_dir: Path, workdir: Path) -> Path:
-    """tiny-llm whose generation prompt ends with `<think>`, as a reasoning model's, or,
-    with the variable `enable_thinking` false, with an empty thinking (Qwen3's)."""
-    model_dir = workdir / MODEL
-    shutil.copytree(tiny_models_dir / "tiny-llm", model_dir)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    prompt = "<|im_start|>assistant\n"
-    assert config["chat_template"].count(prompt) == 1
-    config["chat_template"] = config["chat_template"].replace(prompt, prompt + (
-        "{% if enable_thinking is defined and enable_thinking is false %}"
-        "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"))
-    config_path.write_text(json.dumps(config))
-    return model_dir
-
-
 def _harmony(tiny_models_dir: Path, workdir: Path) -> Path:
     """tiny-llm whose template writes harmony's channels, as gpt-oss's does."""
     model_dir = workdir / "tiny-harmony"
@@ -73,8 +57,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
         [[models]]
         key = "{MODEL}"
         capability = "text_to_text"
-        path = "{_thinker(tiny_models_dir, workdir)}"
-        options = {{ context = 1024, reasoning_format = "think", structured_in_reasoning = true }}
+        path = "{tiny_models_dir / 'tiny-thinker'}"
+        options = {{ context = 1024, structured_in_reasoning = true }}
         [[models]]
         key = "{FIRST}"
         capability = "text_to_text"
