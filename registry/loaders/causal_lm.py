@@ -183,10 +183,10 @@ class CausalLM:
         if grammar is None or self.structured_in_reasoning or not self._chat(request):
             return grammar
         if self.harmony:
-            return AfterThinking(grammar, harmony.FINAL, self._decode_kept, True, None)
+            return AfterThinking(grammar, harmony.FINAL, self.tokenizer, True, None)
         if self.thinking is None:
             return grammar
-        return AfterThinking(grammar, self.thinking.closes, self._decode_kept,
+        return AfterThinking(grammar, self.thinking.closes, self.tokenizer,
                              self._opened(request, ids), self.open_token)
 
     def _opened(self, request: Generate, ids: list[int] | None) -> bool:
@@ -194,9 +194,6 @@ class CausalLM:
         assert self.thinking is not None
         ids = self.prompt_ids(request) if ids is None else ids
         return opens_thinking(self.tokenizer.decode(ids[-PROMPT_TAIL:]), self.thinking)
-
-    def _decode_kept(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _reads_thinking(self, request: Generate) -> bool:
         return self.thinking is not None and self._chat(request)

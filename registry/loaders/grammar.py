@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -151,11 +150,10 @@ class AfterThinking(GrammarMatcher):
     token may be the opening tag (when the tag is one token), or the answer's first in
     the language."""
 
-    def __init__(self, grammar: GrammarMatcher, closes: str,
-                 decode: Callable[[list[int]], str], inside: bool,
+    def __init__(self, grammar: GrammarMatcher, closes: str, tokenizer: Any, inside: bool,
                  open_token: int | None) -> None:
         super().__init__(grammar.matcher)
-        self.closes, self.decode, self.open_token = closes, decode, open_token
+        self.closes, self.tokenizer, self.open_token = closes, tokenizer, open_token
         self.state = "inside" if inside else "start" if open_token is not None else "answer"
         self.thought: list[int] = []  # the thinking's last tokens, to find its closing tag
 
@@ -178,7 +176,7 @@ class AfterThinking(GrammarMatcher):
         elif self.state == "inside":
             # the tag may be several tokens; each is at least a character of it
             self.thought = [*self.thought, token][-len(self.closes):]
-            if self.closes in self.decode(self.thought):
+            if self.closes in self.tokenizer.decode(self.thought, skip_special_tokens=False):
                 self.state = "answer"
             return
         if self.state == "answer":

@@ -88,11 +88,8 @@ class VisionLM:
         grammar = self.grammars.matcher(request.sampling.structured)
         if grammar is None or self.thinking is None or self.structured_in_reasoning:
             return grammar
-        return AfterThinking(grammar, self.thinking.closes, self._decode_kept,
+        return AfterThinking(grammar, self.thinking.closes, self.tokenizer,
                              self._opened(request), self.open_token)
-
-    def _decode_kept(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def info(self) -> dict[str, Any]:
         vision = getattr(self.model.config, "vision_config", None)

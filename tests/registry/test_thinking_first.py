@@ -45,7 +45,7 @@ def _allowed(matcher: AfterThinking, vocab: int) -> set[int]:
 
 def _after(model: Any, inside: bool, regex: str = r"Paris\.") -> AfterThinking:
     grammar = model.grammars.matcher(Structured(regex=regex))
-    return AfterThinking(grammar, "</think>", model._decode_kept, inside, model.open_token)
+    return AfterThinking(grammar, "</think>", model.tokenizer, inside, model.open_token)
 
 
 @pytest.mark.parametrize("name", ["thinker", "llm"])
@@ -81,7 +81,7 @@ def test_a_model_may_open_the_thinking_itself_else_it_answers_in_the_language(
     # a multi-token opening tag cannot be told from the answer's start: held at once
     assert thinker.open_token is not None
     held = AfterThinking(thinker.grammars.matcher(Structured(regex="P")), "</think>",
-                         thinker._decode_kept, False, None)
+                         thinker.tokenizer, False, None)
     assert _allowed(held, vocab) == {_ids(thinker, "P")[0]}
 
 
