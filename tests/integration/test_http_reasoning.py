@@ -22,7 +22,7 @@ import openai
 import pydantic
 import pytest
 from conftest import ROOT, Daemon
-from http_helpers import KEY, http_daemon
+from http_helpers import KEY, data_url, http_daemon, png
 from test_http_responses import _ended
 from test_http_service import _samples
 
@@ -34,6 +34,17 @@ QUESTION = [{"role": "user", "content": "tell me about workers"}]
 # Seeded: greedy, the tiny model says only newlines after this prompt
 SAMPLED: Any = {"temperature": 1.0, "seed": 3}
 SAMPLED_RESPONSE: Any = {"temperature": 1.0, "extra_body": {"seed": 3}}  # vLLM's extension
+
+
+def _vision_thinker(tiny_models_dir: Path, workdir: Path) -> Path:
+    """tiny-vision whose template's generation prompt opens the thinking."""
+    model_dir = workdir / "vision-thinker"
+    shutil.copytree(tiny_models_dir / "tiny-vision", model_dir)
+    template = model_dir / "chat_template.jinja"
+    prompt = "'<|im_start|>assistant\\n'"
+    assert template.read_text().count(prompt) == 1
+    template.write_text(template.read_text().replace(prompt, prompt[:-1] + "<think>\\n'"))
+    return model_dir
 
 
 def _harmony(tiny_models_dir: Path, workdir: Path) -> Path:
@@ -69,6 +80,11 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
         capability = "text_to_text"
         path = "{_harmony(tiny_models_dir, workdir)}"
         options = {{ context = 1024, structured_in_reasoning = true }}
+        [[models]]
+        key = "vision-thinker"
+        capability = "vision"
+        path = "{_vision_thinker(tiny_models_dir, workdir)}"
+        options = {{ reasoning_format = "think" }}
         """)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
@@ -294,3 +310,23 @@ def test_a_forced_calls_item_follows_the_thinkings(sdk: openai.OpenAI) -> None:
                      ("response.output_item.done", "reasoning"),
                      ("response.output_item.added", "function_call"),
                      ("response.output_item.done", "function_call")]
+
+
+def test_a_vision_models_thinking_is_apart_through_the_socket_and_chat(
+        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """Its template opened the thinking and it never closed it: all thinking, counted so,
+    through a real worker, the socket client and the SDK's chat with an image."""
+    image = png((255, 0, 0))
+    with served[0].client() as client:
+        chunks = list(client.describe(image, "what is it?", model="vision-thinker",
+                                      max_tokens=6, **SAMPLED))
+    thought = "".join(c.reasoning for c in chunks)
+    assert thought and "".join(c.text for c in chunks) == ""
+    assert chunks[-1].reasoning_tokens == chunks[-1].completion_tokens == 6
+    reply = sdk.chat.completions.create(model="vision-thinker", max_tokens=6, **SAMPLED,
+                                        messages=[{"role": "user", "content": [
+                                            {"type": "text", "text": "what is it?"},
+                                            {"type": "image_url",
+                                             "image_url": {"url": data_url(image)}}]}])
+    assert (reply.choices[0].message.model_extra or {})["reasoning_content"] == thought
+    assert reply.choices[0].message.content == ""
