@@ -20,6 +20,7 @@ from modelpool.protocol.framing import MAX_FRAME_BYTES
 from modelpool.protocol.jobs import Completion, JobResult, Submit
 from modelpool.protocol.kinds import BY_OP, STREAMED, Kind, merge_rows
 from modelpool.protocol.messages import (
+    CallDelta,
     Chunk,
     End,
     Error,
@@ -45,6 +46,8 @@ class TextChunk:
     cached_tokens: int | None = None  # the last chunk's: prompt tokens of the prefix cache
     reasoning: str = ""  # a reasoning model's thinking since the last chunk, not its answer
     reasoning_tokens: int | None = None  # the last chunk's: of completion_tokens, thinking
+    # pieces of tool calls as the model writes them ("auto"; see messages.CallDelta)
+    calls: list[CallDelta] | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,8 @@ def op_signature(kind: Kind, is_method: bool = True) -> inspect.Signature:
 
 def text_chunk(msg: Any) -> TextChunk:
     if isinstance(msg, Chunk):
-        return TextChunk(text=msg.text, logprobs=msg.logprobs, reasoning=msg.reasoning)
+        return TextChunk(text=msg.text, logprobs=msg.logprobs, reasoning=msg.reasoning,
+                         calls=msg.calls)
     assert isinstance(msg, End)
     return TextChunk(text="", finish_reason=msg.finish_reason, prompt_tokens=msg.prompt_tokens,
                      completion_tokens=msg.completion_tokens,

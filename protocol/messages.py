@@ -78,6 +78,17 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     id: str = ""  # in a conversation: the id the tool's answer (a "tool" message) gives
 
 
+class CallDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A piece of a tool call as the model writes it (tool_choice "auto"): a call's first
+    piece names it and gives its id; each adds to its arguments' JSON text. A stream's
+    pieces of a call, joined, are End.tool_calls[index]."""
+
+    index: int  # the call's, among the answer's calls
+    arguments: str = ""
+    name: str = ""  # the call's first piece only
+    id: str = ""  # the call's first piece only
+
+
 def new_call_id() -> str:
     """A tool call's id in OpenAI's shape."""
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -306,6 +317,7 @@ class Chunk(_Msg, frozen=True, kw_only=True, tag="chunk"):
     # (`text`); "" for a model that does not reason
     reasoning: str = ""
     logprobs: list[TokenLogprob] | None = None
+    calls: list[CallDelta] | None = None  # tool calls' pieces (tool_choice "auto")
 
 
 class End(_Msg, frozen=True, kw_only=True, tag="end"):

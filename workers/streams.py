@@ -194,10 +194,10 @@ class StreamLoop:
             tail, calls = stream.output.finish()
             text += tail
         logprobs = None if event.logprob is None else [event.logprob]
-        thinking = stream.output.take_thinking()
-        if text or thinking or logprobs:
+        thinking, pieces = stream.output.take_thinking(), stream.output.take_calls()
+        if text or thinking or logprobs or pieces:
             self.worker.send(Chunk(id=job_id, seq=stream.seq, text=text, reasoning=thinking,
-                                   logprobs=logprobs))
+                                   logprobs=logprobs, calls=pieces))
             stream.seq += 1
         if stats is not None:
             reason = "stop" if hit else stats.finish_reason

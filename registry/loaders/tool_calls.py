@@ -50,7 +50,8 @@ A model's loader option `tool_call_format` names one where the template does not
 A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
 `<tool_call>` in some Hermes tokenizers) are kept in the text of a sequence that may call,
 where decoding would otherwise drop them. Text that starts like a call but does not read
-as one (cut short, not JSON) is given back as text, as vLLM's parsers do."""
+as one (not JSON, no tool's name) is given back as text, as vLLM's parsers do, unless a
+call was streamed from it (tool_stream.py)."""
 
 from __future__ import annotations
 
@@ -65,10 +66,11 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import ToolCall, new_call_id
+from modelpool.protocol.messages import CallDelta, ToolCall, new_call_id
 from modelpool.registry.loaders import tool_calls_xml
 from modelpool.registry.loaders.marks import partial_mark
 from modelpool.registry.loaders.tool_calls_xml import ParameterTypes, parameter_types
+from modelpool.registry.loaders.tool_stream import HEADS, CallStream
 
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 MINIMAX_M1_BLOCK = re.compile(r"<tool_calls>(.*?)(?:</tool_calls>|$)", re.DOTALL)
@@ -328,16 +330,28 @@ class ToolCallReader:
         self.pending = ""  # passed-on text held back: it may open a call
         self.held: str | None = None  # from the call's opening on
         self.decided = False  # at_start formats: the answer's start was not a call
+        heads = HEADS.get(tool_format.name)
+        self.stream = None if heads is None else CallStream(heads, names, tool_format.new_id)
+        self.cut = False  # the calls are what was streamed of them: the text not read so
 
     def feed(self, text: str) -> str:
         """The text that may be passed on now."""
         if self.held is not None:
             self.held += text
-            return ""
-        self.pending += text
-        if not self.format.at_start:
-            return self._anywhere()
-        return self._pass(len(self.pending)) if self.decided else self._at_start()
+            passed = ""
+        else:
+            self.pending += text
+            if not self.format.at_start:
+                passed = self._anywhere()
+            else:
+                passed = self._pass(len(self.pending)) if self.decided else self._at_start()
+        if self.stream is not None and self.held is not None:
+            self.stream.read(self.held)
+        return passed
+
+    def take_deltas(self) -> list[CallDelta]:
+        """The calls' pieces written since the last call (tool_stream.py)."""
+        return [] if self.stream is None else self.stream.take()
 
     def _at_start(self) -> str:
         opens, lead = self.format.opens, self.format.lead
@@ -371,10 +385,17 @@ class ToolCallReader:
         if self.held is None:
             return text, []
         held, self.held = self.held, None
+        calls = self._read(held)
+        if self.stream is not None and self.stream.sent:
+            calls, self.cut = self.stream.settle(calls)
+            return text, calls
+        return (text + held, []) if calls is None else (text, calls)
+
+    def _read(self, held: str) -> list[ToolCall] | None:
         calls = self.format.parse(held)
         if calls is None or any(c.name not in self.names for c in calls):
-            return text + held, []
+            return None
         if self.format.retype is not None:
             calls = [self.format.retype(c, self.types) for c in calls]
-        return text, [msgspec.structs.replace(c, id=c.id or self.format.new_id())
-                      for c in calls]  # an id the model wrote (Kimi K2's) is kept
+        return [msgspec.structs.replace(c, id=c.id or self.format.new_id())
+                for c in calls]  # an id the model wrote (Kimi K2's) is kept

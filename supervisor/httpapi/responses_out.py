@@ -16,7 +16,7 @@ import msgspec
 
 from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import PoolError
-from modelpool.protocol.messages import TokenLogprob, new_call_id
+from modelpool.protocol.messages import CallDelta, TokenLogprob, new_call_id
 from modelpool.supervisor.httpapi import logprobs
 from modelpool.supervisor.httpapi.choices import whole_text
 from modelpool.supervisor.httpapi.responses_in import ResponsesBody
@@ -56,7 +56,7 @@ class ResponseShape:
     @property
     def streams_text(self) -> bool:
         """Its text goes out as it comes: free text, or an "auto" answer's (its calls
-        come at the end); not a forced call's arguments."""
+        stream apart); not a forced call's arguments."""
         return self.calls is None or self.calls.auto
 
     def message_id(self) -> str:
@@ -185,6 +185,8 @@ class ResponseStream:
         self.entries: list[TokenLogprob] = []
         self.opened = False  # the answer's first item (its message, a named call) announced
         self.thought = False  # the thinking's item is done
+        self.call_at: dict[int, int] = {}  # an "auto" answer's calls streamed: output index
+        self.closed: set[int] = set()  # items done before the end (a message before calls)
 
     @property
     def first(self) -> int:
@@ -205,8 +207,8 @@ class ResponseStream:
         self.parts.append(chunk.text)
         self.entries.extend(chunk.logprobs or ())
         out = self._think(chunk.reasoning) if chunk.reasoning else b""
-        if chunk.text or chunk.finish_reason is not None:
-            cut = chunk.finish_reason == "length" and not any(self.parts)
+        if chunk.text or chunk.calls or chunk.finish_reason is not None:
+            cut = chunk.finish_reason == "length" and not any(self.parts) and not self.call_at
             out += self._thought("incomplete" if cut else "completed")
         if self.shape.streams_text and chunk.text:
             out += self._open_message()
@@ -221,6 +223,8 @@ class ResponseStream:
                                   item_id=self.shape.call_item_id(self.first),
                                   output_index=self.first,
                                   delta=chunk.text)
+        if chunk.calls and self.shape.calls is not None and self.shape.calls.auto:
+            out += self._stream_calls(chunk.calls)
         if chunk.finish_reason is not None:
             out += self._end(whole_text(self.parts, self.entries, chunk, self.shape.model,
                                         self.thinking))
@@ -266,6 +270,35 @@ class ResponseStream:
                              output_index=self.first, content_index=0,
                              part=_output_text("", None)))
 
+    def _stream_calls(self, pieces: list[CallDelta]) -> bytes:
+        """An "auto" answer's calls as the model writes them: each call's item announced
+        (the message before it done first), then its arguments' pieces."""
+        assert self.shape.calls is not None
+        out = b""
+        for piece in pieces:
+            if piece.index > 0 and not self.shape.calls.parallel:
+                continue
+            if piece.index not in self.call_at:
+                out += self._close_message()
+                at = self.call_at[piece.index] = self.first + self.opened + piece.index
+                out += self.event("response.output_item.added", output_index=at,
+                                  item=self.shape.call_item(at, piece.name, "", "in_progress",
+                                                            piece.id))
+            if piece.arguments:
+                at = self.call_at[piece.index]
+                out += self.event("response.function_call_arguments.delta",
+                                  item_id=self.shape.call_item_id(at), output_index=at,
+                                  delta=piece.arguments)
+        return out
+
+    def _close_message(self) -> bytes:
+        """The message done as the calls after it begin."""
+        if not self.opened or self.first in self.closed:
+            return b""
+        self.closed.add(self.first)
+        item = self.shape.message_item("".join(self.parts), "completed", self.entries or None)
+        return self._item_done(self.first, item, announced=True)
+
     def _open_call(self) -> bytes:
         if self.opened:
             return b""
@@ -280,9 +313,9 @@ class ResponseStream:
         items = self.shape.items(result)
         out = b""
         for index, item in enumerate(items):
-            if item["type"] == "reasoning":
-                continue  # streamed, and done as the answer began
-            announced = index == self.first and self.opened
+            if item["type"] == "reasoning" or index in self.closed:
+                continue  # streamed, and done as the answer (or a call) began
+            announced = (index == self.first and self.opened) or index in self.call_at.values()
             out += self._item_done(index, item, announced)
         response = self.shape.finished(result, items)
         return out + self.event(f"response.{response['status']}", response=response)

@@ -68,8 +68,9 @@ def bad(field: str, message: str) -> PoolError:
 
 class ToolCalls:
     """How one answer's output becomes tool calls, whole or streamed: the calls the model
-    made in its own format ("auto": its text streamed, the calls with the last chunk), a
-    named function's arguments as they come, or a list of calls, sent once it is whole."""
+    made in its own format ("auto": its text and, in most formats, its calls streamed as
+    they are written), a named function's arguments as they come, or a list of calls,
+    sent once it is whole."""
 
     def __init__(self, named: str | None, auto: bool = False, parallel: bool = True) -> None:
         self.named = named
@@ -77,6 +78,7 @@ class ToolCalls:
         self.parallel = parallel  # False: an "auto" answer's first call only
         self.held: dict[int, tuple[str, list[TokenLogprob]]] = {}  # by choice: a list's
         self.called: set[int] = set()  # the choices whose named call has begun
+        self.streamed: dict[int, set[int]] = {}  # by choice: its "auto" calls streamed
 
     def message(self, text: str, made: list[ToolCall] | None = None) -> dict[str, Any]:
         """A whole answer's assistant message (`made`: the calls the pool read, "auto")."""
@@ -103,9 +105,9 @@ class ToolCalls:
         role = {"role": "assistant"} if first else {}
         if self.auto:
             delta: dict[str, Any] = {**role, "content": chunk.text}
-            if chunk.tool_calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in
-                                       enumerate(openai_calls(self._kept(chunk.tool_calls)))]
+            calls = self._auto_calls(index, chunk)
+            if calls:
+                delta["tool_calls"] = calls
             return delta, chunk.logprobs
         if self.named is not None:
             if not chunk.text:  # thinking, or the end: the call begins with its arguments
@@ -128,6 +130,26 @@ class ToolCalls:
             message = {"tool_calls": [{"index": i, **c}
                                       for i, c in enumerate(message["tool_calls"])]}
         return {"role": "assistant", **message}, entries or None
+
+    def _auto_calls(self, index: int, chunk: TextChunk) -> list[dict[str, Any]]:
+        """An "auto" answer's calls in a chunk: their pieces as the model writes them,
+        and, with the last chunk, whole, the calls not streamed (a relayed stream's, a
+        format that is read at the end)."""
+        streamed = self.streamed.setdefault(index, set())
+        out: list[dict[str, Any]] = []
+        for piece in chunk.calls or ():
+            if piece.index > 0 and not self.parallel:
+                continue
+            function = {"arguments": piece.arguments}
+            if piece.index not in streamed:
+                streamed.add(piece.index)
+                out.append({"index": piece.index, "id": piece.id, "type": "function",
+                            "function": {"name": piece.name, **function}})
+            else:
+                out.append({"index": piece.index, "function": function})
+        whole = openai_calls(self._kept(chunk.tool_calls or []))
+        return out + [{"index": i, **call} for i, call in enumerate(whole)
+                      if i not in streamed]
 
     def _kept(self, made: list[ToolCall]) -> list[ToolCall]:
         return made if self.parallel else made[:1]

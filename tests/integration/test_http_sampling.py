@@ -352,8 +352,13 @@ def test_auto_tool_calls_through_the_sdk_whole_streamed_answered_and_as_a_job(
              if p.choices]
     assert "".join(p.delta.content or "" for p in parts) == "Let me check.\n"
     assert parts[-1].finish_reason == "tool_calls"
-    (streamed,) = parts[-1].delta.tool_calls or []
-    assert streamed.function.name == "get_weather"  # type: ignore[union-attr]
+    pieces = [c for p in parts for c in p.delta.tool_calls or []]  # as the model wrote them
+    first, *rest = pieces
+    assert first.index == 0 and (first.id or "").startswith("call_")
+    assert first.function.name == "get_weather"  # type: ignore[union-attr]
+    assert len(rest) > 2 and all(c.id is None for c in rest)
+    assert json.loads("".join(c.function.arguments or "" for c in pieces)) == {  # type: ignore[union-attr]
+        "city": "Paris"}
     with served[0].client() as c:  # the socket client's last chunk holds the calls
         *_, last = c.generate(messages, model="tiny-llm-long", tools=[GET_WEATHER],
                               tool_choice="auto", regex=re.escape(CALLED), temperature=0)

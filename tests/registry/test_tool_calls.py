@@ -57,10 +57,10 @@ def test_text_that_only_looks_like_a_tag_is_passed_on_whole(piece: int) -> None:
 
 
 @pytest.mark.parametrize("text", [
-    '<tool_call>\n{"name": "get_weather", "arguments": {"ci',  # cut short (length)
+    '<tool_call>\n{"name": "get_weather", "ar',  # cut short before its arguments began
     "<tool_call>\nnot json\n</tool_call>",
     '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
-    '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call><tool_call>[1]</tool_call>',
+    '<tool_call>\n{"name": "a" "arguments": {}}\n</tool_call>',  # not JSON
 ])
 def test_what_does_not_read_as_calls_comes_back_as_text(text: str) -> None:
     passed, rest, calls = _read("hermes", "Hi " + text, 5)
@@ -98,8 +98,10 @@ def test_mistral_calls_as_a_list_or_one_by_one_with_their_ids(piece: int) -> Non
     one_by_one = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
                   "[TOOL_CALLS]get_time[ARGS]{}")
     assert _read("mistral", one_by_one, piece)[2] == [WEATHER, TIME]
-    for broken in ("[TOOL_CALLS] [1]", "[TOOL_CALLS]get_time[ARGS]{", "[TOOL_CALLS]x"):
+    for broken in ("[TOOL_CALLS] [1]", "[TOOL_CALLS]get_time[ARGS]", "[TOOL_CALLS]x"):
         assert _read("mistral", broken, piece)[1:] == (broken, [])
+    cut = "[TOOL_CALLS]get_time[ARGS]{"  # streamed: it stands
+    assert _read("mistral", cut, piece)[1:] == ("", [ToolCall(name="get_time", arguments="{")])
     reader = ToolCallReader(FORMATS["mistral"], NAMES)
     reader.feed(listed)
     ids = [c.id for c in reader.finish()[1]]
@@ -165,12 +167,14 @@ def test_deepseek_calls_in_v3s_code_blocks_or_v31s_plain_json(piece: int) -> Non
     assert "".join(passed) + rest == "Let me check." and calls == [WEATHER, TIME]
     assert all("<" not in p for p in passed)
     assert _read("deepseek", DEEPSEEK_V31, piece)[1:] == ("", [WEATHER, TIME])
-    cut = DEEPSEEK_V31[:DEEPSEEK_V31.index("{}")]  # the second call's arguments cut off
-    no_separator = DEEPSEEK_V31.replace("get_time<｜tool▁sep｜>", "get_time")
-    for broken in (cut, "<｜tool▁calls▁begin｜>get_time", "<｜tool▁calls▁begin｜><｜tool▁cal"
-                   "l▁begin｜>get_time<｜tool▁sep｜>not json<｜tool▁call▁end｜>", no_separator):
+    for broken in ("<｜tool▁calls▁begin｜>get_time", "<｜tool▁calls▁begin｜><｜tool▁cal"
+                   "l▁begin｜>get_time<｜tool▁sep｜>not json<｜tool▁call▁end｜>"):
         passed, rest, calls = _read("deepseek", broken, piece)
         assert "".join(passed) + rest == broken and calls == []
+    cut = DEEPSEEK_V31[:DEEPSEEK_V31.index("{}")]  # the second call's arguments cut off
+    no_separator = DEEPSEEK_V31.replace("get_time<｜tool▁sep｜>", "get_time")
+    for streamed_first in (cut, no_separator):  # the first call was streamed: it stands
+        assert _read("deepseek", streamed_first, piece)[1:] == ("", [WEATHER])
 
 
 KIMI = ("Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
@@ -188,9 +192,10 @@ def test_kimi_k2_calls_keep_the_ids_the_model_wrote(piece: int) -> None:
     assert calls == [msgspec.structs.replace(WEATHER, id="functions.get_weather:0"),
                      msgspec.structs.replace(TIME, id="functions.get_time:1")]
     cut = KIMI[:KIMI.index("{}")]
-    for broken in (cut, KIMI.replace('{"city": "Paris"}', "{city}"),
-                   KIMI.replace("get_time:1", "get_time")):
-        assert _read("kimi_k2", broken, piece)[2] == []
+    for streamed_first in (cut, KIMI.replace("get_time:1", "get_time")):
+        assert _read("kimi_k2", streamed_first, piece)[2] == [WEATHER]
+    broken = KIMI.replace("functions.get_weather:0", "functions.get_weather")
+    assert _read("kimi_k2", broken, piece)[2] == []
 
 
 MINIMAX_M1 = ('Let me look.\n<tool_calls>\n{"name": "get_weather", "arguments": {"city": '
@@ -202,7 +207,7 @@ def test_minimax_m1_calls_are_a_json_object_a_line(piece: int) -> None:
     passed, rest, calls = _read("minimax", MINIMAX_M1, piece)
     assert "".join(passed) + rest == "Let me look.\n" and "<" not in "".join(passed)
     assert calls == [WEATHER, TIME]
-    cut = MINIMAX_M1[:MINIMAX_M1.index("}}") + 1]  # its first call's arguments cut short
+    cut = MINIMAX_M1[:MINIMAX_M1.index('"name"')]  # cut short before its first call's name
     assert _read("minimax", cut, piece)[1:] == (cut[cut.index("<"):], [])
 
 
@@ -246,8 +251,8 @@ def test_a_model_whose_format_is_not_known_refuses_auto() -> None:
 
 
 @pytest.mark.parametrize(("tool_format", "text"), [
-    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
-               '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+               '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'),
     ("llama3_json", '{"name": "Bob", "parameters": {"age": 3}}'),  # an answer in JSON
 ])
 def test_a_call_to_a_function_not_among_the_tools_is_text(tool_format: str,

@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import TokenLogprob, ToolCall
+from modelpool.protocol.messages import CallDelta, TokenLogprob, ToolCall
 from modelpool.supervisor.httpapi.bodies import ChatMessage, ContentPart
 from modelpool.supervisor.httpapi.replies import HttpError
 from modelpool.supervisor.httpapi.responses_api import ResponsesApi, _owner
@@ -253,6 +253,32 @@ def test_a_reasoning_models_thinking_streams_first_as_its_own_item() -> None:
         ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
     assert whole["output"][0]["content"] == [{"type": "reasoning_text",
                                               "text": "Weather, so a call."}]
+
+
+def test_an_auto_answers_calls_stream_as_items_after_its_message_is_done() -> None:
+    """Thinking, a message, then two calls: the first streamed as the model writes it
+    (the message done as it begins), the second read only at the end (whole there)."""
+    shape = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls(None, auto=True))
+    made = [ToolCall(name="weather", arguments='{"city":"Oslo"}', id="call_7"),
+            ToolCall(name="weather", arguments="{}", id="call_8")]
+    events, final = _accepted(_streamed(shape, [
+        TextChunk("", reasoning="A call."), TextChunk("Checking."),
+        TextChunk("", calls=[CallDelta(index=0, name="weather", id="call_7", arguments="{")]),
+        TextChunk("", calls=[CallDelta(index=0, arguments='"city":"Oslo"}')]),
+        TextChunk("", "tool_calls", 9, 4, tool_calls=made)]))
+    assert [(e.type, getattr(e, "output_index", None)) for e in events][9:19] == [
+        ("response.output_text.done", 1), ("response.content_part.done", 1),
+        ("response.output_item.done", 1), ("response.output_item.added", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.done", 2), ("response.output_item.done", 2),
+        ("response.output_item.added", 3), ("response.function_call_arguments.delta", 3)]
+    assert events[12].item.call_id == "call_7" and events[12].item.name == "weather"
+    assert [(i.type, getattr(i, "call_id", None)) for i in final.output] == [
+        ("reasoning", None), ("message", None), ("function_call", "call_7"),
+        ("function_call", "call_8")]
+    assert final.output[2].arguments == '{"city":"Oslo"}' and final.output_text == "Checking."
+    assert len([e for e in events if e.type == "response.output_item.done"]) == 4
 
 
 def test_calls_alone_take_the_first_place_and_a_cut_answer_is_incomplete() -> None:

@@ -8,10 +8,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import PoolError
-from modelpool.protocol.messages import TokenLogprob, ToolCall
+from modelpool.protocol.messages import CallDelta, TokenLogprob, ToolCall
 from modelpool.supervisor.httpapi import bodies, replies
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
@@ -169,3 +171,37 @@ def test_a_list_of_calls_streams_once_whole_with_its_tokens_logprobs() -> None:
     (call,) = choice["delta"]["tool_calls"]
     assert call["index"] == 0 and call["function"] == {"name": "now", "arguments": "{}"}
     assert len(choice["logprobs"]["content"]) == 2
+
+
+def test_an_auto_answers_calls_stream_as_the_model_writes_them() -> None:
+    """Each call's first piece names it, the next add to its arguments (what the SDK's
+    accumulator joins); a call the worker did not stream comes whole with the last
+    chunk, and one streamed is not sent again there."""
+    shape = replies.StreamShape(chat=True, model="m", include_usage=False,
+                                calls=ToolCalls(None, auto=True))
+    made = [ToolCall(name="weather", arguments='{"city":"Rome"}', id="call_1"),
+            ToolCall(name="now", arguments="{}", id="call_2")]
+    data = (shape.event(TextChunk("Let me see.", calls=[
+                CallDelta(index=0, name="weather", id="call_1", arguments="{")]))
+            + shape.event(TextChunk("", calls=[CallDelta(index=0, arguments='"city":')]))
+            + shape.event(TextChunk("", calls=[CallDelta(index=0, arguments='"Rome"}')]))
+            + shape.event(TextChunk("", "tool_calls", 3, 9, tool_calls=made)))
+    events = _events(data)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0]["tool_calls"] == [{"index": 0, "id": "call_1", "type": "function",
+                                        "function": {"name": "weather", "arguments": "{"}}]
+    assert deltas[1]["tool_calls"] == [{"index": 0, "function": {"arguments": '"city":'}}]
+    assert [c["index"] for c in deltas[3]["tool_calls"]] == [1]  # the one not streamed
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    message = state.get_final_completion().choices[0].message
+    assert message.content == "Let me see."
+    assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []
+            ] == [("call_1", "weather", '{"city":"Rome"}'), ("call_2", "now", "{}")]
+    one = replies.StreamShape(chat=True, model="m", include_usage=False,
+                              calls=ToolCalls(None, auto=True, parallel=False))
+    data = one.event(TextChunk("", calls=[CallDelta(index=0, name="now", id="call_3"),
+                                          CallDelta(index=1, name="now", id="call_4")]))
+    assert [c["id"] for c in _events(data)[0]["choices"][0]["delta"]["tool_calls"]] == [
+        "call_3"]

@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Chunk, End, Generate, Sampling, TokenLogprob, ToolCall
+from modelpool.protocol.messages import (
+    CallDelta,
+    Chunk,
+    End,
+    Generate,
+    Sampling,
+    TokenLogprob,
+    ToolCall,
+)
 from modelpool.protocol.pipes import WorkItem
 from modelpool.workers.capabilities import text_limits
 from modelpool.workers.capabilities.base import Outbox, error_reply
@@ -78,6 +86,9 @@ class ToolReader(Protocol):
 
     def finish(self) -> tuple[str, list[ToolCall]]: ...
 
+    # Optional: `take_deltas()`, the calls' pieces as they are written, and `cut`, True
+    # when the calls are what was streamed of them, cut short (tool_stream.py).
+
 
 class ReasoningSplitter(Protocol):
     """Reads a reasoning model's thinking out of its text (registry/loaders/reasoning)."""
@@ -128,6 +139,16 @@ class TextOutput:
         thinking, self.thinking = self.thinking, ""
         return thinking
 
+    def take_calls(self) -> list[CallDelta] | None:
+        """The tool calls' pieces written since the last call (for the next chunk)."""
+        take = getattr(self.calls, "take_deltas", None)
+        return (take() or None) if take is not None else None
+
+    @property
+    def calls_cut(self) -> bool:
+        """The calls are what was streamed of them, the output cut short in one."""
+        return bool(getattr(self.calls, "cut", False))
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the stream's end: the answer text still held back, and the calls made (the
         thinking still held is left for take_thinking)."""
@@ -144,8 +165,10 @@ class TextOutput:
 
 def end_reply(job_id: int, stats: GenerationStats, reason: str,
               calls: list[ToolCall], output: TextOutput) -> End:
-    """A stream's End; one that made tool calls ends with "tool_calls", as OpenAI's."""
-    return End(id=job_id, finish_reason="tool_calls" if calls else reason,
+    """A stream's End; one that made tool calls ends with "tool_calls", as OpenAI's
+    (unless a call was cut short)."""
+    made = calls and not output.calls_cut
+    return End(id=job_id, finish_reason="tool_calls" if made else reason,
                prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
                completion_tokens=stats.completion_tokens,
                prompt_logprobs=stats.prompt_logprobs, tool_calls=calls or None,
@@ -221,19 +244,20 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
             text, hit = output.feed(piece, stats.completion_tokens - made)
             made = stats.completion_tokens
             logprobs = stats.take_logprobs()
-            thinking = output.take_thinking()
-            if text or thinking or logprobs:
+            thinking, pieces = output.take_thinking(), output.take_calls()
+            if text or thinking or logprobs or pieces:
                 out.send(Chunk(id=job_id, seq=seq, text=text, reasoning=thinking,
-                               logprobs=logprobs))
+                               logprobs=logprobs, calls=pieces))
                 seq += 1
             if hit:
                 stats.finish_reason = "stop"
                 break
         if stats.finish_reason != "cancelled":
             text, calls = output.finish()
-            thinking = output.take_thinking()
-            if text or thinking:
-                out.send(Chunk(id=job_id, seq=seq, text=text, reasoning=thinking))
+            thinking, pieces = output.take_thinking(), output.take_calls()
+            if text or thinking or pieces:
+                out.send(Chunk(id=job_id, seq=seq, text=text, reasoning=thinking,
+                               calls=pieces))
     except Exception as exc:
         out.send(error_reply(job_id, exc))
         return

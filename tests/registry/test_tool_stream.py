@@ -1,0 +1,135 @@
+"""Tool calls streamed as the model writes them (tool_choice "auto"): each call named as
+its head is written, then its arguments piece by piece, the pieces joined being the
+calls the whole text reads as."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, KIMI, MINIMAX_M1, NAMES
+
+from modelpool.protocol.messages import CallDelta, Sampling, ToolCall
+from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader
+from modelpool.registry.loaders.tool_stream import JsonObject
+from modelpool.workers.capabilities.text_to_text import GenerationStats, TextOutput, end_reply
+
+STREAMED = {
+    "hermes": ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+               '"Paris", "days": [1, 2]}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+               '"arguments": {}}\n</tool_call>'),
+    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
+                    '"days": [1, 2]}}; {"name": "get_time", "parameters": {}}'),
+    "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", '
+                '"days": [1, 2]}}, {"name": "get_time", "arguments": {}}]'),
+    "granite": ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", '
+                '"days": [1, 2]}}, {"name": "get_time", "arguments": {}}]'),
+    "deepseek": DEEPSEEK_V3, "kimi_k2": KIMI, "minimax": MINIMAX_M1,
+}
+CASES = [*STREAMED.items(), ("deepseek", DEEPSEEK_V31),
+         ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}')]
+
+
+def _stream(tool_format: str, text: str, piece: int
+            ) -> tuple[list[tuple[int, CallDelta]], str, list[ToolCall], ToolCallReader]:
+    """Each delta with how much of the text had been fed when it came, the text passed
+    on, the calls, and the reader."""
+    reader = ToolCallReader(FORMATS[tool_format], NAMES)
+    deltas, passed = [], ""
+    for at in range(0, len(text), piece):
+        passed += reader.feed(text[at:at + piece])
+        deltas += [(min(at + piece, len(text)), d) for d in reader.take_deltas()]
+    rest, calls = reader.finish()
+    deltas += [(len(text), d) for d in reader.take_deltas()]
+    return deltas, passed + rest, calls, reader
+
+
+def _joined(deltas: list[tuple[int, CallDelta]]) -> list[ToolCall]:
+    calls: dict[int, ToolCall] = {}
+    for _, delta in deltas:
+        if delta.index not in calls:
+            assert delta.name and delta.id  # a call's first piece names it
+            assert delta.index == len(calls)  # in order, none skipped
+            calls[delta.index] = ToolCall(name=delta.name, arguments="", id=delta.id)
+        else:
+            assert not delta.name and not delta.id
+        call = calls[delta.index]
+        calls[delta.index] = ToolCall(name=call.name, arguments=call.arguments + delta.arguments,
+                                      id=call.id)
+    return list(calls.values())
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+@pytest.mark.parametrize(("tool_format", "text"), CASES)
+def test_each_formats_calls_stream_and_join_to_the_calls_read(tool_format: str, text: str,
+                                                              piece: int) -> None:
+    deltas, passed, calls, reader = _stream(tool_format, text, piece)
+    assert _joined(deltas) == calls and not reader.cut
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"} if "days" not in text else
+         {"city": "Paris", "days": [1, 2]}), ("get_time", {})]
+    assert "<" not in passed and "[TOOL" not in passed
+    if piece == 1:  # the first call's arguments came in pieces, before its end was written
+        first = [at for at, d in deltas if d.index == 0]
+        assert len(first) > 5 and first[0] < text.index("Paris")
+        assert first[-1] == text.index("}", text.index("Paris")) + 1  # its closing brace
+        assert next(at for at, d in deltas if d.index == 1) < len(text)
+
+
+def test_arguments_keep_their_strings_and_lose_the_white_space_between_tokens() -> None:
+    text = ('<tool_call>{"name": "f", "arguments": {\n  "q": "a  b \\" }\\n",\n  '
+            '"e": "caf\\u00e9", "n": [1, {"x": null}] }\n}</tool_call>')
+    deltas, _, calls, _ = _stream("hermes", text, 1)
+    assert _joined(deltas) == calls
+    assert calls[0].arguments == '{"q":"a  b \\" }\\n","e":"caf\\u00e9","n":[1,{"x":null}]}'
+    assert json.loads(calls[0].arguments) == {"q": 'a  b " }\n', "e": "café",
+                                              "n": [1, {"x": None}]}
+
+
+def test_a_json_objects_end_is_found_as_its_text_comes() -> None:
+    scanner = JsonObject()
+    assert scanner.feed('{"a": "}{\\"') == ('{"a":"}{\\"', None)
+    assert scanner.feed('", "b": [1, {}]} trailing') == ('","b":[1,{}]}', 16)
+
+
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_a_call_streamed_then_cut_short_stands_as_streamed(piece: int) -> None:
+    """As OpenAI sends a call cut by max_tokens: its arguments so far; the answer ends
+    with the output's own reason, not tool_calls."""
+    text = STREAMED["hermes"][:STREAMED["hermes"].index('"Paris"') + 4]
+    deltas, passed, calls, reader = _stream("hermes", text, piece)
+    assert passed == "Let me look.\n" and reader.cut
+    assert _joined(deltas) == calls and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city":"Par')]
+    output = TextOutput(Sampling(), ToolCallReader(FORMATS["hermes"], NAMES))
+    output.feed(text)
+    _, made = output.finish()
+    stats = GenerationStats(finish_reason="length")
+    assert end_reply(1, stats, "length", made, output).finish_reason == "length"
+    whole = TextOutput(Sampling(), ToolCallReader(FORMATS["hermes"], NAMES))
+    whole.feed(STREAMED["hermes"])
+    _, made = whole.finish()
+    assert end_reply(1, stats, "stop", made, whole).finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(("tool_format", "text", "calls"), [
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+     [("f", '{"a": 1}')]),  # arguments as a string: read whole at the end
+    ("hermes", '<tool_call>{"arguments": {}, "name": "f"}</tool_call>', [("f", "{}")]),
+    ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
+    ("pythonic", '[get_weather(city="Paris")]', [("get_weather", '{"city":"Paris"}')]),
+    ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+     [("get_time", "{}")]),
+])
+def test_what_no_head_reads_comes_whole_at_the_end(tool_format: str, text: str,
+                                                   calls: list[tuple[str, str]]) -> None:
+    deltas, _, made, _ = _stream(tool_format, text, 2)
+    assert deltas == [] and [(c.name, c.arguments) for c in made] == calls
+
+
+def test_calls_after_one_that_streams_no_more_come_whole_with_the_streamed() -> None:
+    text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>')
+    deltas, _, calls, reader = _stream("hermes", text, 4)
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}"), ("f", "{}")]
+    assert _joined(deltas) == calls[:1] and not reader.cut
