@@ -12,7 +12,9 @@ preamble the user may see), its answer; a commentary to `functions.NAME` a call 
 function with the message as its arguments. A call to one of gpt-oss's built-in tools
 (`browser.*`, `python`), which no request here offers, is kept with the thinking.
 `<|return|>` and `<|call|>` end the output (the model's end-of-sequence tokens), so the
-last message may end without a marker. Read as vLLM's harmony parsing reads it.
+last message may end without a marker. Read as vLLM's harmony parsing reads it. A call to
+one of the request's functions streams as it is written (tool_stream.py): its name once
+its header is read, then its arguments' JSON text.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import re
 
 import msgspec
 
-from modelpool.protocol.messages import ToolCall, new_call_id
+from modelpool.protocol.messages import CallDelta, ToolCall, new_call_id
 from modelpool.registry.loaders.marks import partial_mark
+from modelpool.registry.loaders.tool_stream import WHITE, JsonObject
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
@@ -60,6 +63,14 @@ class HarmonyReader:
         self.arguments = ""
         self.calls: list[ToolCall] = []
         self.plain = False  # the output is not in harmony: all of it is answer
+        # Streaming the calls to these functions (HarmonyCalls sets them), until one is not
+        self.streams: set[str] | None = None
+        self.deltas: list[CallDelta] = []
+        self.call_id = ""  # the call being streamed: its id, its arguments sent so far
+        self.sent = ""
+        self.open: JsonObject | None = None  # its arguments' object, until it ends
+        self.cut = False  # a streamed call ended before its arguments did
+        self.streamed = 0  # calls streamed
 
     @property
     def thinking(self) -> bool:
@@ -121,13 +132,44 @@ class HarmonyReader:
     def _take(self, parts: dict[str, str], text: str) -> None:
         if self.route == "call":
             self.arguments += text
+            if self.streams is not None:
+                self._stream(text)
         else:
             parts[self.route or "answer"] += text
 
+    def _stream(self, text: str) -> None:
+        """A call's pieces: its name once its arguments begin as an object, then them."""
+        if not self.call_id:
+            body = self.arguments.lstrip(WHITE)
+            if not body or self.streams is None:
+                return
+            if body[0] != "{" or self.function not in self.streams:
+                self.streams = None  # this call and the rest come whole at the end
+                return
+            self.call_id, self.open, text = new_call_id(), JsonObject(), body
+            self.deltas.append(CallDelta(index=len(self.calls), name=self.function,
+                                         id=self.call_id))
+        if self.open is not None:
+            piece, took = self.open.feed(text)
+            self.sent += piece
+            if piece:
+                self.deltas.append(CallDelta(index=len(self.calls), arguments=piece))
+            if took is not None:
+                self.open = None
+
+    def take_deltas(self) -> list[CallDelta]:
+        deltas, self.deltas = self.deltas, []
+        return deltas
+
     def _ended(self) -> None:
-        if self.route == "call":
+        if self.route == "call" and self.call_id:  # streamed: what was sent stands
+            self.calls.append(ToolCall(name=self.function, arguments=self.sent,
+                                       id=self.call_id))
+            self.cut, self.streamed = self.open is not None, len(self.calls)
+        elif self.route == "call":
             self.calls.append(ToolCall(name=self.function, arguments=_json_text(
                 self.arguments), id=new_call_id()))
+        self.call_id, self.sent, self.open = "", "", None
         self.route, self.function, self.arguments = None, "", ""
         self.pending = self.pending.lstrip().removeprefix(START)
 
@@ -154,18 +196,29 @@ def _json_text(arguments: str) -> str:
 
 class HarmonyCalls:
     """The tool reader of a harmony output: its answer passes as it is (calls are
-    messages of their own, kept out of it by the HarmonyReader); at the end, the calls
-    to the request's functions. A call to another is no call: its arguments are text."""
+    messages of their own, kept out of it by the HarmonyReader), its calls stream as they
+    are written; at the end, the calls to the request's functions. A call to another is
+    no call: its arguments are text, unless calls before it were streamed (they stand)."""
 
     def __init__(self, reader: HarmonyReader, names: set[str]) -> None:
         self.reader = reader
         self.names = names
+        reader.streams = names
 
     def feed(self, text: str) -> str:
         return text
 
+    def take_deltas(self) -> list[CallDelta]:
+        return self.reader.take_deltas()
+
+    @property
+    def cut(self) -> bool:
+        return self.reader.cut
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         calls = self.reader.calls
         if any(c.name not in self.names for c in calls):
+            if self.reader.streamed:  # the calls before the first to another
+                return "", calls[:self.reader.streamed]
             return "".join(c.arguments for c in calls), []
         return "", calls

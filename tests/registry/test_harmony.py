@@ -11,7 +11,7 @@ import pytest
 from test_reasoning import Outbox
 
 from modelpool.protocol import kinds
-from modelpool.protocol.messages import Chunk, End, ToolCall
+from modelpool.protocol.messages import CallDelta, Chunk, End, ToolCall
 from modelpool.protocol.pipes import WorkItem
 from modelpool.registry.loaders.harmony import HarmonyCalls, HarmonyReader, used
 from modelpool.workers.capabilities import text_to_text
@@ -77,6 +77,47 @@ def test_output_not_in_harmony_is_all_answer_and_a_cut_call_keeps_its_text() -> 
     assert msgspec.json.decode(_read(CALLED, 9)[2].calls[0].arguments) == {"city": "Paris"}
 
 
+def _streamed(text: str, piece: int, names: set[str]
+              ) -> tuple[list[tuple[int, CallDelta]], HarmonyCalls]:
+    """Each call piece with how much of the text had been fed when it came."""
+    calls = HarmonyCalls(HarmonyReader(), names)
+    pieces = []
+    for at in range(0, len(text), piece):
+        calls.reader.feed(text[at:at + piece])
+        pieces += [(at + piece, d) for d in calls.take_deltas()]
+    calls.reader.finish()
+    return pieces + [(len(text), d) for d in calls.take_deltas()], calls
+
+
+def _joined(pieces: list[CallDelta]) -> list[ToolCall]:
+    joined: dict[int, ToolCall] = {}
+    for p in pieces:
+        was = joined.get(p.index, ToolCall(name=p.name, arguments="", id=p.id))
+        joined[p.index] = msgspec.structs.replace(was, arguments=was.arguments + p.arguments)
+    return list(joined.values())
+
+
+@pytest.mark.parametrize("piece", [1, 7, 10_000])
+def test_calls_stream_as_they_are_written(piece: int) -> None:
+    pieces, calls = _streamed(CALLED, piece, {"get_weather", "get_time"})
+    text, made = calls.finish()
+    assert text == "" and _joined([d for _, d in pieces]) == made and not calls.cut
+    assert [(c.name, c.arguments) for c in made] == [("get_weather", '{"city":"Paris"}'),
+                                                     ("get_time", "{}")]
+    if piece == 1:  # the first call's pieces came before its end was written
+        first = [at for at, d in pieces if d.index == 0]
+        assert len(first) > 5 and first[-1] <= CALLED.index("<|call|>")
+    cut = CALLED[:CALLED.index("Paris") + 2]  # max_tokens: what was streamed stands
+    pieces, calls = _streamed(cut, piece, {"get_weather", "get_time"})
+    assert calls.finish()[1] == _joined([d for _, d in pieces]) and calls.cut
+    assert [c.arguments for c in calls.finish()[1]] == ['{"city":"Pa']
+    pieces, calls = _streamed(CALLED, piece, {"get_time"})  # its first call to no tool
+    assert pieces == [] and calls.finish() == ('{"city":"Paris"}{}', [])
+    pieces, calls = _streamed(CALLED, piece, {"get_weather"})  # its second
+    assert calls.finish() == ("", _joined([d for _, d in pieces]))
+    assert [c.name for c in calls.finish()[1]] == ["get_weather"]
+
+
 def test_a_template_that_writes_channels_is_harmony_unless_an_option_says_otherwise() -> None:
     template = "{{ '<|start|>assistant<|channel|>final<|message|>' }}"
     assert used(template, None, None) and not used("{{ messages }}", None, None)
@@ -87,8 +128,8 @@ def test_a_template_that_writes_channels_is_harmony_unless_an_option_says_otherw
 def test_the_tiny_model_held_to_harmony_has_its_channels_read(
         llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """tiny-llm, taken as gpt-oss, held by a regex to a thought, a preamble and two
-    calls: the chunks carry the thinking and the preamble, the End the calls; without
-    tool_choice auto, the calls' arguments are text."""
+    calls: the chunks carry the thinking, the preamble and the calls as they are
+    written, the End the calls; without tool_choice auto, the calls' arguments are text."""
     monkeypatch.setattr(llm, "harmony", True)
     monkeypatch.setattr(llm, "structured_in_reasoning", True)  # the regex holds it all
     tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
@@ -109,6 +150,8 @@ def test_the_tiny_model_held_to_harmony_has_its_channels_read(
             assert end.finish_reason == "tool_calls"
             assert [(c.name, c.arguments) for c in end.tool_calls or []] == [
                 ("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
+            pieces = [d for c in chunks for d in c.calls or ()]
+            assert len(pieces) > 4 and _joined(pieces) == end.tool_calls
         else:
             assert "".join(c.text for c in chunks) == 'Checking both.{"city": "Paris"}{}'
             assert end.tool_calls is None
