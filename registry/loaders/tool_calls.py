@@ -45,7 +45,6 @@ format; the ones read here, and how a model's is known:
   (`functions.name:index`, kept: its template writes it back), then
   `<|tool_call_argument_begin|>`, its JSON arguments and `<|tool_call_end|>`. Known by
   its template naming `<|tool_calls_section_begin|>`.
-
 A model's loader option `tool_call_format` names one where the template does not say.
 A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
 `<tool_call>` in some Hermes tokenizers) are kept in the text of a sequence that may call,
@@ -70,7 +69,7 @@ from modelpool.protocol.messages import CallDelta, ToolCall, new_call_id
 from modelpool.registry.loaders import tool_calls_xml
 from modelpool.registry.loaders.marks import partial_mark
 from modelpool.registry.loaders.tool_calls_xml import ParameterTypes, parameter_types
-from modelpool.registry.loaders.tool_stream import HEADS, CallStream
+from modelpool.registry.loaders.tool_stream import CallStream, streams
 
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 MINIMAX_M1_BLOCK = re.compile(r"<tool_calls>(.*?)(?:</tool_calls>|$)", re.DOTALL)
@@ -330,9 +329,9 @@ class ToolCallReader:
         self.pending = ""  # passed-on text held back: it may open a call
         self.held: str | None = None  # from the call's opening on
         self.decided = False  # at_start formats: the answer's start was not a call
-        heads = HEADS.get(tool_format.name)
-        self.stream = None if heads is None else CallStream(heads, names, tool_format.new_id)
-        self.cut = False  # the calls are what was streamed of them: the text not read so
+        self.stream = CallStream(tool_format.name, names, tool_format.new_id, self.types) \
+            if streams(tool_format.name) else None
+        self.cut = False  # the calls are what was streamed of them, one cut short
 
     def feed(self, text: str) -> str:
         """The text that may be passed on now."""

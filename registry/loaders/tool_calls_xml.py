@@ -14,13 +14,17 @@ M2's (vLLM's `minimax_m2`):
 is the format's, not the value's.) The call's tool gives each value its type: the JSON
 schema's type of that parameter (`retype`), as vLLM does. A string-typed parameter,
 or one the schema does not name, keeps its text; "null" is null whatever the type; a
-value that does not read as its type keeps its text, for the client to judge."""
+value that does not read as its type keeps its text, for the client to judge.
+
+Streamed (tool_stream.py), a call's arguments grow by a parameter at a time: each as its
+closing tag is written, typed as at the end."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -111,6 +115,65 @@ def _unquoted(name: str) -> str:
 
 def _bare(value: str) -> str:
     return value.removeprefix("\n").removesuffix("\n")
+
+
+@dataclass(frozen=True)
+class XmlShape:
+    """A format's call as it streams: the head naming its function (group `name`), from
+    where the last call ended; then parameters (groups `key`, `value`) up to its end."""
+
+    head: re.Pattern[str]
+    parameter: re.Pattern[str]
+    end: re.Pattern[str]
+    value: Callable[[str], str]  # a value's text as the format means it
+
+
+_NAMED = r"=\s*([\"']?)(?P<%s>[^>\n\"']+?)\%d\s*>"  # name="x", name=x
+SHAPES = {
+    "qwen3_coder": XmlShape(
+        re.compile(r"\s*(?:</tool_call>\s*)?(?:<tool_call>\s*)?<function=(?P<name>[^>\n]+)>"),
+        re.compile(r"\s*<parameter=(?P<key>[^>\n]*)>(?P<value>.*?)</parameter>", re.DOTALL),
+        re.compile(r"\s*</function>"), _bare),
+    "glm45": XmlShape(
+        re.compile(r"\s*(?:</tool_call>\s*)?<tool_call>\s*(?P<name>[^<\s]+)(?=\s|<)"),
+        re.compile(r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)"
+                   r"</arg_value>", re.DOTALL),
+        re.compile(r"\s*</tool_call>"), lambda value: value),
+    "minimax_m2": XmlShape(
+        re.compile(r"\s*(?:</minimax:tool_call>\s*)?(?:<minimax:tool_call>\s*)?<invoke name"
+                   + _NAMED % ("name", 1)),
+        re.compile(r"\s*<parameter name" + _NAMED % ("key", 1) + r"(?P<value>.*?)</parameter>",
+                   re.DOTALL),
+        re.compile(r"\s*</invoke>"), str.strip),
+}
+
+
+class XmlArguments:
+    """One call's arguments as JSON text, a parameter at a time, and where they end."""
+
+    def __init__(self, shape: XmlShape, types: Mapping[str, str]) -> None:
+        self.shape = shape
+        self.types = types
+        self.body = ""
+        self.at = 0  # where the next parameter (or the end) begins
+        self.count = 0
+
+    def feed(self, text: str) -> tuple[str, int | None]:
+        """The arguments' text that `text` completes, and the length of `text` they
+        took if they ended there (None: they go on)."""
+        start = len(self.body)
+        self.body += text
+        out = []
+        while (found := self.shape.parameter.match(self.body, self.at)) is not None:
+            key = found["key"].strip()
+            value = _typed(self.shape.value(found["value"]), self.types.get(key, "string"))
+            out.append(("," if self.count else "{") + msgspec.json.encode(key).decode() + ":"
+                       + msgspec.json.encode(value).decode())
+            self.at, self.count = found.end(), self.count + 1
+        end = self.shape.end.match(self.body, self.at)
+        if end is None:
+            return "".join(out), None
+        return "".join(out) + ("}" if self.count else "{}"), end.end() - start
 
 
 def retype(call: ToolCall, types: ParameterTypes) -> ToolCall:

@@ -1,13 +1,14 @@
 """Tool calls streamed as the model writes them (tool_choice "auto"), as vLLM's parsers
 stream them: a call's name (with its id) once its head is written, then its arguments'
-JSON text piece by piece, each piece the model's own text without the white space
-between JSON's tokens (what a JSON encoder writes).
+JSON text piece by piece: where the model writes JSON (hermes, llama3_json, mistral,
+granite, deepseek, kimi_k2, minimax), its own text without the white space between
+JSON's tokens (what a JSON encoder writes); where it writes XML (qwen3_coder, glm45,
+minimax_m2: tool_calls_xml.py), a parameter at a time, typed as at the end.
 
-A format streams where its calls' arguments are a JSON object after a head that names the
-function (hermes, llama3_json, mistral, granite, deepseek, kimi_k2, minimax): each head
-pattern is matched where the last call's arguments ended, so no call is ever skipped; what
-matches no head (another shape, a call naming no tool, arguments given as a string) is
-left to the whole text's reading at the end, and its calls come whole then. Once a call
+Each head pattern is matched where the last call's arguments ended, so no call is ever
+skipped; what matches no head (another shape, a call naming no tool, arguments given as
+a string) is left to the whole text's reading at the end, and its calls come whole then.
+The pythonic format is read only whole. Once a call
 has been streamed the answer is its calls: the whole text's reading at the end confirms
 them (and gives any calls after them), or, where it does not read as calls (the output
 cut short by max_tokens, a broken call after them), what was streamed stands, as OpenAI
@@ -18,10 +19,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
 from modelpool.protocol.messages import CallDelta, ToolCall
+from modelpool.registry.loaders.tool_calls_xml import SHAPES, ParameterTypes, XmlArguments
 
 WHITE = " \t\r\n"
 
@@ -44,6 +47,10 @@ HEADS = {name: tuple(re.compile(head) for head in heads) for name, heads in {
                 r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^\s:<]+):\d+)"
                 r"\s*<\|tool_call_argument_begin\|>\s*",),
 }.items()}
+
+
+class ArgumentsReader(Protocol):
+    def feed(self, text: str) -> tuple[str, int | None]: ...
 
 
 class JsonObject:
@@ -89,20 +96,27 @@ class SentCall:
     ended: bool = False
 
 
+def streams(tool_format: str) -> bool:
+    return tool_format in HEADS or tool_format in SHAPES
+
+
 class CallStream:
-    """One output's calls streamed from its held text (from a call's opening on), for a
-    format whose `heads` patterns each match from where the last call's arguments ended
-    to where the next one's begin, naming the function (group `name`, and `id` where the
+    """One output's calls streamed from its held text (from a call's opening on): each
+    head pattern of its format matches from where the last call's arguments ended to
+    where the next one's begin, naming the function (group `name`, and `id` where the
     model writes the call's id)."""
 
-    def __init__(self, heads: tuple[re.Pattern[str], ...], names: set[object],
-                 new_id: Callable[[], str]) -> None:
-        self.heads = heads
+    def __init__(self, tool_format: str, names: set[object], new_id: Callable[[], str],
+                 types: ParameterTypes) -> None:
+        self.xml = SHAPES.get(tool_format)
+        self.heads = HEADS[tool_format] if self.xml is None else (self.xml.head,)
         self.names = names
         self.new_id = new_id
+        self.types = types  # an XML format's parameters' JSON types, by function
         self.at = 0  # where in the held text reading goes on
         self.sent: list[SentCall] = []
-        self.open: JsonObject | None = None  # the arguments being written
+        self.open: ArgumentsReader | None = None  # the arguments being written
+        self.writing: SentCall | None = None  # their call, sent with their first piece
         self.stopped = False  # something no head reads: the rest comes whole at the end
         self.deltas: list[CallDelta] = []
 
@@ -111,34 +125,47 @@ class CallStream:
         while not self.stopped:
             if self.open is None and not self._head(held):
                 return
-            assert self.open is not None
+            assert self.open is not None and self.writing is not None
             piece, took = self.open.feed(held[self.at:])
-            call = self.sent[-1]
-            call.arguments += piece
             if piece:
-                self.deltas.append(CallDelta(index=len(self.sent) - 1, arguments=piece))
+                self._send(self.writing, piece)
             if took is None:
                 self.at = len(held)
                 return
             self.at += took
-            call.ended, self.open = True, None
+            self.writing.ended, self.open, self.writing = True, None, None
+
+    def _send(self, call: SentCall, piece: str) -> None:
+        """A piece of the call's arguments; its first names the call (not before: a
+        call whose arguments never begin to read is not sent)."""
+        if not self.sent or self.sent[-1] is not call:
+            self.sent.append(call)
+            self.deltas.append(CallDelta(index=len(self.sent) - 1, name=call.name, id=call.id,
+                                         arguments=piece))
+        else:
+            self.deltas.append(CallDelta(index=len(self.sent) - 1, arguments=piece))
+        call.arguments += piece
 
     def _head(self, held: str) -> bool:
-        """Whether a call begins (its delta sent) where reading goes on."""
+        """Whether a call begins where reading goes on."""
         for head in self.heads:
             match = head.match(held, self.at)
             if match is None:
                 continue
-            body = held[match.end():].lstrip(WHITE)
-            if not body:
-                return False  # its arguments not begun: wait
-            if body[0] != "{" or match["name"] not in self.names:
+            name = match["name"].strip()
+            if self.xml is not None:
+                arguments: ArgumentsReader = XmlArguments(self.xml, self.types.get(name, {}))
+            else:
+                body = held[match.end():].lstrip(WHITE)
+                if not body:
+                    return False  # its arguments not begun: wait
+                if body[0] != "{":
+                    break
+                arguments = JsonObject()
+            if name not in self.names:
                 break
-            call_id = match.groupdict().get("id") or self.new_id()
-            self.sent.append(SentCall(match["name"], call_id))
-            self.deltas.append(CallDelta(index=len(self.sent) - 1, name=match["name"],
-                                         id=call_id))
-            self.at, self.open = match.end(), JsonObject()
+            self.writing = SentCall(name, match.groupdict().get("id") or self.new_id())
+            self.at, self.open = match.end(), arguments
             return True
         else:
             return False
@@ -151,13 +178,13 @@ class CallStream:
 
     def settle(self, read: list[ToolCall] | None) -> tuple[list[ToolCall], bool]:
         """The answer's calls, given the whole text's reading (None: not calls), with the
-        deltas that finish the streamed ones; True if what was streamed stands alone
-        (the calls cut short, or not read so)."""
+        deltas that finish the streamed ones; True if what was streamed stands alone with
+        a call's arguments cut short."""
         read = read or []
         if len(read) < len(self.sent) or not all(
                 _agrees(s, r) for s, r in zip(self.sent, read, strict=False)):
             return [ToolCall(name=s.name, arguments=s.arguments, id=s.id)
-                    for s in self.sent], True
+                    for s in self.sent], not all(s.ended for s in self.sent)
         calls = []
         for index, (sent, call) in enumerate(zip(self.sent, read, strict=False)):
             rest = call.arguments.removeprefix(sent.arguments)

@@ -89,9 +89,9 @@ def test_each_type_read_or_its_text_kept(schema: str, text: str, value: object) 
 @pytest.mark.parametrize("text", [
     "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",  # not among the tools
     "<tool_call>\n</tool_call>",  # no function
-    "<tool_call>\n<function=get_time>\n<parameter=x>\n1\n</parameter>",  # cut short
+    "<tool_call>\n<function=get_time>\n<parameter=x>\n1\n</param",  # cut short
     "<tool_call>\n<function=>\n</function>\n</tool_call>",
-    "<tool_call><function=get_time></function><function=get_time></function></tool_call>",
+    "<tool_call><function=get_time>x</function><function=get_time></function></tool_call>",
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',  # hermes' JSON
 ])
 def test_what_is_no_call_comes_back_as_text(text: str) -> None:
@@ -106,9 +106,9 @@ def test_bare_functions_without_tool_call_are_calls_as_vllm_reads_them(piece: in
     assert passed + rest == "Let me look that up.\n" and "<" not in passed
     assert [c.name for c in calls] == ["get_weather", "get_time"]
     assert msgspec.json.decode(calls[0].arguments)["days"] == 3
-    for no_call in ("<function=get_time>\n</function>\nand then I", "<function=get_we",
-                    "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"):
-        assert _read(no_call, piece) == ("", no_call, [])  # text after, or cut short
+    for no_call in ("<function=get_time>\nx</function>\nand then I", "<function=get_we",
+                    "<function=get_weather>\n<parameter=city>\nParis\n</para"):
+        assert _read(no_call, piece) == ("", no_call, [])  # not a call, or cut short
     assert _read("a <function> tag", piece) == ("a <function> tag", "", [])
 
 
@@ -138,8 +138,8 @@ def test_minimax_m2_invokes_with_each_value_of_its_schemas_type(piece: int) -> N
 
 
 @pytest.mark.parametrize("text", [
-    MINIMAX_M2[MINIMAX_M2.index("<"):MINIMAX_M2.index("</invoke>")],  # cut short
-    '<minimax:tool_call><invoke name="get_time"></invoke> and more</minimax:tool_call>',
+    MINIMAX_M2[MINIMAX_M2.index("<"):MINIMAX_M2.index("</parameter>")],  # cut short
+    '<minimax:tool_call><invoke name="get_time">x</invoke> and more</minimax:tool_call>',
     '<minimax:tool_call><invoke name="get_time">x</invoke></minimax:tool_call>',
     '<minimax:tool_call><invoke name="">\n</invoke></minimax:tool_call>',
     "<minimax:tool_call>\n</minimax:tool_call>",
@@ -186,7 +186,7 @@ def test_glm_calls_a_name_and_its_keys_and_values_typed_by_the_schema(piece: int
     "<tool_call>get_weather<arg_key></tool_call>",
     "<tool_call>get weather</tool_call>", "<tool_call></tool_call>",
     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',  # hermes' JSON
-    "<tool_call>get_time</tool_call><tool_call>rm_rf</tool_call>",  # not among the tools
+    "<tool_call>rm_rf</tool_call><tool_call>get_time</tool_call>",  # not among the tools
 ])
 def test_what_is_no_glm_call_comes_back_as_text(text: str) -> None:
     reader = reader_for(FORMATS["glm45"], "m", TOOLS)

@@ -8,9 +8,10 @@ import json
 
 import pytest
 from test_tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, KIMI, MINIMAX_M1, NAMES
+from test_tool_calls_xml import CALLS, GLM, MINIMAX_M2, TOOLS
 
 from modelpool.protocol.messages import CallDelta, Sampling, ToolCall
-from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader
+from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader, reader_for
 from modelpool.registry.loaders.tool_stream import JsonObject
 from modelpool.workers.capabilities.text_to_text import GenerationStats, TextOutput, end_reply
 
@@ -34,7 +35,8 @@ def _stream(tool_format: str, text: str, piece: int
             ) -> tuple[list[tuple[int, CallDelta]], str, list[ToolCall], ToolCallReader]:
     """Each delta with how much of the text had been fed when it came, the text passed
     on, the calls, and the reader."""
-    reader = ToolCallReader(FORMATS[tool_format], NAMES)
+    reader = (ToolCallReader(FORMATS[tool_format], NAMES) if "xml" not in tool_format
+              else reader_for(FORMATS[tool_format.removesuffix("_xml")], "m", TOOLS))
     deltas, passed = [], ""
     for at in range(0, len(text), piece):
         passed += reader.feed(text[at:at + piece])
@@ -48,7 +50,7 @@ def _joined(deltas: list[tuple[int, CallDelta]]) -> list[ToolCall]:
     calls: dict[int, ToolCall] = {}
     for _, delta in deltas:
         if delta.index not in calls:
-            assert delta.name and delta.id  # a call's first piece names it
+            assert delta.name and delta.id and delta.arguments  # its first piece names it
             assert delta.index == len(calls)  # in order, none skipped
             calls[delta.index] = ToolCall(name=delta.name, arguments="", id=delta.id)
         else:
@@ -118,8 +120,8 @@ def test_a_call_streamed_then_cut_short_stands_as_streamed(piece: int) -> None:
     ("hermes", '<tool_call>{"arguments": {}, "name": "f"}</tool_call>', [("f", "{}")]),
     ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
     ("pythonic", '[get_weather(city="Paris")]', [("get_weather", '{"city":"Paris"}')]),
-    ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
-     [("get_time", "{}")]),
+    ("qwen3_coder", "<tool_call>\n<function=get_time>x</function>\n</tool_call>",
+     [("get_time", "{}")]),  # a body that no parameter reads
 ])
 def test_what_no_head_reads_comes_whole_at_the_end(tool_format: str, text: str,
                                                    calls: list[tuple[str, str]]) -> None:
@@ -133,3 +135,33 @@ def test_calls_after_one_that_streams_no_more_come_whole_with_the_streamed() -> 
     deltas, _, calls, reader = _stream("hermes", text, 4)
     assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}"), ("f", "{}")]
     assert _joined(deltas) == calls[:1] and not reader.cut
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+@pytest.mark.parametrize(("tool_format", "text", "parameters"), [
+    ("qwen3_coder", CALLS, 7), ("glm45", GLM, 2), ("minimax_m2", MINIMAX_M2, 3)])
+def test_xml_calls_stream_a_parameter_at_a_time_typed_by_the_schema(
+        tool_format: str, text: str, parameters: int, piece: int) -> None:
+    deltas, passed, calls, reader = _stream(tool_format + "_xml", text, piece)
+    assert _joined(deltas) == calls and not reader.cut and "<" not in passed
+    assert [c.name for c in calls] == ["get_weather", "get_time"] and calls[1].arguments == "{}"
+    assert json.loads(calls[0].arguments)["days"] == 3
+    if piece == 1:  # each parameter as its closing tag is written, then the closing brace
+        first = [at for at, d in deltas if d.index == 0]
+        assert len(first) == parameters + 1
+        closing = "</arg_value>" if tool_format == "glm45" else "</parameter>"
+        assert first[0] == text.index(closing) + len(closing)
+
+
+@pytest.mark.parametrize(("tool_format", "text", "streamed"), [
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>"
+     "\n<parameter=city>\nPar", '{"days":3'),  # cut short: its arguments so far
+    ("qwen3_coder", "<function=get_time>\n</function>\nand then I", "{}"),  # text after
+    ("minimax_m2", '<minimax:tool_call><invoke name="get_time"></invoke> and more', "{}"),
+    ("glm45", "<tool_call>get_time</tool_call><tool_call>rm_rf</tool_call>", "{}"),
+])
+def test_an_xml_call_streamed_stands_whatever_follows(tool_format: str, text: str,
+                                                      streamed: str) -> None:
+    deltas, _, calls, reader = _stream(tool_format + "_xml", text, 3)
+    assert _joined(deltas) == calls and [c.arguments for c in calls] == [streamed]
+    assert reader.cut == (streamed != "{}")
