@@ -141,7 +141,7 @@ class HarmonyReader:
         """A call's pieces: its name once its arguments begin as an object, then them."""
         if not self.call_id:
             body = self.arguments.lstrip(WHITE)
-            if not body or self.streams is None:
+            if not body or self.streams is None:  # its arguments not begun: wait
                 return
             if body[0] != "{" or self.function not in self.streams:
                 self.streams = None  # this call and the rest come whole at the end

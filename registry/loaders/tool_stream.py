@@ -8,11 +8,10 @@ minimax_m2: tool_calls_xml.py), a parameter at a time, typed as at the end.
 Each head pattern is matched where the last call's arguments ended, so no call is ever
 skipped; what matches no head (another shape, a call naming no tool, arguments given as
 a string) is left to the whole text's reading at the end, and its calls come whole then.
-The pythonic format is read only whole. Once a call
-has been streamed the answer is its calls: the whole text's reading at the end confirms
-them (and gives any calls after them), or, where it does not read as calls (the output
-cut short by max_tokens, a broken call after them), what was streamed stands, as OpenAI
-sends a call cut short."""
+The pythonic format is read only whole. Once a call has been streamed the answer is its
+calls: the whole text's reading at the end confirms them (and gives any calls after
+them), or, where it does not read as calls (the output cut short by max_tokens, a broken
+call after them), what was streamed stands, as OpenAI sends a call cut short."""
 
 from __future__ import annotations
 
