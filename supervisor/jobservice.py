@@ -255,11 +255,11 @@ class JobService:
         if sink is not None:
             self.pool.cancel(sink, 0)
 
-    def stream_piece(self, record: JobRecord, offset: int, text: str) -> None:
-        """A relayed stream's text as it is made, for the node its client is on."""
+    def stream_piece(self, record: JobRecord, part: str, offset: int, text: str) -> None:
+        """A relayed stream's piece as it is made, for the node its client is on."""
         if self.streams is not None and record.stream_to is not None:
             self.streams.publisher.publish(record.stream_to, StreamPiece(
-                record.key, record.attempt, offset, text))
+                record.key, record.attempt, offset, text, part))
 
     def ended(self, sink: MailboxSink, result: Any) -> None:
         """The pool's final reply for a job (called in the pool's call stack)."""

@@ -4,10 +4,12 @@ mailbox. Closing the client connection that submitted the job does not touch it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from modelpool.protocol.jobs import Completion
 from modelpool.protocol.messages import (
+    CallDelta,
     Chunk,
     Embeddings,
     End,
@@ -17,6 +19,7 @@ from modelpool.protocol.messages import (
     TokenLogprob,
 )
 from modelpool.supervisor.mailbox import JobRecord
+from modelpool.supervisor.pgstreams import call_head
 from modelpool.supervisor.queueing import JobState
 
 if TYPE_CHECKING:
@@ -50,6 +53,8 @@ class MailboxSink:
         self._text: list[str] = []
         self._chars = 0  # of text so far
         self._reasoning: list[str] = []  # a reasoning model's thinking so far
+        self._thought = 0  # its characters
+        self._arguments: dict[int, int] = {}  # characters of each tool call's arguments
         self._logprobs: list[TokenLogprob] = []  # of its tokens so far, if asked for
 
     @property
@@ -57,17 +62,31 @@ class MailboxSink:
         req = self.jobs.get(0)
         return req is not None and req.job is not None and req.job.state is JobState.RUNNING
 
+    def _relay(self, text: str, reasoning: str, calls: Iterable[CallDelta]) -> None:
+        """A relayed stream's pieces, each part in the order the chunk holds it."""
+        record = self.record
+        if reasoning:
+            self.service.stream_piece(record, "r", self._thought, reasoning)
+        if text:
+            self.service.stream_piece(record, "", self._chars, text)
+        for call in calls:
+            part = str(call.index)
+            if call.name:
+                self.service.stream_piece(record, "h" + part, 0, call_head(call))
+            if call.arguments:
+                done = self._arguments.get(call.index, 0)
+                self.service.stream_piece(record, "c" + part, done, call.arguments)
+                self._arguments[call.index] = done + len(call.arguments)
+
     def send(self, msg: Any) -> None:
         if self.lost:
             return
         match msg:
-            case Chunk(text=text, reasoning=reasoning, logprobs=logprobs):
-                # A relayed stream's pieces carry text only: one that thinks comes whole,
-                # at its end, from the result (its thinking first, as it was made).
-                if reasoning:
-                    self._reasoning.append(reasoning)
-                elif self.record.stream_to is not None and text and not self._reasoning:
-                    self.service.stream_piece(self.record, self._chars, text)
+            case Chunk(text=text, reasoning=reasoning, logprobs=logprobs, calls=calls):
+                if self.record.stream_to is not None:
+                    self._relay(text, reasoning, calls or ())
+                self._reasoning.append(reasoning)
+                self._thought += len(reasoning)
                 self._text.append(text)
                 self._chars += len(text)
                 if logprobs is not None:

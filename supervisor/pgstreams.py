@@ -2,7 +2,8 @@
 it is made: PostgreSQL notifications on a channel of the client's node (every node
 LISTENs on its own), so that a chat streamed through any node streams.
 
-Each piece says where its text starts in the whole (in characters), and which claim of
+Each piece says which part of the answer it is of (its text, its thinking, a tool call's
+head or arguments), where it starts in that part (in characters), and which claim of
 the job made it. Notifications of one sender arrive in the order they committed, but a
 reconnection can lose some: the receiving node sends its client text only while it has
 all of it from the start, and the rest from the job's stored result, which always has
@@ -16,16 +17,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import msgspec
 
 from modelpool.protocol.errors import PoolError
+from modelpool.protocol.jobs import Completion
+from modelpool.protocol.messages import CallDelta
 
 log = logging.getLogger("modelpool.cluster")
 
 CHANNEL_PREFIX = "modelpool_stream_"
 PAYLOAD_BYTES = 7900  # PostgreSQL refuses a notification of 8,000 bytes or more
 MAX_BATCH = 256
+PART = re.compile(r"r|[hc]\d{1,3}")  # thinking, call i's head, call i's arguments
 
 
 def stream_channel(node: str) -> str:
@@ -37,18 +44,38 @@ def stream_channel(node: str) -> str:
 class StreamPiece:
     key: str
     attempt: int
-    offset: int  # where its text starts in the whole, in characters
+    offset: int  # where its text starts in its part, in characters
     text: str
+    # "": the answer's text; "r": its thinking; "h<i>": call i's head (its name and id,
+    # as JSON); "c<i>": call i's arguments
+    part: str = ""
+
+
+class CallHead(msgspec.Struct, frozen=True):
+    name: str
+    id: str
+
+
+def call_head(delta: CallDelta) -> str:
+    return msgspec.json.encode(CallHead(delta.name, delta.id)).decode()
+
+
+def read_head(piece: StreamPiece) -> CallHead | None:
+    try:
+        return msgspec.json.decode(piece.text, type=CallHead)
+    except msgspec.DecodeError:
+        return None
 
 
 def payloads(piece: StreamPiece) -> list[str]:
     """The piece as notification payloads, its text split where one would be too long;
     none for a text PostgreSQL cannot carry (a NUL): its receiver sees a gap."""
-    if "\x00" in piece.text:
-        return []
+    if "\x00" in piece.text or (piece.part[:1] == "h" and len(piece.text) > PAYLOAD_BYTES // 2):
+        return []  # a call's head is sent whole or not at all
     found, offset, text = [], piece.offset, piece.text
+    tag = f"{piece.part}:" if piece.part else ""  # none: as nodes before parts sent text
     while True:
-        head = f"{piece.key} {piece.attempt} {offset} "
+        head = f"{piece.key} {piece.attempt} {tag}{offset} "
         room = PAYLOAD_BYTES - len(head)
         part = text[:room].encode()[:room].decode(errors="ignore")  # whole characters
         found.append(head + part)
@@ -60,10 +87,12 @@ def payloads(piece: StreamPiece) -> list[str]:
 def parse(payload: str) -> StreamPiece | None:
     key, _, rest = payload.partition(" ")
     attempt, _, rest = rest.partition(" ")
-    offset, _, text = rest.partition(" ")
-    if not (attempt.isdigit() and offset.isdigit()):
+    position, _, text = rest.partition(" ")
+    part, _, offset = position.rpartition(":")
+    if not (attempt.isdigit() and offset.isdigit()) or (part and not PART.fullmatch(part)):
         return None
-    return StreamPiece(key, int(attempt), int(offset), text)
+    piece = StreamPiece(key, int(attempt), int(offset), text, part)
+    return None if part[:1] == "h" and read_head(piece) is None else piece
 
 
 class StreamPublisher:
@@ -125,33 +154,62 @@ class RelayedStreams:
     publisher: StreamPublisher
 
 
+@dataclass
 class StreamAssembly:
-    """What a relayed stream's client is sent: the text of one claim of the job, in
+    """What a relayed stream's client is sent: the parts of one claim of the job, in
     order, with nothing missing (pure: the relay feeds it pieces and the result)."""
 
-    def __init__(self) -> None:
-        self.sent = ""  # what the client has
-        self.attempt: int | None = None
-        self.gap = False  # a piece was lost: the rest waits for the result
-        self.chunks = 0  # sent to the client
+    parts: dict[str, str] = field(default_factory=dict)  # what the client has, by part
+    attempt: int | None = None
+    gap: bool = False  # a piece was lost: the rest waits for the result
+    chunks: int = 0  # sent to the client
 
-    def take(self, piece: StreamPiece) -> str | None:
-        """The text to send now ("" for none), or None if the client's stream is broken:
-        it has part of a run that another replaced."""
+    @property
+    def sent(self) -> str:
+        return self.parts.get("", "")
+
+    def take(self, piece: StreamPiece) -> bool | None:
+        """Whether to send the piece now, or None if the client's stream is broken: it
+        has part of a run that another replaced."""
         if self.attempt != piece.attempt:
-            if self.sent:
+            if any(self.parts.values()):
                 return None
-            self.attempt, self.gap = piece.attempt, False
-        if self.gap or piece.offset < len(self.sent):
-            return ""  # sent already, or behind a gap
-        if piece.offset > len(self.sent):
+            self.attempt, self.gap, self.parts = piece.attempt, False, {}
+        have = self.parts.get(piece.part, "")
+        if self.gap or piece.offset < len(have):
+            return False  # sent already, or behind a gap
+        if piece.offset > len(have) or not self._follows(piece.part):
             self.gap = True
-            return ""
-        self.sent += piece.text
+            return False
+        self.parts[piece.part] = have + piece.text
         self.chunks += bool(piece.text)
-        return piece.text
+        return bool(piece.text)
 
-    def rest(self, final_text: str) -> str | None:
-        """What the client lacks of the finished text, or None if what it has is not
-        the start of it (another run's)."""
-        return final_text[len(self.sent):] if final_text.startswith(self.sent) else None
+    def _follows(self, part: str) -> bool:
+        """A call's arguments follow its head, and its head the call's before it."""
+        if part[:1] == "c":
+            return f"h{part[1:]}" in self.parts
+        return part[:1] != "h" or part == "h0" or f"h{int(part[1:]) - 1}" in self.parts
+
+    def rest(self, final: Completion) -> tuple[str, str, list[CallDelta]] | None:
+        """What the client lacks of the finished answer (its text, its thinking, the rest
+        of each call it has the head of), or None if what it has is not the start of it
+        (another run's)."""
+        text = _after(self.sent, final.text)
+        thinking = _after(self.parts.get("r", ""), final.reasoning)
+        calls = []
+        for index, call in enumerate(final.tool_calls or ()):
+            head = self.parts.get(f"h{index}")
+            if head is None:
+                break  # this and the rest come whole with the end
+            arguments = _after(self.parts.get(f"c{index}", ""), call.arguments)
+            if arguments is None or head != call_head(CallDelta(index=index, name=call.name,
+                                                                  id=call.id)):
+                return None
+            if arguments:
+                calls.append(CallDelta(index=index, arguments=arguments))
+        return None if text is None or thinking is None else (text, thinking, calls)
+
+
+def _after(have: str, whole: str) -> str | None:
+    return whole[len(have):] if whole.startswith(have) else None

@@ -1,6 +1,7 @@
 """A direct request that another node of the cluster runs: submitted to the shared queue
 as a job and answered from it as the direct path answers. A stream's text reaches the
-client as the other node makes it (pgstreams.py), the rest from the job's result."""
+client as the other node makes it (pgstreams.py: its text, thinking and tool calls), the
+rest from the job's result."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import msgspec
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import Completion, JobResult, Submit
 from modelpool.protocol.kinds import KIND_OF
-from modelpool.protocol.messages import Chunk, End, Error, WorkRequest
+from modelpool.protocol.messages import CallDelta, Chunk, End, Error, WorkRequest
 from modelpool.supervisor.jobservice import new_key
-from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece
+from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece, read_head
 
 if TYPE_CHECKING:
     from modelpool.supervisor.jobservice import JobService
@@ -29,7 +30,7 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
                 send: Callable[[Any], None]) -> list[Any]:
     """The final replies; a stream's chunks go to `send` as they come."""
     rid, key = request.id, new_key()
-    # Pieces relayed as made carry text only: a stream with logprobs comes whole, at its end.
+    # Pieces relayed as made carry no logprobs: a stream with them comes whole, at its end.
     kind = KIND_OF[type(request)]
     streams = jobs.streams if kind.streaming and kind.text_only(request) else None
     assembly = StreamAssembly()
@@ -40,8 +41,7 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
         try:
             timeout = request.timeout_s or jobs.pool.config.pool.timeout_s
             result = await _follow(jobs.retrieve(uid, key, timeout, rid), pieces, assembly,
-                                   lambda text: send(Chunk(id=rid, seq=assembly.chunks - 1,
-                                                           text=text)))
+                                   lambda piece: send(_chunk(rid, assembly.chunks - 1, piece)))
         except PoolError as exc:
             if exc.code in GIVEN_UP:
                 await jobs.cancel(uid, key)
@@ -63,8 +63,9 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
 
 
 async def _follow(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
-                  assembly: StreamAssembly, send_text: Callable[[str], None]) -> JobResult:
-    """The job's result; meanwhile its stream's text, sent on as it comes in order."""
+                  assembly: StreamAssembly, send_piece: Callable[[StreamPiece], None]
+                  ) -> JobResult:
+    """The job's result; meanwhile its stream's pieces, sent on as they come in order."""
     if pieces is None:
         return await retrieve
     result = asyncio.ensure_future(retrieve)
@@ -75,12 +76,12 @@ async def _follow(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
             if not piece.done():
                 piece.cancel()
                 break
-            text = assembly.take(piece.result())
-            if text is None:
+            taken = assembly.take(piece.result())
+            if taken is None:
                 raise PoolError(ErrorCode.WORKER_DIED, "the node running this stream went "
                                 "away after sending part of it; it is being run again")
-            if text:
-                send_text(text)
+            if taken:
+                send_piece(piece.result())
         return await result
     finally:
         if not result.done():
@@ -89,11 +90,25 @@ async def _follow(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
                 await result
 
 
+def _chunk(rid: int, seq: int, piece: StreamPiece) -> Chunk:
+    """A relayed piece as the chunk a local stream would have sent."""
+    if piece.part == "r":
+        return Chunk(id=rid, seq=seq, text="", reasoning=piece.text)
+    head = read_head(piece) if piece.part[:1] == "h" else None
+    if head is not None:  # a head that does not read is never taken (parse)
+        return Chunk(id=rid, seq=seq, text="", calls=[CallDelta(
+            index=int(piece.part[1:]), name=head.name, id=head.id)])
+    if piece.part[:1] == "c":
+        return Chunk(id=rid, seq=seq, text="", calls=[CallDelta(
+            index=int(piece.part[1:]), arguments=piece.text)])
+    return Chunk(id=rid, seq=seq, text=piece.text)
+
+
 def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
     reply = result.result
     if not isinstance(reply, Completion):
         return [msgspec.structs.replace(reply, id=rid)]
-    rest = assembly.rest(reply.text)
+    rest = assembly.rest(reply)
     if rest is None:
         return [Error(id=rid, code=ErrorCode.WORKER_DIED, message="the node running this "
                       "stream went away after sending part of it; it was run again")]
@@ -101,7 +116,8 @@ def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
               completion_tokens=reply.completion_tokens, model=reply.model,
               prompt_logprobs=reply.prompt_logprobs, tool_calls=reply.tool_calls,
               cached_tokens=reply.cached_tokens, reasoning_tokens=reply.reasoning_tokens)
-    if not rest and not reply.logprobs and not reply.reasoning:
+    text, thinking, calls = rest
+    if not text and not thinking and not calls and not reply.logprobs:
         return [end]
-    return [Chunk(id=rid, seq=assembly.chunks, text=rest, reasoning=reply.reasoning,
-                  logprobs=reply.logprobs), end]
+    return [Chunk(id=rid, seq=assembly.chunks, text=text, reasoning=thinking,
+                  logprobs=reply.logprobs, calls=calls or None), end]

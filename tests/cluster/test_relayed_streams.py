@@ -55,7 +55,8 @@ async def test_a_streams_pieces_reach_the_node_it_was_asked_of_whole_and_in_orde
 GENERATOR = model_entry("gen", loader="counting_generator", capability="text_to_text",
                         step_s=0.1) + model_entry("thinker", loader="counting_generator",
                                                   capability="text_to_text", step_s=0.01,
-                                                  think_tokens=2)
+                                                  think_tokens=2) + model_entry(
+    "caller", loader="calling_generator", capability="text_to_text", step_s=0.1)
 
 
 @pytest.fixture
@@ -93,19 +94,45 @@ def test_a_client_of_one_node_streams_a_model_another_node_runs_as_it_is_made(
     # long before the last.
     assert len([part for part in got if part.text]) >= 4
     assert arrived[-1] - arrived[0] > 0.5
-    # Relayed pieces carry text only: with logprobs, the stream comes whole at its end.
+    # Relayed pieces carry no logprobs: with them, the stream comes whole at its end.
     with beta.client() as c:
         whole = list(c.generate("hello", model="gen", max_tokens=3, logprobs=0))
     assert [part.text for part in whole] == ["tok0 tok1 tok2 ", ""]
     assert [(e.token, e.logprob) for e in whole[0].logprobs or []] == [
         ("tok0 ", 0.0), ("tok1 ", -1.0), ("tok2 ", -2.0)]
-    # A reasoning model's stream comes whole too: its thinking, then its answer.
+    # A reasoning model's thinking streams as it is made, before its answer.
     with beta.client() as c:
         wait_until(lambda: any(m["key"] == "thinker" for m in c.models()), 20, "thinker")
-        thought = list(c.generate("hello", model="thinker", max_tokens=4))
-    assert [(part.reasoning, part.text) for part in thought] == [
-        ("tok0 tok1", "tok2 tok3 "), ("", "")]
+        thought = list(c.generate("hello", model="thinker", max_tokens=6))
+    assert "".join(part.reasoning for part in thought) == "tok0 tok1"
+    assert "".join(part.text for part in thought) == "tok2 tok3 tok4 tok5 "
+    kinds = [("thinking" if part.reasoning else "") + ("answer" if part.text else "")
+             for part in thought]
+    assert kinds.count("thinking") >= 1 and kinds.index("thinking") < kinds.index("answer")
     assert thought[-1].reasoning_tokens == 3  # "<think>tok0 ", "tok1 ", "</think>tok2 "
+
+
+def test_a_relayed_streams_tool_calls_arrive_as_they_are_written(
+        two_nodes: tuple[Daemon, Daemon]) -> None:
+    """Each call's head, then its arguments piece by piece, relayed as the other node's
+    worker writes them; joined, the last chunk's calls."""
+    _, beta = two_nodes
+    tools = [{"type": "function", "function": {"name": "count"}}]
+    with beta.client() as c:
+        wait_until(lambda: any(m["key"] == "caller" for m in c.models()), 20, "caller")
+        got, arrived = [], []
+        for part in c.generate("hello", model="caller", tools=tools, tool_choice="auto",
+                               max_tokens=20):
+            got.append(part)
+            arrived.append(time.monotonic())
+    assert got[-1].finish_reason == "tool_calls" and "".join(p.text for p in got) == "tok0 "
+    (call,) = got[-1].tool_calls or []
+    assert (call.name, msgspec.json.decode(call.arguments)) == (
+        "count", {f"n{i}": i for i in range(4)})
+    pieces = [(at, d) for part, at in zip(got, arrived, strict=True) for d in part.calls or ()]
+    assert (pieces[0][1].name, pieces[0][1].id) == (call.name, call.id)
+    assert "".join(d.arguments for _, d in pieces) == call.arguments
+    assert len(pieces) >= 4 and pieces[-1][0] - pieces[0][0] > 0.2  # as made, 0.1 s apart
 
 
 def test_a_cancelled_relayed_stream_stops_on_the_node_that_runs_it(

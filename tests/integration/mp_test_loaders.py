@@ -19,6 +19,7 @@ import numpy as np
 
 from modelpool.protocol.messages import Generate, TokenLogprob
 from modelpool.registry.loaders.reasoning import ReasoningReader
+from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader, reader_for
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -54,6 +55,8 @@ class CountingGenerator:
     """Streams "tok0 tok1 ..." one token per step_s seconds; with think_tokens, as a
     reasoning model, the first that many between <think> and </think>."""
 
+    writes_calls = False
+
     def __init__(self, step_s: float, think_tokens: int = 0) -> None:
         self.step_s = step_s
         self.think_tokens = think_tokens
@@ -66,14 +69,46 @@ class CountingGenerator:
 
     def generate(self, request: Generate, stats: GenerationStats) -> Iterator[str]:
         stats.prompt_tokens = len(request.prompt.split())
+        call = _call(request.tools) if self.writes_calls and request.tool_choice == "auto" \
+            else None
         for i in range(request.sampling.max_tokens or 0):
+            if call is not None and i == len(call):
+                stats.finish_reason = "stop"
+                return
             time.sleep(self.step_s)
             stats.completion_tokens += 1
             stats.logprob = _entry(request, i)
+            if call is not None:
+                yield call[i]
+                continue
             tags = ("<think>" if i == 0 and self.think_tokens else "") + (
                 "</think>" if i == self.think_tokens > 0 else "")
             yield f"{tags}tok{i} "
         stats.finish_reason = "length"
+
+
+class CallingGenerator(CountingGenerator):
+    """A CountingGenerator that, with tool_choice "auto", writes "tok0 " then a call of
+    the first tool in Hermes' format, an argument a token (CALL_ARGUMENTS of them), and
+    stops."""
+
+    writes_calls = True
+
+    def tool_reader(self, request: Generate) -> ToolCallReader | None:
+        if request.tool_choice != "auto":
+            return None
+        return reader_for(FORMATS["hermes"], "counting", request.tools)
+
+
+CALL_ARGUMENTS = 4
+
+
+def _call(tools: list[dict[str, Any]]) -> list[str]:
+    """A Hermes call of the first tool, as tokens."""
+    name = tools[0]["function"]["name"]
+    return ["tok0 ", f'<tool_call>{{"name": "{name}", "arguments": {{',
+            *(f'{", " if i else ""}"n{i}": {i}' for i in range(CALL_ARGUMENTS)),
+            "}}</tool_call>"]
 
 
 def _entry(request: Generate, i: int) -> TokenLogprob | None:
@@ -101,6 +136,10 @@ def counting_generator(spec: ModelSpec, model_dir: Path | None) -> CountingGener
     time.sleep(float(spec.options.get("load_s", 0)))
     return CountingGenerator(float(spec.options.get("step_s", 0.01)),
                              int(spec.options.get("think_tokens", 0)))
+
+
+def calling_generator(spec: ModelSpec, model_dir: Path | None) -> CallingGenerator:
+    return CallingGenerator(float(spec.options.get("step_s", 0.01)))
 
 
 def failing(spec: ModelSpec, model_dir: Path | None) -> None:

@@ -3,14 +3,22 @@ client in order, with nothing missing and nothing of another run."""
 
 from __future__ import annotations
 
+from modelpool.protocol.jobs import Completion
+from modelpool.protocol.messages import CallDelta, ToolCall
 from modelpool.supervisor.pgstreams import (
     PAYLOAD_BYTES,
     StreamAssembly,
     StreamPiece,
+    call_head,
     parse,
     payloads,
     stream_channel,
 )
+
+
+def _done(text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> Completion:
+    return Completion(text=text, finish_reason="stop", prompt_tokens=1, completion_tokens=1,
+                      model="m", reasoning=reasoning, tool_calls=calls)
 
 
 def test_a_piece_too_long_for_one_notification_is_split_at_whole_characters() -> None:
@@ -26,6 +34,13 @@ def test_a_piece_too_long_for_one_notification_is_split_at_whole_characters() ->
     assert payloads(StreamPiece("k", 1, 0, "a\x00b")) == []  # PostgreSQL cannot carry it
     assert parse("k 1 5 with spaces ") == StreamPiece("k", 1, 5, "with spaces ")
     assert parse("garbage") is None
+    for part in ("r", "h3", "c12"):  # thinking, a call's head, its arguments
+        text = call_head(CallDelta(index=3, name="f", id="c")) if part == "h3" else "x y"
+        (payload,) = payloads(StreamPiece("k", 1, 7, text, part))
+        assert parse(payload) == StreamPiece("k", 1, 7, text, part)
+    for bad in ("k 1 z:5 x", "k 1 h1:0 not json", "k 1 c:0 x", "k 1 r:x x"):
+        assert parse(bad) is None
+    assert payloads(StreamPiece("k", 1, 0, "x" * PAYLOAD_BYTES, "h0")) == []  # whole or none
 
 
 def test_each_node_has_a_channel_of_its_own_whatever_its_name() -> None:
@@ -37,24 +52,42 @@ def test_each_node_has_a_channel_of_its_own_whatever_its_name() -> None:
 
 def test_the_client_gets_the_text_in_order_and_the_rest_from_the_result() -> None:
     stream = StreamAssembly()
-    assert stream.take(StreamPiece("k", 1, 0, "tok0 ")) == "tok0 "
-    assert stream.take(StreamPiece("k", 1, 0, "tok0 ")) == ""  # again: sent already
-    assert stream.take(StreamPiece("k", 1, 5, "tok1 ")) == "tok1 "
-    assert stream.take(StreamPiece("k", 1, 15, "tok3 ")) == ""  # tok2 was lost...
-    assert stream.take(StreamPiece("k", 1, 10, "tok2 ")) == ""  # ...so the rest waits
+    assert stream.take(StreamPiece("k", 1, 0, "tok0 ")) is True
+    assert stream.take(StreamPiece("k", 1, 0, "tok0 ")) is False  # again: sent already
+    assert stream.take(StreamPiece("k", 1, 5, "tok1 ")) is True
+    assert stream.take(StreamPiece("k", 1, 15, "tok3 ")) is False  # tok2 was lost...
+    assert stream.take(StreamPiece("k", 1, 10, "tok2 ")) is False  # ...so the rest waits
     assert (stream.sent, stream.chunks) == ("tok0 tok1 ", 2)
-    assert stream.rest("tok0 tok1 tok2 tok3 ") == "tok2 tok3 "
-    assert StreamAssembly().rest("all of it") == "all of it"
+    assert stream.rest(_done("tok0 tok1 tok2 tok3 ")) == ("tok2 tok3 ", "", [])
+    assert StreamAssembly().rest(_done("all of it")) == ("all of it", "", [])
+
+
+def test_thinking_and_calls_are_parts_of_their_own_each_in_order() -> None:
+    stream = StreamAssembly()
+    head = call_head(CallDelta(index=0, name="f", id="call_1"))
+    for piece in (StreamPiece("k", 1, 0, "Hmm, ", "r"), StreamPiece("k", 1, 5, "f.", "r"),
+                  StreamPiece("k", 1, 0, "Checking."), StreamPiece("k", 1, 0, head, "h0"),
+                  StreamPiece("k", 1, 0, '{"a":', "c0")):
+        assert stream.take(piece) is True
+    whole = _done("Checking.", "Hmm, f.", [ToolCall(name="f", arguments='{"a":1}', id="call_1"),
+                                          ToolCall(name="g", arguments="{}", id="call_2")])
+    assert stream.rest(whole) == ("", "", [CallDelta(index=0, arguments="1}")])
+    other = ToolCall(name="f", arguments='{"a":1}', id="call_9")  # another run's call
+    assert stream.rest(_done("Checking.", "Hmm, f.", [other])) is None
+    # a call's arguments without its head, or a head without the one before: a gap
+    assert StreamAssembly().take(StreamPiece("k", 1, 0, "{", "c0")) is False
+    skipped = StreamAssembly()
+    assert skipped.take(StreamPiece("k", 1, 0, head, "h1")) is False and skipped.gap
 
 
 def test_a_run_that_replaced_one_the_client_has_part_of_breaks_its_stream() -> None:
     before_any = StreamAssembly()
-    assert before_any.take(StreamPiece("k", 1, 0, "")) == ""
-    assert before_any.take(StreamPiece("k", 2, 0, "second ")) == "second "  # nothing sent
-    assert before_any.rest("second run") == "run"
-    assert before_any.rest("first run") is None  # not how the stored text starts
+    assert before_any.take(StreamPiece("k", 1, 0, "")) is False
+    assert before_any.take(StreamPiece("k", 2, 0, "second ")) is True  # nothing sent
+    assert before_any.rest(_done("second run")) == ("run", "", [])
+    assert before_any.rest(_done("first run")) is None  # not how the stored text starts
 
     midway = StreamAssembly()
-    assert midway.take(StreamPiece("k", 1, 0, "first ")) == "first "
+    assert midway.take(StreamPiece("k", 1, 0, "thought", "r")) is True
     assert midway.take(StreamPiece("k", 2, 0, "other ")) is None
-    assert midway.rest("other text") is None
+    assert midway.rest(_done("other text", "other thought")) is None
