@@ -162,7 +162,10 @@ def _text_line(chunk: Any) -> dict[str, Any]:
     for name in ("cached_tokens", "reasoning_tokens"):  # of the prompt's, of the output's
         if getattr(chunk, name, None):
             line[name] = getattr(chunk, name)
-    if getattr(chunk, "tool_calls", None):  # with --tool-choice auto
+    if getattr(chunk, "calls", None):  # with --tool-choice auto: the calls as written
+        line["calls"] = [{"index": d.index, **({"name": d.name, "id": d.id} if d.name else {}),
+                          "arguments": d.arguments} for d in chunk.calls]
+    if getattr(chunk, "tool_calls", None):
         line["tool_calls"] = _calls(chunk)
     for name in ("logprobs", "prompt_logprobs"):  # with --logprobs / --prompt-logprobs
         if getattr(chunk, name, None) is not None:

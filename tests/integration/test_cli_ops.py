@@ -26,7 +26,8 @@ max_load_failures = 1
 load_backoff_s = 0.1
 """ + model_entry("emb", run_s=0) + model_entry(
     "gen", loader="counting_generator", capability="text_to_text", step_s=0.001) + model_entry(
-    "broken", loader="failing") + """
+    "caller", loader="calling_generator", capability="text_to_text", step_s=0.001,
+    max_workers=1) + model_entry("broken", loader="failing") + """
 [[models]]
 key = "see"
 capability = "vision"
@@ -104,6 +105,15 @@ def test_stdin_prompt_and_json_lines_for_a_stream(daemon: Daemon) -> None:
     assert [json.loads(line).get("logprobs") for line in asked.stdout.splitlines()] == [
         [{"token": "tok0 ", "token_id": 0, "logprob": 0.0, "top": {}}],
         [{"token": "tok1 ", "token_id": 1, "logprob": -1.0, "top": {}}], None]
+    tools = '[{"type": "function", "function": {"name": "count"}}]'
+    called = cli(daemon, "generate", "--model", "caller", "--tools", tools, "--tool-choice",
+                 "auto", "--json", "x")
+    assert called.returncode == 0, called.stderr
+    lines = [json.loads(line) for line in called.stdout.splitlines()]
+    pieces = [piece for line in lines for piece in line.get("calls", [])]
+    (call,) = lines[-1]["tool_calls"]
+    assert pieces[0]["name"] == call["name"] == "count" and pieces[0]["id"]
+    assert len(pieces) > 3 and "".join(p["arguments"] for p in pieces) == call["arguments"]
 
 
 def test_describe_prints_the_finish_reason_and_token_counts(daemon: Daemon,
