@@ -30,7 +30,8 @@ format; the ones read here, and how a model's is known:
   </parameter></function></tool_call>`, after any text (tool_calls_xml.py), each value
   given its type by the tool's schema; a bare `<function=...>` (no `<tool_call>`) is a
   call too, as vLLM reads it. Known by its template's `<function=` and
-  `<parameter=` (ahead of hermes: the template names `<tool_call>` too).
+  `<parameter=` (ahead of hermes: the template names `<tool_call>` too). "seed_oss":
+  Seed-OSS's, the same in `<seed:tool_call>` blocks, known by its template naming them.
 - "glm45": GLM's `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>
   </tool_call>`, after any text, each value typed as Qwen3-Coder's are. Known by its
   template's `<arg_key>` (ahead of hermes, too).
@@ -241,6 +242,9 @@ FORMATS = {f.name: f for f in (
     ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,
                markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype,
                also_opens=(tool_calls_xml.BARE_OPENS,)),
+    ToolFormat("seed_oss", tool_calls_xml.SEED_OPENS, False, tool_calls_xml.parse_seed,
+               markers=(tool_calls_xml.SEED_OPENS, "</seed:tool_call>"),
+               retype=tool_calls_xml.retype),
     ToolFormat("glm45", "<tool_call>", False, tool_calls_xml.parse_glm,
                markers=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
                         "<arg_value>", "</arg_value>"), retype=tool_calls_xml.retype),
@@ -252,6 +256,18 @@ FORMATS = {f.name: f for f in (
                retype=tool_calls_xml.retype))}
 
 
+# What each format's template shows its model, looked for in this order (Seed-OSS's and
+# GLM's templates show Qwen3-Coder's signs, and Qwen3-Coder's Hermes' `<tool_call>`)
+TEMPLATE_SIGNS = (
+    ((PYTHONIC_EXAMPLE,), "pythonic"), ((tool_calls_xml.SEED_OPENS,), "seed_oss"),
+    (tool_calls_xml.TEMPLATE_SIGNS, "qwen3_coder"), ((tool_calls_xml.GLM_TEMPLATE_SIGN,), "glm45"),
+    ((KIMI_MARKERS[0],), "kimi_k2"), ((tool_calls_xml.MINIMAX_OPENS,), "minimax_m2"),
+    (("<tool_calls>",), "minimax"), ((GRANITE_CALL,), "granite"),
+    ((DEEPSEEK_MARKERS[0],), "deepseek"), (("<tool_call>",), "hermes"),
+    ((TOOL_CALLS,), "mistral"), ((PYTHON_TAG,), "llama3_json"),
+    (("<|start_header_id|>", "parameters"), "llama3_json"))
+
+
 def format_of(template: str | None, configured: str | None, key: str) -> ToolFormat | None:
     """The model's format: the one its options name, else the one its template shows."""
     if configured is not None:
@@ -259,31 +275,8 @@ def format_of(template: str | None, configured: str | None, key: str) -> ToolFor
             raise ValueError(f"model {key!r}: tool_call_format {configured!r} is not one of "
                              f"{sorted(FORMATS)}")
         return FORMATS[configured]
-    template = template or ""
-    if PYTHONIC_EXAMPLE in template:
-        return FORMATS["pythonic"]
-    if all(sign in template for sign in tool_calls_xml.TEMPLATE_SIGNS):
-        return FORMATS["qwen3_coder"]
-    if tool_calls_xml.GLM_TEMPLATE_SIGN in template:
-        return FORMATS["glm45"]
-    if KIMI_MARKERS[0] in template:
-        return FORMATS["kimi_k2"]
-    if tool_calls_xml.MINIMAX_OPENS in template:
-        return FORMATS["minimax_m2"]
-    if "<tool_calls>" in template:
-        return FORMATS["minimax"]
-    if GRANITE_CALL in template:
-        return FORMATS["granite"]
-    if DEEPSEEK_MARKERS[0] in template:
-        return FORMATS["deepseek"]
-    if "<tool_call>" in template:
-        return FORMATS["hermes"]
-    if TOOL_CALLS in template:
-        return FORMATS["mistral"]
-    llama3 = "<|start_header_id|>" in template and "parameters" in template
-    if PYTHON_TAG in template or llama3:
-        return FORMATS["llama3_json"]
-    return None
+    return next((FORMATS[name] for signs, name in TEMPLATE_SIGNS
+                 if all(sign in (template or "") for sign in signs)), None)
 
 
 def kept_tokens(tokenizer: Any, markers: tuple[str, ...]) -> dict[int, str]:

@@ -1,6 +1,7 @@
 """Tool calls in XML, whose values are bare text: Qwen3-Coder's (Qwen3-Coder, Qwen3.5;
-vLLM's `qwen3_coder` parser), GLM's (GLM 4.5 and later; vLLM's `glm45`) and MiniMax
-M2's (vLLM's `minimax_m2`):
+vLLM's `qwen3_coder` parser; Seed-OSS writes the same in `<seed:tool_call>` blocks,
+vLLM's `seed_oss`), GLM's (GLM 4.5 and later; vLLM's `glm45`) and MiniMax M2's (vLLM's
+`minimax_m2`):
 
     <tool_call>                 <tool_call>get_weather        <minimax:tool_call>
     <function=get_weather>      <arg_key>city</arg_key>       <invoke name="get_weather">
@@ -32,6 +33,8 @@ import msgspec
 from modelpool.protocol.messages import ToolCall
 
 BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+SEED_OPENS = "<seed:tool_call>"
+SEED_BLOCK = re.compile(r"<seed:tool_call>(.*?)(?:</seed:tool_call>|$)", re.DOTALL)
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>",
                           re.DOTALL)
 GLM_TEMPLATE_SIGN = "<arg_key>"
@@ -52,7 +55,7 @@ NUMBER_TYPES = ("num", "float", "double")
 ParameterTypes = Mapping[str, Mapping[str, str]]
 
 
-def parse(text: str) -> list[ToolCall] | None:
+def parse(text: str, block_pattern: re.Pattern[str] = BLOCK) -> list[ToolCall] | None:
     """The calls, each parameter's value as text; None if a block holds no one whole
     function (one cut short by the length would be a call with a value cut short).
     Without `<tool_call>`, bare functions: None unless they are all the text is."""
@@ -61,7 +64,7 @@ def parse(text: str) -> list[ToolCall] | None:
         if FUNCTION.sub("", text).strip():
             return None  # one cut short, or text after the calls
     else:
-        blocks = [FUNCTION.findall(block) for block in BLOCK.findall(text)]
+        blocks = [FUNCTION.findall(block) for block in block_pattern.findall(text)]
         if any(len(found) != 1 for found in blocks):
             return None
         functions = [found[0] for found in blocks]
@@ -71,6 +74,10 @@ def parse(text: str) -> list[ToolCall] | None:
         {key.strip(): _bare(value) for key, value in PARAMETER.findall(body)}).decode())
             for name, body in functions]
 
+
+
+def parse_seed(text: str) -> list[ToolCall] | None:
+    return parse(text, SEED_BLOCK)
 
 
 def parse_glm(text: str) -> list[ToolCall] | None:
@@ -129,11 +136,18 @@ class XmlShape:
 
 
 _NAMED = r"=\s*([\"']?)(?P<%s>[^>\n\"']+?)\%d\s*>"  # name="x", name=x
-SHAPES = {
-    "qwen3_coder": XmlShape(
-        re.compile(r"\s*(?:</tool_call>\s*)?(?:<tool_call>\s*)?<function=(?P<name>[^>\n]+)>"),
+
+
+def _qwen3_coder(block: str) -> XmlShape:
+    """Qwen3-Coder's calls, in blocks of this tag's."""
+    return XmlShape(
+        re.compile(rf"\s*(?:</{block}>\s*)?(?:<{block}>\s*)?<function=(?P<name>[^>\n]+)>"),
         re.compile(r"\s*<parameter=(?P<key>[^>\n]*)>(?P<value>.*?)</parameter>", re.DOTALL),
-        re.compile(r"\s*</function>"), _bare),
+        re.compile(r"\s*</function>"), _bare)
+
+
+SHAPES = {
+    "qwen3_coder": _qwen3_coder("tool_call"), "seed_oss": _qwen3_coder("seed:tool_call"),
     "glm45": XmlShape(
         re.compile(r"\s*(?:</tool_call>\s*)?<tool_call>\s*(?P<name>[^<\s]+)(?=\s|<)"),
         re.compile(r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)"

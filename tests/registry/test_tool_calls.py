@@ -226,6 +226,8 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
     qwen3_coder = ("<tool_call>\n<function=example_function_name>\n"
                    "<parameter=example_parameter_1>\nvalue_1\n</parameter>")
     assert format_of(qwen3_coder, None, "m") is FORMATS["qwen3_coder"]  # not hermes
+    seed = qwen3_coder.replace("tool_call>", "seed:tool_call>")
+    assert format_of(seed, None, "m") is FORMATS["seed_oss"]  # not Qwen3-Coder
     glm = "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>"
     assert format_of(glm, None, "m") is FORMATS["glm45"]  # not hermes either
     assert format_of("{{'<|tool_calls_section_begin|>'}}", None, "m") is FORMATS["kimi_k2"]

@@ -192,3 +192,16 @@ def test_what_is_no_glm_call_comes_back_as_text(text: str) -> None:
     reader = reader_for(FORMATS["glm45"], "m", TOOLS)
     passed = "".join(reader.feed(text[i:i + 5]) for i in range(0, len(text), 5))
     assert (passed, *reader.finish()) == ("", text, [])
+
+
+SEED_OSS = CALLS.replace("tool_call>", "seed:tool_call>")
+
+
+@pytest.mark.parametrize("piece", [1, 8, 10_000])
+def test_seed_oss_calls_are_qwen3_coders_in_tags_of_its_own(piece: int) -> None:
+    reader = reader_for(FORMATS["seed_oss"], "m", TOOLS)
+    passed = "".join(reader.feed(SEED_OSS[i:i + piece]) for i in range(0, len(SEED_OSS), piece))
+    rest, calls = reader.finish()
+    assert passed + rest == "Let me look that up.\n" and "<" not in passed
+    assert [(c.name, c.arguments) for c in calls] == [
+        (c.name, c.arguments) for c in _read(CALLS, piece)[2]]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from test_tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, KIMI, MINIMAX_M1, NAMES
-from test_tool_calls_xml import CALLS, GLM, MINIMAX_M2, TOOLS
+from test_tool_calls_xml import CALLS, GLM, MINIMAX_M2, SEED_OSS, TOOLS
 
 from modelpool.protocol.messages import CallDelta, Sampling, ToolCall
 from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader, reader_for
@@ -139,7 +139,8 @@ def test_calls_after_one_that_streams_no_more_come_whole_with_the_streamed() -> 
 
 @pytest.mark.parametrize("piece", [1, 5, 1000])
 @pytest.mark.parametrize(("tool_format", "text", "parameters"), [
-    ("qwen3_coder", CALLS, 7), ("glm45", GLM, 2), ("minimax_m2", MINIMAX_M2, 3)])
+    ("qwen3_coder", CALLS, 7), ("glm45", GLM, 2), ("minimax_m2", MINIMAX_M2, 3),
+    ("seed_oss", SEED_OSS, 7)])
 def test_xml_calls_stream_a_parameter_at_a_time_typed_by_the_schema(
         tool_format: str, text: str, parameters: int, piece: int) -> None:
     deltas, passed, calls, reader = _stream(tool_format + "_xml", text, piece)
