@@ -16,9 +16,8 @@ format; the ones read here, and how a model's is known:
 - "pythonic": the whole answer a Python list of calls with keyword arguments,
   `[get_weather(city="Paris"), get_time()]` (Llama 3.2 and Llama 4 with their pythonic
   templates, ToolACE), maybe between Llama 4's `<|python_start|>` and `<|python_end|>`.
-  Known by its template's `[func_name1(` example. Read by Python's own parser: only
-  literals (strings, numbers, True/False/None, lists and dicts of them) as values,
-  nothing evaluated.
+  Known by its template's `[func_name1(` example. Read by Python's own parser, only
+  literals as values, nothing evaluated (tool_calls_pythonic.py).
 - "granite": `<|tool_call|>` then a JSON list of `{"name", "arguments"}` at the answer's
   start (IBM Granite 3). Known by its template naming `<|tool_call|>`.
 - "deepseek": DeepSeek V3's and R1's calls between `<｜tool▁calls▁begin｜>` and
@@ -55,7 +54,6 @@ call was streamed from it (tool_stream.py)."""
 
 from __future__ import annotations
 
-import ast
 import re
 import secrets
 import string
@@ -67,6 +65,7 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import CallDelta, ToolCall, new_call_id
+from modelpool.registry.loaders import tool_calls_pythonic as pythonic
 from modelpool.registry.loaders import tool_calls_xml
 from modelpool.registry.loaders.marks import partial_mark
 from modelpool.registry.loaders.tool_calls_xml import ParameterTypes, parameter_types
@@ -76,7 +75,6 @@ HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 MINIMAX_M1_BLOCK = re.compile(r"<tool_calls>(.*?)(?:</tool_calls>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
-PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 PYTHONIC_EXAMPLE = "[func_name1("  # what the pythonic templates show their models
 GRANITE_CALL = "<|tool_call|>"
 DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
@@ -191,39 +189,6 @@ def _kimi_k2(text: str) -> list[ToolCall] | None:
     return _all_or_none(calls)
 
 
-def _pythonic(text: str) -> list[ToolCall] | None:
-    body = text.strip().removeprefix(PYTHON_START).strip().removesuffix(PYTHON_END)
-    try:
-        listed = ast.parse(body.strip(), mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    if not isinstance(listed, ast.List):
-        return None
-    return _all_or_none([_pythonic_call(node) for node in listed.elts])
-
-
-def _pythonic_call(node: ast.expr) -> ToolCall | None:
-    if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
-            or any(k.arg is None for k in node.keywords)):  # no positional, no **spread
-        return None
-    try:
-        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-        return None  # a name or an expression
-    if not _is_json(arguments):
-        return None  # a value JSON has not (bytes, a set, a complex number)
-    return ToolCall(name=node.func.id, arguments=msgspec.json.encode(arguments).decode())
-
-
-def _is_json(value: Any) -> bool:
-    if value is None or isinstance(value, bool | int | float | str):
-        return True
-    if isinstance(value, list | tuple):
-        return all(_is_json(v) for v in value)
-    return isinstance(value, dict) and all(isinstance(k, str) and _is_json(v)
-                                           for k, v in value.items())
-
-
 def _mistral_id() -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
@@ -235,8 +200,8 @@ FORMATS = {f.name: f for f in (
                markers=(PYTHON_TAG,)),
     ToolFormat("mistral", TOOL_CALLS, False, _mistral, markers=(TOOL_CALLS, "[ARGS]"),
                new_id=_mistral_id),
-    ToolFormat("pythonic", "[", True, _pythonic, lead=PYTHON_START,
-               markers=(PYTHON_START, PYTHON_END)),
+    ToolFormat("pythonic", "[", True, pythonic.parse, lead=pythonic.PYTHON_START,
+               markers=(pythonic.PYTHON_START, pythonic.PYTHON_END)),
     ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
     ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS),
     ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,

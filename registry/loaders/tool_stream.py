@@ -3,12 +3,13 @@ stream them: a call's name (with its id) once its head is written, then its argu
 JSON text piece by piece: where the model writes JSON (hermes, llama3_json, mistral,
 granite, deepseek, kimi_k2, minimax), its own text without the white space between
 JSON's tokens (what a JSON encoder writes); where it writes XML (qwen3_coder, glm45,
-minimax_m2: tool_calls_xml.py), a parameter at a time, typed as at the end.
+minimax_m2: tool_calls_xml.py), a parameter at a time, typed as at the end; where it
+writes Python calls (pythonic: tool_calls_pythonic.py), a call at a time.
 
 Each head pattern is matched where the last call's arguments ended, so no call is ever
 skipped; what matches no head (another shape, a call naming no tool, arguments given as
 a string) is left to the whole text's reading at the end, and its calls come whole then.
-The pythonic format is read only whole. Once a call has been streamed the answer is its
+Once a call has been streamed the answer is its
 calls: the whole text's reading at the end confirms them (and gives any calls after
 them), or, where it does not read as calls (the output cut short by max_tokens, a broken
 call after them), what was streamed stands, as OpenAI sends a call cut short."""
@@ -23,6 +24,7 @@ from typing import Protocol
 import msgspec
 
 from modelpool.protocol.messages import CallDelta, ToolCall
+from modelpool.registry.loaders import tool_calls_pythonic as pythonic
 from modelpool.registry.loaders.tool_calls_xml import SHAPES, ParameterTypes, XmlArguments
 
 WHITE = " \t\r\n"
@@ -45,10 +47,13 @@ HEADS = {name: tuple(re.compile(head) for head in heads) for name, heads in {
     "kimi_k2": (r"(?:<\|tool_calls_section_begin\|>)?\s*(?:<\|tool_call_end\|>)?\s*"
                 r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^\s:<]+):\d+)"
                 r"\s*<\|tool_call_argument_begin\|>\s*",),
-}.items()}
+}.items()} | {"pythonic": (pythonic.HEAD,)}
 
 
 class ArgumentsReader(Protocol):
+    """One call's arguments as they are written: what `text` adds to their JSON text, and
+    how much of it they took if they ended there; ValueError where they cannot be read."""
+
     def feed(self, text: str) -> tuple[str, int | None]: ...
 
 
@@ -109,6 +114,7 @@ class CallStream:
                  types: ParameterTypes) -> None:
         self.xml = SHAPES.get(tool_format)
         self.heads = HEADS[tool_format] if self.xml is None else (self.xml.head,)
+        self.pythonic = tool_format == "pythonic"
         self.names = names
         self.new_id = new_id
         self.types = types  # an XML format's parameters' JSON types, by function
@@ -125,7 +131,11 @@ class CallStream:
             if self.open is None and not self._head(held):
                 return
             assert self.open is not None and self.writing is not None
-            piece, took = self.open.feed(held[self.at:])
+            try:
+                piece, took = self.open.feed(held[self.at:])
+            except ValueError:
+                self.stopped = True  # the rest comes whole at the end, if it reads so
+                return
             if piece:
                 self._send(self.writing, piece)
             if took is None:
@@ -154,6 +164,8 @@ class CallStream:
             name = match["name"].strip()
             if self.xml is not None:
                 arguments: ArgumentsReader = XmlArguments(self.xml, self.types.get(name, {}))
+            elif self.pythonic:
+                arguments = pythonic.PythonCall(name)
             else:
                 body = held[match.end():].lstrip(WHITE)
                 if not body:

@@ -131,8 +131,8 @@ def test_pythonic_calls_are_a_list_of_keyword_calls_read_without_evaluating(
     "[1, 2]", "[see the docs](https://example.com)", "[get_weather('Paris')]",
     "[get_weather(city=paris)]", "[get_weather(city=__import__('os').getcwd())]",
     "[get_weather(**{'city': 'Paris'})]", "[os.system(command='ls')]",
-    "[get_weather(city='Paris')", "[rm_rf(path='/')]", "[" * 500 + "]" * 500,
-    "[get_weather(city='Paris')] and more", "[f(a=b'x')]", "[f(a={1, 2})]", "[f(a=1j)]",
+    "[get_weather(city='Pa", "[rm_rf(path='/')]", "[" * 500 + "]" * 500,
+    "[get_weather(city=['Paris')]", "[f(a=b'x')]", "[f(a={1, 2})]", "[f(a=1j)]",
     "[f(a={1: 2})]",
 ])
 def test_what_is_no_pythonic_call_comes_back_as_text(text: str) -> None:

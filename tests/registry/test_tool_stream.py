@@ -119,7 +119,7 @@ def test_a_call_streamed_then_cut_short_stands_as_streamed(piece: int) -> None:
      [("f", '{"a": 1}')]),  # arguments as a string: read whole at the end
     ("hermes", '<tool_call>{"arguments": {}, "name": "f"}</tool_call>', [("f", "{}")]),
     ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
-    ("pythonic", '[get_weather(city="Paris")]', [("get_weather", '{"city":"Paris"}')]),
+    ("pythonic", '[get_weather (city="Paris")]', [("get_weather", '{"city":"Paris"}')]),
     ("qwen3_coder", "<tool_call>\n<function=get_time>x</function>\n</tool_call>",
      [("get_time", "{}")]),  # a body that no parameter reads
 ])
@@ -166,3 +166,20 @@ def test_an_xml_call_streamed_stands_whatever_follows(tool_format: str, text: st
     deltas, _, calls, reader = _stream(tool_format + "_xml", text, 3)
     assert _joined(deltas) == calls and [c.arguments for c in calls] == [streamed]
     assert reader.cut == (streamed != "{}")
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_pythonic_calls_stream_a_call_at_a_time(piece: int) -> None:
+    text = (' <|python_start|>[get_weather(city="Paris (\\"FR\\")", days=[1, (2)]), '
+            "get_time()]<|python_end|>")
+    deltas, passed, calls, reader = _stream("pythonic", text, piece)
+    assert passed == "" and _joined(deltas) == calls and not reader.cut
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'Paris ("FR")', "days": [1, 2]}), ("get_time", {})]
+    if piece == 1:  # each whole as its parenthesis closed
+        assert [at for at, _ in deltas] == [text.index("]), ") + 2, text.index("()]") + 2]
+    for streamed_first in ('[get_weather(city="Paris"), get_', '[get_weather(city="Paris")] x'):
+        deltas, _, calls, reader = _stream("pythonic", streamed_first, piece)
+        assert _joined(deltas) == calls and [c.name for c in calls] == ["get_weather"]
+    assert _stream("pythonic", "[get_weather(city=x)]", piece)[:3] == (
+        [], "[get_weather(city=x)]", [])  # a name, not a literal: text
