@@ -51,8 +51,9 @@ line two
 </tool_call>"""
 
 
-def _read(text: str, piece: int) -> tuple[str, str, list[ToolCall]]:
-    reader = reader_for(FORMATS["qwen3_coder"], "m", TOOLS)
+def _read(text: str, piece: int, tool_format: str = "qwen3_coder"
+          ) -> tuple[str, str, list[ToolCall]]:
+    reader = reader_for(FORMATS[tool_format], "m", TOOLS)
     passed = "".join(reader.feed(text[i:i + piece]) for i in range(0, len(text), piece))
     rest, calls = reader.finish()
     return passed, rest, [msgspec.structs.replace(c, id="") for c in calls]
@@ -172,12 +173,12 @@ GLM = ("I'll check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>N
 @pytest.mark.parametrize("piece", [1, 6, 10_000])
 def test_glm_calls_a_name_and_its_keys_and_values_typed_by_the_schema(piece: int) -> None:
     reader = reader_for(FORMATS["glm45"], "m", TOOLS)
-    passed = "".join(reader.feed(GLM[i:i + piece]) for i in range(0, len(GLM), piece))
-    rest, calls = reader.finish()
+    reader.feed(GLM)
+    assert all(c.id.startswith("call_") for c in reader.finish()[1])
+    passed, rest, calls = _read(GLM, piece, "glm45")
     assert passed + rest == "I'll check." and "<" not in passed
     assert [(c.name, msgspec.json.decode(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "New York", "days": 3}), ("get_time", {})]
-    assert all(c.id.startswith("call_") for c in calls)
 
 
 @pytest.mark.parametrize("text", [
@@ -199,9 +200,6 @@ SEED_OSS = CALLS.replace("tool_call>", "seed:tool_call>")
 
 @pytest.mark.parametrize("piece", [1, 8, 10_000])
 def test_seed_oss_calls_are_qwen3_coders_in_tags_of_its_own(piece: int) -> None:
-    reader = reader_for(FORMATS["seed_oss"], "m", TOOLS)
-    passed = "".join(reader.feed(SEED_OSS[i:i + piece]) for i in range(0, len(SEED_OSS), piece))
-    rest, calls = reader.finish()
+    passed, rest, calls = _read(SEED_OSS, piece, "seed_oss")
     assert passed + rest == "Let me look that up.\n" and "<" not in passed
-    assert [(c.name, c.arguments) for c in calls] == [
-        (c.name, c.arguments) for c in _read(CALLS, piece)[2]]
+    assert calls == _read(CALLS, piece)[2]
