@@ -88,6 +88,8 @@ class CausalLM:
             prefix_cache_bytes = 0
         self.prefix_cache_bytes = (batch_fit.default_prefix_cache_bytes(model)
                                    if prefix_cache_bytes is None else prefix_cache_bytes)
+        # The last request's prompt: its readers and its generation both ask for it
+        self._last_prompt: tuple[Generate, list[int]] | None = None
 
     def info(self) -> dict[str, Any]:
         return {"context": self.context, "chat_template": bool(self.tokenizer.chat_template),
@@ -98,6 +100,11 @@ class CausalLM:
                 "prefix_cache_mb": round(self.prefix_cache_bytes / (1 << 20), 1)}
 
     def prompt_ids(self, request: Generate) -> list[int]:
+        if self._last_prompt is None or self._last_prompt[0] is not request:
+            self._last_prompt = (request, self._tokenized(request))
+        return list(self._last_prompt[1])
+
+    def _tokenized(self, request: Generate) -> list[int]:
         if request.prompt_ids:
             outside = [t for t in request.prompt_ids if self.vocab and t >= self.vocab]
             if outside:

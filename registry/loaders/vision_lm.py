@@ -64,6 +64,7 @@ class VisionLM:
         self.kept = kept_tokens(self.tokenizer, (
             self.thinking.opens, self.thinking.closes) if self.thinking else ()) or None
         self.open_token = one_token(self.tokenizer, self.thinking.opens) if self.thinking else None
+        self._last_opened: tuple[str, bool] | None = None
 
     def reasoning_reader(self, request: Describe) -> ReasoningReader | None:
         """What reads the thinking out of the output, for a model that reasons: inside
@@ -75,12 +76,17 @@ class VisionLM:
         return ReasoningReader(self._opened(request), self.thinking)
 
     def _opened(self, request: Describe) -> bool:
+        """Whether the template's generation prompt opens the thinking for this question
+        (the last question's answer kept: the reader and the language both ask)."""
         assert self.thinking is not None
-        messages = [{"role": "user", "content": [{"type": "image"}, {
-            "type": "text", "text": request.prompt or DEFAULT_PROMPT}]}]
-        rendered = self.processor.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
-        return opens_thinking(str(rendered), self.thinking)
+        question = request.prompt or DEFAULT_PROMPT
+        if self._last_opened is None or self._last_opened[0] != question:
+            messages = [{"role": "user", "content": [{"type": "image"}, {
+                "type": "text", "text": question}]}]
+            rendered = self.processor.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False)
+            self._last_opened = (question, opens_thinking(str(rendered), self.thinking))
+        return self._last_opened[1]
 
     def language(self, request: Describe) -> GrammarMatcher | None:
         """What holds the output to the request's language: after the thinking, for a

@@ -85,6 +85,12 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
         capability = "vision"
         path = "{_vision_thinker(tiny_models_dir, workdir)}"
         options = {{ reasoning_format = "think" }}
+        [[models]]
+        key = "vision-thinker-alone"
+        capability = "vision"
+        path = "{workdir / 'vision-thinker'}"
+        max_active_sequences = 1
+        options = {{ reasoning_format = "think" }}
         """)
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
@@ -314,18 +320,20 @@ def test_a_forced_calls_item_follows_the_thinkings(sdk: openai.OpenAI) -> None:
                      ("response.output_item.done", "function_call")]
 
 
+@pytest.mark.parametrize("model", ["vision-thinker", "vision-thinker-alone"])
 def test_a_vision_models_thinking_is_apart_through_the_socket_and_chat(
-        served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+        served: tuple[Daemon, str], sdk: openai.OpenAI, model: str) -> None:
     """Its template opened the thinking and it never closed it: all thinking, counted so,
-    through a real worker, the socket client and the SDK's chat with an image."""
+    through a real worker, the socket client and the SDK's chat with an image; decoded
+    continuously batched, or one request at a time (max_active_sequences = 1)."""
     image = png((255, 0, 0))
     with served[0].client() as client:
-        chunks = list(client.describe(image, "what is it?", model="vision-thinker",
+        chunks = list(client.describe(image, "what is it?", model=model,
                                       max_tokens=6, **SAMPLED))
     thought = "".join(c.reasoning for c in chunks)
     assert thought and "".join(c.text for c in chunks) == ""
     assert chunks[-1].reasoning_tokens == chunks[-1].completion_tokens == 6
-    reply = sdk.chat.completions.create(model="vision-thinker", max_tokens=6, **SAMPLED,
+    reply = sdk.chat.completions.create(model=model, max_tokens=6, **SAMPLED,
                                         messages=[{"role": "user", "content": [
                                             {"type": "text", "text": "what is it?"},
                                             {"type": "image_url",

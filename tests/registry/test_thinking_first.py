@@ -174,3 +174,18 @@ def test_a_harmony_models_language_starts_with_its_final_channel(
     assert _allowed(matcher, vocab) == {_ids(llm, "P")[0]}
     monkeypatch.setattr(llm, "structured_in_reasoning", True)
     assert not isinstance(llm.language(request, llm.prompt_ids(request)), AfterThinking)
+
+
+def test_a_chats_prompt_is_made_once_for_its_readers_and_its_generation(
+        thinker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request at a time, whether the template opened the thinking is read from the
+    same prompt the model then runs: its template is rendered once, not twice."""
+    rendered = []
+    render = thinker.tokenizer.apply_chat_template
+    monkeypatch.setattr(thinker.tokenizer, "apply_chat_template",
+                        lambda *a, **k: rendered.append(1) or render(*a, **k))
+    out = Outbox()
+    text_to_text.run(thinker, [WorkItem(job_id=1, request=_chat(0))], out, 1)
+    assert _parts(out)[1] == "Paris." and len(rendered) == 1
+    text_to_text.run(thinker, [WorkItem(job_id=2, request=_chat(1))], Outbox(), 1)
+    assert len(rendered) == 2  # a request of its own: its own prompt
