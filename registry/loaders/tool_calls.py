@@ -35,7 +35,9 @@ format; the ones read here, and how a model's is known:
   </tool_call>`, after any text, each value typed as Qwen3-Coder's are. Known by its
   template's `<arg_key>` (ahead of hermes, too).
 - "minimax": MiniMax M1's `<tool_calls>` block after any text, a JSON `{"name",
-  "arguments"}` a line. Known by its template's `<tool_calls>`.
+  "arguments"}` a line, or a JSON list of them (Jamba's and Hunyuan-A13B's; vLLM's
+  `jamba` and `hunyuan_a13b`, names this format also answers to). Known by its
+  template's `<tool_calls>`.
 - "minimax_m2": MiniMax M2's `<minimax:tool_call>` block after any text, each
   `<invoke name="...">` a call with its `<parameter name="...">value</parameter>`s,
   typed as Qwen3-Coder's are (tool_calls_xml.py). Known by its template's
@@ -128,10 +130,15 @@ def _hermes(text: str) -> list[ToolCall] | None:
 
 
 def _minimax_m1(text: str) -> list[ToolCall] | None:
-    """MiniMax M1's: a JSON object a line, in each `<tool_calls>` block."""
-    return _all_or_none([_call(_decoded(line), "arguments")
-                         for block in MINIMAX_M1_BLOCK.findall(text)
-                         for line in block.splitlines() if line.strip()])
+    """MiniMax M1's: a JSON object a line, in each `<tool_calls>` block; Jamba's and
+    Hunyuan-A13B's: a JSON list in it."""
+    calls: list[ToolCall | None] = []
+    for block in MINIMAX_M1_BLOCK.findall(text):
+        listed = _decoded(block) if block.strip().startswith("[") else None
+        calls += ([_call(c, "arguments") for c in listed] if isinstance(listed, list) else
+                  [_call(_decoded(line), "arguments")
+                   for line in block.splitlines() if line.strip()])
+    return _all_or_none(calls)
 
 
 def _llama3_json(text: str) -> list[ToolCall] | None:
@@ -219,6 +226,7 @@ FORMATS = {f.name: f for f in (
     ToolFormat("minimax_m2", tool_calls_xml.MINIMAX_OPENS, False, tool_calls_xml.parse_minimax,
                markers=(tool_calls_xml.MINIMAX_OPENS, "</minimax:tool_call>"),
                retype=tool_calls_xml.retype))}
+FORMATS |= {"jamba": FORMATS["minimax"], "hunyuan_a13b": FORMATS["minimax"]}  # vLLM's names
 
 
 # What each format's template shows its model, looked for in this order (Seed-OSS's and

@@ -37,7 +37,7 @@ _DEEPSEEK = (r"(?:<｜tool▁calls▁begin｜>)?\s*(?:```)?\s*(?:<｜tool▁call
              r"<｜tool▁call▁begin｜>")
 HEADS = {name: tuple(re.compile(head) for head in heads) for name, heads in {
     "hermes": (r"\s*\}?\s*(?:</tool_call>\s*)?<tool_call>\s*" + _JSON % "arguments",),
-    "minimax": (r"(?:<tool_calls>)?\s*" + _JSON % "arguments",),
+    "minimax": (r"(?:<tool_calls>\s*\[?)?\s*" + _JSON % "arguments",),
     "llama3_json": (r"\s*(?:<\|python_tag\|>)?\s*" + _JSON % "(?:parameters|arguments)",),
     "mistral": (_LIST % re.escape("[TOOL_CALLS]"),
                 r"\[TOOL_CALLS\]\s*(?P<name>[^\[\s]+?)\s*\[ARGS\]\s*"),

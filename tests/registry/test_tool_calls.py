@@ -209,6 +209,12 @@ def test_minimax_m1_calls_are_a_json_object_a_line(piece: int) -> None:
     assert calls == [WEATHER, TIME]
     cut = MINIMAX_M1[:MINIMAX_M1.index('"name"')]  # cut short before its first call's name
     assert _read("minimax", cut, piece)[1:] == (cut[cut.index("<"):], [])
+    assert _read("jamba", JAMBA, piece)[1:] == ("", [WEATHER, TIME])  # a list in the block
+    assert FORMATS["jamba"] is FORMATS["hunyuan_a13b"] is FORMATS["minimax"]
+
+
+JAMBA = (' <tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+         '{"name": "get_time", "arguments": {}}]</tool_calls>')
 
 
 def test_the_format_comes_from_the_options_or_the_template() -> None:

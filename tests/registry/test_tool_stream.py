@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, KIMI, MINIMAX_M1, NAMES
+from test_tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, JAMBA, KIMI, MINIMAX_M1, NAMES
 from test_tool_calls_xml import CALLS, GLM, MINIMAX_M2, SEED_OSS, TOOLS
 
 from modelpool.protocol.messages import CallDelta, Sampling, ToolCall
@@ -27,7 +27,7 @@ STREAMED = {
                 '"days": [1, 2]}}, {"name": "get_time", "arguments": {}}]'),
     "deepseek": DEEPSEEK_V3, "kimi_k2": KIMI, "minimax": MINIMAX_M1,
 }
-CASES = [*STREAMED.items(), ("deepseek", DEEPSEEK_V31),
+CASES = [*STREAMED.items(), ("deepseek", DEEPSEEK_V31), ("jamba", JAMBA),
          ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}')]
 
 
