@@ -15,7 +15,7 @@ import httpx2 as httpx
 import openai
 import pydantic
 import pytest
-from conftest import Daemon
+from conftest import Daemon, model_entry
 from http_helpers import KEY, data_url, http_daemon, long_llm, png
 
 MODEL = "tiny-llm-long"
@@ -36,7 +36,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_models_dir: Path,
            tiny_rerank_export: None) -> Iterator[tuple[Daemon, str]]:
     workdir = tmp_path_factory.mktemp("http-responses")
     (workdir / "keys").write_text(OTHER_KEY + "\n")
-    daemon, base = http_daemon(workdir, tiny_models_dir, extra=long_llm(tiny_models_dir),
+    daemon, base = http_daemon(workdir, tiny_models_dir, extra=long_llm(tiny_models_dir)
+                               + model_entry("caller", loader="calling_generator",
+                                             capability="text_to_text", step_s=0.01),
                                http=f'api_key_file = "{workdir}/keys"')
     yield daemon, base
     assert daemon.stop() == 0, daemon.log()
@@ -153,6 +155,35 @@ def test_function_calls_named_and_required_whole_and_streamed(sdk: openai.OpenAI
                               extra_body={"seed": 2}) as stream:
         final = stream.get_final_response()
     assert final.output[0].arguments == listed.output[0].arguments  # type: ignore[union-attr]
+
+
+def test_an_auto_answers_call_streams_as_it_is_written_through_the_sdks_helpers(
+        sdk: openai.OpenAI) -> None:
+    """A model that calls (a test loader writing "tok0 " then a Hermes call, an argument
+    a token): the Responses API's and chat's streams, each read by the SDK's helper."""
+    tool: Any = {"type": "function", "name": "count", "parameters": {"type": "object"}}
+    with sdk.responses.stream(model="caller", input="count", tools=[tool],
+                              max_output_tokens=20) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    message, call = final.output
+    assert message.type == "message" and final.output_text == "tok0 "
+    assert call.type == "function_call" and call.name == "count"
+    assert len(pieces) > 3 and "".join(pieces) == call.arguments
+    assert json.loads(call.arguments) == {f"n{i}": i for i in range(4)}
+    kinds = [e.type for e in events]  # the message done before the call began
+    assert kinds.index("response.output_text.done") < kinds.index(
+        "response.function_call_arguments.delta")
+    chat_tool: Any = {"type": "function", "function": {"name": "count"}}
+    with sdk.chat.completions.stream(model="caller", messages=[
+            {"role": "user", "content": "count"}], tools=[chat_tool], max_tokens=20) as chat:
+        arguments = [e.arguments_delta for e in chat
+                     if e.type == "tool_calls.function.arguments.delta"]
+        answer = chat.get_final_completion().choices[0]
+    (made,) = answer.message.tool_calls or []
+    assert answer.finish_reason == "tool_calls" and made.function.name == "count"
+    assert len(arguments) > 3 and "".join(arguments) == made.function.arguments == call.arguments
 
 
 def test_a_conversation_of_input_items_is_the_chats(sdk: openai.OpenAI) -> None:
