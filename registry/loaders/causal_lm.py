@@ -193,7 +193,7 @@ class CausalLM:
             return AfterThinking(grammar, harmony.FINAL, self.tokenizer, True, None)
         if self.thinking is None:
             return grammar
-        return AfterThinking(grammar, self.thinking.closes, self.tokenizer,
+        return AfterThinking(grammar, self.thinking.closings, self.tokenizer,
                              self._opened(request, ids), self.open_token)
 
     def _opened(self, request: Generate, ids: list[int] | None) -> bool:

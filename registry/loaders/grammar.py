@@ -150,10 +150,11 @@ class AfterThinking(GrammarMatcher):
     token may be the opening tag (when the tag is one token), or the answer's first in
     the language."""
 
-    def __init__(self, grammar: GrammarMatcher, closes: str, tokenizer: Any, inside: bool,
-                 open_token: int | None) -> None:
+    def __init__(self, grammar: GrammarMatcher, closes: str | tuple[str, ...], tokenizer: Any,
+                 inside: bool, open_token: int | None) -> None:
         super().__init__(grammar.matcher)
-        self.closes, self.tokenizer, self.open_token = closes, tokenizer, open_token
+        self.closes = (closes,) if isinstance(closes, str) else closes  # any of these
+        self.tokenizer, self.open_token = tokenizer, open_token
         self.state = "inside" if inside else "start" if open_token is not None else "answer"
         self.thought: list[int] = []  # the thinking's last tokens, to find its closing tag
 
@@ -175,8 +176,9 @@ class AfterThinking(GrammarMatcher):
             self.state = "inside" if token == self.open_token else "answer"
         elif self.state == "inside":
             # the tag may be several tokens; each is at least a character of it
-            self.thought = [*self.thought, token][-len(self.closes):]
-            if self.closes in self.tokenizer.decode(self.thought, skip_special_tokens=False):
+            self.thought = [*self.thought, token][-max(map(len, self.closes)):]
+            decoded = self.tokenizer.decode(self.thought, skip_special_tokens=False)
+            if any(closes in decoded for closes in self.closes):
                 self.state = "answer"
             return
         if self.state == "answer":

@@ -3,7 +3,9 @@ goes apart from its answer, as vLLM's reasoning parsers put it in `reasoning_con
 
 - "think": `<think>` and `</think>` (DeepSeek-R1, Qwen3, QwQ, GLM-4.5, MiniMax, ...);
 - "mistral": `[THINK]` and `[/THINK]` (Magistral);
-- "seed_oss": `<seed:think>` and `</seed:think>` (Seed-OSS).
+- "seed_oss": `<seed:think>` and `</seed:think>` (Seed-OSS);
+- "granite": the prose "Here is my thought process:" and "Here is my response:" (or
+  "Here's ...") of Granite 3.2 with its template's `thinking` on (vLLM's `granite`).
 
 Some templates open the thinking themselves (their generation prompt ends with the
 opening tag: DeepSeek-R1-0528, Qwen3's thinking-only models): the output then starts
@@ -28,11 +30,25 @@ class ThinkingTags:
     name: str
     opens: str
     closes: str
+    other_opens: tuple[str, ...] = ()  # other ways the model writes them
+    other_closes: tuple[str, ...] = ()
+
+    @property
+    def openings(self) -> tuple[str, ...]:
+        return (self.opens, *self.other_opens)
+
+    @property
+    def closings(self) -> tuple[str, ...]:
+        return (self.closes, *self.other_closes)
 
 
 FORMATS = {t.name: t for t in (ThinkingTags("think", "<think>", "</think>"),
                                ThinkingTags("mistral", "[THINK]", "[/THINK]"),
-                               ThinkingTags("seed_oss", "<seed:think>", "</seed:think>"))}
+                               ThinkingTags("seed_oss", "<seed:think>", "</seed:think>"),
+                               ThinkingTags("granite", "Here is my thought process:",
+                                            "Here is my response:",
+                                            ("Here's my thought process:",),
+                                            ("Here's my response:",)))}
 PROMPT_TAIL = 8  # tokens: a prompt's end, decoded, shows whether it opens the thinking
 
 
@@ -47,7 +63,8 @@ def thinking_tags(template: str | None, configured: str | None,
         return FORMATS.get(configured)
     template = template or ""
     # the rarer tags first: a template naming them may name </think> too
-    for tags in (FORMATS["seed_oss"], FORMATS["mistral"], FORMATS["think"]):
+    for tags in (FORMATS["seed_oss"], FORMATS["mistral"], FORMATS["granite"],
+                 FORMATS["think"]):
         if tags.closes in template:
             return tags
     return None
@@ -70,7 +87,7 @@ def one_token(tokenizer: Any, text: str) -> int | None:
 
 def opens_thinking(prompt_tail: str, tags: ThinkingTags) -> bool:
     """Whether a prompt ending so opened the thinking (the output starts inside it)."""
-    return prompt_tail.rstrip().endswith(tags.opens)
+    return prompt_tail.rstrip().endswith(tags.openings)
 
 
 class ReasoningReader:
@@ -113,24 +130,26 @@ class ReasoningReader:
 
     def _opened(self) -> bool:
         """At the answer's start: True once it is known whether `<think>` opens it."""
-        start, opens = self.pending.lstrip(), self.tags.opens
-        if start.startswith(opens):
-            self.state, self.pending = "inside", start.removeprefix(opens)
-            return True
-        if not opens.startswith(start):
+        start = self.pending.lstrip()
+        for opens in self.tags.openings:
+            if start.startswith(opens):
+                self.state, self.pending = "inside", start.removeprefix(opens)
+                return True
+        if not any(opens.startswith(start) for opens in self.tags.openings):
             self.state = "answer"
             return True
         return False  # maybe the tag: wait for more
 
     def _thinking(self) -> tuple[str, bool]:
         """The thinking that may be passed on, and whether its closing tag was reached."""
-        closes = self.tags.closes
-        at = self.pending.find(closes)
-        if at >= 0:
+        found = [(at, closes) for closes in self.tags.closings
+                 if (at := self.pending.find(closes)) >= 0]
+        if found:
+            at, closes = min(found)
             text, self.pending = self.pending[:at], self.pending[at + len(closes):]
             self.state = "after"
             return self._passed(text.rstrip()), True
-        cut = len(self.pending) - partial_mark(self.pending, (closes,))
+        cut = len(self.pending) - partial_mark(self.pending, self.tags.closings)
         stripped = self.pending[:cut].rstrip()  # trailing space may precede the tag
         text, self.pending = stripped, self.pending[len(stripped):]
         return self._passed(text), False

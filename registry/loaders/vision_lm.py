@@ -94,7 +94,7 @@ class VisionLM:
         grammar = self.grammars.matcher(request.sampling.structured)
         if grammar is None or self.thinking is None or self.structured_in_reasoning:
             return grammar
-        return AfterThinking(grammar, self.thinking.closes, self.tokenizer,
+        return AfterThinking(grammar, self.thinking.closings, self.tokenizer,
                              self._opened(request), self.open_token)
 
     def info(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ def test_a_model_reasons_by_its_option_else_by_its_template() -> None:
     assert thinking_tags("{{ '[THINK]' + t + '[/THINK]' }}", None, "m") is FORMATS["mistral"]
     assert thinking_tags("<seed:think>{{ t }}</seed:think>", None, "m") is FORMATS["seed_oss"]
     assert thinking_tags("{{ messages }}", "think", "m") is FORMATS["think"]
+    assert thinking_tags(GRANITE_SYSTEM, None, "m") is FORMATS["granite"]
     assert thinking_tags(qwen3, "none", "m") is None
     with pytest.raises(ValueError, match="reasoning_format 'r1' is not one of"):
         thinking_tags(qwen3, "r1", "m")
@@ -74,6 +75,30 @@ def test_other_tags_are_read_alike(piece: int) -> None:
         read.append(reader.finish())
         thinking, answer = "".join(t for t, _ in read), "".join(a for _, a in read)
         assert (thinking, answer) == (text[len(tags.opens):text.index(tags.closes)], "Yes.")
+
+
+# Granite 3.2's system prompt with its `thinking` variable on
+GRANITE_SYSTEM = ("{%- if thinking %}... Write your thoughts after 'Here is my thought "
+                  "process:' and write your response after 'Here is my response:' for each "
+                  "user query.{%- endif %}")
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_granites_prose_markers_either_way_it_writes_them(piece: int) -> None:
+    """Granite 3.2 writes "Here is" or "Here's" (vLLM's parser reads both); text that only
+    begins like a marker is the answer's."""
+    reader = ReasoningReader(False, FORMATS["granite"])
+    text = ("Here's my thought process:\nHere is my plan: add.\n\nHere is my response:\n"
+            "2 + 2 = 4.")
+    read = [reader.feed(text[i:i + piece]) for i in range(0, len(text), piece)]
+    read.append(reader.finish())
+    assert ("".join(t for t, _ in read), "".join(a for _, a in read)) == (
+        "Here is my plan: add.", "2 + 2 = 4.")
+    plain = ReasoningReader(False, FORMATS["granite"])
+    assert plain.feed("Here is the answer.") == ("", "Here is the answer.")
+    for way in ("Here is", "Here's"):
+        reader = ReasoningReader(False, FORMATS["granite"])
+        assert reader.feed(f"{way} my thought process: a") == ("a", "") and reader.thinking
 
 
 # Qwen3's switch: its generation prompt opens the thinking, or writes an empty one

@@ -18,6 +18,7 @@ from modelpool.protocol.messages import Chunk, End, Structured
 from modelpool.protocol.pipes import WorkItem
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.grammar import AfterThinking
+from modelpool.registry.loaders.reasoning import FORMATS
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities import text_to_text
 from modelpool.workers.streams import StreamLoop
@@ -66,6 +67,18 @@ def test_the_language_starts_after_the_closing_tag_in_one_token_or_several(
     for token in _ids(model, "Paris."):
         matcher.add(token)
     assert matcher.complete
+
+
+def test_prose_markers_written_either_way_start_the_language(llm: Any) -> None:
+    """Granite 3.2's: "Here is my response:" or "Here's my response:" ends the thinking."""
+    vocab = len(llm.tokenizer)
+    for marker in ("Here is my response:", "Here's my response:"):
+        matcher = AfterThinking(llm.grammars.matcher(Structured(regex=r"Paris\.")),
+                                FORMATS["granite"].closings, llm.tokenizer, True, None)
+        for token in _ids(llm, f"I think it is Paris. Here is my plan. {marker}"):
+            assert len(_allowed(matcher, vocab)) == vocab
+            matcher.add(token)
+        assert _allowed(matcher, vocab) == {_ids(llm, "P")[0]}
 
 
 def test_a_model_may_open_the_thinking_itself_else_it_answers_in_the_language(
