@@ -133,8 +133,8 @@ class ToolCalls:
 
     def _auto_calls(self, index: int, chunk: TextChunk) -> list[dict[str, Any]]:
         """An "auto" answer's calls in a chunk: their pieces as the model writes them,
-        and, with the last chunk, whole, the calls not streamed (a relayed stream's, a
-        format that is read at the end)."""
+        and, with the last chunk, whole, the calls not streamed (read only at the end:
+        a shape no head of their format reads, a custom loader's reader)."""
         streamed = self.streamed.setdefault(index, set())
         out: list[dict[str, Any]] = []
         for piece in chunk.calls or ():
