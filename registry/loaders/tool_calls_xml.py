@@ -131,6 +131,7 @@ class XmlShape:
 
     head: re.Pattern[str]
     parameter: re.Pattern[str]
+    closes: str  # a parameter's last tag: only text that holds it may complete one
     end: re.Pattern[str]
     value: Callable[[str], str]  # a value's text as the format means it
 
@@ -143,7 +144,7 @@ def _qwen3_coder(block: str) -> XmlShape:
     return XmlShape(
         re.compile(rf"\s*(?:</{block}>\s*)?(?:<{block}>\s*)?<function=(?P<name>[^>\n]+)>"),
         re.compile(r"\s*<parameter=(?P<key>[^>\n]*)>(?P<value>.*?)</parameter>", re.DOTALL),
-        re.compile(r"\s*</function>"), _bare)
+        "</parameter>", re.compile(r"\s*</function>"), _bare)
 
 
 SHAPES = {
@@ -152,13 +153,13 @@ SHAPES = {
         re.compile(r"\s*(?:</tool_call>\s*)?<tool_call>\s*(?P<name>[^<\s]+)(?=\s|<)"),
         re.compile(r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)"
                    r"</arg_value>", re.DOTALL),
-        re.compile(r"\s*</tool_call>"), lambda value: value),
+        "</arg_value>", re.compile(r"\s*</tool_call>"), lambda value: value),
     "minimax_m2": XmlShape(
         re.compile(r"\s*(?:</minimax:tool_call>\s*)?(?:<minimax:tool_call>\s*)?<invoke name"
                    + _NAMED % ("name", 1)),
         re.compile(r"\s*<parameter name" + _NAMED % ("key", 1) + r"(?P<value>.*?)</parameter>",
                    re.DOTALL),
-        re.compile(r"\s*</invoke>"), str.strip),
+        "</parameter>", re.compile(r"\s*</invoke>"), str.strip),
 }
 
 
@@ -178,12 +179,16 @@ class XmlArguments:
         start = len(self.body)
         self.body += text
         out = []
-        while (found := self.shape.parameter.match(self.body, self.at)) is not None:
+        # a long value is matched once its closing tag is written, not at every piece
+        look = max(self.at, start - len(self.shape.closes) + 1)
+        while self.body.find(self.shape.closes, look) >= 0 and (
+                found := self.shape.parameter.match(self.body, self.at)) is not None:
             key = found["key"].strip()
             value = _typed(self.shape.value(found["value"]), self.types.get(key, "string"))
             out.append(("," if self.count else "{") + msgspec.json.encode(key).decode() + ":"
                        + msgspec.json.encode(value).decode())
             self.at, self.count = found.end(), self.count + 1
+            look = self.at
         end = self.shape.end.match(self.body, self.at)
         if end is None:
             return "".join(out), None
