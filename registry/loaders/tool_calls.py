@@ -298,9 +298,12 @@ class ToolCallReader:
         self.stream = CallStream(tool_format.name, names, tool_format.new_id, self.types) \
             if streams(tool_format.name) else None
         self.cut = False  # the calls are what was streamed of them, one cut short
+        self.plain = False  # what was held is no call: the rest is text, passed on at once
 
     def feed(self, text: str) -> str:
         """The text that may be passed on now."""
+        if self.plain:
+            return text
         if self.held is not None:
             self.held += text
             passed = ""
@@ -312,6 +315,8 @@ class ToolCallReader:
                 passed = self._pass(len(self.pending)) if self.decided else self._at_start()
         if self.stream is not None and self.held is not None:
             self.stream.read(self.held)
+            if self.stream.refused and not self.stream.sent:  # no need to hold it to the end
+                passed, self.held, self.plain = passed + self.held, None, True
         return passed
 
     def take_deltas(self) -> list[CallDelta]:

@@ -17,7 +17,10 @@ from modelpool.protocol.messages import ToolCall
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 # A call's start, from where the last one ended: the list's opening or a comma, its name
-HEAD = re.compile(r"\s*(?:<\|python_start\|>)?\s*[\[,]\s*(?P<name>[A-Za-z_]\w*)\(")
+HEAD = re.compile(r"\s*(?:<\|python_start\|>)?\s*[\[,]\s*(?P<name>[A-Za-z_]\w*)\s*\(")
+# What may still be a list of calls (else what is held is text): a name and "(" at most
+BEGUN = re.compile(r"\s*(?:<\|python_start\|>)?\s*\[[\s(]*(?:[A-Za-z_]\w*\s*(?:\(.*)?)?",
+                   re.DOTALL)
 CLOSES = {")": "(", "]": "[", "}": "{"}
 
 

@@ -8,8 +8,9 @@ writes Python calls (pythonic: tool_calls_pythonic.py), a call at a time.
 
 Each head pattern is matched where the last call's arguments ended, so no call is ever
 skipped; what matches no head (another shape, a call naming no tool, arguments given as
-a string) is left to the whole text's reading at the end, and its calls come whole then.
-Once a call has been streamed the answer is its
+a string) is left to the whole text's reading at the end, and its calls come whole then;
+a call naming no tool (or a pythonic list no call can begin) makes it all text, which the
+reader then passes on at once. Once a call has been streamed the answer is its
 calls: the whole text's reading at the end confirms them (and gives any calls after
 them), or, where it does not read as calls (the output cut short by max_tokens, a broken
 call after them), what was streamed stands, as OpenAI sends a call cut short."""
@@ -123,12 +124,15 @@ class CallStream:
         self.open: ArgumentsReader | None = None  # the arguments being written
         self.writing: SentCall | None = None  # their call, sent with their first piece
         self.stopped = False  # something no head reads: the rest comes whole at the end
+        self.refused = False  # what is held cannot read as calls (a call to no tool)
         self.deltas: list[CallDelta] = []
 
     def read(self, held: str) -> None:
         """Streams what the held text (all of it so far) adds."""
         while not self.stopped:
             if self.open is None and not self._head(held):
+                self.refused |= self.pythonic and not self.sent and \
+                    pythonic.BEGUN.fullmatch(held) is None
                 return
             assert self.open is not None and self.writing is not None
             try:
@@ -162,6 +166,9 @@ class CallStream:
             if match is None:
                 continue
             name = match["name"].strip()
+            if name not in self.names:
+                self.refused = True
+                break
             if self.xml is not None:
                 arguments: ArgumentsReader = XmlArguments(self.xml, self.types.get(name, {}))
             elif self.pythonic:
@@ -173,8 +180,6 @@ class CallStream:
                 if body[0] != "{":
                     break
                 arguments = JsonObject()
-            if name not in self.names:
-                break
             self.writing = SentCall(name, match.groupdict().get("id") or self.new_id())
             self.at, self.open = match.end(), arguments
             return True

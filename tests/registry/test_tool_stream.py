@@ -119,7 +119,7 @@ def test_a_call_streamed_then_cut_short_stands_as_streamed(piece: int) -> None:
      [("f", '{"a": 1}')]),  # arguments as a string: read whole at the end
     ("hermes", '<tool_call>{"arguments": {}, "name": "f"}</tool_call>', [("f", "{}")]),
     ("hermes", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
-    ("pythonic", '[get_weather (city="Paris")]', [("get_weather", '{"city":"Paris"}')]),
+    ("pythonic", '[(get_weather(city="Paris"))]', [("get_weather", '{"city":"Paris"}')]),
     ("qwen3_coder", "<tool_call>\n<function=get_time>x</function>\n</tool_call>",
      [("get_time", "{}")]),  # a body that no parameter reads
 ])
@@ -183,3 +183,21 @@ def test_pythonic_calls_stream_a_call_at_a_time(piece: int) -> None:
         assert _joined(deltas) == calls and [c.name for c in calls] == ["get_weather"]
     assert _stream("pythonic", "[get_weather(city=x)]", piece)[:3] == (
         [], "[get_weather(city=x)]", [])  # a name, not a literal: text
+
+
+@pytest.mark.parametrize(("tool_format", "text", "known"), [
+    ("hermes", 'Hi <tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>'
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', '"rm_rf", "arguments":'),
+    ("llama3_json", '{"name": "Bob", "parameters": {"age": 3}}', '"Bob", "parameters":'),
+    ("pythonic", "[see the docs](https://example.com) for more", "[see t"),
+])
+def test_what_cannot_read_as_calls_is_text_as_soon_as_that_is_known(
+        tool_format: str, text: str, known: str) -> None:
+    """A call to no tool (the whole reading would make it all text), or a list that no
+    call can begin: passed on at once, not held to the end."""
+    reader = ToolCallReader(FORMATS[tool_format], NAMES)
+    end = text.index(known) + len(known)
+    passed = "".join(reader.feed(text[i]) for i in range(end))
+    assert passed == text[:end] and reader.take_deltas() == []
+    passed += "".join(reader.feed(text[i]) for i in range(end, len(text)))
+    assert passed == text and reader.finish() == ("", [])
