@@ -47,6 +47,8 @@ format; the ones read here, and how a model's is known:
   (`functions.name:index`, kept: its template writes it back), then
   `<|tool_call_argument_begin|>`, its JSON arguments and `<|tool_call_end|>`. Known by
   its template naming `<|tool_calls_section_begin|>`.
+- "phi4_mini_json": Phi-4-mini's `functools[{"name", "arguments"}, ...]`, after any text.
+  Its template does not show it: named by the option only.
 A model's loader option `tool_call_format` names one where the template does not say.
 A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
 `<tool_call>` in some Hermes tokenizers) are kept in the text of a sequence that may call,
@@ -79,6 +81,7 @@ PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
 PYTHONIC_EXAMPLE = "[func_name1("  # what the pythonic templates show their models
 GRANITE_CALL = "<|tool_call|>"
+PHI4_CALLS = "functools"
 DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                     "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
 DEEPSEEK_CALL = re.compile("<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)",
@@ -163,6 +166,12 @@ def _mistral(text: str) -> list[ToolCall] | None:
     return _all_or_none(calls)
 
 
+def _phi4_mini(text: str) -> list[ToolCall] | None:
+    listed = _decoded(text.removeprefix(PHI4_CALLS))
+    return _all_or_none([_call(c, "parameters") for c in listed]  # or "arguments"
+                        if isinstance(listed, list) else [])
+
+
 def _granite(text: str) -> list[ToolCall] | None:
     listed = _decoded(text.strip().removeprefix(GRANITE_CALL))
     return _all_or_none([_call(c, "arguments") for c in listed]
@@ -210,6 +219,7 @@ FORMATS = {f.name: f for f in (
     ToolFormat("pythonic", "[", True, pythonic.parse, lead=pythonic.PYTHON_START,
                markers=(pythonic.PYTHON_START, pythonic.PYTHON_END)),
     ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
+    ToolFormat("phi4_mini_json", PHI4_CALLS + "[", False, _phi4_mini),
     ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS),
     ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,
                markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype,

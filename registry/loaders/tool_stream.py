@@ -43,6 +43,7 @@ HEADS = {name: tuple(re.compile(head) for head in heads) for name, heads in {
     "mistral": (_LIST % re.escape("[TOOL_CALLS]"),
                 r"\[TOOL_CALLS\]\s*(?P<name>[^\[\s]+?)\s*\[ARGS\]\s*"),
     "granite": (_LIST % re.escape("<|tool_call|>"),),
+    "phi4_mini_json": (r"(?:functools\[)?\s*" + _JSON % "(?:arguments|parameters)",),
     "deepseek": (_DEEPSEEK + r"function<｜tool▁sep｜>(?P<name>[^\n<]+)\n```json\n",  # V3
                  _DEEPSEEK + r"(?P<name>[^\n<]+?)<｜tool▁sep｜>(?=\s*\{)"),  # V3.1
     "kimi_k2": (r"(?:<\|tool_calls_section_begin\|>)?\s*(?:<\|tool_call_end\|>)?\s*"

@@ -201,3 +201,13 @@ def test_what_cannot_read_as_calls_is_text_as_soon_as_that_is_known(
     assert passed == text[:end] and reader.take_deltas() == []
     passed += "".join(reader.feed(text[i]) for i in range(end, len(text)))
     assert passed == text and reader.finish() == ("", [])
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_phi4_minis_functools_list_read_and_streamed(piece: int) -> None:
+    text = ('Sure. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_time", "parameters": {}}]')
+    deltas, passed, calls, _ = _stream("phi4_mini_json", text, piece)
+    assert passed == "Sure. " and _joined(deltas) == calls
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
