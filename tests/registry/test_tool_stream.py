@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, JAMBA, KIMI, MINIMAX_M1, NAMES
 from test_tool_calls_xml import CALLS, GLM, MINIMAX_M2, SEED_OSS, TOOLS
 
@@ -211,3 +213,55 @@ def test_phi4_minis_functools_list_read_and_streamed(piece: int) -> None:
     assert passed == "Sure. " and _joined(deltas) == calls
     assert [(c.name, c.arguments) for c in calls] == [
         ("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
+
+
+# Pieces of every format's calls, for outputs made of them in any order
+FRAGMENTS = sorted({*"{}[](),:;\"' \n\\", "<tool_call>", "</tool_call>", '{"name": ',
+                    '"get_weather"', '"rm_rf"', '"arguments": ', '"parameters": ',
+                    '{"city": "Paris"}', "[TOOL_CALLS]", "[ARGS]", "<|tool_call|>",
+                    "<function=get_time>", "<parameter=n>", "</parameter>", "</function>",
+                    "get_weather(", "city='Paris'", "<｜tool▁calls▁begin｜>",
+                    "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                    "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>",
+                    "<|tool_call_end|>", "<tool_calls>", "</tool_calls>", "functools[",
+                    "<arg_key>k</arg_key><arg_value>v</arg_value>", "get_time",
+                    '<invoke name="get_time">', "</invoke>", "<minimax:tool_call>", "text"})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(FORMATS)), st.lists(st.sampled_from(FRAGMENTS), max_size=40),
+       st.integers(1, 9))
+def test_any_output_reads_without_failing_and_its_pieces_join_to_its_calls(
+        tool_format: str, fragments: list[str], piece: int) -> None:
+    """Whatever a model writes, in pieces of any size: no exception, the text passed on
+    and given back is the output less the calls, and what streamed joins to them."""
+    _check_any(tool_format, "".join(fragments), piece)
+
+
+WRITTEN = [*CASES, ("qwen3_coder", CALLS), ("glm45", GLM), ("minimax_m2", MINIMAX_M2),
+           ("seed_oss", SEED_OSS)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(WRITTEN), st.integers(0, 400), st.integers(0, 400),
+       st.sampled_from(FRAGMENTS), st.integers(1, 9))
+def test_real_calls_cut_short_or_broken_anywhere_read_without_failing(
+        written: tuple[str, str], cut: int, at: int, fragment: str, piece: int) -> None:
+    tool_format, text = written
+    text = text[:at] + fragment + text[at:]
+    _check_any(tool_format, text[:len(text) - cut], piece)
+
+
+def _check_any(tool_format: str, text: str, piece: int) -> None:
+    reader = reader_for(FORMATS[tool_format], "m", TOOLS)
+    deltas, passed = [], ""
+    for at in range(0, len(text), piece):
+        passed += reader.feed(text[at:at + piece])
+        deltas += [(at, d) for d in reader.take_deltas()]
+    rest, calls = reader.finish()
+    deltas += [(len(text), d) for d in reader.take_deltas()]
+    streamed = _joined(deltas)
+    assert calls[:len(streamed)] == streamed
+    assert text.startswith(passed + rest)
+    if not calls:
+        assert passed + rest == text
