@@ -50,6 +50,9 @@ HEADS = {name: tuple(re.compile(head) for head in heads) for name, heads in {
                 r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^\s:<]+):\d+)"
                 r"\s*<\|tool_call_argument_begin\|>\s*",),
 }.items()} | {"pythonic": (pythonic.HEAD,)}
+# The HTTP API's own shape for tool_choice "required": a list of {"name", "parameters"}
+LISTED = "listed"
+HEADS[LISTED] = (re.compile(r"\s*\[?\s*" + _JSON % "parameters"),)
 
 
 class ArgumentsReader(Protocol):

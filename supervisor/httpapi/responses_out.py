@@ -223,8 +223,11 @@ class ResponseStream:
                                   item_id=self.shape.call_item_id(self.first),
                                   output_index=self.first,
                                   delta=chunk.text)
-        if chunk.calls and self.shape.calls is not None and self.shape.calls.auto:
+        calls = self.shape.calls
+        if chunk.calls and calls is not None and calls.auto:
             out += self._stream_calls(chunk.calls)
+        elif calls is not None and not calls.auto and calls.named is None:  # "required"
+            out += self._stream_calls(calls.list_pieces(0, chunk))
         if chunk.finish_reason is not None:
             out += self._end(whole_text(self.parts, self.entries, chunk, self.shape.model,
                                         self.thinking))

@@ -4,8 +4,9 @@ its own format, which its worker reads (registry/loaders/tool_calls): they come 
 the pool's tool calls beside any text. "required" or a named function holds the output
 to a call by structured output, as vLLM does for those two: the named function's
 arguments (its `parameters` schema), or a list of calls to any of the tools (`[{"name",
-"parameters"}, ...]`), made into `tool_calls` here. "none" shows the tools and answers
-in text."""
+"parameters"}, ...]`), made into `tool_calls` here, streamed as it is written (read as the
+workers read the models' own formats: registry/loaders/tool_stream.py). "none" shows the
+tools and answers in text."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import msgspec
 
 from modelpool.protocol.client_core import TextChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import TokenLogprob, ToolCall, new_call_id
+from modelpool.protocol.messages import CallDelta, TokenLogprob, ToolCall, new_call_id
+from modelpool.registry.loaders.tool_stream import LISTED, CallStream
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -72,22 +74,30 @@ class ToolCalls:
     they are written), a named function's arguments as they come, or a list of calls,
     sent once it is whole."""
 
-    def __init__(self, named: str | None, auto: bool = False, parallel: bool = True) -> None:
+    def __init__(self, named: str | None, auto: bool = False, parallel: bool = True,
+                 names: frozenset[str] = frozenset()) -> None:
         self.named = named
         self.auto = auto
         self.parallel = parallel  # False: an "auto" answer's first call only
-        self.held: dict[int, tuple[str, list[TokenLogprob]]] = {}  # by choice: a list's
+        self.names = names  # the tools' (a list's calls name them)
+        # By choice: a list's text and the logprobs not sent yet, its calls as they stream,
+        # and its calls once whole (with the ids streamed)
+        self.held: dict[int, tuple[str, list[TokenLogprob]]] = {}
+        self.listing: dict[int, CallStream] = {}
+        self.listed: dict[int, list[ToolCall]] = {}
         self.called: set[int] = set()  # the choices whose named call has begun
         self.streamed: dict[int, set[int]] = {}  # by choice: its "auto" calls streamed
 
-    def message(self, text: str, made: list[ToolCall] | None = None) -> dict[str, Any]:
-        """A whole answer's assistant message (`made`: the calls the pool read, "auto")."""
+    def message(self, text: str, made: list[ToolCall] | None = None,
+                index: int = 0) -> dict[str, Any]:
+        """A whole answer's assistant message (`made`: the calls the pool read, "auto";
+        `index`: its choice's)."""
         if self.auto:
             if not made:
                 return {"role": "assistant", "content": text}
             return {"role": "assistant", "content": text or None,
                     "tool_calls": openai_calls(self._kept(made))}
-        calls = self._calls(text)
+        calls = self._calls(text, index)
         if calls is None:  # cut short (max_tokens): not a list of calls yet
             return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": None, "tool_calls": calls}
@@ -118,26 +128,49 @@ class ToolCalls:
                 call.update(id=new_call_id(), type="function")
                 call["function"]["name"] = self.named
             return {**role, "tool_calls": [call]}, chunk.logprobs
-        text, entries = self.held.get(index, ("", []))
-        text, entries = text + chunk.text, entries + list(chunk.logprobs or ())
-        if chunk.finish_reason is None:
-            self.held[index] = (text, entries)
+        entries = [*self.held.get(index, ("", []))[1], *(chunk.logprobs or ())]
+        pieces = self.list_pieces(index, chunk)
+        if chunk.finish_reason is None and not pieces:
+            self.held[index] = (self.held[index][0], entries)
             return None
-        self.held.pop(index, None)
-        message = self.message(text)
+        self.held[index] = (self.held[index][0], [])
+        if pieces or index in self.listed:
+            calls = self._pieces(index, pieces)
+            return {**role, **({"tool_calls": calls} if calls else {})}, entries or None
+        message = self.message(self.held.pop(index)[0], index=index)
         message.pop("role")
         if "tool_calls" in message:
             message = {"tool_calls": [{"index": i, **c}
                                       for i, c in enumerate(message["tool_calls"])]}
         return {"role": "assistant", **message}, entries or None
 
+    def list_pieces(self, index: int, chunk: TextChunk) -> list[CallDelta]:
+        """A list of calls' pieces in a chunk, as the model writes them; at its end, what
+        finishes them (its calls then in `listed`, if any was streamed)."""
+        text = self.held.get(index, ("", []))[0] + chunk.text
+        self.held[index] = (text, self.held.get(index, ("", []))[1])
+        listing = self.listing.setdefault(index, CallStream(LISTED, set(self.names),
+                                                            new_call_id, {}))
+        listing.read(text)
+        if chunk.finish_reason is not None and listing.sent:
+            self.listed[index] = listing.settle(_listed(text))[0]
+        return listing.take()
+
     def _auto_calls(self, index: int, chunk: TextChunk) -> list[dict[str, Any]]:
         """An "auto" answer's calls in a chunk: their pieces as the model writes them,
         and, with the last chunk, whole, the calls not streamed (read only at the end:
         a shape no head of their format reads, a custom loader's reader)."""
+        whole = openai_calls(self._kept(chunk.tool_calls or []))
+        out = self._pieces(index, chunk.calls or [])
+        streamed = self.streamed[index]
+        return out + [{"index": i, **call} for i, call in enumerate(whole)
+                      if i not in streamed]
+
+    def _pieces(self, index: int, pieces: list[CallDelta]) -> list[dict[str, Any]]:
+        """Calls' pieces as OpenAI streams them: a call's first with its id and name."""
         streamed = self.streamed.setdefault(index, set())
         out: list[dict[str, Any]] = []
-        for piece in chunk.calls or ():
+        for piece in pieces:
             if piece.index > 0 and not self.parallel:
                 continue
             function = {"arguments": piece.arguments}
@@ -147,28 +180,38 @@ class ToolCalls:
                             "function": {"name": piece.name, **function}})
             else:
                 out.append({"index": piece.index, "function": function})
-        whole = openai_calls(self._kept(chunk.tool_calls or []))
-        return out + [{"index": i, **call} for i, call in enumerate(whole)
-                      if i not in streamed]
+        return out
 
     def _kept(self, made: list[ToolCall]) -> list[ToolCall]:
         return made if self.parallel else made[:1]
 
-    def _calls(self, text: str) -> list[dict[str, Any]] | None:
+    def _calls(self, text: str, index: int) -> list[dict[str, Any]] | None:
         if self.named is not None:
             return [_call(self.named, text)]
-        try:
-            listed = msgspec.json.decode(text)
-        except msgspec.DecodeError:
+        if index in self.listed:  # streamed: as it was
+            return openai_calls(self.listed[index])
+        read = _listed(text)
+        if read is None:
             return None
-        return [_call(c["name"], msgspec.json.encode(c["parameters"]).decode())
-                for c in listed]
+        listing = CallStream(LISTED, set(self.names), new_call_id, {})
+        listing.read(text)  # the arguments as a stream of it would send them
+        return openai_calls(listing.settle(read)[0] if listing.sent else read)
 
 
 def openai_calls(made: list[ToolCall]) -> list[dict[str, Any]]:
     """The pool's tool calls as OpenAI's, each with its id (the model's format's shape)
     or one made here."""
     return [_call(c.name, c.arguments, c.id) for c in made]
+
+
+def _listed(text: str) -> list[ToolCall] | None:
+    """A list of calls' text read whole (None: not one, cut short)."""
+    try:
+        listed = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return None
+    return [ToolCall(name=c["name"], arguments=msgspec.json.encode(c["parameters"]).decode(),
+                     id=new_call_id()) for c in listed]
 
 
 def _call(name: str, arguments: str, call_id: str = "") -> dict[str, Any]:
@@ -205,4 +248,5 @@ def tool_calls(tools: list[Tool] | None, choice: ToolChoice | None,
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
     if parallel is False:
         schema["maxItems"] = 1
-    return ToolCalls(None), {**shown, "json_schema": schema}
+    names = frozenset(t.function.name for t in tools)
+    return ToolCalls(None, names=names), {**shown, "json_schema": schema}

@@ -153,8 +153,11 @@ def test_function_calls_named_and_required_whole_and_streamed(sdk: openai.OpenAI
     with sdk.responses.stream(model=MODEL, input=messages, tools=[TOOL], tool_choice="required",
                               parallel_tool_calls=False, max_output_tokens=80, temperature=0.8,
                               extra_body={"seed": 2}) as stream:
+        pieces = [e.delta for e in stream
+                  if e.type == "response.function_call_arguments.delta"]
         final = stream.get_final_response()
     assert final.output[0].arguments == listed.output[0].arguments  # type: ignore[union-attr]
+    assert len(pieces) > 1 and "".join(pieces) == final.output[0].arguments  # type: ignore[union-attr]
 
 
 def test_an_auto_answers_call_streams_as_it_is_written_through_the_sdks_helpers(

@@ -281,6 +281,20 @@ def test_an_auto_answers_calls_stream_as_items_after_its_message_is_done() -> No
     assert len([e for e in events if e.type == "response.output_item.done"]) == 4
 
 
+def test_a_required_list_of_calls_streams_each_call_as_an_item() -> None:
+    required = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls(None, names=frozenset(
+        {"weather"})))
+    events, final = _accepted(_streamed(required, [
+        TextChunk('[{"name": "weather", "parameters": {"city": '),
+        TextChunk('"Oslo"}}, {"name": "weather", "parameters": {}}]', "stop", 3, 9)]))
+    pieces = [(e.output_index, e.delta) for e in events
+              if e.type == "response.function_call_arguments.delta"]
+    assert pieces == [(0, '{"city":'), (0, '"Oslo"}'), (1, "{}")]
+    assert [(i.name, i.arguments) for i in final.output] == [
+        ("weather", '{"city":"Oslo"}'), ("weather", "{}")]
+    assert events[2].item.call_id == final.output[0].call_id  # the streamed call's id
+
+
 def test_calls_alone_take_the_first_place_and_a_cut_answer_is_incomplete() -> None:
     shape = ResponseShape(_body(tools=[TOOL]), "m", ToolCalls(None, auto=True))
     _, final = _accepted(_streamed(shape, [TextChunk("", "tool_calls", 3, 2, tool_calls=[

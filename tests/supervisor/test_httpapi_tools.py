@@ -205,3 +205,27 @@ def test_an_auto_answers_calls_stream_as_the_model_writes_them() -> None:
                                           CallDelta(index=1, name="now", id="call_4")]))
     assert [c["id"] for c in _events(data)[0]["choices"][0]["delta"]["tool_calls"]] == [
         "call_3"]
+
+
+def test_a_list_of_calls_streams_as_it_is_written_and_reads_the_same_whole() -> None:
+    """tool_choice "required": each call of the list as its head and arguments come (the
+    SDK's accumulator joins them), the same calls as the whole answer's."""
+    listed = ['[{"name": "weather", "parameters": {"city"', ': "R\\u00f3me"}}, {"na',
+              'me": "now", "parameters": {}}]']
+    shape = replies.StreamShape(chat=True, model="m", include_usage=False,
+                                calls=_call(tool_choice="required").made)
+    events = _events(b"".join(shape.event(TextChunk(text)) for text in listed[:-1])
+                     + shape.event(TextChunk(listed[-1], "stop", 3, 9)))
+    assert [c["function"] for c in events[0]["choices"][0]["delta"]["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city"'}]  # before the list is whole
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    choice = state.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls"
+    streamed = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    required = _call(tool_choice="required").made
+    assert required is not None
+    whole = required.message("".join(listed))["tool_calls"]
+    assert streamed == [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == [
+        ("weather", '{"city":"R\\u00f3me"}'), ("now", "{}")]
