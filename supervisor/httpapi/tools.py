@@ -71,8 +71,8 @@ def bad(field: str, message: str) -> PoolError:
 class ToolCalls:
     """How one answer's output becomes tool calls, whole or streamed: the calls the model
     made in its own format ("auto": its text and, in most formats, its calls streamed as
-    they are written), a named function's arguments as they come, or a list of calls,
-    sent once it is whole."""
+    they are written), a named function's arguments as they come, or a list of calls
+    ("required"), each streamed as it is written."""
 
     def __init__(self, named: str | None, auto: bool = False, parallel: bool = True,
                  names: frozenset[str] = frozenset()) -> None:
@@ -80,9 +80,10 @@ class ToolCalls:
         self.auto = auto
         self.parallel = parallel  # False: an "auto" answer's first call only
         self.names = names  # the tools' (a list's calls name them)
-        # By choice: a list's text and the logprobs not sent yet, its calls as they stream,
-        # and its calls once whole (with the ids streamed)
-        self.held: dict[int, tuple[str, list[TokenLogprob]]] = {}
+        # By choice: a list's text, its tokens' logprobs not sent yet, its calls as they
+        # stream, and its calls once whole (with the ids streamed)
+        self.texts: dict[int, str] = {}
+        self.unsent: dict[int, list[TokenLogprob]] = {}
         self.listing: dict[int, CallStream] = {}
         self.listed: dict[int, list[ToolCall]] = {}
         self.called: set[int] = set()  # the choices whose named call has begun
@@ -111,7 +112,8 @@ class ToolCalls:
 
     def delta(self, index: int, chunk: TextChunk, first: bool
               ) -> tuple[dict[str, Any], list[TokenLogprob] | None] | None:
-        """A streamed chunk's delta and its tokens' logprobs; None while a list is held."""
+        """A streamed chunk's delta and its tokens' logprobs; None while nothing of a
+        list's calls can be sent."""
         role = {"role": "assistant"} if first else {}
         if self.auto:
             delta: dict[str, Any] = {**role, "content": chunk.text}
@@ -128,16 +130,15 @@ class ToolCalls:
                 call.update(id=new_call_id(), type="function")
                 call["function"]["name"] = self.named
             return {**role, "tool_calls": [call]}, chunk.logprobs
-        entries = [*self.held.get(index, ("", []))[1], *(chunk.logprobs or ())]
+        entries = [*self.unsent.pop(index, []), *(chunk.logprobs or ())]
         pieces = self.list_pieces(index, chunk)
         if chunk.finish_reason is None and not pieces:
-            self.held[index] = (self.held[index][0], entries)
+            self.unsent[index] = entries
             return None
-        self.held[index] = (self.held[index][0], [])
         if pieces or index in self.listed:
             calls = self._pieces(index, pieces)
             return {**role, **({"tool_calls": calls} if calls else {})}, entries or None
-        message = self.message(self.held.pop(index)[0], index=index)
+        message = self.message(self.texts[index], index=index)
         message.pop("role")
         if "tool_calls" in message:
             message = {"tool_calls": [{"index": i, **c}
@@ -147,8 +148,7 @@ class ToolCalls:
     def list_pieces(self, index: int, chunk: TextChunk) -> list[CallDelta]:
         """A list of calls' pieces in a chunk, as the model writes them; at its end, what
         finishes them (its calls then in `listed`, if any was streamed)."""
-        text = self.held.get(index, ("", []))[0] + chunk.text
-        self.held[index] = (text, self.held.get(index, ("", []))[1])
+        text = self.texts[index] = self.texts.get(index, "") + chunk.text
         listing = self.listing.setdefault(index, CallStream(LISTED, set(self.names),
                                                             new_call_id, {}))
         listing.read(text)
