@@ -1,19 +1,19 @@
 """Tool calls streamed as the model writes them (tool_choice "auto"), as vLLM's parsers
-stream them: a call's name (with its id) once its head is written, then its arguments'
-JSON text piece by piece: where the model writes JSON (hermes, llama3_json, mistral,
-granite, deepseek, kimi_k2, minimax), its own text without the white space between
-JSON's tokens (what a JSON encoder writes); where it writes XML (qwen3_coder, glm45,
-minimax_m2: tool_calls_xml.py), a parameter at a time, typed as at the end; where it
-writes Python calls (pythonic: tool_calls_pythonic.py), a call at a time.
+stream them: a call's name (with its id) once its arguments begin, then their JSON text
+piece by piece: where the model writes JSON (hermes, llama3_json, mistral, granite,
+phi4_mini_json, deepseek, kimi_k2, minimax), its own text without the white space
+between JSON's tokens (what a JSON encoder writes); where it writes XML (qwen3_coder,
+seed_oss, glm45, minimax_m2: tool_calls_xml.py), a parameter at a time, typed as at the
+end; where it writes Python calls (pythonic: tool_calls_pythonic.py), a call at a time.
 
 Each head pattern is matched where the last call's arguments ended, so no call is ever
-skipped; what matches no head (another shape, a call naming no tool, arguments given as
-a string) is left to the whole text's reading at the end, and its calls come whole then;
-a call naming no tool (or a pythonic list no call can begin) makes it all text, which the
-reader then passes on at once. Once a call has been streamed the answer is its
-calls: the whole text's reading at the end confirms them (and gives any calls after
-them), or, where it does not read as calls (the output cut short by max_tokens, a broken
-call after them), what was streamed stands, as OpenAI sends a call cut short."""
+skipped; what matches no head (another shape, arguments given as a string) is left to
+the whole text's reading at the end, and its calls come whole then. A call naming no
+tool (or a pythonic list no call can begin) makes it all text, which the reader then
+passes on at once. Once a call has been streamed the answer is its calls: the whole
+text's reading at the end confirms them (and gives any calls after them), or, where it
+does not read as calls (the output cut short by max_tokens, a broken call after them),
+what was streamed stands, as OpenAI sends a call cut short."""
 
 from __future__ import annotations
 
