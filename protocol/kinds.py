@@ -76,9 +76,6 @@ class Kind:
     images: Callable[[Any], list[ImageInput]] = _no_images
     with_images: Callable[[Any, list[ImageInput]], Any] | None = None
     check: Callable[[Any], str | None] = _no_check  # what the Struct's types cannot say
-    # whether its stream's chunks are text alone (another node's pieces of it can be
-    # relayed as made): not when they carry each token's logprobs
-    text_only: Callable[[Any], bool] = _always
     # what requests that should go to the same worker share (its kept prompts), or None
     affinity: Callable[[Any], Hashable] | None = None
 
@@ -260,10 +257,6 @@ def _greedy_or_seeded(request: Generate | Describe) -> bool:
     return request.sampling.temperature == 0 or request.sampling.seed is not None
 
 
-def _without_logprobs(request: Generate | Describe) -> bool:
-    return request.sampling.logprobs is None
-
-
 def _generate_problem(request: Generate) -> str | None:
     given = sum(map(bool, (request.prompt, request.prompt_ids, request.messages)))
     if given != 1:
@@ -318,14 +311,12 @@ KINDS: tuple[Kind, ...] = (
     Kind(Embed, "embed", ("text_embedding", "image_embedding"), embed, Embeddings,
          inputs="texts"),
     Kind(Generate, "generate", ("text_to_text",), generate, End, Chunk, reply="text",
-         deterministic=_greedy_or_seeded, check=_generate_problem,
-         text_only=_without_logprobs, affinity=_prompt_start),
+         deterministic=_greedy_or_seeded, check=_generate_problem, affinity=_prompt_start),
     Kind(EmbedImage, "embed_image", ("image_embedding",), embed_image, Embeddings,
          inputs="images", images=lambda r: list(r.images),
          with_images=lambda r, images: msgspec.structs.replace(r, images=images)),
     Kind(Describe, "describe", ("vision",), describe, End, Chunk, reply="text",
-         deterministic=_greedy_or_seeded, check=_one_language, text_only=_without_logprobs,
-         images=lambda r: [r.image],
+         deterministic=_greedy_or_seeded, check=_one_language, images=lambda r: [r.image],
          with_images=lambda r, images: msgspec.structs.replace(r, image=images[0])),
     Kind(GenerateImage, "generate_image", ("text_to_image",), generate_image, Image,
          ImageProgress, reply="image", deterministic=lambda r: r.seed is not None),

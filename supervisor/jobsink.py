@@ -19,7 +19,7 @@ from modelpool.protocol.messages import (
     TokenLogprob,
 )
 from modelpool.supervisor.mailbox import JobRecord
-from modelpool.supervisor.pgstreams import call_head
+from modelpool.supervisor.pgstreams import call_head, logprobs_text
 from modelpool.supervisor.queueing import JobState
 
 if TYPE_CHECKING:
@@ -62,13 +62,16 @@ class MailboxSink:
         req = self.jobs.get(0)
         return req is not None and req.job is not None and req.job.state is JobState.RUNNING
 
-    def _relay(self, text: str, reasoning: str, calls: Iterable[CallDelta]) -> None:
+    def _relay(self, text: str, reasoning: str, logprobs: list[TokenLogprob],
+               calls: Iterable[CallDelta]) -> None:
         """A relayed stream's pieces, each part in the order the chunk holds it."""
         record = self.record
         if reasoning:
             self.service.stream_piece(record, "r", self._thought, reasoning)
         if text:
             self.service.stream_piece(record, "", self._chars, text)
+        if logprobs:
+            self.service.stream_piece(record, "l", len(self._logprobs), logprobs_text(logprobs))
         for call in calls:
             part = str(call.index)
             if call.name:
@@ -84,7 +87,7 @@ class MailboxSink:
         match msg:
             case Chunk(text=text, reasoning=reasoning, logprobs=logprobs, calls=calls):
                 if self.record.stream_to is not None:
-                    self._relay(text, reasoning, calls or ())
+                    self._relay(text, reasoning, logprobs or [], calls or ())
                 self._reasoning.append(reasoning)
                 self._thought += len(reasoning)
                 self._text.append(text)

@@ -2,14 +2,15 @@
 it is made: PostgreSQL notifications on a channel of the client's node (every node
 LISTENs on its own), so that a chat streamed through any node streams.
 
-Each piece says which part of the answer it is of (its text, its thinking, a tool call's
-head or arguments), where it starts in that part (in characters), and which claim of
-the job made it. Notifications of one sender arrive in the order they committed, but a
-reconnection can lose some: the receiving node sends its client text only while it has
-all of it from the start, and the rest from the job's stored result, which always has
-all of it (StreamAssembly). A job run again after a node was lost makes its text anew,
-perhaps otherwise: a client that already had part of the first run's ends WORKER_DIED,
-as a local stream whose worker died does.
+Each piece says which part of the answer it is of (its text, its thinking, its tokens'
+log-probabilities, a tool call's head or arguments), where it starts in that part (in
+characters; in tokens for the log-probabilities), and which claim of the job made it.
+Notifications of one sender arrive in the order they committed, but a reconnection can
+lose some: the receiving node sends its client a part only while it has all of it from
+the start, and the rest from the job's stored result, which always has all of it
+(StreamAssembly). A job run again after a node was lost makes its text anew, perhaps
+otherwise: a client that already had part of the first run's ends WORKER_DIED, as a
+local stream whose worker died does.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ import msgspec
 
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.jobs import Completion
-from modelpool.protocol.messages import CallDelta
+from modelpool.protocol.messages import CallDelta, TokenLogprob
 
 log = logging.getLogger("modelpool.cluster")
 
 CHANNEL_PREFIX = "modelpool_stream_"
 PAYLOAD_BYTES = 7900  # PostgreSQL refuses a notification of 8,000 bytes or more
 MAX_BATCH = 256
-PART = re.compile(r"r|[hc]\d{1,3}")  # thinking, call i's head, call i's arguments
+# thinking, log-probabilities, call i's head, call i's arguments
+PART = re.compile(r"[rl]|[hc]\d{1,3}")
 
 
 def stream_channel(node: str) -> str:
@@ -46,8 +48,8 @@ class StreamPiece:
     attempt: int
     offset: int  # where its text starts in its part, in characters
     text: str
-    # "": the answer's text; "r": its thinking; "h<i>": call i's head (its name and id,
-    # as JSON); "c<i>": call i's arguments
+    # "": the answer's text; "r": its thinking; "l": its tokens' log-probabilities (as
+    # JSON); "h<i>": call i's head (its name and id, as JSON); "c<i>": call i's arguments
     part: str = ""
 
 
@@ -67,11 +69,23 @@ def read_head(piece: StreamPiece) -> CallHead | None:
         return None
 
 
+def read_logprobs(piece: StreamPiece) -> list[TokenLogprob] | None:
+    try:
+        return msgspec.json.decode(piece.text, type=list[TokenLogprob])
+    except msgspec.DecodeError:
+        return None
+
+
+def logprobs_text(entries: list[TokenLogprob]) -> str:
+    return msgspec.json.encode(entries).decode()
+
+
 def payloads(piece: StreamPiece) -> list[str]:
     """The piece as notification payloads, its text split where one would be too long;
     none for a text PostgreSQL cannot carry (a NUL): its receiver sees a gap."""
-    if "\x00" in piece.text or (piece.part[:1] == "h" and len(piece.text) > PAYLOAD_BYTES // 2):
-        return []  # a call's head is sent whole or not at all
+    whole_only = piece.part == "l" or piece.part.startswith("h")
+    if "\x00" in piece.text or (whole_only and len(piece.text) > PAYLOAD_BYTES // 2):
+        return []  # JSON (a call's head, log-probabilities) is sent whole or not at all
     found, offset, text = [], piece.offset, piece.text
     tag = f"{piece.part}:" if piece.part else ""  # none: as nodes before parts sent text
     while True:
@@ -92,7 +106,10 @@ def parse(payload: str) -> StreamPiece | None:
     if not (attempt.isdigit() and offset.isdigit()) or (part and not PART.fullmatch(part)):
         return None
     piece = StreamPiece(key, int(attempt), int(offset), text, part)
-    return None if part[:1] == "h" and read_head(piece) is None else piece
+    if (part[:1] == "h" and read_head(piece) is None) or (
+            part == "l" and read_logprobs(piece) is None):
+        return None
+    return piece
 
 
 class StreamPublisher:
@@ -160,6 +177,7 @@ class StreamAssembly:
     order, with nothing missing (pure: the relay feeds it pieces and the result)."""
 
     parts: dict[str, str] = field(default_factory=dict)  # what the client has, by part
+    logprobs: int = 0  # the tokens' log-probabilities it has
     attempt: int | None = None
     gap: bool = False  # a piece was lost: the rest waits for the result
     chunks: int = 0  # sent to the client
@@ -172,16 +190,19 @@ class StreamAssembly:
         """Whether to send the piece now, or None if the client's stream is broken: it
         has part of a run that another replaced."""
         if self.attempt != piece.attempt:
-            if any(self.parts.values()):
+            if any(self.parts.values()) or self.logprobs:
                 return None
             self.attempt, self.gap, self.parts = piece.attempt, False, {}
-        have = self.parts.get(piece.part, "")
-        if self.gap or piece.offset < len(have):
+        have = self.logprobs if piece.part == "l" else len(self.parts.get(piece.part, ""))
+        if self.gap or piece.offset < have:
             return False  # sent already, or behind a gap
-        if piece.offset > len(have) or not self._follows(piece.part):
+        if piece.offset > have or not self._follows(piece.part):
             self.gap = True
             return False
-        self.parts[piece.part] = have + piece.text
+        if piece.part == "l":
+            self.logprobs += len(read_logprobs(piece) or ())
+        else:
+            self.parts[piece.part] = self.parts.get(piece.part, "") + piece.text
         self.chunks += bool(piece.text)
         return bool(piece.text)
 
@@ -191,10 +212,11 @@ class StreamAssembly:
             return f"h{part[1:]}" in self.parts
         return part[:1] != "h" or part == "h0" or f"h{int(part[1:]) - 1}" in self.parts
 
-    def rest(self, final: Completion) -> tuple[str, str, list[CallDelta]] | None:
-        """What the client lacks of the finished answer (its text, its thinking, the rest
-        of each call it has the head of), or None if what it has is not the start of it
-        (another run's)."""
+    def rest(self, final: Completion
+             ) -> tuple[str, str, list[TokenLogprob], list[CallDelta]] | None:
+        """What the client lacks of the finished answer (its text, its thinking, its
+        tokens' log-probabilities, the rest of each call it has the head of), or None if
+        what it has is not the start of it (another run's)."""
         text = _after(self.sent, final.text)
         thinking = _after(self.parts.get("r", ""), final.reasoning)
         calls = []
@@ -208,7 +230,9 @@ class StreamAssembly:
                 return None
             if arguments:
                 calls.append(CallDelta(index=index, arguments=arguments))
-        return None if text is None or thinking is None else (text, thinking, calls)
+        if text is None or thinking is None:
+            return None
+        return text, thinking, (final.logprobs or [])[self.logprobs:], calls
 
 
 def _after(have: str, whole: str) -> str | None:

@@ -17,7 +17,12 @@ from modelpool.protocol.jobs import Completion, JobResult, Submit
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import CallDelta, Chunk, End, Error, WorkRequest
 from modelpool.supervisor.jobservice import new_key
-from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece, read_head
+from modelpool.supervisor.pgstreams import (
+    StreamAssembly,
+    StreamPiece,
+    read_head,
+    read_logprobs,
+)
 
 if TYPE_CHECKING:
     from modelpool.supervisor.jobservice import JobService
@@ -30,9 +35,7 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
                 send: Callable[[Any], None]) -> list[Any]:
     """The final replies; a stream's chunks go to `send` as they come."""
     rid, key = request.id, new_key()
-    # Pieces relayed as made carry no logprobs: a stream with them comes whole, at its end.
-    kind = KIND_OF[type(request)]
-    streams = jobs.streams if kind.streaming and kind.text_only(request) else None
+    streams = jobs.streams if KIND_OF[type(request)].streaming else None
     assembly = StreamAssembly()
     try:
         pieces = streams.followers.follow(key) if streams else None
@@ -94,6 +97,8 @@ def _chunk(rid: int, seq: int, piece: StreamPiece) -> Chunk:
     """A relayed piece as the chunk a local stream would have sent."""
     if piece.part == "r":
         return Chunk(id=rid, seq=seq, text="", reasoning=piece.text)
+    if piece.part == "l":  # one that does not read is never taken (parse)
+        return Chunk(id=rid, seq=seq, text="", logprobs=read_logprobs(piece))
     head = read_head(piece) if piece.part[:1] == "h" else None
     if head is not None:  # a head that does not read is never taken (parse)
         return Chunk(id=rid, seq=seq, text="", calls=[CallDelta(
@@ -116,8 +121,8 @@ def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
               completion_tokens=reply.completion_tokens, model=reply.model,
               prompt_logprobs=reply.prompt_logprobs, tool_calls=reply.tool_calls,
               cached_tokens=reply.cached_tokens, reasoning_tokens=reply.reasoning_tokens)
-    text, thinking, calls = rest
-    if not text and not thinking and not calls and not reply.logprobs:
+    text, thinking, logprobs, calls = rest
+    if not text and not thinking and not calls and not logprobs:
         return [end]
     return [Chunk(id=rid, seq=assembly.chunks, text=text, reasoning=thinking,
-                  logprobs=reply.logprobs, calls=calls or None), end]
+                  logprobs=logprobs or None, calls=calls or None), end]

@@ -94,12 +94,13 @@ def test_a_client_of_one_node_streams_a_model_another_node_runs_as_it_is_made(
     # long before the last.
     assert len([part for part in got if part.text]) >= 4
     assert arrived[-1] - arrived[0] > 0.5
-    # Relayed pieces carry no logprobs: with them, the stream comes whole at its end.
+    # Each token's log-probabilities stream beside its text, as made.
     with beta.client() as c:
-        whole = list(c.generate("hello", model="gen", max_tokens=3, logprobs=0))
-    assert [part.text for part in whole] == ["tok0 tok1 tok2 ", ""]
-    assert [(e.token, e.logprob) for e in whole[0].logprobs or []] == [
+        scored = list(c.generate("hello", model="gen", max_tokens=3, logprobs=0))
+    assert "".join(part.text for part in scored) == "tok0 tok1 tok2 "
+    assert [(e.token, e.logprob) for part in scored for e in part.logprobs or []] == [
         ("tok0 ", 0.0), ("tok1 ", -1.0), ("tok2 ", -2.0)]
+    assert len([part for part in scored if part.logprobs]) >= 2  # not whole at the end
     # A reasoning model's thinking streams as it is made, before its answer.
     with beta.client() as c:
         wait_until(lambda: any(m["key"] == "thinker" for m in c.models()), 20, "thinker")

@@ -117,13 +117,6 @@ def test_a_generation_takes_one_of_a_prompt_its_token_ids_or_messages() -> None:
             "generate needs one of a prompt, prompt_ids or messages")
 
 
-def test_a_stream_is_text_only_unless_it_carries_each_tokens_logprobs() -> None:
-    for op, args in (("generate", ("x",)), ("describe", (b"png", "what?"))):
-        assert BY_OP[op].text_only(kinds.build(op, *args))
-        assert not BY_OP[op].text_only(kinds.build(op, *args, logprobs=0))
-    assert BY_OP["generate_image"].text_only(kinds.build("generate_image", "x"))
-
-
 def test_structured_output_asks_for_one_language_that_may_end() -> None:
     """A schema given as a dict travels as its JSON text; two languages, none, a schema
     that is not JSON, or ignore_eos (the language's end is the output's) are refused
