@@ -47,6 +47,9 @@ format; the ones read here, and how a model's is known:
   (`functions.name:index`, kept: its template writes it back), then
   `<|tool_call_argument_begin|>`, its JSON arguments and `<|tool_call_end|>`. Known by
   its template naming `<|tool_calls_section_begin|>`.
+- "internlm": InternLM 2.5's `<|action_start|><|plugin|>{"name", "parameters"}
+  <|action_end|>` after any text (vLLM's `internlm`, here also `internlm2`). Known by its
+  template's `<|plugin|>`.
 - "phi4_mini_json": Phi-4-mini's `functools[{"name", "arguments"}, ...]`, after any text.
   Its template does not show it: named by the option only.
 A model's loader option `tool_call_format` names one where the template does not say.
@@ -77,6 +80,8 @@ from modelpool.registry.loaders.tool_stream import CallStream, streams
 
 HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 MINIMAX_M1_BLOCK = re.compile(r"<tool_calls>(.*?)(?:</tool_calls>|$)", re.DOTALL)
+INTERNLM_MARKERS = ("<|action_start|>", "<|plugin|>", "<|action_end|>")
+INTERNLM_BLOCK = re.compile(r"<\|action_start\|>(.*?)(?:<\|action_end\|>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"
 PYTHONIC_EXAMPLE = "[func_name1("  # what the pythonic templates show their models
@@ -166,6 +171,13 @@ def _mistral(text: str) -> list[ToolCall] | None:
     return _all_or_none(calls)
 
 
+def _internlm(text: str) -> list[ToolCall] | None:
+    """Each action a call, if it is to a plugin (not the code interpreter's)."""
+    return _all_or_none([_call(_decoded(body.strip().removeprefix(INTERNLM_MARKERS[1])),
+                               "parameters") if body.strip().startswith(INTERNLM_MARKERS[1])
+                         else None for body in INTERNLM_BLOCK.findall(text)])
+
+
 def _phi4_mini(text: str) -> list[ToolCall] | None:
     listed = _decoded(text.removeprefix(PHI4_CALLS))
     return _all_or_none([_call(c, "parameters") for c in listed]  # or "arguments"
@@ -220,6 +232,7 @@ FORMATS = {f.name: f for f in (
                markers=(pythonic.PYTHON_START, pythonic.PYTHON_END)),
     ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
     ToolFormat("phi4_mini_json", PHI4_CALLS + "[", False, _phi4_mini),
+    ToolFormat("internlm", INTERNLM_MARKERS[0], False, _internlm, markers=INTERNLM_MARKERS),
     ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS),
     ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,
                markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype,
@@ -236,7 +249,8 @@ FORMATS = {f.name: f for f in (
     ToolFormat("minimax_m2", tool_calls_xml.MINIMAX_OPENS, False, tool_calls_xml.parse_minimax,
                markers=(tool_calls_xml.MINIMAX_OPENS, "</minimax:tool_call>"),
                retype=tool_calls_xml.retype))}
-FORMATS |= {"jamba": FORMATS["minimax"], "hunyuan_a13b": FORMATS["minimax"]}  # vLLM's names
+FORMATS |= {"jamba": FORMATS["minimax"], "hunyuan_a13b": FORMATS["minimax"],  # vLLM's names
+            "internlm2": FORMATS["internlm"]}
 
 
 # What each format's template shows its model, looked for in this order (Seed-OSS's and
@@ -246,6 +260,7 @@ TEMPLATE_SIGNS = (
     (tool_calls_xml.TEMPLATE_SIGNS, "qwen3_coder"), ((tool_calls_xml.GLM_TEMPLATE_SIGN,), "glm45"),
     ((KIMI_MARKERS[0],), "kimi_k2"), ((tool_calls_xml.MINIMAX_OPENS,), "minimax_m2"),
     (("<tool_calls>",), "minimax"), ((GRANITE_CALL,), "granite"),
+    ((INTERNLM_MARKERS[1],), "internlm"),
     ((DEEPSEEK_MARKERS[0],), "deepseek"), (("<tool_call>",), "hermes"),
     ((TOOL_CALLS,), "mistral"), ((PYTHON_TAG,), "llama3_json"),
     (("<|start_header_id|>", "parameters"), "llama3_json"))

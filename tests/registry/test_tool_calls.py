@@ -237,6 +237,8 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
     glm = "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>"
     assert format_of(glm, None, "m") is FORMATS["glm45"]  # not hermes either
     assert format_of("{{'<|tool_calls_section_begin|>'}}", None, "m") is FORMATS["kimi_k2"]
+    internlm = "{{ '<|im_start|>environment name=<|plugin|>\\n' + message['content'] }}"
+    assert format_of(internlm, None, "m") is FORMATS["internlm"] is FORMATS["internlm2"]
     minimax_m2 = '<minimax:tool_call>\n<invoke name="tool-name-1">\n<parameter name="k">'
     assert format_of(minimax_m2, None, "m") is FORMATS["minimax_m2"]
     minimax_m1 = 'respond with <tool_calls></tool_calls> XML tags ... {"name": <tool-name>'

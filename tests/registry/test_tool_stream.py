@@ -27,6 +27,9 @@ STREAMED = {
                 '"days": [1, 2]}}, {"name": "get_time", "arguments": {}}]'),
     "granite": ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", '
                 '"days": [1, 2]}}, {"name": "get_time", "arguments": {}}]'),
+    "internlm": ('Looking. <|action_start|><|plugin|>\n{"name": "get_weather", "parameters": '
+                 '{"city": "Paris", "days": [1, 2]}}<|action_end|>\n<|action_start|><|plugin|>'
+                 '\n{"name": "get_time", "parameters": {}}<|action_end|>'),
     "deepseek": DEEPSEEK_V3, "kimi_k2": KIMI, "minimax": MINIMAX_M1,
 }
 CASES = [*STREAMED.items(), ("deepseek", DEEPSEEK_V31), ("jamba", JAMBA),
@@ -265,3 +268,9 @@ def _check_any(tool_format: str, text: str, piece: int) -> None:
     assert text.startswith(passed + rest)
     if not calls:
         assert passed + rest == text
+
+
+def test_internlms_interpreter_action_is_no_call() -> None:
+    code = "<|action_start|><|interpreter|>\nprint(1)<|action_end|>"
+    deltas, passed, calls, _ = _stream("internlm", "Let me run it. " + code, 3)
+    assert (deltas, passed, calls) == ([], "Let me run it. " + code, [])
