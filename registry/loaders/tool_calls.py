@@ -319,11 +319,12 @@ class ToolCallReader:
         self.types = types or {}  # for a format whose arguments come as text
         self.pending = ""  # passed-on text held back: it may open a call
         self.held: str | None = None  # from the call's opening on
-        self.decided = False  # at_start formats: the answer's start was not a call
         self.stream = CallStream(tool_format.name, names, tool_format.new_id, self.types) \
             if streams(tool_format.name) else None
         self.cut = False  # the calls are what was streamed of them, one cut short
-        self.plain = False  # what was held is no call: the rest is text, passed on at once
+        # no call here (an at_start format's answer did not start with one, or what was
+        # held cannot read as calls): the rest is text, passed on at once
+        self.plain = False
 
     def feed(self, text: str) -> str:
         """The text that may be passed on now."""
@@ -334,10 +335,7 @@ class ToolCallReader:
             passed = ""
         else:
             self.pending += text
-            if not self.format.at_start:
-                passed = self._anywhere()
-            else:
-                passed = self._pass(len(self.pending)) if self.decided else self._at_start()
+            passed = self._at_start() if self.format.at_start else self._anywhere()
         if self.stream is not None and self.held is not None:
             self.stream.read(self.held)
             if self.stream.refused and not self.stream.sent:  # no need to hold it to the end
@@ -357,7 +355,7 @@ class ToolCallReader:
         if start.startswith(opens):
             self.held, self.pending = self.pending, ""
         elif not opens.startswith(start):
-            self.decided = True
+            self.plain = True
             return self._pass(len(self.pending))
         return ""
 
