@@ -127,8 +127,8 @@ class CallStream:
         self.types = types  # an XML format's parameters' JSON types, by function
         self.at = 0  # where in the held text reading goes on
         self.sent: list[SentCall] = []
-        self.open: ArgumentsReader | None = None  # the arguments being written
-        self.writing: SentCall | None = None  # their call, sent with their first piece
+        # the call being written (sent with its arguments' first piece) and their reader
+        self.open: tuple[SentCall, ArgumentsReader] | None = None
         self.stopped = False  # something no head reads: the rest comes whole at the end
         self.refused = False  # what is held cannot read as calls (a call to no tool)
         self.deltas: list[CallDelta] = []
@@ -140,19 +140,20 @@ class CallStream:
                 self.refused |= self.pythonic and not self.sent and \
                     pythonic.BEGUN.fullmatch(held) is None
                 return
-            assert self.open is not None and self.writing is not None
+            assert self.open is not None
+            call, arguments = self.open
             try:
-                piece, took = self.open.feed(held[self.at:])
+                piece, took = arguments.feed(held[self.at:])
             except ValueError:
                 self.stopped = True  # the rest comes whole at the end, if it reads so
                 return
             if piece:
-                self._send(self.writing, piece)
+                self._send(call, piece)
             if took is None:
                 self.at = len(held)
                 return
             self.at += took
-            self.writing.ended, self.open, self.writing = True, None, None
+            call.ended, self.open = True, None
 
     def _send(self, call: SentCall, piece: str) -> None:
         """A piece of the call's arguments; its first names the call (not before: a
@@ -186,8 +187,8 @@ class CallStream:
                 if body[0] != "{":
                     break
                 arguments = JsonObject()
-            self.writing = SentCall(name, match.groupdict().get("id") or self.new_id())
-            self.at, self.open = match.end(), arguments
+            call = SentCall(name, match.groupdict().get("id") or self.new_id())
+            self.at, self.open = match.end(), (call, arguments)
             return True
         else:
             return False
