@@ -21,6 +21,8 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import msgspec
 
@@ -49,31 +51,26 @@ class StreamPiece:
     offset: int  # where its text starts in its part, in characters
     text: str
     # "": the answer's text; "r": its thinking; "l": its tokens' log-probabilities (as
-    # JSON); "h<i>": call i's head (its name and id, as JSON); "c<i>": call i's arguments
+    # JSON); "h<i>": call i's head (its CallDelta without arguments, as JSON); "c<i>":
+    # call i's arguments
     part: str = ""
 
-
-class CallHead(msgspec.Struct, frozen=True):
-    name: str
-    id: str
+    @cached_property
+    def value(self) -> Any:
+        """What a JSON part's text reads as, read once: the entries, the call's head
+        (None: it does not read; a text part's is its text)."""
+        shape = {"l": list[TokenLogprob], "h": CallDelta}.get(self.part[:1])
+        if shape is None:
+            return self.text
+        try:
+            return msgspec.json.decode(self.text, type=shape)
+        except msgspec.DecodeError:
+            return None
 
 
 def call_head(delta: CallDelta) -> str:
-    return msgspec.json.encode(CallHead(delta.name, delta.id)).decode()
-
-
-def read_head(piece: StreamPiece) -> CallHead | None:
-    try:
-        return msgspec.json.decode(piece.text, type=CallHead)
-    except msgspec.DecodeError:
-        return None
-
-
-def read_logprobs(piece: StreamPiece) -> list[TokenLogprob] | None:
-    try:
-        return msgspec.json.decode(piece.text, type=list[TokenLogprob])
-    except msgspec.DecodeError:
-        return None
+    return msgspec.json.encode(CallDelta(index=delta.index, name=delta.name,
+                                         id=delta.id)).decode()
 
 
 def logprobs_text(entries: list[TokenLogprob]) -> str:
@@ -106,10 +103,7 @@ def parse(payload: str) -> StreamPiece | None:
     if not (attempt.isdigit() and offset.isdigit()) or (part and not PART.fullmatch(part)):
         return None
     piece = StreamPiece(key, int(attempt), int(offset), text, part)
-    if (part[:1] == "h" and read_head(piece) is None) or (
-            part == "l" and read_logprobs(piece) is None):
-        return None
-    return piece
+    return None if piece.value is None else piece
 
 
 class StreamPublisher:
@@ -200,7 +194,7 @@ class StreamAssembly:
             self.gap = True
             return False
         if piece.part == "l":
-            self.logprobs += len(read_logprobs(piece) or ())
+            self.logprobs += len(piece.value or ())
         else:
             self.parts[piece.part] = self.parts.get(piece.part, "") + piece.text
         self.chunks += bool(piece.text)

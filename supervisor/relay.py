@@ -17,12 +17,7 @@ from modelpool.protocol.jobs import Completion, JobResult, Submit
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import CallDelta, Chunk, End, Error, WorkRequest
 from modelpool.supervisor.jobservice import new_key
-from modelpool.supervisor.pgstreams import (
-    StreamAssembly,
-    StreamPiece,
-    read_head,
-    read_logprobs,
-)
+from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece
 
 if TYPE_CHECKING:
     from modelpool.supervisor.jobservice import JobService
@@ -97,12 +92,11 @@ def _chunk(rid: int, seq: int, piece: StreamPiece) -> Chunk:
     """A relayed piece as the chunk a local stream would have sent."""
     if piece.part == "r":
         return Chunk(id=rid, seq=seq, text="", reasoning=piece.text)
-    if piece.part == "l":  # one that does not read is never taken (parse)
-        return Chunk(id=rid, seq=seq, text="", logprobs=read_logprobs(piece))
-    head = read_head(piece) if piece.part[:1] == "h" else None
-    if head is not None:  # a head that does not read is never taken (parse)
-        return Chunk(id=rid, seq=seq, text="", calls=[CallDelta(
-            index=int(piece.part[1:]), name=head.name, id=head.id)])
+    if piece.part == "l":  # JSON that does not read is never taken (parse)
+        return Chunk(id=rid, seq=seq, text="", logprobs=piece.value)
+    if piece.part[:1] == "h":
+        return Chunk(id=rid, seq=seq, text="", calls=[msgspec.structs.replace(
+            piece.value, index=int(piece.part[1:]))])
     if piece.part[:1] == "c":
         return Chunk(id=rid, seq=seq, text="", calls=[CallDelta(
             index=int(piece.part[1:]), arguments=piece.text)])
