@@ -121,6 +121,11 @@ def _call(obj: Any, arguments_key: str) -> ToolCall | None:
     return ToolCall(name=obj["name"], arguments=text)
 
 
+def _each(listed: Any, arguments_key: str) -> list[ToolCall | None]:
+    """A JSON list's calls (none: not a list)."""
+    return [_call(c, arguments_key) for c in listed] if isinstance(listed, list) else []
+
+
 def _all_or_none(calls: list[ToolCall | None]) -> list[ToolCall] | None:
     return None if not calls or None in calls else calls  # type: ignore[return-value]
 
@@ -143,7 +148,7 @@ def _minimax_m1(text: str) -> list[ToolCall] | None:
     calls: list[ToolCall | None] = []
     for block in MINIMAX_M1_BLOCK.findall(text):
         listed = _decoded(block) if block.strip().startswith("[") else None
-        calls += ([_call(c, "arguments") for c in listed] if isinstance(listed, list) else
+        calls += (_each(listed, "arguments") if isinstance(listed, list) else
                   [_call(_decoded(line), "arguments")
                    for line in block.splitlines() if line.strip()])
     return _all_or_none(calls)
@@ -159,9 +164,7 @@ def _llama3_json(text: str) -> list[ToolCall] | None:
 def _mistral(text: str) -> list[ToolCall] | None:
     body = text.removeprefix(TOOL_CALLS).strip()
     if body.startswith("["):  # [{"name": ..., "arguments": ...}, ...]
-        listed = _decoded(body)
-        return _all_or_none([_call(c, "arguments") for c in listed]
-                            if isinstance(listed, list) else [])
+        return _all_or_none(_each(_decoded(body), "arguments"))
     calls = []  # name[ARGS]{...}, each after its own [TOOL_CALLS]
     for part in body.split(TOOL_CALLS):
         name, found, arguments = part.partition("[ARGS]")
@@ -179,15 +182,11 @@ def _internlm(text: str) -> list[ToolCall] | None:
 
 
 def _phi4_mini(text: str) -> list[ToolCall] | None:
-    listed = _decoded(text.removeprefix(PHI4_CALLS))
-    return _all_or_none([_call(c, "parameters") for c in listed]  # or "arguments"
-                        if isinstance(listed, list) else [])
+    return _all_or_none(_each(_decoded(text.removeprefix(PHI4_CALLS)), "parameters"))
 
 
 def _granite(text: str) -> list[ToolCall] | None:
-    listed = _decoded(text.strip().removeprefix(GRANITE_CALL))
-    return _all_or_none([_call(c, "arguments") for c in listed]
-                        if isinstance(listed, list) else [])
+    return _all_or_none(_each(_decoded(text.strip().removeprefix(GRANITE_CALL)), "arguments"))
 
 
 def _deepseek(text: str) -> list[ToolCall] | None:
