@@ -94,3 +94,17 @@ def test_held_whole_to_a_thought_and_an_answer_it_has_them_apart(
         assert (thought, answer, end.finish_reason) == ("Stripes of colour.", "A test card.",
                                                         "stop")
         assert 0 < end.reasoning_tokens < end.completion_tokens
+
+
+def test_a_questions_template_is_read_once_for_its_reader_and_its_language(
+        thinking_vlm: VisionLM, image: Image.Image, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether the generation prompt opened the thinking is read from one rendering of
+    the template, asked by the reader and by a structured output's gate alike."""
+    rendered = []
+    render = thinking_vlm.processor.apply_chat_template
+    monkeypatch.setattr(thinking_vlm.processor, "apply_chat_template", lambda *a, **k: (
+        rendered.append(k.get("tokenize")) or render(*a, **k)))
+    held = kinds.build("describe", b"unused", "what colour?", regex="A cat[.]")
+    prepared = thinking_vlm.prepare(image, held)
+    assert isinstance(prepared.grammar, AfterThinking) and prepared.reasoning is not None
+    assert rendered.count(False) == 1  # the text for both; the inputs tokenized apart
