@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelpool.protocol.messages import Chunk, End, TokenLogprob, ToolCall
+from modelpool.protocol.messages import End, TokenLogprob, ToolCall
 from modelpool.protocol.pipes import (
     Abort,
     Shutdown,
@@ -193,11 +193,10 @@ class StreamLoop:
         if stats is not None:
             tail, calls = stream.output.finish()
             text += tail
-        logprobs = None if event.logprob is None else [event.logprob]
-        thinking, pieces = stream.output.take_thinking(), stream.output.take_calls()
-        if text or thinking or logprobs or pieces:
-            self.worker.send(Chunk(id=job_id, seq=stream.seq, text=text, reasoning=thinking,
-                                   logprobs=logprobs, calls=pieces))
+        chunk = stream.output.chunk(job_id, stream.seq, text,
+                                    None if event.logprob is None else [event.logprob])
+        if chunk is not None:
+            self.worker.send(chunk)
             stream.seq += 1
         if stats is not None:
             reason = "stop" if hit else stats.finish_reason

@@ -134,15 +134,17 @@ class TextOutput:
             self.thinking += thinking
         return text if self.calls is None else self.calls.feed(text)
 
-    def take_thinking(self) -> str:
-        """The thinking read since the last call (for the next chunk)."""
+    def chunk(self, job_id: int, seq: int, text: str,
+              logprobs: list[TokenLogprob] | None = None) -> Chunk | None:
+        """The stream's next chunk: this answer text and logprobs with the thinking and
+        the calls' pieces read since the last; None when it would carry nothing."""
         thinking, self.thinking = self.thinking, ""
-        return thinking
-
-    def take_calls(self) -> list[CallDelta] | None:
-        """The tool calls' pieces written since the last call (for the next chunk)."""
         take = getattr(self.calls, "take_deltas", None)
-        return (take() or None) if take is not None else None
+        pieces: list[CallDelta] | None = (take() or None) if take is not None else None
+        if not (text or thinking or logprobs or pieces):
+            return None
+        return Chunk(id=job_id, seq=seq, text=text, reasoning=thinking, logprobs=logprobs,
+                     calls=pieces)
 
     @property
     def calls_cut(self) -> bool:
@@ -151,7 +153,7 @@ class TextOutput:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the stream's end: the answer text still held back, and the calls made (the
-        thinking still held is left for take_thinking)."""
+        thinking still held is left for the last chunk)."""
         text = self._answer(self.stop.flush())
         if self.reasoning is not None:
             thinking, tail = self.reasoning.finish()
@@ -243,21 +245,17 @@ def stream_text(job_id: int, start: Callable[[], Iterator[str]], stats: Generati
                 break
             text, hit = output.feed(piece, stats.completion_tokens - made)
             made = stats.completion_tokens
-            logprobs = stats.take_logprobs()
-            thinking, pieces = output.take_thinking(), output.take_calls()
-            if text or thinking or logprobs or pieces:
-                out.send(Chunk(id=job_id, seq=seq, text=text, reasoning=thinking,
-                               logprobs=logprobs, calls=pieces))
+            chunk = output.chunk(job_id, seq, text, stats.take_logprobs())
+            if chunk is not None:
+                out.send(chunk)
                 seq += 1
             if hit:
                 stats.finish_reason = "stop"
                 break
         if stats.finish_reason != "cancelled":
             text, calls = output.finish()
-            thinking, pieces = output.take_thinking(), output.take_calls()
-            if text or thinking or pieces:
-                out.send(Chunk(id=job_id, seq=seq, text=text, reasoning=thinking,
-                               calls=pieces))
+            if (chunk := output.chunk(job_id, seq, text)) is not None:
+                out.send(chunk)
     except Exception as exc:
         out.send(error_reply(job_id, exc))
         return
