@@ -18,7 +18,7 @@ what was streamed stands, as OpenAI sends a call cut short."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -117,7 +117,7 @@ class CallStream:
     where the next one's begin, naming the function (group `name`, and `id` where the
     model writes the call's id)."""
 
-    def __init__(self, tool_format: str, names: set[object], new_id: Callable[[], str],
+    def __init__(self, tool_format: str, names: Container[object], new_id: Callable[[], str],
                  types: ParameterTypes) -> None:
         self.xml = SHAPES.get(tool_format)
         self.heads = HEADS[tool_format] if self.xml is None else (self.xml.head,)

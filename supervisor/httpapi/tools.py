@@ -149,8 +149,9 @@ class ToolCalls:
         """A list of calls' pieces in a chunk, as the model writes them; at its end, what
         finishes them (its calls then in `listed`, if any was streamed)."""
         text = self.texts[index] = self.texts.get(index, "") + chunk.text
-        listing = self.listing.setdefault(index, CallStream(LISTED, set(self.names),
-                                                            new_call_id, {}))
+        if index not in self.listing:
+            self.listing[index] = self._new_listing()
+        listing = self.listing[index]
         listing.read(text)
         if chunk.finish_reason is not None and listing.sent:
             self.listed[index] = listing.settle(_listed(text))[0]
@@ -182,6 +183,9 @@ class ToolCalls:
                 out.append({"index": piece.index, "function": function})
         return out
 
+    def _new_listing(self) -> CallStream:
+        return CallStream(LISTED, self.names, new_call_id, {})
+
     def _kept(self, made: list[ToolCall]) -> list[ToolCall]:
         return made if self.parallel else made[:1]
 
@@ -193,7 +197,7 @@ class ToolCalls:
         read = _listed(text)
         if read is None:
             return None
-        listing = CallStream(LISTED, set(self.names), new_call_id, {})
+        listing = self._new_listing()
         listing.read(text)  # the arguments as a stream of it would send them
         return openai_calls(listing.settle(read)[0] if listing.sent else read)
 
