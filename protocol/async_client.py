@@ -11,8 +11,11 @@ from typing import Any, cast
 import msgspec
 
 from modelpool.protocol.client_core import (
+    Call,
+    TextChunk,
     check_reply,
     encode_checked,
+    follow_call,
     is_last,
     job_result,
     make_call,
@@ -240,9 +243,7 @@ class AsyncClient:
         if self.connected:  # after its request, through the same buffer
             self._write(make_frame(encoder.encode(Cancel(id=rid))))
 
-    async def _stream(self, op: str, args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> AsyncIterator[Any]:
-        call = make_call(op, next(self._ids), args, kwargs)
+    async def _stream(self, call: Call) -> AsyncIterator[Any]:
         self._send(call.request)
         route: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[call.id] = route
@@ -284,9 +285,13 @@ class AsyncClient:
 
     # ---- jobs: as Client's ------------------------------------------------------------
 
-    async def submit(self, op: str, *args: Any, **kwargs: Any) -> str:
-        msg = submit_message(next(self._ids), op, args, kwargs)
+    async def submit(self, op: str, *args: Any, stream: bool = False, **kwargs: Any) -> str:
+        msg = submit_message(next(self._ids), op, args, kwargs, stream)
         return str(check_reply(await self._final(msg)).key)
+
+    def follow(self, key: str) -> AsyncIterator[TextChunk]:
+        """As Client.follow."""
+        return self._stream(follow_call(next(self._ids), key))
 
     async def retrieve(self, key: str, timeout_s: float = 30.0) -> Any:
         msg = Retrieve(id=next(self._ids), key=key, timeout_s=timeout_s)
@@ -313,7 +318,7 @@ class AsyncClient:
 def _async_method(kind: Kind) -> Callable[..., Any]:
     if kind.streaming:
         def stream(self: AsyncClient, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            return self._stream(kind.op, args, kwargs)
+            return self._stream(make_call(kind.op, next(self._ids), args, kwargs))
 
         return named_method(stream, kind, AsyncClient)
 

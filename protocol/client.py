@@ -33,6 +33,7 @@ from modelpool.protocol.client_core import (
     TextResult,
     check_reply,
     encode_checked,
+    follow_call,
     is_final,
     is_last,
     job_result,
@@ -238,11 +239,22 @@ class Client:
 
     # ---- jobs: hand work over now, collect the result later, from any connection -------
 
-    def submit(self, op: str, *args: Any, **kwargs: Any) -> str:
+    def submit(self, op: str, *args: Any, stream: bool = False, **kwargs: Any) -> str:
         """Submit `op` ("embed", "generate", ...) with that method's arguments; returns
-        the job's key at once. The job runs even if this client goes away."""
-        msg = submit_message(next(self._ids), op, args, kwargs)
+        the job's key at once. The job runs even if this client goes away. `stream`
+        (generate, describe): its chunks are kept as it runs, for `follow`."""
+        msg = submit_message(next(self._ids), op, args, kwargs, stream)
         return str(check_reply(self._final(msg)).key)
+
+    def follow(self, key: str) -> Iterator[TextChunk]:
+        """A generate or describe job's chunks, as its direct call's stream would have
+        come: from the first, live while it runs, to the last (with finish_reason), from
+        any connection, as often as asked. A job submitted without `stream` (or whose
+        stream is no longer kept) comes whole once it has ended: one chunk, then the
+        end. Breaking out stops the following, not the job."""
+        call = follow_call(next(self._ids), key)
+        self._send(call.request)
+        return self._stream(call)
 
     def retrieve(self, key: str, timeout_s: float = 30.0) -> Any:
         """What the direct call returns (an array; a TextResult for generate and

@@ -17,7 +17,7 @@ import numpy as np
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.framing import MAX_FRAME_BYTES
-from modelpool.protocol.jobs import Completion, JobResult, Submit
+from modelpool.protocol.jobs import Completion, Follow, JobResult, Submit
 from modelpool.protocol.kinds import BY_OP, STREAMED, Kind, merge_rows
 from modelpool.protocol.messages import (
     CallDelta,
@@ -96,11 +96,17 @@ def job_result(reply: JobResult) -> Any:
     return array[0] if reply.single else array
 
 
-def submit_message(rid: int, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Submit:
+def submit_message(rid: int, op: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   stream: bool = False) -> Submit:
     """The Submit for `client.submit(op, *args, **kwargs)`: the request the direct call
     would send."""
     call = make_call(op, 0, args, kwargs)
-    return Submit(id=rid, request=call.request, single=call.single)
+    return Submit(id=rid, request=call.request, single=call.single, stream=stream)
+
+
+def follow_call(rid: int, key: str) -> Call:
+    """`client.follow(key)`: a text job's stream, read as generate's."""
+    return Call(BY_OP["generate"], Follow(id=rid, key=key), False)
 
 
 @dataclass(slots=True)  # (frozen, one took ~1 us to make, of ~21 a no-op request costs)

@@ -2,6 +2,8 @@
 the result later, from any connection, until it expires.
 
     Submit(request)   -> JobKey(key)            the same admission errors as a direct call
+    Follow(key)       -> Chunk*, End | Error     a generate or describe job's stream, from
+                                                 its start, whatever connection asks
     Retrieve(key, timeout_s) -> JobResult | Error   waits up to timeout_s; TIMEOUT if not done
     JobQuery(key)     -> JobReply(JobInfo)      state and times
     CancelJob(key), ForgetJob(key) -> Ack
@@ -40,6 +42,18 @@ class Submit(_Msg, frozen=True, kw_only=True, tag="submit"):
     id: int
     request: WorkRequest  # its own id is not used
     single: bool = False  # one input where a list was possible: the result is one row
+    # a generate or describe job's chunks kept as it runs, for Follow to stream (without
+    # it, Follow sends the result whole once the job ends)
+    stream: bool = False
+
+
+class Follow(_Msg, frozen=True, kw_only=True, tag="follow"):
+    """A text job's stream, from its first chunk, live while it runs, then its End (or
+    the Error it ended with), as a direct request's stream would have come; as often as
+    asked, from any connection of its user."""
+
+    id: int
+    key: str
 
 
 class JobKey(_Msg, frozen=True, kw_only=True, tag="job_key"):
@@ -144,6 +158,7 @@ class StatsReply(_Msg, frozen=True, kw_only=True, tag="stats_reply"):
     stats: PoolStats
 
 
-JobRequest = Submit | Retrieve | JobQuery | CancelJob | ForgetJob | ListJobs | GetStats
+JobRequest = (Submit | Follow | Retrieve | JobQuery | CancelJob | ForgetJob | ListJobs
+              | GetStats)
 JobResponse = JobKey | JobResult | JobReply | JobsReply | StatsReply
 JOB_REQUESTS: tuple[type, ...] = typing.get_args(JobRequest)

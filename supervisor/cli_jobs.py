@@ -1,4 +1,5 @@
-"""The CLI's job commands: `modelpool submit OP ARGS...`, `result KEY`, `jobs`, `stats`.
+"""The CLI's job commands: `modelpool submit OP ARGS...`, `result KEY`, `follow KEY`,
+`jobs`, `stats`.
 
 With the in-memory backend (the default) jobs and their results live in the daemon's
 memory: they are gone when it stops.
@@ -15,6 +16,7 @@ from typing import Any
 from modelpool.supervisor.cli_ops import (
     add_submit_commands,
     print_rows,
+    print_text,
     print_text_end,
     write_image,
 )
@@ -36,6 +38,16 @@ def add_job_commands(sub: SubParsers) -> None:
                         help="seconds to wait for a job still running (default 30)")
     result.add_argument("-o", "--output", help="PNG file for a generate-image job's image")
     result.set_defaults(func=_result)
+
+    follow = sub.add_parser(
+        "follow", help="a generate or describe job's text as it is made",
+        description="A generate or describe job's text, from its start, as `generate` "
+                    "prints it: live while it runs if it was submitted with --stream, "
+                    "else whole once it has ended. Leaving (Ctrl-C) does not stop the job.")
+    follow.add_argument("key")
+    follow.add_argument("--json", action="store_true",
+                        help="JSON lines: one per chunk, then one for the end")
+    follow.set_defaults(func=_follow)
 
     jobs = sub.add_parser("jobs", help="your recent jobs and their states",
                           description=f"Your recent jobs, newest first; {KEPT}.")
@@ -72,6 +84,11 @@ def _result(args: argparse.Namespace) -> int:
     else:
         print_rows(result)
     return 0
+
+
+def _follow(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        print_text(client.follow(args.key), args.json)
 
 
 def _jobs(args: argparse.Namespace) -> None:

@@ -53,6 +53,9 @@ def _add_command(sub: SubParsers, kind: Kind, job: bool) -> None:
             _add_flag(cmd, param, hint)
     if kind.reply == "image" and not job:
         cmd.add_argument("-o", "--output", required=True, help="PNG file to write")
+    if kind.reply == "text" and job:
+        cmd.add_argument("--stream", action="store_true", help="keep its text as it is "
+                         "made: `modelpool follow KEY` prints it, live")
     cmd.add_argument("--json", action="store_true", help='print {"key": ...}' if job else
                      "JSON lines: one per row, chunk or step, then one for the end")
     cmd.add_argument("--priority", choices=PRIORITIES, default="normal")
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace, kind: Kind) -> None:
         if kind.reply == "array":
             print_rows(result)
         elif kind.reply == "text":
-            _print_text(result, args.json)
+            print_text(result, args.json)
         else:
             write_image(result, args.output, args.json)
 
@@ -113,7 +116,8 @@ def submit(args: argparse.Namespace, kind: Kind) -> None:
     from modelpool.protocol.client import Client
 
     with Client(socket_path=args.socket) as client:
-        key = client.submit(kind.op, **_arguments(args, kind))
+        key = client.submit(kind.op, stream=getattr(args, "stream", False),
+                            **_arguments(args, kind))
     print(json.dumps({"key": key}) if args.json else key)
 
 
@@ -132,7 +136,7 @@ def print_rows(array: Any) -> None:
         print(json.dumps(value))
 
 
-def _print_text(chunks: Any, as_json: bool = False) -> None:
+def print_text(chunks: Any, as_json: bool = False) -> None:
     """The answer on stdout as it comes; a reasoning model's thinking on stderr (so that
     what a script reads is the answer)."""
     thinking = False

@@ -17,6 +17,7 @@ from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import (
     JOB_REQUESTS,
     CancelJob,
+    Follow,
     ForgetJob,
     GetStats,
     JobKey,
@@ -53,6 +54,7 @@ from modelpool.supervisor.cluster import ClusterNode
 from modelpool.supervisor.config import ConfigError
 from modelpool.supervisor.connections import Connection
 from modelpool.supervisor.jobservice import JobService
+from modelpool.supervisor.jobstreams import JobStreams
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.relay import relay
 
@@ -67,6 +69,7 @@ class FrontDoor:
                  stop: asyncio.Event, reload: Callable[[], Awaitable[str]]) -> None:
         self.pool = pool
         self.jobs = jobs
+        self.streams = JobStreams(jobs)  # streamed jobs' replies, for Follow
         self.cluster = cluster
         self.status_report = status_report
         self.stop = stop
@@ -87,14 +90,21 @@ class FrontDoor:
                 "the cluster runs it, but [cluster] route_remote = false keeps direct "
                 "requests here: submit it as a job, or ask that node")))
         elif remote or (spec is not None and route_remote and cluster.should_route(spec.key)):
-            task = self._answer_later(conn, request.id,
-                                      relay(self.jobs, conn.peer.uid, request, conn.send))
-            if task is not None:  # a Cancel of it stops it (and its job)
-                conn.relays[request.id] = task
-                task.add_done_callback(lambda done, rid=request.id: conn.relays.pop(rid)
-                                       if conn.relays.get(rid) is done else None)
+            # A Cancel of it stops it, and its job.
+            self._cancellable(conn, request.id,
+                              relay(self.jobs, conn.peer.uid, request, conn.send))
         else:
             self.pool.submit(conn, request, nbytes)
+
+    def _cancellable(self, conn: Connection, rid: int,
+                     reply: Coroutine[Any, Any, Any]) -> None:
+        """Answered later (a stream's chunks sent as they come), stopped by a Cancel of
+        its id."""
+        task = self._answer_later(conn, rid, reply)
+        if task is not None:
+            conn.relays[rid] = task
+            task.add_done_callback(lambda done: conn.relays.pop(rid)
+                                   if conn.relays.get(rid) is done else None)
 
     def _answer_later(self, conn: Connection, rid: int,
                       reply: Coroutine[Any, Any, Any]) -> asyncio.Task[None] | None:
@@ -158,7 +168,8 @@ class FrontDoor:
             conn.send(msg)
             return
         rid = getattr(msg, "id", None)
-        if rid is not None and type(msg) is not Cancel and rid in conn.jobs:
+        if rid is not None and type(msg) is not Cancel and (rid in conn.jobs
+                                                            or rid in conn.relays):
             # Its own id would read as a final reply to the request in flight: no id.
             conn.send(Error(id=None, code=ErrorCode.BAD_REQUEST,
                             message=f"request id {rid} is already in flight on this "
@@ -183,6 +194,9 @@ class FrontDoor:
                 self.pool.submit(conn, msg, nbytes)
             case _ if type(msg) in KIND_OF:
                 self._work(conn, msg, nbytes, self.cluster)
+            case Follow():  # a Cancel of it stops the following, not the job
+                self._cancellable(conn, msg.id,
+                                  self.streams.follow(conn.peer.uid, msg, conn.send))
             case _ if isinstance(msg, JOB_REQUESTS):
                 self._answer_later(conn, msg.id, self._job(conn.peer.uid, msg, nbytes))
             case Cancel(id=client_id):
@@ -225,7 +239,7 @@ class FrontDoor:
         try:
             match msg:
                 case Submit():
-                    return JobKey(id=msg.id, key=await self.jobs.submit(uid, msg, nbytes))
+                    return JobKey(id=msg.id, key=await self.streams.submit(uid, msg, nbytes))
                 case Retrieve(key=key, timeout_s=timeout_s):
                     return await self.jobs.retrieve(uid, key, timeout_s, msg.id)
                 case JobQuery(key=key):

@@ -43,7 +43,7 @@ from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.jobs import dedup_key
 from modelpool.supervisor.jobsink import MailboxSink
 from modelpool.supervisor.mailbox import JobRecord, Mailbox, MailboxFull
-from modelpool.supervisor.pgstreams import RelayedStreams, StreamPiece
+from modelpool.supervisor.pgstreams import RelayedStreams, StreamFollowers, StreamPiece
 from modelpool.supervisor.pool import Pool
 from modelpool.supervisor.tasks import QueueFull, TaskQueue
 
@@ -80,6 +80,8 @@ class JobService:
         self.elsewhere: Callable[[str], RemoteModel | None] = lambda name: None
         self.variant: Callable[[str], str | None] = lambda key: None  # cluster_view.py
         self.streams: RelayedStreams | None = None  # relayed streams' text (pgstreams.py)
+        # Without a cluster, the streams of this daemon's own jobs (jobstreams.py).
+        self.own_streams = StreamFollowers()
         queue.on_cancel = self._cancel_here
         self._running: dict[str, MailboxSink] = {}  # jobs this daemon runs, by key
         # Results not yet stored (the shared mailbox was unreachable): retried each tick.
@@ -256,10 +258,22 @@ class JobService:
             self.pool.cancel(sink, 0)
 
     def stream_piece(self, record: JobRecord, part: str, offset: int, text: str) -> None:
-        """A relayed stream's piece as it is made, for the node its client is on."""
-        if self.streams is not None and record.stream_to is not None:
-            self.streams.publisher.publish(record.stream_to, StreamPiece(
-                record.key, record.attempt, offset, text, part))
+        """A followed stream's piece as it is made, for the node its client is on (this
+        one, without a cluster)."""
+        if record.stream_to is None:
+            return
+        piece = StreamPiece(record.key, record.attempt, offset, text, part)
+        if self.streams is None:
+            self.own_streams.take(piece)
+        else:
+            self.streams.publisher.publish(record.stream_to, piece)
+
+    def followed(self) -> tuple[StreamFollowers, str]:
+        """Where a followed stream's pieces arrive here, and the channel that sends
+        them here ("": this daemon runs every job it is given)."""
+        if self.streams is None:
+            return self.own_streams, ""
+        return self.streams.followers, self.streams.channel
 
     def ended(self, sink: MailboxSink, result: Any) -> None:
         """The pool's final reply for a job (called in the pool's call stack)."""

@@ -151,7 +151,11 @@ class StreamFollowers:
 
     def notified(self, payload: str) -> None:
         piece = parse(payload)
-        if piece is not None and piece.key in self._queues:
+        if piece is not None:
+            self.take(piece)
+
+    def take(self, piece: StreamPiece) -> None:
+        if piece.key in self._queues:
             self._queues[piece.key].put_nowait(piece)
 
 

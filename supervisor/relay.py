@@ -38,8 +38,9 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
                           stream_to=streams.channel if streams else None)
         try:
             timeout = request.timeout_s or jobs.pool.config.pool.timeout_s
-            result = await _follow(jobs.retrieve(uid, key, timeout, rid), pieces, assembly,
-                                   lambda piece: send(_chunk(rid, assembly.chunks - 1, piece)))
+            result = await follow_pieces(
+                jobs.retrieve(uid, key, timeout, rid), pieces, assembly,
+                lambda piece: send(piece_chunk(rid, assembly.chunks - 1, piece)))
         except PoolError as exc:
             if exc.code in GIVEN_UP:
                 await jobs.cancel(uid, key)
@@ -57,10 +58,10 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
     finally:
         if streams:
             streams.followers.forget(key)
-    return _answer(rid, result, assembly)
+    return final_replies(rid, result, assembly)
 
 
-async def _follow(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
+async def follow_pieces(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
                   assembly: StreamAssembly, send_piece: Callable[[StreamPiece], None]
                   ) -> JobResult:
     """The job's result; meanwhile its stream's pieces, sent on as they come in order."""
@@ -88,7 +89,7 @@ async def _follow(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
                 await result
 
 
-def _chunk(rid: int, seq: int, piece: StreamPiece) -> Chunk:
+def piece_chunk(rid: int, seq: int, piece: StreamPiece) -> Chunk:
     """A relayed piece as the chunk a local stream would have sent."""
     if piece.part == "r":
         return Chunk(id=rid, seq=seq, text="", reasoning=piece.text)
@@ -103,7 +104,7 @@ def _chunk(rid: int, seq: int, piece: StreamPiece) -> Chunk:
     return Chunk(id=rid, seq=seq, text=piece.text)
 
 
-def _answer(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
+def final_replies(rid: int, result: JobResult, assembly: StreamAssembly) -> list[Any]:
     reply = result.result
     if not isinstance(reply, Completion):
         return [msgspec.structs.replace(reply, id=rid)]

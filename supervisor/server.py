@@ -161,6 +161,7 @@ class Server:
             sock.close()
             _, _, kill_at = await drain_and_stop(self.pool)
             await self.jobs.settle()
+            self.front.streams.close()
             self.pool.shared.release_all()
             await self.launcher.close(kill_at - self.pool.scheduler.now())
         finally:

@@ -167,3 +167,22 @@ def test_an_openai_client_of_one_node_streams_another_nodes_model_and_can_leave(
         assert next(iter(endless)).choices[0].text == "tok0 "
     # The HTTP client left: beta's front door cancels its request, so alpha stops.
     wait_until(lambda: not generating(alpha), 20, "alpha's generation stopped")
+
+
+def test_a_streamed_job_is_followed_live_on_the_node_it_was_submitted_to(
+        two_nodes: tuple[Daemon, Daemon]) -> None:
+    """beta keeps the stream of a job alpha runs (its pieces come to beta's channel);
+    alpha, which keeps none of it, sends it whole once it has ended."""
+    alpha, beta = two_nodes
+    with beta.client() as c:
+        wait_until(lambda: any(m["key"] == "gen" for m in c.models()), 20, "beta knows gen")
+        key = c.submit("generate", "hello", model="gen", max_tokens=8, stream=True)
+        got, arrived = [], []
+        for part in c.follow(key):
+            got.append(part.text)
+            arrived.append(time.monotonic())
+        again = [part.text for part in c.follow(key)]
+    assert "".join(got) == "".join(f"tok{i} " for i in range(8)) and again == got
+    assert len([text for text in got if text]) >= 4 and arrived[-1] - arrived[0] > 0.3
+    with alpha.client() as c:
+        assert [part.text for part in c.follow(key)] == ["".join(got), ""]

@@ -13,6 +13,7 @@ from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.jobs import (
     CancelJob,
     Completion,
+    Follow,
     ForgetJob,
     GetStats,
     JobInfo,
@@ -86,6 +87,8 @@ CLIENT_MESSAGES: list[msgspec.Struct] = [
     StopDaemon(id=8),
     ReloadConfig(id=20),
     Submit(id=13, request=Embed(id=0, texts=["a"]), single=True),
+    Submit(id=13, request=Generate(id=0, prompt="a"), stream=True),
+    Follow(id=13, key="k" * 32),
     Retrieve(id=14, key="k" * 22, timeout_s=2.5),
     JobQuery(id=15, key="k" * 22),
     CancelJob(id=16, key="k" * 22),

@@ -1,0 +1,148 @@
+"""A streamed job's replies, kept while it runs and for a while after, so that any
+connection of its user may follow it (Follow): from its first chunk, live, to its end,
+as often as asked. A client whose connection dropped takes it up again and, counting what
+it had, carries on (the HTTP Responses API's `starting_after`).
+
+The node a streamed job was submitted to keeps its stream: the job's pieces come to it as
+a relayed stream's do (pgstreams.py; without a cluster, from its own pool), and the rest
+from the job's result. A job followed where no stream of it is kept (submitted without
+`stream`, through another node, or ended long ago) comes whole, as one chunk and its End,
+once it has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.jobs import ENDED, Follow, JobResult, Submit
+from modelpool.protocol.kinds import BY_OP, KIND_OF
+from modelpool.protocol.messages import Chunk, End, Error, encoder
+from modelpool.supervisor.jobservice import new_key
+from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece
+from modelpool.supervisor.relay import final_replies, follow_pieces, piece_chunk
+
+if TYPE_CHECKING:
+    from modelpool.supervisor.jobservice import JobService
+
+KEPT_BYTES = 64 << 20  # ended streams kept, at most (the oldest go first)
+RESULT_WAIT_S = 3600.0  # one wait for a result; waited again while the job goes on
+
+
+class KeptStream:
+    """One job's replies as its client would have had them (ids 0), to its End or
+    Error."""
+
+    def __init__(self) -> None:
+        self.replies: list[Chunk | End | Error] = []
+        self.nbytes = 0
+        self.ended_at: float | None = None
+        self._grew = asyncio.Event()
+
+    def add(self, msg: Chunk | End | Error) -> None:
+        self.replies.append(msg)
+        self.nbytes += len(encoder.encode(msg))
+        self._grew.set()  # wakes those following it; the next reply sets a new one
+        self._grew = asyncio.Event()
+
+    async def replay(self, rid: int, send: Callable[[Any], None]) -> End | Error:
+        """Every chunk to `send`, live as they come; the final reply returned."""
+        sent = 0
+        while True:
+            grew = self._grew
+            for msg in self.replies[sent:]:
+                sent += 1
+                if type(msg) is not Chunk:
+                    return msgspec.structs.replace(msg, id=rid)
+                send(msgspec.structs.replace(msg, id=rid))
+            await grew.wait()
+
+
+class JobStreams:
+    """The streams kept of the jobs submitted here with `stream`, by key."""
+
+    def __init__(self, jobs: JobService) -> None:
+        self.jobs = jobs
+        self._kept: dict[str, KeptStream] = {}
+        self._watching: set[asyncio.Task[None]] = set()
+
+    async def submit(self, uid: int, msg: Submit, nbytes: int) -> str:
+        """The job submitted (its key); a streamed text job's stream kept here."""
+        if not msg.stream or KIND_OF[type(msg.request)].reply != "text":
+            return await self.jobs.submit(uid, msg, nbytes)
+        followers, channel = self.jobs.followed()
+        key = new_key()
+        pieces = followers.follow(key)  # before it can start: no piece is missed
+        try:
+            await self.jobs.submit(uid, msg, nbytes, key=key, stream_to=channel)
+        except BaseException:
+            followers.forget(key)
+            raise
+        self._drop_old()
+        kept = self._kept[key] = KeptStream()
+        task = asyncio.get_running_loop().create_task(self._watch(uid, key, pieces, kept))
+        self._watching.add(task)
+        task.add_done_callback(self._watching.discard)
+        return key
+
+    async def follow(self, uid: int, msg: Follow, send: Callable[[Any], None]) -> list[Any]:
+        """A Follow's replies: its chunks go to `send`, the final reply is returned."""
+        try:
+            info = await self.jobs.info(uid, msg.key)  # its user's only
+            if BY_OP[info.op].reply != "text":
+                raise PoolError(ErrorCode.BAD_REQUEST, f"job {msg.key} is {info.op}: only "
+                                "a generate or describe job streams")
+            kept = self._kept.get(msg.key)
+            if kept is not None:
+                return [await kept.replay(msg.id, send)]
+            result = await self._result(uid, msg.key)
+            return final_replies(msg.id, result, StreamAssembly())
+        except PoolError as exc:
+            return [Error(id=msg.id, code=exc.code, message=exc.message,
+                          retry_after_s=exc.retry_after_s)]
+
+    def close(self) -> None:
+        """The daemon stops: nothing more is watched."""
+        for task in self._watching:
+            task.cancel()
+
+    async def _watch(self, uid: int, key: str, pieces: asyncio.Queue[StreamPiece],
+                     kept: KeptStream) -> None:
+        assembly = StreamAssembly()
+        try:
+            result = await follow_pieces(
+                self._result(uid, key), pieces, assembly,
+                lambda piece: kept.add(piece_chunk(0, assembly.chunks - 1, piece)))
+            replies = final_replies(0, result, assembly)
+        except PoolError as exc:
+            replies = [Error(id=0, code=exc.code, message=exc.message)]
+        finally:
+            self.jobs.followed()[0].forget(key)
+        for msg in replies:
+            kept.add(msg)
+        kept.ended_at = self.jobs.pool.scheduler.wall()
+
+    async def _result(self, uid: int, key: str) -> JobResult:
+        """The job's result once it has ended; its failure raised."""
+        while True:
+            try:
+                return await self.jobs.retrieve(uid, key, RESULT_WAIT_S, 0)
+            except PoolError as exc:  # TIMEOUT is also a code a job may end with
+                if exc.code is not ErrorCode.TIMEOUT or \
+                        (await self.jobs.info(uid, key)).state in ENDED:
+                    raise
+
+    def _drop_old(self) -> None:
+        """Ended streams past the results' retention, then the oldest over KEPT_BYTES."""
+        since = self.jobs.pool.scheduler.wall() - self.jobs.config.result_retention_s
+        ended = [(key, kept) for key, kept in self._kept.items() if kept.ended_at is not None]
+        total = sum(kept.nbytes for _, kept in ended)
+        for key, kept in ended:
+            assert kept.ended_at is not None
+            if kept.ended_at < since or total > KEPT_BYTES:
+                total -= kept.nbytes
+                del self._kept[key]
