@@ -56,12 +56,13 @@ class JobsApi:
                               "status": "queued"}, 202)
 
     async def submit_call(self, request: Request, call: bodies.PoolCall,
-                          options: dict[str, Any] | None = None) -> str:
-        """The call submitted as a job (`options`: the job body's own); its key."""
+                          options: dict[str, Any] | None = None, stream: bool = False) -> str:
+        """The call submitted as a job (`options`: the job body's own; `stream`: its
+        chunks kept for a client to follow); its key."""
         kwargs = with_header_options(request, {**(options or {}), **call.kwargs},
                                      self.api.settings)
         client = await self.api.client(request)
-        return str(await client.submit(call.op, *call.args, **kwargs))
+        return str(await client.submit(call.op, *call.args, stream=stream, **kwargs))
 
     async def show(self, request: Request) -> Response:
         key = request.path_params["key"]
@@ -84,12 +85,12 @@ class JobsApi:
         return json_response(_job(await client.job(key)))
 
 
-def refuse_in_a_job(body: Any, field: str = "", schema_field: str = "response_format"
-                    ) -> None:
+def refuse_in_a_job(body: Any, field: str = "", schema_field: str = "response_format",
+                    streams: bool = False) -> None:
     """What a body run as a job cannot have (`field`: where the body is in the request):
-    a stream, several choices, a forced tool call (its result is text; `schema_field`
-    holds it to the call's schema)."""
-    if getattr(body, "stream", False):
+    a stream (unless its job `streams`), several choices, a forced tool call (its result
+    is text; `schema_field` holds it to the call's schema)."""
+    if getattr(body, "stream", False) and not streams:
         raise bodies.bad(f"{field}stream", "a job's result is fetched whole, not streamed")
     if getattr(body, "n", 1) != 1:
         raise bodies.bad(f"{field}n", "a job has one result: submit a job for each choice")

@@ -258,7 +258,7 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type | None, type | None]] =
     ("/v1/responses", "post", "OpenAI's Responses API (a chat; background: a job)",
      ResponsesBody, ResponseObject, ResponseEvent),
     ("/v1/responses/{id}", "get", "A kept response; a background one with its output once "
-     "done", None, ResponseObject, None),
+     "done, or (stream) its events", None, ResponseObject, ResponseEvent),
     ("/v1/responses/{id}/cancel", "post", "Cancel a background response", None,
      ResponseObject, None),
     ("/v1/responses/{id}", "delete", "Remove a kept response (a background one cancelled)",
@@ -321,6 +321,8 @@ def openapi_document() -> bytes:
                                             "schema": {"type": "string"}}]
         if path.endswith("/input_items"):
             operation["parameters"].extend(_LIST_PARAMETERS)
+        if path == "/v1/responses/{id}" and method == "get":
+            operation["parameters"].extend(_STREAM_PARAMETERS)
         paths.setdefault(path, {})[method] = operation
     return msgspec.json.encode({
         "openapi": "3.1.0",
@@ -341,6 +343,13 @@ _LIST_PARAMETERS: list[dict[str, Any]] = [
     {"name": "include", "in": "query", "required": False, "explode": True,
      "schema": {"type": "array", "items": {"type": "string",
                                            "enum": ["message.input_image.image_url"]}}},
+]
+
+
+_STREAM_PARAMETERS: list[dict[str, Any]] = [
+    {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+    {"name": "starting_after", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 0}},
 ]
 
 

@@ -1,7 +1,8 @@
 """OpenAI's Responses API: POST /v1/responses answers the chat its body describes, whole,
 streamed, or in the background as a job; a response is kept (unless `store` is false)
-for `previous_response_id` to continue and GET /v1/responses/{id} to show; DELETE removes
-one, GET /v1/responses/{id}/input_items lists its input items, and
+for `previous_response_id` to continue and GET /v1/responses/{id} to show (a background
+one streamed again with ?stream=true, after ?starting_after=N); DELETE removes one,
+GET /v1/responses/{id}/input_items lists its input items, and
 POST /v1/responses/{id}/cancel cancels a background one's job.
 """
 
@@ -37,6 +38,7 @@ from modelpool.supervisor.httpapi.responses_in import (
     ResponsesBody,
     continued,
     conversation,
+    response_tools,
     responses_call,
 )
 from modelpool.supervisor.httpapi.responses_items import (
@@ -50,9 +52,11 @@ from modelpool.supervisor.httpapi.responses_out import (
     RESPONSE_ID,
     ResponseShape,
     background,
+    background_shape,
     events,
     item_response_id,
 )
+from modelpool.supervisor.httpapi.tools import ToolCalls
 
 if TYPE_CHECKING:
     from modelpool.supervisor.httpapi.app import Api
@@ -121,13 +125,24 @@ class ResponsesApi:
     async def _background(self, request: Request, body: ResponsesBody, call: PoolCall,
                           model: str, items: list[dict[str, Any]] | None) -> Response:
         """Run as a job: answered queued at once, its id the job's, shown by GET
-        /v1/responses/{id} (the SDK's responses.retrieve) whatever connection asks."""
-        refuse_in_a_job(body, schema_field="text.format")
-        key = await self.api.jobs.submit_call(request, call)
-        shape = ResponseShape(body, model, call.made, key, stored=items is not None)
+        /v1/responses/{id} (the SDK's responses.retrieve) whatever connection asks;
+        with `stream`, its events as it runs (the job goes on if the client leaves)."""
+        refuse_in_a_job(body, schema_field="text.format", streams=True)
+        key = await self.api.jobs.submit_call(request, call, stream=bool(body.stream))
+        owner = _owner(request)
         if items is not None:  # if not kept (a store out of reach): shown as its job stands
-            await self._keep(shape.id, _owner(request), items, body)
-        return json_response(shape.response("queued", []))
+            await self._keep(f"{RESPONSE_ID}{key}", owner, items, body)
+        if not body.stream:
+            shape = ResponseShape(body, model, call.made, key, stored=items is not None)
+            return json_response(shape.response("queued", []))
+        client = await self.api.client(request)
+        shape = background_shape(await client.job(key), body, call.made, items is not None)
+        finished: list[dict[str, Any]] = []
+        if items is not None:
+            shape.on_finished = finished.append
+        keep = self._keeper(shape.id, owner, items or [], body, finished)
+        return EventStream(_kept_when_sent(
+            events(shape, _followed(client, key), queued=True), keep))
 
     async def _before(self, request: Request,
                       response_id: str | None) -> list[dict[str, Any]]:
@@ -180,10 +195,31 @@ class ResponsesApi:
                   f"response is not kept if {NOT_KEPT})")
 
     async def show(self, request: Request) -> Response:
-        """GET /v1/responses/{id}: a kept response; a background one as its job stands."""
+        """GET /v1/responses/{id}: a kept response; a background one as its job stands,
+        or with ?stream=true its events from the start (after ?starting_after=N)."""
         response_id = request.path_params["id"]
-        return json_response(await self._kept_response(request, response_id,
-                                                       await self.kept.get(response_id)))
+        kept = await self.kept.get(response_id)
+        after = _starting_after(request)
+        if after is not None:
+            return await self._stream_again(request, response_id, kept, after)
+        return json_response(await self._kept_response(request, response_id, kept))
+
+    async def _stream_again(self, request: Request, response_id: str, kept: Kept | None,
+                            after: int) -> Response:
+        """A background response's events as its stream sent them (the daemon keeps a
+        streamed job's chunks), live while it runs: a client whose stream broke takes it
+        up after the last event it had."""
+        if kept is not None and kept.response is not None and not kept.response["background"]:
+            raise bad("stream", "only a background response streams again; this one was "
+                      "answered as it was asked")
+        key = _job_key(response_id)
+        client = await self.api.client(request)
+        info = await _response_job(client, key)
+        body = kept.body if kept is not None else None
+        calls = response_tools(body) if body is not None else ToolCalls(None, auto=True)
+        shape = background_shape(info, body, calls, body is not None)
+        return EventStream(events(shape, _followed(client, key), queued=True,
+                                  starting_after=after))
 
     async def input_items(self, request: Request) -> Response:
         """GET /v1/responses/{id}/input_items: a page of a kept response's input items (a
@@ -256,6 +292,24 @@ def _owner(request: Request) -> str:
     return hashlib.sha256(client_identity(request).encode()).hexdigest()
 
 
+def _starting_after(request: Request) -> int | None:
+    """None: the response itself; else its events after this one (-1: all of them)."""
+    query = request.query_params
+    stream = query.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise bad("stream", "true or false")
+    after = query.get("starting_after")
+    if stream == "false":
+        if after is not None:
+            raise bad("starting_after", "only with stream=true")
+        return None
+    if after is None:
+        return -1
+    if not after.isdigit() or len(after) > 12:
+        raise bad("starting_after", "an event's sequence_number: 0 or more")
+    return int(after)
+
+
 def _job_key(response_id: str) -> str:
     if not response_id.startswith(RESPONSE_ID):
         raise PoolError(ErrorCode.RESULT_NOT_FOUND, f"no response {response_id!r}")
@@ -275,6 +329,14 @@ async def _job_response(client: AsyncClient, key: str,
     info = await _response_job(client, key)
     done = info["state"] == "done"
     return background(info, await client.retrieve(key, timeout_s=1.0) if done else None, body)
+
+
+async def _followed(client: AsyncClient, key: str) -> AsyncIterator[tuple[int, Any]]:
+    """A background response's job's chunks, as one choice's; leaving them leaves the
+    job running."""
+    async with contextlib.aclosing(client.follow(key)) as chunks:  # type: ignore[type-var]
+        async for chunk in chunks:
+            yield 0, chunk
 
 
 async def _kept_when_sent(events: AsyncIterator[bytes],

@@ -47,6 +47,8 @@ from modelpool.supervisor.httpapi.tools import (
     NamedFunction,
     NamedToolChoice,
     Tool,
+    ToolCalls,
+    tool_calls,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -160,6 +162,12 @@ def responses_call(body: ResponsesBody, turns: list[ChatMessage] | None = None) 
     """The chat a Responses body describes, as the chat endpoint would call the pool;
     `turns`: the conversation it answers (`conversation`), by default its input alone."""
     return chat_call(chat_body(body, turns))
+
+
+def response_tools(body: ResponsesBody) -> ToolCalls | None:
+    """How its answer's output becomes calls, as its pool call reads it."""
+    return tool_calls(_tools(body.tools), _tool_choice(body.tool_choice),
+                      body.parallel_tool_calls)[0]
 
 
 def chat_body(body: ResponsesBody, turns: list[ChatMessage] | None = None) -> ChatBody:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.client_core import TextChunk, TextResult
-from modelpool.protocol.errors import PoolError
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import CallDelta, TokenLogprob, new_call_id
 from modelpool.supervisor.httpapi import logprobs
 from modelpool.supervisor.httpapi.choices import whole_text
@@ -144,13 +144,19 @@ STATUS_OF_JOB = {"queued": "queued", "running": "in_progress", "failed": "failed
                  "cancelled": "cancelled"}
 
 
+def background_shape(info: dict[str, Any], body: ResponsesBody | None,
+                     calls: ToolCalls | None, stored: bool) -> ResponseShape:
+    """A background response's shape, made alike wherever it is shown or streamed
+    from: its job's (`info`), echoing its request's options (`body`, if known)."""
+    return ResponseShape(body or ResponsesBody(input="", background=True), info["model"],
+                         calls, info["key"], info["submitted_at"], stored=stored)
+
+
 def background(info: dict[str, Any], result: TextResult | None,
                body: ResponsesBody | None = None) -> dict[str, Any]:
     """A background response as its job stands (`info`), with its answer once done,
     echoing its request's options if it was kept (`body`)."""
-    shape = ResponseShape(body or ResponsesBody(input="", background=True), info["model"],
-                          ToolCalls(None, auto=True), info["key"], info["submitted_at"],
-                          stored=body is not None)
+    shape = background_shape(info, body, ToolCalls(None, auto=True), body is not None)
     if result is not None:
         return shape.whole(result)
     error = None
@@ -177,9 +183,10 @@ class ResponseStream:
     """One streamed answer's events, numbered in order. A reasoning model's thinking
     streams first, as item 0; its answer's items follow it."""
 
-    def __init__(self, shape: ResponseShape) -> None:
+    def __init__(self, shape: ResponseShape, starting_after: int = -1) -> None:
         self.shape = shape
         self.sequence = 0
+        self.starting_after = starting_after  # the events up to it are made, not sent
         self.parts: list[str] = []
         self.thinking: list[str] = []
         self.entries: list[TokenLogprob] = []
@@ -194,14 +201,23 @@ class ResponseStream:
         return 1 if self.thinking else 0
 
     def event(self, kind: str, **fields: Any) -> bytes:
-        data = msgspec.json.encode({"type": kind, "sequence_number": self.sequence, **fields})
+        sequence = self.sequence
         self.sequence += 1
+        if sequence <= self.starting_after:
+            return b""
+        data = msgspec.json.encode({"type": kind, "sequence_number": sequence, **fields})
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
     def start(self) -> bytes:
         snapshot = self.shape.response("in_progress", [])
         return (self.event("response.created", response=snapshot)
                 + self.event("response.in_progress", response=snapshot))
+
+    def queued(self) -> bytes:
+        """A background response's first events, sent at once (its job may wait)."""
+        snapshot = self.shape.response("queued", [])
+        return (self.event("response.created", response=snapshot)
+                + self.event("response.queued", response=snapshot))
 
     def chunk(self, chunk: TextChunk) -> bytes:
         self.parts.append(chunk.text)
@@ -256,8 +272,9 @@ class ResponseStream:
                              item=self.shape.reasoning_item(text, status)))
 
     def failed(self, exc: PoolError) -> bytes:
+        status = "cancelled" if exc.code is ErrorCode.CANCELLED else "failed"
         return self.event("response.failed", response=self.shape.response(
-            "failed", [], error={"code": exc.code.value.lower(), "message": exc.message}))
+            status, [], error={"code": exc.code.value.lower(), "message": exc.message}))
 
     def _open_message(self) -> bytes:
         if self.opened:
@@ -351,17 +368,27 @@ class ResponseStream:
         return out + self.event("response.output_item.done", output_index=index, item=item)
 
 
-async def events(shape: ResponseShape,
-                 chunks: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
+async def events(shape: ResponseShape, chunks: AsyncIterator[tuple[int, Any]],
+                 queued: bool = False, starting_after: int = -1) -> AsyncIterator[bytes]:
     """The stream's events; an error of the pool mid-stream ends it as response.failed.
     The first chunk is in hand when the stream starts (its status depends on it): the
-    opening events go out with its own, in one write, not two."""
-    stream = ResponseStream(shape)
-    opening = stream.start()
+    opening events go out with its own, in one write, not two. A background response's
+    (`queued`) say at once that it is queued. The same chunks make the same events:
+    those up to `starting_after` are left out (a stream taken up again)."""
+    stream = ResponseStream(shape, starting_after)
+    if queued:
+        if said := stream.queued():
+            yield said
+        opening = stream.event("response.in_progress",
+                               response=shape.response("in_progress", []))
+    else:
+        opening = stream.start()
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         try:
             async for _, chunk in chunks:
-                yield opening + stream.chunk(chunk)
+                if said := opening + stream.chunk(chunk):
+                    yield said
                 opening = b""
         except PoolError as exc:
-            yield opening + stream.failed(exc)
+            if said := opening + stream.failed(exc):
+                yield said

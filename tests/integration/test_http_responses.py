@@ -302,8 +302,68 @@ def test_a_background_response_cancelled_and_what_is_no_response(
     shown = httpx.get(f"{served[1]}/v1/jobs/{job}?wait=30", timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}).json()
     assert shown["status"] == "done"  # a job of /v1/jobs: neither cancelled nor removed
-    for refused, param in (({"stream": True}, "stream"),
-                           ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice")):
-        with pytest.raises(openai.BadRequestError) as error:
-            sdk.responses.create(model=MODEL, input="hi", background=True, **refused)
-        assert error.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as error:
+        sdk.responses.create(model=MODEL, input="hi", background=True, tools=[TOOL],
+                             tool_choice="required")
+    assert error.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_a_streamed_background_response_outlives_its_client_and_streams_again(
+        sdk: openai.OpenAI) -> None:
+    """background with stream: queued at once, then its events as the counter makes
+    them (a token each 0.05 s); the client leaves and the response goes on, and its
+    stream is taken up after the last event it had, through the SDK's helper and
+    through retrieve's own stream."""
+    created = sdk.responses.create(model="counter", input="x", max_output_tokens=24,
+                                   background=True, stream=True)
+    had = []
+    for event in created:
+        had.append(event)
+        if event.type == "response.output_text.delta" and event.delta == "tok2 ":
+            break
+    created.close()  # the client leaves mid-stream
+    assert [e.type for e in had[:3]] == ["response.created", "response.queued",
+                                         "response.in_progress"]
+    assert had[0].response.status == "queued" and had[0].response.background
+    assert [e.sequence_number for e in had] == list(range(len(had)))
+    response_id, last = had[0].response.id, had[-1].sequence_number
+    with sdk.responses.stream(response_id=response_id, starting_after=last) as again:
+        rest = list(again)
+    # (the counter writes to its max_output_tokens: incomplete, which the SDK's
+    # get_final_response does not take)
+    assert rest[0].sequence_number == last + 1 and rest[-1].type == "response.incomplete"
+    text = "".join(e.delta for e in [*had, *rest] if e.type == "response.output_text.delta")
+    assert text == rest[-1].response.output_text == "".join(f"tok{i} " for i in range(24))
+    assert _ended(sdk, response_id).output_text == text  # kept as it finished
+    # retrieve's own stream: the server leaves out the events up to starting_after
+    raw = list(sdk.responses.retrieve(response_id, stream=True, starting_after=last))
+    assert [(e.type, e.sequence_number) for e in raw] == [
+        (e.type, e.sequence_number) for e in rest]
+    assert len(list(sdk.responses.retrieve(response_id, stream=True))) == last + 1 + len(rest)
+
+
+def test_a_streamed_background_response_cancelled_ends_its_stream(sdk: openai.OpenAI) -> None:
+    """2,000 tokens of the counter take 100 s: cancelled as its first text comes, its
+    stream ends at once, the response cancelled."""
+    events = []
+    for event in sdk.responses.create(model="counter", input="x", max_output_tokens=2000,
+                                      background=True, stream=True):
+        events.append(event)
+        if event.type == "response.in_progress":
+            assert sdk.responses.cancel(event.response.id).status == "cancelled"
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.status == "cancelled" and len(events) < 200
+
+
+def test_what_does_not_stream_again(sdk: openai.OpenAI, served: tuple[Daemon, str]) -> None:
+    answered = sdk.responses.create(model="counter", input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as error:
+        list(sdk.responses.retrieve(answered.id, stream=True))
+    assert error.value.body["param"] == "stream"  # type: ignore[index]
+    for query, param in (("stream=maybe", "stream"), ("starting_after=3", "starting_after"),
+                         ("stream=true&starting_after=-1", "starting_after")):
+        refused = httpx.get(f"{served[1]}/v1/responses/{answered.id}?{query}",
+                            headers={"Authorization": f"Bearer {KEY}"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        list(sdk.responses.retrieve("resp_" + "0" * 32, stream=True))
