@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Daemon, daemon_env, model_entry, start_daemon
+from conftest import Daemon, model_entry, start_daemon
+from test_cli_ops import cli
 
 from modelpool.protocol.async_client import AsyncClient
 from modelpool.protocol.client import TextChunk
@@ -123,17 +122,15 @@ def test_following_needs_no_open_submitter(daemon: Daemon, tmp_path: Path) -> No
 
 
 def test_the_cli_submits_a_streamed_job_and_follows_it(daemon: Daemon) -> None:
-    def cli(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "modelpool.supervisor.cli", "--socket",
-                              daemon.socket_path, *args], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT, env=daemon_env(daemon.socket_path))
-        assert out.returncode == 0, out.stderr
-        return out.stdout
+    def out(*args: str) -> str:
+        run = cli(daemon, *args)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
 
-    key = cli("submit", "generate", "Once", "--model", "gen", "--max-tokens", "6",
+    key = out("submit", "generate", "Once", "--model", "gen", "--max-tokens", "6",
               "--stream").strip()
-    lines = [json.loads(line) for line in cli("follow", key, "--json").splitlines()]
+    lines = [json.loads(line) for line in out("follow", key, "--json").splitlines()]
     assert "".join(line.get("text", "") for line in lines) == "".join(
         f"tok{i} " for i in range(6))
     assert len(lines) > 2 and lines[-1]["finish_reason"] == "length"
-    assert cli("follow", key) == "".join(f"tok{i} " for i in range(6)) + "\n"
+    assert out("follow", key) == "".join(f"tok{i} " for i in range(6)) + "\n"
