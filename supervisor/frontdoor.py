@@ -248,6 +248,7 @@ class FrontDoor:
                     await self.jobs.cancel(uid, key)
                 case ForgetJob(key=key):
                     await self.jobs.forget(uid, key)
+                    self.streams.forget(key)
                 case ListJobs(limit=limit):
                     return JobsReply(id=msg.id, jobs=await self.jobs.recent(uid, limit))
                 case GetStats():

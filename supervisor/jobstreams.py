@@ -105,6 +105,10 @@ class JobStreams:
             return [Error(id=msg.id, code=exc.code, message=exc.message,
                           retry_after_s=exc.retry_after_s)]
 
+    def forget(self, key: str) -> None:
+        """Its job was forgotten: so is its stream."""
+        self._kept.pop(key, None)
+
     def close(self) -> None:
         """The daemon stops: nothing more is watched."""
         for task in self._watching:

@@ -52,7 +52,11 @@ def test_a_streamed_job_is_followed_live_and_again_once_ended(daemon: Daemon) ->
     assert live[-1].finish_reason == "length" and live[-1].completion_tokens == TOKENS
     with daemon.client() as other:  # another connection, after the end: the same chunks
         again = list(other.follow(key))
+        other.forget(key)
+        with pytest.raises(PoolError) as err:
+            list(other.follow(key))
     assert _texts(again) == _texts(live) and again[-1].finish_reason == "length"
+    assert err.value.code is ErrorCode.RESULT_NOT_FOUND
 
 
 def test_followers_side_by_side_and_one_that_stops_early(daemon: Daemon) -> None:
