@@ -217,7 +217,8 @@ def embed_image(images: ImageLike | list[ImageLike],
     return {"model": model or "", "images": items}, single
 
 
-def describe(image: ImageLike, query: str = "", model: str | None = None, *,
+def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
+             model: str | None = None, *, image_at: int | None = None,
              max_tokens: int | None = None, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None,
              min_p: float | None = None, presence_penalty: float | None = None,
@@ -230,9 +231,17 @@ def describe(image: ImageLike, query: str = "", model: str | None = None, *,
              json_schema: str | dict[str, Any] | bool | None = None,
              regex: str | None = None, choice: list[str] | None = None,
              grammar: str | None = None) -> tuple[Fields, bool]:
-    """Stream text about an image; no query asks for a caption. Sampling as generate's."""
-    return {"model": model or "", "image": image_input(image), "prompt": query,
-            "sampling": _sampling(locals())}, False
+    """Stream text about an image; no query asks for a caption. The query may be a chat
+    (messages as generate's, with a system message, earlier turns, ...): the image goes
+    with message image_at, by default the last user's. Sampling as generate's."""
+    fields: Fields = {"model": model or "", "image": image_input(image),
+                      "sampling": _sampling(locals())}
+    if isinstance(query, str):
+        return {**fields, "prompt": query}, False
+    messages = [_chat_message(m) for m in query]
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
+    at = image_at if image_at is not None else users[-1] if users else 0
+    return {**fields, "messages": messages, "image_at": at}, False
 
 
 def generate_image(prompt: str, model: str | None = None, *, steps: int | None = None,
@@ -265,6 +274,17 @@ def _generate_problem(request: Generate) -> str | None:
         return "tools are shown to the model by its chat template: not with raw or prompt_ids"
     if request.tool_choice == "auto" and not request.tools:
         return "tool_choice auto lets the model call the request's tools: it has none"
+    return _one_language(request)
+
+
+def _describe_problem(request: Describe) -> str | None:
+    if request.messages:
+        if request.prompt:
+            return "describe takes a question or messages, not both"
+        if request.image_at >= len(request.messages) or \
+                request.messages[request.image_at].role != "user":
+            return (f"image_at {request.image_at}: the image goes with a user's message, "
+                    f"and there are {len(request.messages)} messages")
     return _one_language(request)
 
 
@@ -316,7 +336,8 @@ KINDS: tuple[Kind, ...] = (
          inputs="images", images=lambda r: list(r.images),
          with_images=lambda r, images: msgspec.structs.replace(r, images=images)),
     Kind(Describe, "describe", ("vision",), describe, End, Chunk, reply="text",
-         deterministic=_greedy_or_seeded, check=_one_language, images=lambda r: [r.image],
+         deterministic=_greedy_or_seeded, check=_describe_problem,
+         images=lambda r: [r.image],
          with_images=lambda r, images: msgspec.structs.replace(r, image=images[0])),
     Kind(GenerateImage, "generate_image", ("text_to_image",), generate_image, Image,
          ImageProgress, reply="image", deterministic=lambda r: r.seed is not None),

@@ -181,6 +181,10 @@ class EmbedImage(_Request, frozen=True, kw_only=True, tag="embed_image"):
 class Describe(_Request, frozen=True, kw_only=True, tag="describe"):
     image: ImageInput
     prompt: str = ""  # the question; "" asks for a caption
+    # or a chat (system, earlier turns, ...), the image in its message `image_at` (a
+    # user's), before that message's text
+    messages: list[ChatMessage] = []
+    image_at: Annotated[int, msgspec.Meta(ge=0)] = 0
     sampling: Sampling = msgspec.field(default_factory=Sampling)
 
 

@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Describe
+from modelpool.protocol.messages import ChatMessage, Describe, encoder
 from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
@@ -64,7 +64,7 @@ class VisionLM:
         self.kept = kept_tokens(self.tokenizer, (
             self.thinking.opens, self.thinking.closes) if self.thinking else ()) or None
         self.open_token = one_token(self.tokenizer, self.thinking.opens) if self.thinking else None
-        self._last_opened: tuple[str, bool] | None = None
+        self._last_opened: tuple[tuple[str, int, bytes], bool] | None = None
 
     def reasoning_reader(self, request: Describe) -> ReasoningReader | None:
         """What reads the thinking out of the output, for a model that reasons: inside
@@ -79,13 +79,13 @@ class VisionLM:
         """Whether the template's generation prompt opens the thinking for this question
         (the last question's answer kept: the reader and the language both ask)."""
         assert self.thinking is not None
-        question = request.prompt or DEFAULT_PROMPT
-        if self._last_opened is None or self._last_opened[0] != question:
-            messages = [{"role": "user", "content": [{"type": "image"}, {
-                "type": "text", "text": question}]}]
+        asked = (request.prompt, request.image_at, encoder.encode(request.messages))
+        if self._last_opened is None or self._last_opened[0] != asked:
             rendered = self.processor.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False)
-            self._last_opened = (question, opens_thinking(str(rendered), self.thinking))
+                vision_chat(request.prompt, request.messages, request.image_at,
+                            {"type": "image"}),
+                add_generation_prompt=True, tokenize=False)
+            self._last_opened = (asked, opens_thinking(str(rendered), self.thinking))
         return self._last_opened[1]
 
     def language(self, request: Describe) -> GrammarMatcher | None:
@@ -103,20 +103,26 @@ class VisionLM:
                 "chat_template": bool(getattr(self.processor, "chat_template", None)),
                 "reasoning_format": self.thinking.name if self.thinking else None}
 
-    def prompt_inputs(self, image: Image.Image, prompt: str) -> dict[str, torch.Tensor]:
-        """input_ids (image placeholders expanded), attention_mask, pixel_values, ..."""
+    def prompt_inputs(self, image: Image.Image, prompt: str,
+                      messages: list[ChatMessage] | None = None,
+                      image_at: int = 0) -> dict[str, torch.Tensor]:
+        """input_ids (image placeholders expanded), attention_mask, pixel_values, ...,
+        for a question or a chat (`messages`, the image in message `image_at`)."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        question = prompt or DEFAULT_PROMPT
         if getattr(self.processor, "chat_template", None):
-            messages = [{"role": "user", "content": [{"type": "image", "image": rgb},
-                                                     {"type": "text", "text": question}]}]
             # sanitize_control_tokens: a question containing "<image>" or "<|im_end|>" is
             # text, not a second image slot (a shape error) or a forged turn.
             inputs = self.processor.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                vision_chat(prompt, messages or [], image_at, {"type": "image", "image": rgb}),
+                add_generation_prompt=True, tokenize=True, return_dict=True,
                 return_tensors="pt", sanitize_control_tokens=True)
         else:  # processors without a template (BLIP-style) place the image themselves
-            inputs = self.processor(images=rgb, text=question, return_tensors="pt")
+            if messages and len(messages) > 1:
+                raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r} has no chat "
+                                "template: it answers one question about an image, not a chat")
+            question = messages[0].content if messages else prompt
+            inputs = self.processor(images=rgb, text=question or DEFAULT_PROMPT,
+                                    return_tensors="pt")
         device = self.model.device
         return {name: (value.to(device, self.model.dtype) if value.is_floating_point()
                        else value.to(device)) if isinstance(value, torch.Tensor) else value
@@ -126,7 +132,7 @@ class VisionLM:
                         ) -> tuple[dict[str, torch.Tensor], int, int]:
         """The model's inputs, the prompt's length and how many tokens may follow it."""
         check_logit_bias(request.sampling, self.vocab, self.key)
-        inputs = self.prompt_inputs(image, request.prompt)
+        inputs = self.prompt_inputs(image, request.prompt, request.messages, request.image_at)
         n_prompt = int(inputs["input_ids"].shape[1])  # image tokens included: they use context
         if n_prompt >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "
@@ -165,6 +171,21 @@ class VisionLM:
         yield from decode(self.model, inputs, next_inputs, budget, request.sampling,
                           self.eos_ids, self.tokenizer, stats, self.language(request),
                           self.kept)
+
+
+def vision_chat(prompt: str, messages: list[ChatMessage], image_at: int,
+                image: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat a processor's template renders: the request's messages, the image before
+    the text of its own, or its one question (no question, and the image the chat's last
+    message alone: a caption is asked for)."""
+    if not messages:
+        messages, image_at = [ChatMessage(role="user", content=prompt)], 0
+    turns = [{"role": m.role, "content": [{"type": "text", "text": m.content}]}
+             for m in messages]
+    if image_at == len(messages) - 1 and not messages[-1].content:
+        turns[-1]["content"][0]["text"] = DEFAULT_PROMPT
+    turns[image_at]["content"].insert(0, image)
+    return turns
 
 
 def _config_eos(config: Any) -> set[int]:

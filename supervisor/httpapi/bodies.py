@@ -323,8 +323,8 @@ def chat_call(body: ChatBody) -> PoolCall:
                                  "another language (response_format, structured_outputs)")
     images = [(i, part) for i, m in enumerate(body.messages) if isinstance(m.content, list)
               for part in m.content if part.type == "image_url"]
+    messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
     if not images:
-        messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
         return PoolCall("generate", (messages,), {
             **sampling, **for_tools, "cache_salt": body.cache_salt,
             "chat_template_kwargs": body.chat_template_kwargs,
@@ -337,9 +337,11 @@ def chat_call(body: ChatBody) -> PoolCall:
     index, part = images[0]
     if part.image_url is None:
         raise bad(f"messages[{index}].content", "an image_url part needs image_url.url")
+    if body.messages[index].role != "user":
+        raise bad(f"messages[{index}].content", "an image goes in a user's message")
     image = image_from_url(part.image_url.url, f"messages[{index}].content.image_url")
-    # A vision model answers one question about one image: the text beside the image.
-    return PoolCall("describe", (image, _text_of(body.messages[index])), sampling)
+    # The whole chat, its image in its own message (before that message's text).
+    return PoolCall("describe", (image, messages), {**sampling, "image_at": index})
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:

@@ -209,6 +209,21 @@ def test_vision_through_chat(served: tuple[Daemon, str], sdk: openai.OpenAI) -> 
                                             {"type": "image_url",
                                              "image_url": {"url": data_url(image)}}]}])
     assert reply.choices[0].message.content == expected
+    # A conversation about it: the system's instructions and the turns before are read,
+    # as the socket's chat asks it
+    chat: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image_url", "image_url": {"url": data_url(image)}}]},
+        {"role": "assistant", "content": expected}, {"role": "user", "content": "and then?"}]
+    with served[0].client() as c:
+        asked = list(c.describe(image, [{**m, "content": "what is it?"} if i == 1 else m
+                                        for i, m in enumerate(chat)], model="tiny-vision",
+                                max_tokens=6, temperature=0))
+    followed = sdk.chat.completions.create(model="tiny-vision", max_tokens=6, temperature=0,
+                                           messages=chat)
+    assert followed.choices[0].message.content == "".join(ch.text for ch in asked)
+    assert followed.usage is not None and reply.usage is not None
+    assert followed.usage.prompt_tokens == asked[-1].prompt_tokens > reply.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="image_url"):
         sdk.chat.completions.create(model="tiny-vision", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}])

@@ -117,6 +117,19 @@ def test_a_generation_takes_one_of_a_prompt_its_token_ids_or_messages() -> None:
             "generate needs one of a prompt, prompt_ids or messages")
 
 
+def test_a_description_takes_a_question_or_a_chat_its_image_in_a_users_message() -> None:
+    check = KIND_OF[Describe].check
+    assert check is not None
+    chat = [ChatMessage(role="system", content="s"), ChatMessage(role="user", content="q")]
+    image = ImageInput(data=b"png")
+    assert check(Describe(id=1, image=image, messages=chat, image_at=1)) is None
+    for fields in ({"image_at": 0}, {"image_at": 2}):
+        assert "the image goes with a user's message" in (
+            check(Describe(id=1, image=image, messages=chat, **fields)) or "")
+    assert check(Describe(id=1, image=image, prompt="q", messages=chat, image_at=1)) == (
+        "describe takes a question or messages, not both")
+
+
 def test_structured_output_asks_for_one_language_that_may_end() -> None:
     """A schema given as a dict travels as its JSON text; two languages, none, a schema
     that is not JSON, or ignore_eos (the language's end is the output's) are refused

@@ -141,6 +141,33 @@ def test_empty_prompt_asks_for_a_description(vlm: VisionLM, image: Image.Image) 
     assert DEFAULT_PROMPT in vlm.tokenizer.decode(default[0])
 
 
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is it?"},
+        {"role": "assistant", "content": "A square."},
+        {"role": "user", "content": "And its colour?"}]
+
+
+def test_a_chat_is_read_whole_its_image_in_its_own_message(vlm: VisionLM,
+                                                             image: Image.Image) -> None:
+    request = kinds.build("describe", b"unused", CHAT, image_at=1)
+    ids = vlm.prompt_inputs(image, "", request.messages, request.image_at)["input_ids"][0]
+    text = vlm.tokenizer.decode(ids.tolist())
+    order = [text.index(part) for part in ("Be brief.", "<image>", "What is it?",
+                                           "A square.", "And its colour?")]
+    assert order == sorted(order) and ids.tolist().count(vlm.processor.image_token_id) == \
+        IMAGE_TOKENS
+    _, stats = _describe(vlm, image, prompt=CHAT, image_at=1, max_tokens=2, ignore_eos=True)
+    _, alone = _describe(vlm, image, prompt="And its colour?", max_tokens=2, ignore_eos=True)
+    assert stats.prompt_tokens > alone.prompt_tokens + 8  # the turns before it count
+    # By default the image goes with the last user's message; one with no text asks for
+    # a caption, as an empty question does.
+    last = kinds.build("describe", b"unused", [{"role": "user", "content": ""}])
+    assert last.image_at == 0 and torch.equal(
+        vlm.prompt_inputs(image, "", last.messages)["input_ids"],
+        vlm.prompt_inputs(image, "")["input_ids"])
+    assert kinds.build("describe", b"unused", CHAT).image_at == 3
+
+
 def test_control_tokens_in_the_prompt_are_text(vlm: VisionLM, image: Image.Image) -> None:
     # Unescaped, "<image>" would be a second image slot (a shape error at the first step)
     # and "<|im_end|>" would end the user's turn.

@@ -49,13 +49,20 @@ def test_embeddings_take_one_text_or_many_and_refuse_tokens() -> None:
 
 def test_chat_with_an_image_asks_a_vision_model_about_it() -> None:
     image = base64.b64encode(b"\x89PNG...").decode()
+    asked = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]},
+        {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "its colour?"}]
     call = bodies.chat_call(body(bodies.ChatBody, model="v", max_completion_tokens=5,
-                                 stop="END", messages=[{"role": "user", "content": [
-                                     {"type": "text", "text": "what is it?"},
-                                     {"type": "image_url",
-                                      "image_url": {"url": f"data:image/png;base64,{image}"}}]}]))
-    assert call.op == "describe" and call.args == (ImageInput(data=b"\x89PNG..."), "what is it?")
+                                 stop="END", messages=asked))
+    assert call.op == "describe" and call.args == (ImageInput(data=b"\x89PNG..."), [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "what is it?"},
+        {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "its colour?"}])
+    assert call.kwargs["image_at"] == 1  # the whole chat, the image in its own message
     assert call.kwargs["max_tokens"] == 5 and call.kwargs["stop"] == ["END"]
+    with pytest.raises(PoolError, match="a user's message"):
+        bodies.chat_call(body(bodies.ChatBody, messages=[{"role": "assistant", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]}]))
     text = bodies.chat_call(body(bodies.ChatBody, messages=[
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))
     assert text.op == "generate" and text.args[0][1] == {"role": "user", "content": "hi"}

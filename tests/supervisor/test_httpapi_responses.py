@@ -146,7 +146,7 @@ def test_an_input_image_is_a_vision_request() -> None:
     call = responses_call(_body(input=[{"role": "user", "content": [
         {"type": "input_text", "text": "what is it?"},
         {"type": "input_image", "image_url": url}]}]))
-    assert call.op == "describe" and call.args[1] == "what is it?"
+    assert call.op == "describe" and call.args[1] == [{"role": "user", "content": "what is it?"}]
 
 
 def test_the_options_map_to_the_chats() -> None:

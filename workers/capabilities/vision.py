@@ -31,7 +31,8 @@ class VisionModel(Protocol):
 def _image(model: Any, item: WorkItem, out: Outbox) -> tuple[Describe, Image.Image]:
     request = item.request
     assert isinstance(request, Describe)
-    text_limits.check_prompt(len(request.prompt), text_limits.char_limit(model))
+    chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
+    text_limits.check_prompt(chars, text_limits.char_limit(model))
     opened = out.opened_images(item)[0]
     return request, opened.decoded(working_side(model.info()))
 
