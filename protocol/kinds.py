@@ -161,8 +161,7 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     "medium", "high", ...) for a template that reads it (others refuse it).
     Breaking out of the stream cancels it."""
     fields: Fields = {"model": model or "", "raw": raw, "sampling": _sampling(locals()),
-                      "tools": msgspec.json.decode(tools) if isinstance(tools, str)
-                      else tools or [], "tool_choice": tool_choice,
+                      "tools": _tools(tools), "tool_choice": tool_choice,
                       "cache_salt": cache_salt,
                       "chat_template_kwargs": msgspec.json.decode(chat_template_kwargs)
                       if isinstance(chat_template_kwargs, str) else chat_template_kwargs or {},
@@ -174,6 +173,11 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     else:
         fields["messages"] = [_chat_message(m) for m in prompt if isinstance(m, dict)]
     return fields, False
+
+
+def _tools(tools: list[dict[str, Any]] | str | None) -> list[dict[str, Any]]:
+    """Function tools, given as a list or its JSON text."""
+    return msgspec.json.decode(tools) if isinstance(tools, str) else tools or []
 
 
 def _chat_message(message: dict[str, Any]) -> ChatMessage:
@@ -219,6 +223,8 @@ def embed_image(images: ImageLike | list[ImageLike],
 
 def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
              model: str | None = None, *, image_at: int | None = None,
+             tools: list[dict[str, Any]] | str | None = None,
+             tool_choice: Literal["none", "auto"] = "none",
              max_tokens: int | None = None, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None,
              min_p: float | None = None, presence_penalty: float | None = None,
@@ -233,9 +239,10 @@ def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
              grammar: str | None = None) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. The query may be a chat
     (messages as generate's, with a system message, earlier turns, ...): the image goes
-    with message image_at, by default the last user's. Sampling as generate's."""
+    with message image_at, by default the last user's. Sampling and tools as generate's."""
     fields: Fields = {"model": model or "", "image": image_input(image),
-                      "sampling": _sampling(locals())}
+                      "sampling": _sampling(locals()), "tools": _tools(tools),
+                      "tool_choice": tool_choice}
     if isinstance(query, str):
         return {**fields, "prompt": query}, False
     messages = [_chat_message(m) for m in query]
@@ -272,9 +279,13 @@ def _generate_problem(request: Generate) -> str | None:
         return "generate needs one of a prompt, prompt_ids or messages"
     if request.tools and (request.raw or request.prompt_ids):
         return "tools are shown to the model by its chat template: not with raw or prompt_ids"
+    return _no_tools_to_call(request) or _one_language(request)
+
+
+def _no_tools_to_call(request: Generate | Describe) -> str | None:
     if request.tool_choice == "auto" and not request.tools:
         return "tool_choice auto lets the model call the request's tools: it has none"
-    return _one_language(request)
+    return None
 
 
 def _describe_problem(request: Describe) -> str | None:
@@ -285,7 +296,7 @@ def _describe_problem(request: Describe) -> str | None:
                 request.messages[request.image_at].role != "user":
             return (f"image_at {request.image_at}: the image goes with a user's message, "
                     f"and there are {len(request.messages)} messages")
-    return _one_language(request)
+    return _no_tools_to_call(request) or _one_language(request)
 
 
 def _one_language(request: Generate | Describe) -> str | None:

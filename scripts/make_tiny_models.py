@@ -72,8 +72,13 @@ IMAGE_SIZE, PATCH_SIZE = 32, 8  # 16 patches: tiny vision towers
 IMAGE_TOKEN = "<image>"
 
 # ChatML whose user content may be a list of parts, the way multimodal processors render
-# {"type": "image"} / {"type": "text"} messages (llava-hf templates have the same shape).
+# {"type": "image"} / {"type": "text"} messages (llava-hf templates have the same shape);
+# tools as Qwen2-VL shows them: a system turn of their own, calls in Hermes' <tool_call>.
 VISION_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n\\n<tools>' }}{% for tool in tools %}"
+    "{{ '\\n' + (tool | tojson) }}{% endfor %}{{ '\\n</tools>\\n\\nFor each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags.<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for part in message['content'] %}"

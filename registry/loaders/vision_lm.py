@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
+from jinja2.exceptions import TemplateError
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -19,6 +21,7 @@ from modelpool.protocol.messages import ChatMessage, Describe, encoder
 from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
+from modelpool.registry.loaders.chat_prompt import template_message
 from modelpool.registry.loaders.common import (
     configured_tokens,
     own_tokens,
@@ -38,7 +41,13 @@ from modelpool.registry.loaders.reasoning import (
     thinking_tags,
 )
 from modelpool.registry.loaders.token_logprobs import check_prompt_logprobs
-from modelpool.registry.loaders.tool_calls import kept_tokens
+from modelpool.registry.loaders.tool_calls import (
+    ToolCallReader,
+    ToolFormat,
+    format_of,
+    kept_tokens,
+    reader_for,
+)
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
@@ -48,7 +57,8 @@ DEFAULT_PROMPT = "Describe this image."
 class VisionLM:
     def __init__(self, key: str, processor: Any, model: Any, context: int,
                  thinking: ThinkingTags | None = None,
-                 structured_in_reasoning: bool = False) -> None:
+                 structured_in_reasoning: bool = False,
+                 tool_format: ToolFormat | None = None) -> None:
         self.key = key
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -58,11 +68,16 @@ class VisionLM:
                         | _config_eos(model.config.get_text_config()))
         self.vocab = vocab_size(model)
         self.grammars = Grammars(self.tokenizer, self.vocab, self.eos_ids)
-        # a reasoning model's thinking, read as a causal LM's is (causal_lm.py)
-        self.thinking = thinking if getattr(processor, "chat_template", None) else None
+        self.template = str(getattr(processor, "chat_template", None) or "")
+        # a reasoning model's thinking and its tool calls, read as a causal LM's are
+        # (causal_lm.py)
+        self.thinking = thinking if self.template else None
         self.structured_in_reasoning = structured_in_reasoning
-        self.kept = kept_tokens(self.tokenizer, (
-            self.thinking.opens, self.thinking.closes) if self.thinking else ()) or None
+        self.reasoning_markers = kept_tokens(self.tokenizer, (
+            self.thinking.opens, self.thinking.closes) if self.thinking else ())
+        self.tool_format = tool_format if self.template else None
+        self.tool_markers = kept_tokens(self.tokenizer, tool_format.markers
+                                        if self.tool_format else ())
         self.open_token = one_token(self.tokenizer, self.thinking.opens) if self.thinking else None
         self._last_opened: tuple[tuple[str, int, bytes], bool] | None = None
 
@@ -75,16 +90,28 @@ class VisionLM:
             return ReasoningReader(False, self.thinking)
         return ReasoningReader(self._opened(request), self.thinking)
 
+    def tool_reader(self, request: Describe) -> ToolCallReader | None:
+        """What reads the calls out of the output (tool_choice "auto"), else None."""
+        if request.tool_choice != "auto":
+            return None
+        return reader_for(self.tool_format, self.key, request.tools)
+
+    def _kept(self, request: Describe) -> dict[int, str] | None:
+        """The special tokens its text keeps: the thinking's tags, and the tool-call
+        format's markers when it may call."""
+        kept = {**self.reasoning_markers,
+                **(self.tool_markers if request.tool_choice == "auto" else {})}
+        return kept or None
+
     def _opened(self, request: Describe) -> bool:
         """Whether the template's generation prompt opens the thinking for this question
         (the last question's answer kept: the reader and the language both ask)."""
         assert self.thinking is not None
-        asked = (request.prompt, request.image_at, encoder.encode(request.messages))
+        asked = (request.prompt, request.image_at,
+                 encoder.encode([request.messages, request.tools]))
         if self._last_opened is None or self._last_opened[0] != asked:
-            rendered = self.processor.apply_chat_template(
-                vision_chat(request.prompt, request.messages, request.image_at,
-                            {"type": "image"}),
-                add_generation_prompt=True, tokenize=False)
+            rendered = self._rendered(request.prompt, request.messages, request.image_at,
+                                      request.tools, {"type": "image"}, tokenize=False)
             self._last_opened = (asked, opens_thinking(str(rendered), self.thinking))
         return self._last_opened[1]
 
@@ -101,21 +128,38 @@ class VisionLM:
         vision = getattr(self.model.config, "vision_config", None)
         return {"context": self.context, "image_size": getattr(vision, "image_size", None),
                 "chat_template": bool(getattr(self.processor, "chat_template", None)),
-                "reasoning_format": self.thinking.name if self.thinking else None}
+                "reasoning_format": self.thinking.name if self.thinking else None,
+                "tool_call_format": self.tool_format.name if self.tool_format else None}
+
+    def _rendered(self, prompt: str, messages: list[ChatMessage], image_at: int,
+                  tools: list[dict[str, Any]], image: dict[str, Any], **how: Any) -> Any:
+        """The chat through the processor's template; one it refuses (roles that must
+        alternate, ...) is the client's error. OpenAI's `developer` is the `system` of a
+        template that does not know it."""
+        if "developer" not in self.template:
+            messages = [msgspec.structs.replace(m, role="system") if m.role == "developer"
+                        else m for m in messages]
+        try:
+            return self.processor.apply_chat_template(
+                vision_chat(prompt, messages, image_at, image), tools=tools or None,
+                add_generation_prompt=True, **how)
+        except TemplateError as exc:
+            raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r}'s chat template "
+                            f"refused the messages: {exc}") from None
 
     def prompt_inputs(self, image: Image.Image, prompt: str,
-                      messages: list[ChatMessage] | None = None,
-                      image_at: int = 0) -> dict[str, torch.Tensor]:
+                      messages: list[ChatMessage] | None = None, image_at: int = 0,
+                      tools: list[dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
         """input_ids (image placeholders expanded), attention_mask, pixel_values, ...,
         for a question or a chat (`messages`, the image in message `image_at`)."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        if getattr(self.processor, "chat_template", None):
+        if self.template:
             # sanitize_control_tokens: a question containing "<image>" or "<|im_end|>" is
             # text, not a second image slot (a shape error) or a forged turn.
-            inputs = self.processor.apply_chat_template(
-                vision_chat(prompt, messages or [], image_at, {"type": "image", "image": rgb}),
-                add_generation_prompt=True, tokenize=True, return_dict=True,
-                return_tensors="pt", sanitize_control_tokens=True)
+            inputs = self._rendered(prompt, messages or [], image_at, tools or [],
+                                    {"type": "image", "image": rgb}, tokenize=True,
+                                    return_dict=True, return_tensors="pt",
+                                    sanitize_control_tokens=True)
         else:  # processors without a template (BLIP-style) place the image themselves
             if messages and len(messages) > 1:
                 raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r} has no chat "
@@ -132,7 +176,8 @@ class VisionLM:
                         ) -> tuple[dict[str, torch.Tensor], int, int]:
         """The model's inputs, the prompt's length and how many tokens may follow it."""
         check_logit_bias(request.sampling, self.vocab, self.key)
-        inputs = self.prompt_inputs(image, request.prompt, request.messages, request.image_at)
+        inputs = self.prompt_inputs(image, request.prompt, request.messages, request.image_at,
+                                    request.tools)
         n_prompt = int(inputs["input_ids"].shape[1])  # image tokens included: they use context
         if n_prompt >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "
@@ -152,7 +197,8 @@ class VisionLM:
         inputs, n_prompt, budget = self._checked_inputs(image, request)
         return Prepared(inputs=inputs, prompt_tokens=n_prompt, budget=budget,
                         sampling=request.sampling, grammar=self.language(request),
-                        reasoning=self.reasoning_reader(request), kept=self.kept)
+                        reasoning=self.reasoning_reader(request),
+                        tool_calls=self.tool_reader(request), kept=self._kept(request))
 
     @torch.inference_mode()
     def describe(self, image: Image.Image, request: Describe,
@@ -170,7 +216,7 @@ class VisionLM:
 
         yield from decode(self.model, inputs, next_inputs, budget, request.sampling,
                           self.eos_ids, self.tokenizer, stats, self.language(request),
-                          self.kept)
+                          self._kept(request))
 
 
 def vision_chat(prompt: str, messages: list[ChatMessage], image_at: int,
@@ -180,7 +226,7 @@ def vision_chat(prompt: str, messages: list[ChatMessage], image_at: int,
     message alone: a caption is asked for)."""
     if not messages:
         messages, image_at = [ChatMessage(role="user", content=prompt)], 0
-    turns = [{"role": m.role, "content": [{"type": "text", "text": m.content}]}
+    turns = [{**template_message(m), "content": [{"type": "text", "text": m.content}]}
              for m in messages]
     if image_at == len(messages) - 1 and not messages[-1].content:
         turns[-1]["content"][0]["text"] = DEFAULT_PROMPT
@@ -208,5 +254,7 @@ def load(spec: ModelSpec, model_dir: Path | None) -> VisionLM:
     template = getattr(processor, "chat_template", None)
     thinking = thinking_tags(str(template) if template else None,
                              spec.options.get("reasoning_format"), spec.key)
+    tool_format = format_of(str(template) if template else None,
+                            spec.options.get("tool_call_format"), spec.key)
     return VisionLM(spec.key, processor, model, configured_tokens(spec, "context", own),
-                    thinking, structured_in_reasoning(spec))
+                    thinking, structured_in_reasoning(spec), tool_format)

@@ -329,7 +329,7 @@ def chat_call(body: ChatBody) -> PoolCall:
             **sampling, **for_tools, "cache_salt": body.cache_salt,
             "chat_template_kwargs": body.chat_template_kwargs,
             "reasoning_effort": body.reasoning_effort}, made)
-    for name in ("tools", "chat_template_kwargs", "reasoning_effort"):
+    for name in ("chat_template_kwargs", "reasoning_effort"):
         if getattr(body, name):
             raise bad(name, "not with an image: a vision model's template takes none")
     if len(images) > 1:
@@ -341,7 +341,8 @@ def chat_call(body: ChatBody) -> PoolCall:
         raise bad(f"messages[{index}].content", "an image goes in a user's message")
     image = image_from_url(part.image_url.url, f"messages[{index}].content.image_url")
     # The whole chat, its image in its own message (before that message's text).
-    return PoolCall("describe", (image, messages), {**sampling, "image_at": index})
+    return PoolCall("describe", (image, messages),
+                    {**sampling, **for_tools, "image_at": index}, made)
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -227,6 +228,35 @@ def test_vision_through_chat(served: tuple[Daemon, str], sdk: openai.OpenAI) -> 
     with pytest.raises(openai.BadRequestError, match="image_url"):
         sdk.chat.completions.create(model="tiny-vision", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}])
+
+
+def test_a_vision_model_calls_tools(served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
+    """The tools go to the vision model's template (the tiny one shows them as Qwen2-VL
+    does) and its calls, in Hermes' <tool_call>, come back as tool calls, whole and
+    streamed. The model is held to a call by a regex: what one that chose to call writes."""
+    called = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    tool: Any = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    question: Any = [{"role": "user", "content": [
+        {"type": "text", "text": "the weather where this is?"},
+        {"type": "image_url", "image_url": {"url": data_url(png((0, 0, 255)))}}]}]
+    asked: Any = {"model": "tiny-vision", "messages": question, "max_tokens": 150,
+                  "temperature": 0, "extra_body": {"guided_regex": re.escape(called)}}
+    choice = sdk.chat.completions.create(**asked, tools=[tool]).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    parts = [p.choices[0] for p in sdk.chat.completions.create(**asked, tools=[tool],
+                                                                stream=True) if p.choices]
+    pieces = [c for p in parts for c in p.delta.tool_calls or []]
+    assert parts[-1].finish_reason == "tool_calls" and len(pieces) > 2  # as written
+    assert json.loads("".join(c.function.arguments or "" for c in pieces)) == {  # type: ignore[union-attr]
+        "city": "Paris"}
+    shown, plain = (sdk.chat.completions.create(**{**asked, "max_tokens": 1, **more}).usage
+                    for more in ({"tools": [tool]}, {}))
+    assert shown is not None and plain is not None
+    assert shown.prompt_tokens > plain.prompt_tokens + 20  # the tools are in its prompt
 
 
 def test_rerank_and_image_embeddings_extensions(served: tuple[Daemon, str]) -> None:

@@ -3,6 +3,7 @@ image, the KV-cache decoding loop, sampling, stopping and context limits."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import sample
 from modelpool.registry.loaders.vision_lm import DEFAULT_PROMPT, VisionLM
 from modelpool.registry.spec import ModelSpec
+from modelpool.workers.capabilities import vision
 from modelpool.workers.capabilities.text_to_text import GenerationStats
 
 IMAGE_TOKENS = 16  # (32 px / 8 px patches) ** 2, as built by make_tiny_models
@@ -63,6 +65,7 @@ def _decode_without_cache(vlm: VisionLM, image: Image.Image, steps: int,
 
 def test_info(vlm: VisionLM) -> None:
     assert vlm.info() == {"context": 2048, "chat_template": True, "reasoning_format": None,
+                          "tool_call_format": "hermes",
                           "image_size": vlm.model.config.vision_config.image_size}
     assert vlm.tokenizer.eos_token_id in vlm.eos_ids
 
@@ -166,6 +169,28 @@ def test_a_chat_is_read_whole_its_image_in_its_own_message(vlm: VisionLM,
         vlm.prompt_inputs(image, "", last.messages)["input_ids"],
         vlm.prompt_inputs(image, "")["input_ids"])
     assert kinds.build("describe", b"unused", CHAT).image_at == 3
+
+
+def test_its_tools_are_shown_and_its_calls_read_one_at_a_time(vlm: VisionLM,
+                                                              image: Image.Image) -> None:
+    """The tiny template shows tools as Qwen2-VL's does (Hermes' format, from its signs);
+    the worker's one-at-a-time path reads the calls the model writes (held to one by a
+    regex)."""
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    called = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    request = kinds.build("describe", b"unused", QUESTION, tools=[tool], tool_choice="auto",
+                          regex=re.escape(called), temperature=0, max_tokens=150)
+    prompt = vlm.tokenizer.decode(vlm.prompt_inputs(image, QUESTION, tools=[tool])[
+        "input_ids"][0].tolist())
+    assert '"get_weather"' in prompt and "<tools>" in prompt
+    output = vision._output(vlm, request)
+    stats = GenerationStats()
+    text = "".join(output.feed(piece)[0] for piece in vlm.describe(image, request, stats))
+    rest, calls = output.finish()
+    assert (text + rest, [(c.name, c.arguments) for c in calls]) == (
+        "", [("get_weather", '{"city":"Oslo"}')])  # as a JSON encoder writes it
+    assert vision._output(vlm, kinds.build("describe", b"unused", QUESTION,
+                                           tools=[tool])).calls is None  # "none"
 
 
 def test_control_tokens_in_the_prompt_are_text(vlm: VisionLM, image: Image.Image) -> None:

@@ -88,11 +88,14 @@ def test_what_cannot_be_made_into_calls_is_refused_by_name(fields: dict[str, Any
         _call(**fields)
 
 
-def test_a_vision_request_takes_no_tools() -> None:
+def test_a_vision_request_takes_tools_as_a_chat_does() -> None:
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "data:image/png;base64,iVBORw0KGgo="}}]}
-    with pytest.raises(PoolError, match=r"^BAD_REQUEST: tools: not with an image"):
-        _call(messages=[image], tool_choice="required")
+    for choice, asked in (("auto", {"tool_choice": "auto"}), ("required", {"json_schema"})):
+        call = _call(messages=[image], tool_choice=choice)
+        assert call.op == "describe" and call.made is not None
+        assert call.kwargs["tools"] == _call().kwargs["tools"]
+        assert set(asked) <= set(call.kwargs)
 
 
 def test_whole_answers_become_tool_calls() -> None:

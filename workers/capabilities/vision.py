@@ -43,15 +43,23 @@ def prepare(model: Any, item: WorkItem, out: Outbox) -> Any:
     return model.prepare(image, request)
 
 
+def _output(model: Any, request: Describe) -> TextOutput:
+    """What reads the stream: the calls (tool_choice "auto") and a reasoning model's
+    thinking, for a model that reads them."""
+    calls = getattr(model, "tool_reader", None)
+    think = getattr(model, "reasoning_reader", None)
+    return TextOutput(request.sampling, None if calls is None else calls(request),
+                      None if think is None else think(request))
+
+
 def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
     for item in items:  # streaming: the supervisor sends one item at a time
         try:
             request, image = _image(model, item, out)
+            output = _output(model, request)
         except Exception as exc:
             out.send(error_reply(item.job_id, exc))
             continue
         stats = GenerationStats()
-        think = getattr(model, "reasoning_reader", None)  # a model that reasons
-        output = TextOutput(request.sampling, None, None if think is None else think(request))
         stream_text(item.job_id, lambda i=image, r=request, s=stats: model.describe(i, r, s),
                     stats, output, out)
