@@ -163,8 +163,7 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
     fields: Fields = {"model": model or "", "raw": raw, "sampling": _sampling(locals()),
                       "tools": _tools(tools), "tool_choice": tool_choice,
                       "cache_salt": cache_salt,
-                      "chat_template_kwargs": msgspec.json.decode(chat_template_kwargs)
-                      if isinstance(chat_template_kwargs, str) else chat_template_kwargs or {},
+                      "chat_template_kwargs": _variables(chat_template_kwargs),
                       "reasoning_effort": reasoning_effort}
     if isinstance(prompt, str):
         fields["prompt"] = prompt
@@ -178,6 +177,11 @@ def generate(prompt: str | list[dict[str, str]] | list[int], model: str | None =
 def _tools(tools: list[dict[str, Any]] | str | None) -> list[dict[str, Any]]:
     """Function tools, given as a list or its JSON text."""
     return msgspec.json.decode(tools) if isinstance(tools, str) else tools or []
+
+
+def _variables(given: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's variables, given as a mapping or its JSON text."""
+    return msgspec.json.decode(given) if isinstance(given, str) else given or {}
 
 
 def _chat_message(message: dict[str, Any]) -> ChatMessage:
@@ -225,6 +229,8 @@ def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
              model: str | None = None, *, image_at: int | None = None,
              tools: list[dict[str, Any]] | str | None = None,
              tool_choice: Literal["none", "auto"] = "none",
+             chat_template_kwargs: str | dict[str, Any] | None = None,
+             reasoning_effort: str | None = None,
              max_tokens: int | None = None, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None,
              min_p: float | None = None, presence_penalty: float | None = None,
@@ -239,10 +245,13 @@ def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
              grammar: str | None = None) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. The query may be a chat
     (messages as generate's, with a system message, earlier turns, ...): the image goes
-    with message image_at, by default the last user's. Sampling and tools as generate's."""
+    with message image_at, by default the last user's. Sampling, tools,
+    chat_template_kwargs and reasoning_effort as generate's."""
     fields: Fields = {"model": model or "", "image": image_input(image),
                       "sampling": _sampling(locals()), "tools": _tools(tools),
-                      "tool_choice": tool_choice}
+                      "tool_choice": tool_choice,
+                      "chat_template_kwargs": _variables(chat_template_kwargs),
+                      "reasoning_effort": reasoning_effort}
     if isinstance(query, str):
         return {**fields, "prompt": query}, False
     messages = [_chat_message(m) for m in query]

@@ -185,9 +185,12 @@ class Describe(_Request, frozen=True, kw_only=True, tag="describe"):
     # user's), before that message's text
     messages: list[ChatMessage] = []
     image_at: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # function tools and whether the model may call them, as Generate's
+    # function tools and whether the model may call them, the template's variables and
+    # reasoning_effort: as Generate's
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] = []
     tool_choice: Literal["none", "auto"] = "none"
+    chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=32)] = {}
+    reasoning_effort: Effort | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
 
 

@@ -50,15 +50,8 @@ def chat_ids(tokenizer: Any, key: str, messages: list[dict[str, Any]],
     if "developer" not in str(tokenizer.chat_template):
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m
                     for m in messages]
-    taken = sorted(set(variables) & reserved(tokenizer)) if variables else []
-    if taken:
-        raise PoolError(ErrorCode.BAD_REQUEST, f"chat_template_kwargs: {taken[0]!r} is "
-                        "set by the daemon, not by a request")
-    if effort is not None:
-        if EFFORT not in str(tokenizer.chat_template):
-            raise PoolError(ErrorCode.BAD_REQUEST, f"reasoning_effort: model {key!r}'s chat "
-                            "template takes none (it would change nothing)")
-        variables = {**variables, EFFORT: effort}
+    variables = template_variables(tokenizer, str(tokenizer.chat_template), key, variables,
+                                   effort)
     try:
         encoded = tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
@@ -69,10 +62,30 @@ def chat_ids(tokenizer: Any, key: str, messages: list[dict[str, Any]],
     return list(encoded["input_ids"])
 
 
-def reserved(tokenizer: Any) -> frozenset[str]:
+def template_variables(renderer: Any, template: str, key: str, variables: dict[str, Any],
+                       effort: str | None) -> dict[str, Any]:
+    """A request's variables for the template (`renderer`: the tokenizer or processor
+    whose apply_chat_template renders it), `reasoning_effort` among them; BAD_REQUEST for
+    one the daemon sets, or an effort the template does not read."""
+    taken = sorted(set(variables) & reserved(renderer)) if variables else []
+    if taken:
+        raise PoolError(ErrorCode.BAD_REQUEST, f"chat_template_kwargs: {taken[0]!r} is "
+                        "set by the daemon, not by a request")
+    if effort is not None:
+        if EFFORT not in template:
+            raise PoolError(ErrorCode.BAD_REQUEST, f"reasoning_effort: model {key!r}'s chat "
+                            "template takes none (it would change nothing)")
+        variables = {**variables, EFFORT: effort}
+    return variables
+
+
+def reserved(renderer: Any) -> frozenset[str]:
     """The names a request's template variables may not take: apply_chat_template's own
     arguments (`chat_template` would replace the template), what transformers hands the
-    template, and the tokenizer's special tokens (`bos_token`, ...)."""
-    arguments = inspect.signature(tokenizer.apply_chat_template).parameters
+    template, and the tokenizer's special tokens (`bos_token`, ...; a processor's
+    tokenizer's)."""
+    arguments = inspect.signature(renderer.apply_chat_template).parameters
     own = {name for name, p in arguments.items() if p.kind is not p.VAR_KEYWORD}
-    return TEMPLATE_OWN | own | set(getattr(tokenizer, "special_tokens_map", {}))
+    specials = {name for holder in (renderer, getattr(renderer, "tokenizer", None))
+                for name in getattr(holder, "special_tokens_map", {})}
+    return TEMPLATE_OWN | own | specials

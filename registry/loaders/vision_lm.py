@@ -21,7 +21,7 @@ from modelpool.protocol.messages import ChatMessage, Describe, encoder
 from modelpool.registry.loaders import batch_fit
 from modelpool.registry.loaders.batched_decode import ContinuousDecoder, Prepared
 from modelpool.registry.loaders.causal_lm import decode, eos_ids_of
-from modelpool.registry.loaders.chat_prompt import template_message
+from modelpool.registry.loaders.chat_prompt import template_message, template_variables
 from modelpool.registry.loaders.common import (
     configured_tokens,
     own_tokens,
@@ -107,11 +107,11 @@ class VisionLM:
         """Whether the template's generation prompt opens the thinking for this question
         (the last question's answer kept: the reader and the language both ask)."""
         assert self.thinking is not None
-        asked = (request.prompt, request.image_at,
-                 encoder.encode([request.messages, request.tools]))
+        asked = (request.prompt, request.image_at, encoder.encode([
+            request.messages, request.tools, request.chat_template_kwargs,
+            request.reasoning_effort]))
         if self._last_opened is None or self._last_opened[0] != asked:
-            rendered = self._rendered(request.prompt, request.messages, request.image_at,
-                                      request.tools, {"type": "image"}, tokenize=False)
+            rendered = self._rendered(request, {"type": "image"}, tokenize=False)
             self._last_opened = (asked, opens_thinking(str(rendered), self.thinking))
         return self._last_opened[1]
 
@@ -131,40 +131,39 @@ class VisionLM:
                 "reasoning_format": self.thinking.name if self.thinking else None,
                 "tool_call_format": self.tool_format.name if self.tool_format else None}
 
-    def _rendered(self, prompt: str, messages: list[ChatMessage], image_at: int,
-                  tools: list[dict[str, Any]], image: dict[str, Any], **how: Any) -> Any:
-        """The chat through the processor's template; one it refuses (roles that must
-        alternate, ...) is the client's error. OpenAI's `developer` is the `system` of a
-        template that does not know it."""
+    def _rendered(self, request: Describe, image: dict[str, Any], **how: Any) -> Any:
+        """The request's chat through the processor's template, with its tools and
+        variables; one it refuses (roles that must alternate, ...) is the client's error.
+        OpenAI's `developer` is the `system` of a template that does not know it."""
+        messages = request.messages
         if "developer" not in self.template:
             messages = [msgspec.structs.replace(m, role="system") if m.role == "developer"
                         else m for m in messages]
+        variables = template_variables(self.processor, self.template, self.key,
+                                       request.chat_template_kwargs, request.reasoning_effort)
         try:
             return self.processor.apply_chat_template(
-                vision_chat(prompt, messages, image_at, image), tools=tools or None,
-                add_generation_prompt=True, **how)
+                vision_chat(request.prompt, messages, request.image_at, image),
+                tools=request.tools or None, add_generation_prompt=True, **how, **variables)
         except TemplateError as exc:
             raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r}'s chat template "
                             f"refused the messages: {exc}") from None
 
-    def prompt_inputs(self, image: Image.Image, prompt: str,
-                      messages: list[ChatMessage] | None = None, image_at: int = 0,
-                      tools: list[dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+    def prompt_inputs(self, image: Image.Image, request: Describe) -> dict[str, torch.Tensor]:
         """input_ids (image placeholders expanded), attention_mask, pixel_values, ...,
-        for a question or a chat (`messages`, the image in message `image_at`)."""
+        for its question or its chat (the image in message `image_at`)."""
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         if self.template:
             # sanitize_control_tokens: a question containing "<image>" or "<|im_end|>" is
             # text, not a second image slot (a shape error) or a forged turn.
-            inputs = self._rendered(prompt, messages or [], image_at, tools or [],
-                                    {"type": "image", "image": rgb}, tokenize=True,
+            inputs = self._rendered(request, {"type": "image", "image": rgb}, tokenize=True,
                                     return_dict=True, return_tensors="pt",
                                     sanitize_control_tokens=True)
         else:  # processors without a template (BLIP-style) place the image themselves
-            if messages and len(messages) > 1:
+            if len(request.messages) > 1:
                 raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r} has no chat "
                                 "template: it answers one question about an image, not a chat")
-            question = messages[0].content if messages else prompt
+            question = request.messages[0].content if request.messages else request.prompt
             inputs = self.processor(images=rgb, text=question or DEFAULT_PROMPT,
                                     return_tensors="pt")
         device = self.model.device
@@ -176,8 +175,7 @@ class VisionLM:
                         ) -> tuple[dict[str, torch.Tensor], int, int]:
         """The model's inputs, the prompt's length and how many tokens may follow it."""
         check_logit_bias(request.sampling, self.vocab, self.key)
-        inputs = self.prompt_inputs(image, request.prompt, request.messages, request.image_at,
-                                    request.tools)
+        inputs = self.prompt_inputs(image, request)
         n_prompt = int(inputs["input_ids"].shape[1])  # image tokens included: they use context
         if n_prompt >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "

@@ -324,14 +324,11 @@ def chat_call(body: ChatBody) -> PoolCall:
     images = [(i, part) for i, m in enumerate(body.messages) if isinstance(m.content, list)
               for part in m.content if part.type == "image_url"]
     messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
+    chat = {**sampling, **for_tools, "chat_template_kwargs": body.chat_template_kwargs,
+            "reasoning_effort": body.reasoning_effort}
     if not images:
-        return PoolCall("generate", (messages,), {
-            **sampling, **for_tools, "cache_salt": body.cache_salt,
-            "chat_template_kwargs": body.chat_template_kwargs,
-            "reasoning_effort": body.reasoning_effort}, made)
-    for name in ("chat_template_kwargs", "reasoning_effort"):
-        if getattr(body, name):
-            raise bad(name, "not with an image: a vision model's template takes none")
+        return PoolCall("generate", (messages,), {**chat, "cache_salt": body.cache_salt},
+                        made)
     if len(images) > 1:
         raise bad("messages", "one image per request is supported")
     index, part = images[0]
@@ -341,8 +338,7 @@ def chat_call(body: ChatBody) -> PoolCall:
         raise bad(f"messages[{index}].content", "an image goes in a user's message")
     image = image_from_url(part.image_url.url, f"messages[{index}].content.image_url")
     # The whole chat, its image in its own message (before that message's text).
-    return PoolCall("describe", (image, messages),
-                    {**sampling, **for_tools, "image_at": index}, made)
+    return PoolCall("describe", (image, messages), {**chat, "image_at": index}, made)
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:

@@ -46,10 +46,15 @@ def _describe(vlm: VisionLM, image: Image.Image,
     return list(vlm.describe(image, request, stats)), stats
 
 
+def _inputs(vlm: VisionLM, image: Image.Image, prompt: str = "",
+            **fields: object) -> dict[str, torch.Tensor]:
+    return vlm.prompt_inputs(image, kinds.build("describe", b"unused", prompt, **fields))
+
+
 def _decode_without_cache(vlm: VisionLM, image: Image.Image, steps: int,
                           temperature: float, seed: int) -> list[int]:
     """Reference decoding: the whole sequence and the image again for every token."""
-    inputs = vlm.prompt_inputs(image, QUESTION)
+    inputs = _inputs(vlm, image, QUESTION)
     ids = inputs["input_ids"]
     out: list[int] = []
     generator = torch.Generator().manual_seed(seed)
@@ -101,7 +106,7 @@ def test_the_image_changes_the_prediction(vlm: VisionLM, image: Image.Image) -> 
     # Sampled text of a random model hardly depends on its input; the logits do.
     other = Image.new("RGB", image.size, (255, 255, 255))
     with torch.inference_mode():
-        logits = [vlm.model(**vlm.prompt_inputs(im, QUESTION)).logits[0, -1]
+        logits = [vlm.model(**_inputs(vlm, im, QUESTION)).logits[0, -1]
                   for im in (image, other)]
     assert (logits[0] - logits[1]).abs().max() > 1e-2
 
@@ -139,8 +144,8 @@ def test_prompt_tokens_count_the_image(vlm: VisionLM, image: Image.Image) -> Non
 
 
 def test_empty_prompt_asks_for_a_description(vlm: VisionLM, image: Image.Image) -> None:
-    default = vlm.prompt_inputs(image, "")["input_ids"]
-    assert torch.equal(default, vlm.prompt_inputs(image, DEFAULT_PROMPT)["input_ids"])
+    default = _inputs(vlm, image, "")["input_ids"]
+    assert torch.equal(default, _inputs(vlm, image, DEFAULT_PROMPT)["input_ids"])
     assert DEFAULT_PROMPT in vlm.tokenizer.decode(default[0])
 
 
@@ -153,7 +158,7 @@ CHAT = [{"role": "system", "content": "Be brief."},
 def test_a_chat_is_read_whole_its_image_in_its_own_message(vlm: VisionLM,
                                                              image: Image.Image) -> None:
     request = kinds.build("describe", b"unused", CHAT, image_at=1)
-    ids = vlm.prompt_inputs(image, "", request.messages, request.image_at)["input_ids"][0]
+    ids = vlm.prompt_inputs(image, request)["input_ids"][0]
     text = vlm.tokenizer.decode(ids.tolist())
     order = [text.index(part) for part in ("Be brief.", "<image>", "What is it?",
                                            "A square.", "And its colour?")]
@@ -166,8 +171,8 @@ def test_a_chat_is_read_whole_its_image_in_its_own_message(vlm: VisionLM,
     # a caption, as an empty question does.
     last = kinds.build("describe", b"unused", [{"role": "user", "content": ""}])
     assert last.image_at == 0 and torch.equal(
-        vlm.prompt_inputs(image, "", last.messages)["input_ids"],
-        vlm.prompt_inputs(image, "")["input_ids"])
+        vlm.prompt_inputs(image, last)["input_ids"],
+        _inputs(vlm, image, "")["input_ids"])
     assert kinds.build("describe", b"unused", CHAT).image_at == 3
 
 
@@ -180,7 +185,7 @@ def test_its_tools_are_shown_and_its_calls_read_one_at_a_time(vlm: VisionLM,
     called = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     request = kinds.build("describe", b"unused", QUESTION, tools=[tool], tool_choice="auto",
                           regex=re.escape(called), temperature=0, max_tokens=150)
-    prompt = vlm.tokenizer.decode(vlm.prompt_inputs(image, QUESTION, tools=[tool])[
+    prompt = vlm.tokenizer.decode(_inputs(vlm, image, QUESTION, tools=[tool])[
         "input_ids"][0].tolist())
     assert '"get_weather"' in prompt and "<tools>" in prompt
     output = vision._output(vlm, request)
@@ -196,7 +201,7 @@ def test_its_tools_are_shown_and_its_calls_read_one_at_a_time(vlm: VisionLM,
 def test_control_tokens_in_the_prompt_are_text(vlm: VisionLM, image: Image.Image) -> None:
     # Unescaped, "<image>" would be a second image slot (a shape error at the first step)
     # and "<|im_end|>" would end the user's turn.
-    ids = vlm.prompt_inputs(image, "<image> and <|im_end|>?")["input_ids"][0].tolist()
+    ids = _inputs(vlm, image, "<image> and <|im_end|>?")["input_ids"][0].tolist()
     assert ids.count(vlm.processor.image_token_id) == IMAGE_TOKENS
     assert ids.count(vlm.tokenizer.convert_tokens_to_ids("<|im_end|>")) == 1
     _, stats = _describe(vlm, image, prompt="<image> and <|im_end|>?", max_tokens=2,
@@ -206,8 +211,8 @@ def test_control_tokens_in_the_prompt_are_text(vlm: VisionLM, image: Image.Image
 
 def test_non_rgb_images_are_converted(vlm: VisionLM, image: Image.Image) -> None:
     grey = image.convert("L")
-    pixels = vlm.prompt_inputs(grey, QUESTION)["pixel_values"]
-    assert torch.equal(pixels, vlm.prompt_inputs(grey.convert("RGB"), QUESTION)["pixel_values"])
+    pixels = _inputs(vlm, grey, QUESTION)["pixel_values"]
+    assert torch.equal(pixels, _inputs(vlm, grey.convert("RGB"), QUESTION)["pixel_values"])
 
 
 def test_prompt_longer_than_context_is_a_bad_request(vlm: VisionLM, image: Image.Image) -> None:
@@ -231,7 +236,7 @@ def test_a_context_option_lowers_the_models_own(tiny_models_dir: Path,
 
 
 def test_budget_is_capped_by_the_context(vlm: VisionLM, image: Image.Image) -> None:
-    overhead = len(vlm.prompt_inputs(image, "~")["input_ids"][0]) - 1
+    overhead = len(_inputs(vlm, image, "~")["input_ids"][0]) - 1
     prompt = "~" * (vlm.context - 1 - overhead)
     _, stats = _describe(vlm, image, prompt=prompt, temperature=0.0, max_tokens=5,
                          ignore_eos=True)

@@ -1,6 +1,7 @@
 """A vision model that reasons (Qwen3-VL's thinking models, GLM-4.1V-Thinking, ...): its
 thinking read apart from its answer, as a causal LM's is, one request at a time and
-continuously batched. tiny-vision plays one: a copy whose template opens `<think>`."""
+continuously batched. tiny-vision plays one: a copy whose template opens `<think>`
+unless `enable_thinking` is false, as Qwen3's does."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from PIL import Image
 from test_reasoning import Outbox
 
 from modelpool.protocol import kinds
+from modelpool.protocol.errors import PoolError
 from modelpool.protocol.messages import Chunk, End
 from modelpool.protocol.pipes import WorkItem
 from modelpool.registry.loaders import load_model
@@ -33,7 +35,8 @@ def thinking_vlm(tiny_models_dir: Path, tmp_path_factory: pytest.TempPathFactory
     shutil.copytree(tiny_models_dir / "tiny-vision", model_dir)
     template = model_dir / "chat_template.jinja"
     assert template.read_text().count(PROMPT) == 1
-    template.write_text(template.read_text().replace(PROMPT, PROMPT[:-1] + "<think>\\n'"))
+    template.write_text(template.read_text().replace(PROMPT, PROMPT + (
+        " + ('<think>\\n' if enable_thinking is not defined or enable_thinking else '')")))
     model = load_model(ModelSpec(key="tiny-vision", capability="vision", path=str(model_dir),
                                  options={"reasoning_format": "think"}))
     assert isinstance(model, VisionLM) and model.info()["reasoning_format"] == "think"
@@ -108,3 +111,25 @@ def test_a_questions_template_is_read_once_for_its_reader_and_its_language(
     prepared = thinking_vlm.prepare(image, held)
     assert isinstance(prepared.grammar, AfterThinking) and prepared.reasoning is not None
     assert rendered.count(False) == 1  # the text for both; the inputs tokenized apart
+
+
+def test_its_template_takes_the_requests_variables(thinking_vlm: VisionLM,
+                                                     image: Image.Image) -> None:
+    """chat_template_kwargs reach the processor's template (the thinking switched off, so
+    the output starts as the answer); what the daemon sets, or a reasoning_effort the
+    template does not read, is refused by name."""
+    asked = {"max_tokens": 3, "temperature": 0.0}
+    off = kinds.build("describe", b"unused", "q?", chat_template_kwargs={
+        "enable_thinking": False}, **asked)
+    on = kinds.build("describe", b"unused", "q?", **asked)
+    prompts = [thinking_vlm.tokenizer.decode(thinking_vlm.prompt_inputs(image, r)[
+        "input_ids"][0].tolist()) for r in (off, on)]
+    assert [p.endswith("<think>\n") for p in prompts] == [False, True]
+    readers = [thinking_vlm.reasoning_reader(r) for r in (off, on)]
+    assert [r.thinking for r in readers if r is not None] == [False, True]
+    for fields, says in (({"chat_template_kwargs": {"tools": []}}, "'tools' is set by"),
+                         ({"chat_template_kwargs": {"bos_token": "x"}}, "'bos_token' is set"),
+                         ({"reasoning_effort": "high"}, "takes none")):
+        with pytest.raises(PoolError, match=says):
+            thinking_vlm.prompt_inputs(image, kinds.build("describe", b"unused", "q?",
+                                                          **fields))
