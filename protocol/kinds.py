@@ -226,7 +226,8 @@ def embed_image(images: ImageLike | list[ImageLike],
 
 
 def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
-             model: str | None = None, *, image_at: int | None = None,
+             model: str | None = None, *, more_images: list[ImageLike] | None = None,
+             image_at: int | list[int] | None = None,
              tools: list[dict[str, Any]] | str | None = None,
              tool_choice: Literal["none", "auto"] = "none",
              chat_template_kwargs: str | dict[str, Any] | None = None,
@@ -245,19 +246,26 @@ def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
              grammar: str | None = None) -> tuple[Fields, bool]:
     """Stream text about an image; no query asks for a caption. The query may be a chat
     (messages as generate's, with a system message, earlier turns, ...): the image goes
-    with message image_at, by default the last user's. Sampling, tools,
+    with message image_at, by default the last user's; with more_images, image_at lists
+    each image's message (by default all the last user's). Sampling, tools,
     chat_template_kwargs and reasoning_effort as generate's."""
-    fields: Fields = {"model": model or "", "image": image_input(image),
+    more = [image_input(i) for i in more_images or ()]
+    fields: Fields = {"model": model or "", "image": image_input(image), "more_images": more,
                       "sampling": _sampling(locals()), "tools": _tools(tools),
                       "tool_choice": tool_choice,
                       "chat_template_kwargs": _variables(chat_template_kwargs),
                       "reasoning_effort": reasoning_effort}
-    if isinstance(query, str):
-        return {**fields, "prompt": query}, False
-    messages = [_chat_message(m) for m in query]
+    messages = [] if isinstance(query, str) else [_chat_message(m) for m in query]
     users = [i for i, m in enumerate(messages) if m.role == "user"]
-    at = image_at if image_at is not None else users[-1] if users else 0
-    return {**fields, "messages": messages, "image_at": at}, False
+    if isinstance(image_at, list):
+        at = image_at
+    else:
+        where = image_at if image_at is not None else users[-1] if users else 0
+        at = [where] * (1 + len(more))
+    placed = {"image_at": at[0] if at else 0, "more_at": at[1:]}
+    if isinstance(query, str):
+        return {**fields, **placed, "prompt": query}, False
+    return {**fields, **placed, "messages": messages}, False
 
 
 def generate_image(prompt: str, model: str | None = None, *, steps: int | None = None,
@@ -298,13 +306,17 @@ def _no_tools_to_call(request: Generate | Describe) -> str | None:
 
 
 def _describe_problem(request: Describe) -> str | None:
-    if request.messages:
-        if request.prompt:
-            return "describe takes a question or messages, not both"
-        if request.image_at >= len(request.messages) or \
-                request.messages[request.image_at].role != "user":
-            return (f"image_at {request.image_at}: the image goes with a user's message, "
-                    f"and there are {len(request.messages)} messages")
+    if request.messages and request.prompt:
+        return "describe takes a question or messages, not both"
+    if len(request.more_at) != len(request.more_images):
+        return "more_at names the message of each of more_images"
+    for at in (request.image_at, *request.more_at):
+        if request.messages and (at >= len(request.messages)
+                                 or request.messages[at].role != "user"):
+            return (f"image_at {at}: an image goes with a user's message, and there are "
+                    f"{len(request.messages)} messages")
+        if not request.messages and at != 0:
+            return f"image_at {at}: a question is one message (0)"
     return _no_tools_to_call(request) or _one_language(request)
 
 
@@ -357,8 +369,9 @@ KINDS: tuple[Kind, ...] = (
          with_images=lambda r, images: msgspec.structs.replace(r, images=images)),
     Kind(Describe, "describe", ("vision",), describe, End, Chunk, reply="text",
          deterministic=_greedy_or_seeded, check=_describe_problem,
-         images=lambda r: [r.image],
-         with_images=lambda r, images: msgspec.structs.replace(r, image=images[0])),
+         images=lambda r: [r.image, *r.more_images],
+         with_images=lambda r, images: msgspec.structs.replace(
+             r, image=images[0], more_images=images[1:])),
     Kind(GenerateImage, "generate_image", ("text_to_image",), generate_image, Image,
          ImageProgress, reply="image", deterministic=lambda r: r.seed is not None),
     Kind(Rerank, "rerank", ("rerank",), rerank, Scores, inputs="documents"),

@@ -178,6 +178,9 @@ class EmbedImage(_Request, frozen=True, kw_only=True, tag="embed_image"):
     images: Annotated[list[ImageInput], msgspec.Meta(min_length=1, max_length=1024)]
 
 
+MAX_MORE_IMAGES = 15  # a vision chat's images beside its first
+
+
 class Describe(_Request, frozen=True, kw_only=True, tag="describe"):
     image: ImageInput
     prompt: str = ""  # the question; "" asks for a caption
@@ -185,6 +188,11 @@ class Describe(_Request, frozen=True, kw_only=True, tag="describe"):
     # user's), before that message's text
     messages: list[ChatMessage] = []
     image_at: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # a chat's other images, in order, each in its message (more_at[i]), after the ones
+    # before it there
+    more_images: Annotated[list[ImageInput], msgspec.Meta(max_length=MAX_MORE_IMAGES)] = []
+    more_at: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
+                       msgspec.Meta(max_length=MAX_MORE_IMAGES)] = []
     # function tools and whether the model may call them, the template's variables and
     # reasoning_effort: as Generate's
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] = []

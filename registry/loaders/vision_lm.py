@@ -6,7 +6,7 @@ the causal LMs do, so the worker can stream, count progress and stop between tok
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ DEFAULT_PROMPT = "Describe this image."
 
 
 class VisionLM:
+    reads_many_images = True  # a chat's images, each in its message
+
     def __init__(self, key: str, processor: Any, model: Any, context: int,
                  thinking: ThinkingTags | None = None,
                  structured_in_reasoning: bool = False,
@@ -108,10 +110,11 @@ class VisionLM:
         (the last question's answer kept: the reader and the language both ask)."""
         assert self.thinking is not None
         asked = (request.prompt, request.image_at, encoder.encode([
-            request.messages, request.tools, request.chat_template_kwargs,
+            request.messages, request.more_at, request.tools, request.chat_template_kwargs,
             request.reasoning_effort]))
         if self._last_opened is None or self._last_opened[0] != asked:
-            rendered = self._rendered(request, {"type": "image"}, tokenize=False)
+            slots = [{"type": "image"}] * (1 + len(request.more_at))
+            rendered = self._rendered(request, slots, tokenize=False)
             self._last_opened = (asked, opens_thinking(str(rendered), self.thinking))
         return self._last_opened[1]
 
@@ -131,7 +134,7 @@ class VisionLM:
                 "reasoning_format": self.thinking.name if self.thinking else None,
                 "tool_call_format": self.tool_format.name if self.tool_format else None}
 
-    def _rendered(self, request: Describe, image: dict[str, Any], **how: Any) -> Any:
+    def _rendered(self, request: Describe, images: list[dict[str, Any]], **how: Any) -> Any:
         """The request's chat through the processor's template, with its tools and
         variables; one it refuses (roles that must alternate, ...) is the client's error.
         OpenAI's `developer` is the `system` of a template that does not know it."""
@@ -143,39 +146,43 @@ class VisionLM:
                                        request.chat_template_kwargs, request.reasoning_effort)
         try:
             return self.processor.apply_chat_template(
-                vision_chat(request.prompt, messages, request.image_at, image),
+                vision_chat(request.prompt, messages,
+                            list(zip([request.image_at, *request.more_at], images,
+                                     strict=True))),
                 tools=request.tools or None, add_generation_prompt=True, **how, **variables)
         except TemplateError as exc:
             raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r}'s chat template "
                             f"refused the messages: {exc}") from None
 
-    def prompt_inputs(self, image: Image.Image, request: Describe) -> dict[str, torch.Tensor]:
+    def prompt_inputs(self, image: Image.Image, request: Describe,
+                      more: Sequence[Image.Image] = ()) -> dict[str, torch.Tensor]:
         """input_ids (image placeholders expanded), attention_mask, pixel_values, ...,
-        for its question or its chat (the image in message `image_at`)."""
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        for its question or its chat (the image in message `image_at`, the `more` images
+        in theirs)."""
+        rgb = [i if i.mode == "RGB" else i.convert("RGB") for i in (image, *more)]
         if self.template:
             # sanitize_control_tokens: a question containing "<image>" or "<|im_end|>" is
             # text, not a second image slot (a shape error) or a forged turn.
-            inputs = self._rendered(request, {"type": "image", "image": rgb}, tokenize=True,
-                                    return_dict=True, return_tensors="pt",
+            inputs = self._rendered(request, [{"type": "image", "image": i} for i in rgb],
+                                    tokenize=True, return_dict=True, return_tensors="pt",
                                     sanitize_control_tokens=True)
         else:  # processors without a template (BLIP-style) place the image themselves
-            if len(request.messages) > 1:
+            if len(request.messages) > 1 or more:
                 raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r} has no chat "
                                 "template: it answers one question about an image, not a chat")
             question = request.messages[0].content if request.messages else request.prompt
-            inputs = self.processor(images=rgb, text=question or DEFAULT_PROMPT,
+            inputs = self.processor(images=rgb[0], text=question or DEFAULT_PROMPT,
                                     return_tensors="pt")
         device = self.model.device
         return {name: (value.to(device, self.model.dtype) if value.is_floating_point()
                        else value.to(device)) if isinstance(value, torch.Tensor) else value
                 for name, value in inputs.items()}
 
-    def _checked_inputs(self, image: Image.Image, request: Describe
-                        ) -> tuple[dict[str, torch.Tensor], int, int]:
+    def _checked_inputs(self, image: Image.Image, request: Describe,
+                        more: Sequence[Image.Image]) -> tuple[dict[str, torch.Tensor], int, int]:
         """The model's inputs, the prompt's length and how many tokens may follow it."""
         check_logit_bias(request.sampling, self.vocab, self.key)
-        inputs = self.prompt_inputs(image, request)
+        inputs = self.prompt_inputs(image, request, more)
         n_prompt = int(inputs["input_ids"].shape[1])  # image tokens included: they use context
         if n_prompt >= self.context:
             raise PoolError(ErrorCode.BAD_REQUEST, f"prompt has {n_prompt} tokens (image "
@@ -191,17 +198,18 @@ class VisionLM:
             return None
         return ContinuousDecoder(self.model, self.tokenizer, self.eos_ids)
 
-    def prepare(self, image: Image.Image, request: Describe) -> Prepared:
-        inputs, n_prompt, budget = self._checked_inputs(image, request)
+    def prepare(self, image: Image.Image, request: Describe,
+                more: Sequence[Image.Image] = ()) -> Prepared:
+        inputs, n_prompt, budget = self._checked_inputs(image, request, more)
         return Prepared(inputs=inputs, prompt_tokens=n_prompt, budget=budget,
                         sampling=request.sampling, grammar=self.language(request),
                         reasoning=self.reasoning_reader(request),
                         tool_calls=self.tool_reader(request), kept=self._kept(request))
 
     @torch.inference_mode()
-    def describe(self, image: Image.Image, request: Describe,
-                 stats: GenerationStats) -> Iterator[str]:
-        inputs, n_prompt, budget = self._checked_inputs(image, request)
+    def describe(self, image: Image.Image, request: Describe, stats: GenerationStats,
+                 more: Sequence[Image.Image] = ()) -> Iterator[str]:
+        inputs, n_prompt, budget = self._checked_inputs(image, request, more)
         stats.prompt_tokens = n_prompt
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
 
@@ -217,18 +225,19 @@ class VisionLM:
                           self._kept(request))
 
 
-def vision_chat(prompt: str, messages: list[ChatMessage], image_at: int,
-                image: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat a processor's template renders: the request's messages, the image before
-    the text of its own, or its one question (no question, and the image the chat's last
-    message alone: a caption is asked for)."""
-    if not messages:
-        messages, image_at = [ChatMessage(role="user", content=prompt)], 0
-    turns = [{**template_message(m), "content": [{"type": "text", "text": m.content}]}
-             for m in messages]
-    if image_at == len(messages) - 1 and not messages[-1].content:
-        turns[-1]["content"][0]["text"] = DEFAULT_PROMPT
-    turns[image_at]["content"].insert(0, image)
+def vision_chat(prompt: str, messages: list[ChatMessage],
+                images: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The chat a processor's template renders: the request's messages, each image (by
+    its message's index) before the text of its own, in order, or its one question (no
+    question, and the images the chat's last message alone: a caption is asked for)."""
+    messages = list(messages) or [ChatMessage(role="user", content=prompt)]
+    turns = [{**template_message(m), "content": []} for m in messages]
+    for at, image in images:
+        turns[at]["content"].append(image)
+    if not messages[-1].content and turns[-1]["content"]:
+        messages[-1:] = [ChatMessage(role=messages[-1].role, content=DEFAULT_PROMPT)]
+    for turn, message in zip(turns, messages, strict=True):
+        turn["content"].append({"type": "text", "text": message.content})
     return turns
 
 

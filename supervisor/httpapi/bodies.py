@@ -32,7 +32,7 @@ from modelpool.protocol.fields import (
     TokenId,
     TopLogprobs,
 )
-from modelpool.protocol.messages import Effort, ImageInput
+from modelpool.protocol.messages import MAX_MORE_IMAGES, Effort, ImageInput
 from modelpool.supervisor.httpapi.structured import (
     GuidedChoice,
     ResponseFormat,
@@ -329,16 +329,18 @@ def chat_call(body: ChatBody) -> PoolCall:
     if not images:
         return PoolCall("generate", (messages,), {**chat, "cache_salt": body.cache_salt},
                         made)
-    if len(images) > 1:
-        raise bad("messages", "one image per request is supported")
-    index, part = images[0]
-    if part.image_url is None:
-        raise bad(f"messages[{index}].content", "an image_url part needs image_url.url")
-    if body.messages[index].role != "user":
-        raise bad(f"messages[{index}].content", "an image goes in a user's message")
-    image = image_from_url(part.image_url.url, f"messages[{index}].content.image_url")
-    # The whole chat, its image in its own message (before that message's text).
-    return PoolCall("describe", (image, messages), {**chat, "image_at": index}, made)
+    if len(images) > 1 + MAX_MORE_IMAGES:
+        raise bad("messages", f"at most {1 + MAX_MORE_IMAGES} images in a chat")
+    for index, part in images:
+        if part.image_url is None:
+            raise bad(f"messages[{index}].content", "an image_url part needs image_url.url")
+        if body.messages[index].role != "user":
+            raise bad(f"messages[{index}].content", "an image goes in a user's message")
+    inputs = [image_from_url(part.image_url.url, f"messages[{index}].content.image_url")
+              for index, part in images]
+    # The whole chat, each image in its own message (before that message's text).
+    return PoolCall("describe", (inputs[0], messages), {
+        **chat, "more_images": inputs[1:], "image_at": [index for index, _ in images]}, made)
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:

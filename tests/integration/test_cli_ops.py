@@ -18,6 +18,8 @@ import pytest
 from conftest import ROOT, Daemon, model_entry, start_daemon
 from PIL import Image
 
+from modelpool.protocol.errors import ErrorCode, PoolError
+
 CONFIG = """
 [pool]
 cold_start_workers = 1
@@ -128,6 +130,19 @@ def test_describe_prints_the_finish_reason_and_token_counts(daemon: Daemon,
     Image.new("RGB", (8, 40)).save(buffer, format="PNG")
     piped = cli(daemon, "describe", "--model", "see", "-", stdin=buffer.getvalue())
     assert piped.returncode == 0 and piped.stdout.strip() == "8x40", piped.stderr
+
+
+def test_a_loader_that_reads_one_image_refuses_several(daemon: Daemon) -> None:
+    """A custom vision loader written for one image (no `reads_many_images`) is not
+    handed two: the request is a typed error, and the worker serves on."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 4)).save(buffer, format="PNG")
+    with daemon.client() as c:
+        with pytest.raises(PoolError) as err:
+            list(c.describe(buffer.getvalue(), "sizes?", more_images=[buffer.getvalue()],
+                            model="see"))
+        assert err.value.code is ErrorCode.BAD_REQUEST and "one image" in err.value.message
+        assert "".join(ch.text for ch in c.describe(buffer.getvalue(), model="see")) == "8x4"
 
 
 def test_a_missing_image_file_is_a_bad_request(daemon: Daemon) -> None:

@@ -225,6 +225,21 @@ def test_vision_through_chat(served: tuple[Daemon, str], sdk: openai.OpenAI) -> 
     assert followed.choices[0].message.content == "".join(ch.text for ch in asked)
     assert followed.usage is not None and reply.usage is not None
     assert followed.usage.prompt_tokens == asked[-1].prompt_tokens > reply.usage.prompt_tokens
+    # A second image, in the chat's last message: both are read, each in its message
+    green = png((0, 255, 0))
+    two = [*chat[:3], {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(green)}},
+        {"type": "text", "text": "and then?"}]}]
+    both = sdk.chat.completions.create(model="tiny-vision", max_tokens=6, temperature=0,
+                                       messages=two)
+    with served[0].client() as c:
+        pooled = list(c.describe(image, [{**m, "content": "what is it?"} if i == 1
+                                         else m for i, m in enumerate(chat)],
+                                 more_images=[green], model="tiny-vision", image_at=[1, 3],
+                                 max_tokens=6, temperature=0))
+    assert both.choices[0].message.content == "".join(ch.text for ch in pooled)
+    assert both.usage is not None and both.usage.prompt_tokens == pooled[-1].prompt_tokens
+    assert both.usage.prompt_tokens > followed.usage.prompt_tokens  # the image's tokens
     with pytest.raises(openai.BadRequestError, match="image_url"):
         sdk.chat.completions.create(model="tiny-vision", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}])

@@ -123,11 +123,24 @@ def test_a_description_takes_a_question_or_a_chat_its_image_in_a_users_message()
     chat = [ChatMessage(role="system", content="s"), ChatMessage(role="user", content="q")]
     image = ImageInput(data=b"png")
     assert check(Describe(id=1, image=image, messages=chat, image_at=1)) is None
-    for fields in ({"image_at": 0}, {"image_at": 2}):
-        assert "the image goes with a user's message" in (
+    for fields in ({"image_at": 0}, {"image_at": 2},
+                   {"image_at": 1, "more_images": [image], "more_at": [0]}):
+        assert "an image goes with a user's message" in (
             check(Describe(id=1, image=image, messages=chat, **fields)) or "")
     assert check(Describe(id=1, image=image, prompt="q", messages=chat, image_at=1)) == (
         "describe takes a question or messages, not both")
+    # Several images: each with its message (a question's: 0)
+    assert check(Describe(id=1, image=image, messages=chat, image_at=1,
+                          more_images=[image, image], more_at=[1, 1])) is None
+    assert check(Describe(id=1, image=image, prompt="q", more_images=[image],
+                          more_at=[0])) is None
+    assert "more_at names" in (check(Describe(id=1, image=image, prompt="q",
+                                              more_images=[image])) or "")
+    assert "a question is one message" in (check(Describe(
+        id=1, image=image, prompt="q", more_images=[image], more_at=[1])) or "")
+    both = kinds.build("describe", b"a", more_images=[b"b"], query=[{
+        "role": m.role, "content": m.content} for m in chat])
+    assert (both.image_at, both.more_at, len(both.more_images)) == (1, [1], 1)
 
 
 def test_structured_output_asks_for_one_language_that_may_end() -> None:

@@ -176,6 +176,32 @@ def test_a_chat_is_read_whole_its_image_in_its_own_message(vlm: VisionLM,
     assert kinds.build("describe", b"unused", CHAT).image_at == 3
 
 
+def test_a_chats_images_each_in_its_message(vlm: VisionLM, image: Image.Image) -> None:
+    """Two images, one in each user message: each its placeholders, in order, and the
+    model sees both (swapped, the prediction changes)."""
+    other = Image.new("RGB", (40, 40), (0, 200, 0))
+    chat = [{"role": "user", "content": "this one?"}, {"role": "assistant", "content": "A."},
+            {"role": "user", "content": "and this one?"}]
+    request = kinds.build("describe", image, chat, more_images=[other], image_at=[0, 2],
+                          max_tokens=3,
+                          ignore_eos=True)
+    assert (request.image_at, request.more_at) == (0, [2])
+    inputs = vlm.prompt_inputs(image, request, [other])
+    ids = inputs["input_ids"][0].tolist()
+    assert ids.count(vlm.processor.image_token_id) == 2 * IMAGE_TOKENS
+    text = vlm.tokenizer.decode(ids)
+    order = [text.index(part) for part in ("this one?", "A.", "and this one?")]
+    assert order == sorted(order) and text.index("<image>") < order[0]
+    assert text.rindex("<image>") in range(order[1], order[2])
+    swapped = vlm.prompt_inputs(other, request, [image])
+    with torch.inference_mode():
+        logits = [vlm.model(**i).logits[0, -1] for i in (inputs, swapped)]
+    assert not torch.allclose(*logits)
+    stats = GenerationStats()
+    list(vlm.describe(image, request, stats, more=[other]))
+    assert (stats.prompt_tokens, stats.completion_tokens) == (len(ids), 3)
+
+
 def test_its_tools_are_shown_and_its_calls_read_one_at_a_time(vlm: VisionLM,
                                                               image: Image.Image) -> None:
     """The tiny template shows tools as Qwen2-VL's does (Hermes' format, from its signs);

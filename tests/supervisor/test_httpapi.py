@@ -58,7 +58,14 @@ def test_chat_with_an_image_asks_a_vision_model_about_it() -> None:
     assert call.op == "describe" and call.args == (ImageInput(data=b"\x89PNG..."), [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "what is it?"},
         {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "its colour?"}])
-    assert call.kwargs["image_at"] == 1  # the whole chat, the image in its own message
+    assert call.kwargs["image_at"] == [1]  # the whole chat, the image in its own message
+    second = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}
+    two = bodies.chat_call(body(bodies.ChatBody, messages=[*asked[:3], {
+        "role": "user", "content": [second, {"type": "text", "text": "and this?"}]}]))
+    assert len(two.kwargs["more_images"]) == 1 and two.kwargs["image_at"] == [1, 3]
+    with pytest.raises(PoolError, match="at most 16 images"):
+        bodies.chat_call(body(bodies.ChatBody, messages=[
+            {"role": "user", "content": [second] * 17}]))
     assert call.kwargs["max_tokens"] == 5 and call.kwargs["stop"] == ["END"]
     with pytest.raises(PoolError, match="a user's message"):
         bodies.chat_call(body(bodies.ChatBody, messages=[{"role": "assistant", "content": [

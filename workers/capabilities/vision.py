@@ -1,4 +1,5 @@
-"""vision: an image and a question in, a stream of text chunks out (like text_to_text)."""
+"""vision: an image and a question (or a chat, perhaps with more images) in, a stream of
+text chunks out (like text_to_text)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any, Protocol
 
 from PIL import Image
 
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import Describe
 from modelpool.protocol.pipes import WorkItem
 from modelpool.workers.capabilities import text_limits
@@ -22,25 +24,32 @@ from modelpool.workers.capabilities.text_to_text import (
 class VisionModel(Protocol):
     def describe(self, image: Image.Image, request: Describe,
                  stats: GenerationStats) -> Iterator[str]:
-        """Yield one text piece per generated token (maybe ""), filling stats."""
+        """Yield one text piece per generated token (maybe ""), filling stats. A model
+        that reads several images (`reads_many_images`) takes the request's others as
+        the keyword `more`."""
 
     def info(self) -> dict[str, Any]:
         """Facts for status, e.g. {"context": 2048}."""
 
 
-def _image(model: Any, item: WorkItem, out: Outbox) -> tuple[Describe, Image.Image]:
+def _images(model: Any, item: WorkItem, out: Outbox
+            ) -> tuple[Describe, Image.Image, dict[str, Any]]:
+    """The request, its image, and its others (`more`) for a model that reads several."""
     request = item.request
     assert isinstance(request, Describe)
     chars = len(request.prompt) + sum(len(m.content) for m in request.messages)
     text_limits.check_prompt(chars, text_limits.char_limit(model))
-    opened = out.opened_images(item)[0]
-    return request, opened.decoded(working_side(model.info()))
+    if request.more_images and not getattr(model, "reads_many_images", False):
+        raise PoolError(ErrorCode.BAD_REQUEST, "this model reads one image per request")
+    side = working_side(model.info())
+    image, *more = [opened.decoded(side) for opened in out.opened_images(item)]
+    return request, image, {"more": more} if more else {}
 
 
 def prepare(model: Any, item: WorkItem, out: Outbox) -> Any:
     """The item as a sequence for the model's continuous decoder (workers/streams.py)."""
-    request, image = _image(model, item, out)
-    return model.prepare(image, request)
+    request, image, more = _images(model, item, out)
+    return model.prepare(image, request, **more)
 
 
 def _output(model: Any, request: Describe) -> TextOutput:
@@ -55,11 +64,11 @@ def _output(model: Any, request: Describe) -> TextOutput:
 def run(model: VisionModel, items: list[WorkItem], out: Outbox, max_batch: int) -> None:
     for item in items:  # streaming: the supervisor sends one item at a time
         try:
-            request, image = _image(model, item, out)
+            request, image, more = _images(model, item, out)
             output = _output(model, request)
         except Exception as exc:
             out.send(error_reply(item.job_id, exc))
             continue
         stats = GenerationStats()
-        stream_text(item.job_id, lambda i=image, r=request, s=stats: model.describe(i, r, s),
-                    stats, output, out)
+        stream_text(item.job_id, lambda i=image, r=request, s=stats, m=more: model.describe(
+            i, r, s, **m), stats, output, out)
