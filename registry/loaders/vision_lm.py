@@ -130,7 +130,7 @@ class VisionLM:
     def info(self) -> dict[str, Any]:
         vision = getattr(self.model.config, "vision_config", None)
         return {"context": self.context, "image_size": getattr(vision, "image_size", None),
-                "chat_template": bool(getattr(self.processor, "chat_template", None)),
+                "chat_template": bool(self.template),
                 "reasoning_format": self.thinking.name if self.thinking else None,
                 "tool_call_format": self.tool_format.name if self.tool_format else None}
 
@@ -258,10 +258,8 @@ def load(spec: ModelSpec, model_dir: Path | None) -> VisionLM:
     model = place(spec, AutoModelForImageTextToText.from_pretrained(
         model_dir, **pretrained_kwargs(spec)))
     own = own_tokens(model.config.get_text_config(), 2048)
-    template = getattr(processor, "chat_template", None)
-    thinking = thinking_tags(str(template) if template else None,
-                             spec.options.get("reasoning_format"), spec.key)
-    tool_format = format_of(str(template) if template else None,
-                            spec.options.get("tool_call_format"), spec.key)
+    template = str(getattr(processor, "chat_template", None) or "") or None
+    thinking = thinking_tags(template, spec.options.get("reasoning_format"), spec.key)
+    tool_format = format_of(template, spec.options.get("tool_call_format"), spec.key)
     return VisionLM(spec.key, processor, model, configured_tokens(spec, "context", own),
                     thinking, structured_in_reasoning(spec), tool_format)
