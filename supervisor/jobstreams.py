@@ -68,6 +68,9 @@ class JobStreams:
     def __init__(self, jobs: JobService) -> None:
         self.jobs = jobs
         self._kept: dict[str, KeptStream] = {}
+        # the ended ones, in the order they ended (the oldest go first), and their bytes
+        self._ended: dict[str, KeptStream] = {}
+        self._ended_bytes = 0
         self._watching: set[asyncio.Task[None]] = set()
 
     async def submit(self, uid: int, msg: Submit, nbytes: int) -> str:
@@ -108,6 +111,8 @@ class JobStreams:
     def forget(self, key: str) -> None:
         """Its job was forgotten: so is its stream."""
         self._kept.pop(key, None)
+        if (kept := self._ended.pop(key, None)) is not None:
+            self._ended_bytes -= kept.nbytes
 
     def close(self) -> None:
         """The daemon stops: nothing more is watched."""
@@ -129,6 +134,9 @@ class JobStreams:
         for msg in replies:
             kept.add(msg)
         kept.ended_at = self.jobs.pool.scheduler.wall()
+        if self._kept.get(key) is kept:  # (not forgotten meanwhile)
+            self._ended[key] = kept
+            self._ended_bytes += kept.nbytes
 
     async def _result(self, uid: int, key: str) -> JobResult:
         """The job's result once it has ended; its failure raised."""
@@ -141,12 +149,12 @@ class JobStreams:
                     raise
 
     def _drop_old(self) -> None:
-        """Ended streams past the results' retention, then the oldest over KEPT_BYTES."""
+        """Ended streams past the results' retention, and the oldest over KEPT_BYTES
+        (from the oldest, only as many as go: a flood of submissions costs no scan)."""
         since = self.jobs.pool.scheduler.wall() - self.jobs.config.result_retention_s
-        ended = [(key, kept) for key, kept in self._kept.items() if kept.ended_at is not None]
-        total = sum(kept.nbytes for _, kept in ended)
-        for key, kept in ended:
+        while self._ended:
+            key, kept = next(iter(self._ended.items()))
             assert kept.ended_at is not None
-            if kept.ended_at < since or total > KEPT_BYTES:
-                total -= kept.nbytes
-                del self._kept[key]
+            if kept.ended_at >= since and self._ended_bytes <= KEPT_BYTES:
+                return
+            self.forget(key)
