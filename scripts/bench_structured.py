@@ -97,7 +97,7 @@ def _bpe(texts: list[str], vocab: int) -> Any:
 def _mask_walk(tokenizer: Any, steps: int) -> dict[str, Any]:
     import torch
 
-    from modelpool.protocol.kinds import structured
+    from modelpool.protocol.builders import structured
     from modelpool.registry.loaders.grammar import Grammars
 
     vocab = len(tokenizer)
