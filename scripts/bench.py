@@ -271,7 +271,8 @@ def jobs_figures(quick: bool) -> dict[str, Any]:
     import bench_jobs
 
     return {"noop_submit_retrieve": bench_jobs.noop_overhead(500 if quick else 3000),
-            "minilm_as_jobs": bench_jobs.minilm_throughput(5000 if quick else 50000, 50)}
+            "minilm_as_jobs": bench_jobs.minilm_throughput(5000 if quick else 50000, 50),
+            "followed_stream": bench_jobs.followed_stream(2000, 5 if quick else 15)}
 
 
 def main() -> None:

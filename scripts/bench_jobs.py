@@ -77,3 +77,45 @@ def minilm_throughput(texts: int, per_job: int) -> dict[str, Any]:
                 "ratio": round(jobs_rate / direct_rate, 3)}
     finally:
         daemon.stop()
+
+
+TICKER = """
+[[models]]
+key = "ticker"
+capability = "text_to_text"
+loader = "bench_loaders:ticker"
+options = { step_s = 0 }
+max_workers = 1
+"""
+
+
+def followed_stream(tokens: int, rounds: int) -> dict[str, Any]:
+    """A generation streamed as a direct call against the same submitted as a job with
+    `stream` and followed live (its chunks kept, then sent on), and followed again once
+    ended (the kept chunks replayed), a model that costs nothing a token; interleaved."""
+    daemon = Daemon("[pool]\ncold_start_workers = 1\n" + TICKER)
+    try:
+        daemon.wait_listening()
+        with Client(socket_path=daemon.socket) as c:
+            list(c.generate("warm", model="ticker", max_tokens=8))
+            times: dict[str, list[float]] = {"direct": [], "followed": [], "again": []}
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                list(c.generate("go", model="ticker", max_tokens=tokens))
+                t1 = time.perf_counter()
+                key = c.submit("generate", "go", model="ticker", max_tokens=tokens,
+                               stream=True)
+                list(c.follow(key))
+                t2 = time.perf_counter()
+                list(c.follow(key))
+                times["direct"].append(t1 - t0)
+                times["followed"].append(t2 - t1)
+                times["again"].append(time.perf_counter() - t2)
+        p50 = {name: sorted(s)[len(s) // 2] for name, s in times.items()}
+        return {"tokens": tokens, "rounds": rounds,
+                **{f"{name}_p50_ms": round(s * 1e3, 2) for name, s in p50.items()},
+                "followed_over_direct": round(p50["followed"] / p50["direct"], 3),
+                "followed_us_per_token_more": round(
+                    (p50["followed"] - p50["direct"]) / tokens * 1e6, 2)}
+    finally:
+        daemon.stop()
