@@ -18,7 +18,7 @@ from modelpool.protocol.async_client import AsyncClient
 from modelpool.protocol.client import TextChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
 
-TOKENS = 12
+TOKENS = 20  # a token each 0.05 s: a second of a job, which a follower sees running
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,11 @@ def test_a_cancelled_job_ends_its_followers_stream_cancelled(daemon: Daemon) -> 
         key = c.submit("generate", "Stop", model="gen", max_tokens=200, stream=True)
         stream = c.follow(key)
         assert next(stream).text
-        cancel = threading.Timer(0.2, lambda: daemon.client().cancel(key))
+        def cancel_it() -> None:
+            with daemon.client() as other:
+                other.cancel(key)
+
+        cancel = threading.Timer(0.2, cancel_it)
         cancel.start()
         with pytest.raises(PoolError) as err:
             for _ in stream:
