@@ -38,26 +38,25 @@ format; the ones read here, and how a model's is known:
   "arguments"}` a line, or a JSON list of them (Jamba's and Hunyuan-A13B's; vLLM's
   `jamba` and `hunyuan_a13b`, names this format also answers to). Known by its
   template's `<tool_calls>`.
-- "minimax_m2": MiniMax M2's `<minimax:tool_call>` block after any text, each
-  `<invoke name="...">` a call with its `<parameter name="...">value</parameter>`s,
-  typed as Qwen3-Coder's are (tool_calls_xml.py). Known by its template's
-  `<minimax:tool_call>`.
+- "minimax_m2": MiniMax M2's `<minimax:tool_call>` block after any text, each `<invoke
+  name="...">` a call with its `<parameter name="...">`s, typed as Qwen3-Coder's are
+  (tool_calls_xml.py). Known by its template's `<minimax:tool_call>`.
 - "kimi_k2": Kimi K2's calls between `<|tool_calls_section_begin|>` and
   `<|tool_calls_section_end|>`, after any text, each `<|tool_call_begin|>` its id
   (`functions.name:index`, kept: its template writes it back), then
   `<|tool_call_argument_begin|>`, its JSON arguments and `<|tool_call_end|>`. Known by
   its template naming `<|tool_calls_section_begin|>`.
 - "internlm": InternLM 2.5's `<|action_start|><|plugin|>{"name", "parameters"}
-  <|action_end|>` after any text (vLLM's `internlm`, here also `internlm2`). Known by its
-  template's `<|plugin|>`.
-- "phi4_mini_json": Phi-4-mini's `functools[{"name", "arguments"}, ...]`, after any text.
-  Its template does not show it: named by the option only.
-A model's loader option `tool_call_format` names one where the template does not say.
-A format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]` always,
-`<tool_call>` in some Hermes tokenizers) are kept in the text of a sequence that may call,
-where decoding would otherwise drop them. Text that starts like a call but does not read
-as one (not JSON, no tool's name) is given back as text, as vLLM's parsers do, unless a
-call was streamed from it (tool_stream.py)."""
+  <|action_end|>` after any text (also `internlm2`). Known by its template's `<|plugin|>`.
+- "phi4_mini_json": Phi-4-mini's `functools[{"name", "arguments"}, ...]`, after any text;
+  "xlam": Salesforce xLAM's JSON list of `{"name", "arguments"}`, the whole answer, maybe
+  in a ```json code block. Their templates do not show them: named by the option only.
+The loader option `tool_call_format` names one where the template does not say. A
+format's markers that the tokenizer holds as special tokens (`[TOOL_CALLS]`, some
+Hermes tokenizers' `<tool_call>`) are kept in the text of a sequence that may call.
+Text that starts like a call but does not read as one (not JSON, no tool's name) is
+given back as text, as vLLM's parsers do, unless a call was streamed from it
+(tool_stream.py)."""
 
 from __future__ import annotations
 
@@ -87,6 +86,7 @@ TOOL_CALLS = "[TOOL_CALLS]"
 PYTHONIC_EXAMPLE = "[func_name1("  # what the pythonic templates show their models
 GRANITE_CALL = "<|tool_call|>"
 PHI4_CALLS = "functools"
+FENCE = "```"  # a Markdown code block's
 DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                     "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
 DEEPSEEK_CALL = re.compile("<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)",
@@ -105,7 +105,8 @@ class ToolFormat:
     opens: str  # the text a call begins with
     at_start: bool  # True: only the answer's start (after white space) opens calls
     parse: Callable[[str], list[ToolCall] | None]  # the text from `opens` on; None: no calls
-    lead: str = ""  # at_start: what may come before `opens` (Llama's <|python_tag|>)
+    # at_start: what may come before `opens` (Llama's <|python_tag|>), longest first
+    leads: tuple[str, ...] = ()
     markers: tuple[str, ...] = ()  # its tokens the text must keep, if special
     new_id: Callable[[], str] = new_call_id
     # Arguments parsed as text, then given their types by the request's tools' schemas.
@@ -185,6 +186,11 @@ def _phi4_mini(text: str) -> list[ToolCall] | None:
     return _all_or_none(_each(_decoded(text.removeprefix(PHI4_CALLS)), "parameters"))
 
 
+def _xlam(text: str) -> list[ToolCall] | None:
+    body = text.strip().removeprefix(FENCE).removeprefix("json").removesuffix(FENCE)
+    return _all_or_none(_each(_decoded(body), "arguments"))
+
+
 def _granite(text: str) -> list[ToolCall] | None:
     return _all_or_none(_each(_decoded(text.strip().removeprefix(GRANITE_CALL)), "arguments"))
 
@@ -223,14 +229,15 @@ def _mistral_id() -> str:
 FORMATS = {f.name: f for f in (
     ToolFormat("hermes", "<tool_call>", False, _hermes,
                markers=("<tool_call>", "</tool_call>")),
-    ToolFormat("llama3_json", '{"name"', True, _llama3_json, lead=PYTHON_TAG,
+    ToolFormat("llama3_json", '{"name"', True, _llama3_json, leads=(PYTHON_TAG,),
                markers=(PYTHON_TAG,)),
     ToolFormat("mistral", TOOL_CALLS, False, _mistral, markers=(TOOL_CALLS, "[ARGS]"),
                new_id=_mistral_id),
-    ToolFormat("pythonic", "[", True, pythonic.parse, lead=pythonic.PYTHON_START,
+    ToolFormat("pythonic", "[", True, pythonic.parse, leads=(pythonic.PYTHON_START,),
                markers=(pythonic.PYTHON_START, pythonic.PYTHON_END)),
     ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
     ToolFormat("phi4_mini_json", PHI4_CALLS + "[", False, _phi4_mini),
+    ToolFormat("xlam", "[", True, _xlam, leads=(FENCE + "json", FENCE)),
     ToolFormat("internlm", INTERNLM_MARKERS[0], False, _internlm, markers=INTERNLM_MARKERS),
     ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS),
     ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,
@@ -346,11 +353,13 @@ class ToolCallReader:
         return [] if self.stream is None else self.stream.take()
 
     def _at_start(self) -> str:
-        opens, lead = self.format.opens, self.format.lead
-        start = self.pending.lstrip()
-        if lead.startswith(start):
-            return ""  # maybe the lead: wait for more
-        start = start.removeprefix(lead)
+        opens, start = self.format.opens, self.pending.lstrip()
+        for lead in self.format.leads:
+            if lead.startswith(start):
+                return ""  # maybe a lead: wait for more
+            if start.startswith(lead):
+                start = start.removeprefix(lead).lstrip()
+                break
         if start.startswith(opens):
             self.held, self.pending = self.pending, ""
         elif not opens.startswith(start):

@@ -1,7 +1,7 @@
 """Tool calls streamed as the model writes them (tool_choice "auto"), as vLLM's parsers
 stream them: a call's name (with its id) once its arguments begin, then their JSON text
 piece by piece: where the model writes JSON (hermes, llama3_json, mistral, granite,
-phi4_mini_json, internlm, deepseek, kimi_k2, minimax), its own text without the white space
+phi4_mini_json, xlam, internlm, deepseek, kimi_k2, minimax), its own text without the white space
 between JSON's tokens (what a JSON encoder writes); where it writes XML (qwen3_coder,
 seed_oss, glm45, minimax_m2: tool_calls_xml.py), a parameter at a time, typed as at the
 end; where it writes Python calls (pythonic: tool_calls_pythonic.py), a call at a time.
@@ -44,6 +44,7 @@ HEADS = {name: tuple(re.compile(head) for head in heads) for name, heads in {
                 r"\[TOOL_CALLS\]\s*(?P<name>[^\[\s]+?)\s*\[ARGS\]\s*"),
     "granite": (_LIST % re.escape("<|tool_call|>"),),
     "phi4_mini_json": (r"(?:functools\[)?\s*" + _JSON % "(?:arguments|parameters)",),
+    "xlam": (_LIST % "(?:```(?:json)?)?",),
     "internlm": (r"\s*\}?\s*(?:<\|action_end\|>\s*)?<\|action_start\|>\s*<\|plugin\|>\s*"
                  + _JSON % "(?:parameters|arguments)",),
     "deepseek": (_DEEPSEEK + r"function<｜tool▁sep｜>(?P<name>[^\n<]+)\n```json\n",  # V3

@@ -31,9 +31,14 @@ STREAMED = {
                  '{"city": "Paris", "days": [1, 2]}}<|action_end|>\n<|action_start|><|plugin|>'
                  '\n{"name": "get_time", "parameters": {}}<|action_end|>'),
     "deepseek": DEEPSEEK_V3, "kimi_k2": KIMI, "minimax": MINIMAX_M1,
+    "xlam": ('```json\n[{"name": "get_weather", "arguments": {"city": "Paris", "days": '
+             '[1, 2]}}, {"name": "get_time", "arguments": {}}]\n```'),
 }
+XLAM = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", ' \
+       '"arguments": {}}]'
 CASES = [*STREAMED.items(), ("deepseek", DEEPSEEK_V31), ("jamba", JAMBA),
-         ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}')]
+         ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'),
+         ("xlam", XLAM), ("xlam", f"```\n{XLAM}\n```")]
 
 
 def _stream(tool_format: str, text: str, piece: int
@@ -195,6 +200,7 @@ def test_pythonic_calls_stream_a_call_at_a_time(piece: int) -> None:
      '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', '"rm_rf", "arguments":'),
     ("llama3_json", '{"name": "Bob", "parameters": {"age": 3}}', '"Bob", "parameters":'),
     ("pythonic", "[see the docs](https://example.com) for more", "[see t"),
+    ("xlam", '```json\n[{"name": "rm_rf", "arguments": {}}]\n```', '"rm_rf", "arguments":'),
 ])
 def test_what_cannot_read_as_calls_is_text_as_soon_as_that_is_known(
         tool_format: str, text: str, known: str) -> None:
@@ -206,6 +212,15 @@ def test_what_cannot_read_as_calls_is_text_as_soon_as_that_is_known(
     assert passed == text[:end] and reader.take_deltas() == []
     passed += "".join(reader.feed(text[i]) for i in range(end, len(text)))
     assert passed == text and reader.finish() == ("", [])
+
+
+def test_an_xlam_answer_that_is_no_list_of_calls_is_text_at_once() -> None:
+    """Another code block, a JSON object in one: no call can begin, so no text is held."""
+    for text in ("```python\nprint('hi')\n```", '```json\n{"a": 1}\n```', "Sure, [1]"):
+        reader = ToolCallReader(FORMATS["xlam"], NAMES)
+        passed = "".join(reader.feed(char) for char in text)
+        assert passed == text[:len(passed)] and reader.plain and reader.finish() == (
+            text[len(passed):], [])
 
 
 @pytest.mark.parametrize("piece", [1, 5, 1000])
@@ -227,7 +242,7 @@ FRAGMENTS = sorted({*"{}[](),:;\"' \n\\", "<tool_call>", "</tool_call>", '{"name
                     "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                     "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>",
                     "<|tool_call_end|>", "<tool_calls>", "</tool_calls>", "functools[",
-                    "<arg_key>k</arg_key><arg_value>v</arg_value>", "get_time",
+                    "<arg_key>k</arg_key><arg_value>v</arg_value>", "get_time", "```json",
                     '<invoke name="get_time">', "</invoke>", "<minimax:tool_call>", "text"})
 
 
