@@ -129,6 +129,7 @@ def embed_image(images: ImageLike | list[ImageLike],
 def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
              model: str | None = None, *, more_images: list[ImageLike] | None = None,
              image_at: int | list[int] | None = None,
+             image_offset: int | list[int] | None = None,
              tools: list[dict[str, Any]] | str | None = None,
              tool_choice: Literal["none", "auto"] = "none",
              chat_template_kwargs: str | dict[str, Any] | None = None,
@@ -148,8 +149,9 @@ def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
     """Stream text about an image; no query asks for a caption. The query may be a chat
     (messages as generate's, with a system message, earlier turns, ...): the image goes
     with message image_at, by default the last user's; with more_images, image_at lists
-    each image's message (by default all the last user's). Sampling, tools,
-    chat_template_kwargs and reasoning_effort as generate's."""
+    each image's message (by default all the last user's). An image goes before its
+    message's text, or image_offset characters into it (a list with more_images).
+    Sampling, tools, chat_template_kwargs and reasoning_effort as generate's."""
     more = [image_input(i) for i in more_images or ()]
     fields: Fields = {"model": model or "", "image": image_input(image), "more_images": more,
                       "sampling": _sampling(locals()), "tools": _tools(tools),
@@ -163,7 +165,10 @@ def describe(image: ImageLike, query: str | list[dict[str, Any]] = "",
     else:
         where = image_at if image_at is not None else users[-1] if users else 0
         at = [where] * (1 + len(more))
-    placed = {"image_at": at[0] if at else 0, "more_at": at[1:]}
+    offsets = (image_offset if isinstance(image_offset, list)
+               else [image_offset or 0] * (1 + len(more)))
+    placed = {"image_at": at[0] if at else 0, "more_at": at[1:],
+              "image_offset": offsets[0] if offsets else 0, "more_offsets": offsets[1:]}
     if isinstance(query, str):
         return {**fields, **placed, "prompt": query}, False
     return {**fields, **placed, "messages": messages}, False

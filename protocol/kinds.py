@@ -136,15 +136,21 @@ def _no_tools_to_call(request: Generate | Describe) -> str | None:
 def _describe_problem(request: Describe) -> str | None:
     if request.messages and request.prompt:
         return "describe takes a question or messages, not both"
-    if len(request.more_at) != len(request.more_images):
-        return "more_at names the message of each of more_images"
-    for at in (request.image_at, *request.more_at):
+    if len(request.more_images) != len(request.more_at) or \
+            len(request.more_offsets) not in (0, len(request.more_images)):
+        return "more_at (and more_offsets) place each of more_images"
+    offsets = request.more_offsets or [0] * len(request.more_at)
+    for at, offset in zip((request.image_at, *request.more_at),
+                          (request.image_offset, *offsets), strict=True):
         if request.messages and (at >= len(request.messages)
                                  or request.messages[at].role != "user"):
             return (f"image_at {at}: an image goes with a user's message, and there are "
                     f"{len(request.messages)} messages")
         if not request.messages and at != 0:
             return f"image_at {at}: a question is one message (0)"
+        text = request.messages[at].content if request.messages else request.prompt
+        if offset > len(text):
+            return f"image_offset {offset}: past the end of its message's text"
     return _no_tools_to_call(request) or _one_language(request)
 
 

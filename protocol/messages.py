@@ -185,14 +185,16 @@ class Describe(_Request, frozen=True, kw_only=True, tag="describe"):
     image: ImageInput
     prompt: str = ""  # the question; "" asks for a caption
     # or a chat (system, earlier turns, ...), the image in its message `image_at` (a
-    # user's), before that message's text
+    # user's), `image_offset` characters into its text
     messages: list[ChatMessage] = []
     image_at: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # a chat's other images, in order, each in its message (more_at[i]), after the ones
-    # before it there
+    image_offset: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # a chat's other images, in order, each in its message (more_at[i]) at its offset
     more_images: Annotated[list[ImageInput], msgspec.Meta(max_length=MAX_MORE_IMAGES)] = []
     more_at: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
                        msgspec.Meta(max_length=MAX_MORE_IMAGES)] = []
+    more_offsets: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
+                            msgspec.Meta(max_length=MAX_MORE_IMAGES)] = []
     # function tools and whether the model may call them, the template's variables and
     # reasoning_effort: as Generate's
     tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] = []

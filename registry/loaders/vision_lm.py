@@ -110,8 +110,8 @@ class VisionLM:
         (the last question's answer kept: the reader and the language both ask)."""
         assert self.thinking is not None
         asked = (request.prompt, request.image_at, encoder.encode([
-            request.messages, request.more_at, request.tools, request.chat_template_kwargs,
-            request.reasoning_effort]))
+            request.messages, request.more_at, request.image_offset, request.more_offsets,
+            request.tools, request.chat_template_kwargs, request.reasoning_effort]))
         if self._last_opened is None or self._last_opened[0] != asked:
             slots = [{"type": "image"}] * (1 + len(request.more_at))
             rendered = self._rendered(request, slots, tokenize=False)
@@ -146,9 +146,10 @@ class VisionLM:
                                        request.chat_template_kwargs, request.reasoning_effort)
         try:
             return self.processor.apply_chat_template(
-                vision_chat(request.prompt, messages,
-                            list(zip([request.image_at, *request.more_at], images,
-                                     strict=True))),
+                vision_chat(request.prompt, messages, list(zip(
+                    [request.image_at, *request.more_at],
+                    [request.image_offset, *(request.more_offsets or [0] * len(request.more_at))],
+                    images, strict=True))),
                 tools=request.tools or None, add_generation_prompt=True, **how, **variables)
         except TemplateError as exc:
             raise PoolError(ErrorCode.BAD_REQUEST, f"model {self.key!r}'s chat template "
@@ -226,18 +227,24 @@ class VisionLM:
 
 
 def vision_chat(prompt: str, messages: list[ChatMessage],
-                images: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+                images: list[tuple[int, int, dict[str, Any]]]) -> list[dict[str, Any]]:
     """The chat a processor's template renders: the request's messages, each image (by
-    its message's index) before the text of its own, in order, or its one question (no
-    question, and the images the chat's last message alone: a caption is asked for)."""
+    its message's index) that many characters into its text, in order, or its one
+    question (no question, and the images the chat's last message alone: a caption is
+    asked for)."""
     messages = list(messages) or [ChatMessage(role="user", content=prompt)]
-    turns = [{**template_message(m), "content": []} for m in messages]
-    for at, image in images:
-        turns[at]["content"].append(image)
-    if not messages[-1].content and turns[-1]["content"]:
+    if not messages[-1].content and any(at == len(messages) - 1 for at, _, _ in images):
         messages[-1:] = [ChatMessage(role=messages[-1].role, content=DEFAULT_PROMPT)]
-    for turn, message in zip(turns, messages, strict=True):
-        turn["content"].append({"type": "text", "text": message.content})
+    turns = []
+    for index, message in enumerate(messages):
+        parts, done = [], 0
+        for _, offset, image in sorted((i for i in images if i[0] == index),
+                                       key=lambda i: i[1]):
+            parts += [{"type": "text", "text": message.content[done:offset]}] * (offset > done)
+            parts.append(image)
+            done = max(done, offset)
+        parts.append({"type": "text", "text": message.content[done:]})
+        turns.append({**template_message(message), "content": parts})
     return turns
 
 

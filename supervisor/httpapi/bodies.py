@@ -321,8 +321,8 @@ def chat_call(body: ChatBody) -> PoolCall:
                                                        "grammar"}:
         raise bad("tool_choice", "a call holds the output to its schema: not with "
                                  "another language (response_format, structured_outputs)")
-    images = [(i, part) for i, m in enumerate(body.messages) if isinstance(m.content, list)
-              for part in m.content if part.type == "image_url"]
+    images = [(i, offset, part) for i, m in enumerate(body.messages)
+              for offset, part in _images_in(m)]
     messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
     chat = {**sampling, **for_tools, "chat_template_kwargs": body.chat_template_kwargs,
             "reasoning_effort": body.reasoning_effort}
@@ -331,16 +331,29 @@ def chat_call(body: ChatBody) -> PoolCall:
                         made)
     if len(images) > 1 + MAX_MORE_IMAGES:
         raise bad("messages", f"at most {1 + MAX_MORE_IMAGES} images in a chat")
-    for index, part in images:
+    for index, _, part in images:
         if part.image_url is None:
             raise bad(f"messages[{index}].content", "an image_url part needs image_url.url")
         if body.messages[index].role != "user":
             raise bad(f"messages[{index}].content", "an image goes in a user's message")
     inputs = [image_from_url(part.image_url.url, f"messages[{index}].content.image_url")
-              for index, part in images]
-    # The whole chat, each image in its own message (before that message's text).
+              for index, _, part in images]
+    # The whole chat, each image where it was in its own message's text.
     return PoolCall("describe", (inputs[0], messages), {
-        **chat, "more_images": inputs[1:], "image_at": [index for index, _ in images]}, made)
+        **chat, "more_images": inputs[1:], "image_at": [index for index, _, _ in images],
+        "image_offset": [offset for _, offset, _ in images]}, made)
+
+
+def _images_in(message: ChatMessage) -> list[tuple[int, Any]]:
+    """A message's image parts, each with where it is in the message's text."""
+    if not isinstance(message.content, list):
+        return []
+    found, chars = [], 0
+    for part in message.content:
+        if part.type == "image_url":
+            found.append((chars, part))
+        chars += len(part.text or "") if part.type == "text" else 0
+    return found
 
 
 def _chat_logprobs(body: ChatBody) -> int | None:

@@ -199,47 +199,49 @@ def test_images_decode_as_pngs(sdk: openai.OpenAI) -> None:
 
 
 def test_vision_through_chat(served: tuple[Daemon, str], sdk: openai.OpenAI) -> None:
-    image = png((255, 0, 0))
-    with served[0].client() as c:
-        expected = "".join(ch.text for ch in c.describe(image, "what is it?",
-                                                        model="tiny-vision", max_tokens=6,
-                                                        temperature=0))
-    reply = sdk.chat.completions.create(model="tiny-vision", max_tokens=6, temperature=0,
-                                        messages=[{"role": "user", "content": [
-                                            {"type": "text", "text": "what is it?"},
-                                            {"type": "image_url",
-                                             "image_url": {"url": data_url(image)}}]}])
-    assert reply.choices[0].message.content == expected
-    # A conversation about it: the system's instructions and the turns before are read,
-    # as the socket's chat asks it
-    chat: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
-        {"type": "text", "text": "what is it?"},
-        {"type": "image_url", "image_url": {"url": data_url(image)}}]},
-        {"role": "assistant", "content": expected}, {"role": "user", "content": "and then?"}]
-    with served[0].client() as c:
-        asked = list(c.describe(image, [{**m, "content": "what is it?"} if i == 1 else m
-                                        for i, m in enumerate(chat)], model="tiny-vision",
-                                max_tokens=6, temperature=0))
-    followed = sdk.chat.completions.create(model="tiny-vision", max_tokens=6, temperature=0,
-                                           messages=chat)
-    assert followed.choices[0].message.content == "".join(ch.text for ch in asked)
-    assert followed.usage is not None and reply.usage is not None
-    assert followed.usage.prompt_tokens == asked[-1].prompt_tokens > reply.usage.prompt_tokens
-    # A second image, in the chat's last message: both are read, each in its message
-    green = png((0, 255, 0))
+    """A chat's images and text reach the vision model as the socket's describe places
+    them: each image where it was among its message's parts. Compared by the tokens'
+    log-probabilities, which move with any change to the prompt."""
+    image, green = png((255, 0, 0)), png((0, 255, 0))
+
+    def asked_over_http(messages: list[Any]) -> tuple[str, list[float], int]:
+        reply = sdk.chat.completions.create(model="tiny-vision", max_tokens=6, temperature=0,
+                                            logprobs=True, messages=messages)
+        content = reply.choices[0].logprobs.content or []  # type: ignore[union-attr]
+        assert reply.usage is not None
+        return (reply.choices[0].message.content or "", [round(t.logprob, 4) for t in content],
+                reply.usage.prompt_tokens)
+
+    def asked_over_socket(*args: Any, **kw: Any) -> tuple[str, list[float], int]:
+        with served[0].client() as c:
+            chunks = list(c.describe(*args, model="tiny-vision", max_tokens=6,
+                                     temperature=0, logprobs=0, **kw))
+        return ("".join(ch.text for ch in chunks),
+                [round(e.logprob, 4) for ch in chunks for e in ch.logprobs or []],
+                chunks[-1].prompt_tokens or 0)
+
+    question: Any = [{"type": "text", "text": "what is it?"},
+                     {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    one = asked_over_http([{"role": "user", "content": question}])
+    assert one == asked_over_socket(image, "what is it?", image_offset=11)
+    assert one[1] != asked_over_socket(image, "what is it?")[1]  # the image placed first
+    # A conversation about it: the system's instructions and the turns before are read
+    chat: list[Any] = [{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": question},
+                       {"role": "assistant", "content": one[0]},
+                       {"role": "user", "content": "and then?"}]
+    as_text = [{**m, "content": "what is it?"} if i == 1 else m for i, m in enumerate(chat)]
+    followed = asked_over_http(chat)
+    assert followed == asked_over_socket(image, as_text, image_at=1, image_offset=11)
+    assert followed[2] > one[2]
+    # A second image, before the chat's last question: both are read, each in its place
     two = [*chat[:3], {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(green)}},
         {"type": "text", "text": "and then?"}]}]
-    both = sdk.chat.completions.create(model="tiny-vision", max_tokens=6, temperature=0,
-                                       messages=two)
-    with served[0].client() as c:
-        pooled = list(c.describe(image, [{**m, "content": "what is it?"} if i == 1
-                                         else m for i, m in enumerate(chat)],
-                                 more_images=[green], model="tiny-vision", image_at=[1, 3],
-                                 max_tokens=6, temperature=0))
-    assert both.choices[0].message.content == "".join(ch.text for ch in pooled)
-    assert both.usage is not None and both.usage.prompt_tokens == pooled[-1].prompt_tokens
-    assert both.usage.prompt_tokens > followed.usage.prompt_tokens  # the image's tokens
+    both = asked_over_http(two)
+    assert both == asked_over_socket(image, as_text, more_images=[green], image_at=[1, 3],
+                                     image_offset=[11, 0])
+    assert both[2] > followed[2]  # the second image's tokens
     with pytest.raises(openai.BadRequestError, match="image_url"):
         sdk.chat.completions.create(model="tiny-vision", messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}])

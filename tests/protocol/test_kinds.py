@@ -134,8 +134,11 @@ def test_a_description_takes_a_question_or_a_chat_its_image_in_a_users_message()
                           more_images=[image, image], more_at=[1, 1])) is None
     assert check(Describe(id=1, image=image, prompt="q", more_images=[image],
                           more_at=[0])) is None
-    assert "more_at names" in (check(Describe(id=1, image=image, prompt="q",
-                                              more_images=[image])) or "")
+    assert "place each of more_images" in (check(Describe(id=1, image=image, prompt="q",
+                                                          more_images=[image])) or "")
+    assert "past the end" in (check(Describe(id=1, image=image, prompt="q",
+                                             image_offset=2)) or "")
+    assert check(Describe(id=1, image=image, prompt="q", image_offset=1)) is None
     assert "a question is one message" in (check(Describe(
         id=1, image=image, prompt="q", more_images=[image], more_at=[1])) or "")
     both = kinds.build("describe", b"a", more_images=[b"b"], query=[{

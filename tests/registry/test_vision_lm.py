@@ -202,6 +202,20 @@ def test_a_chats_images_each_in_its_message(vlm: VisionLM, image: Image.Image) -
     assert (stats.prompt_tokens, stats.completion_tokens) == (len(ids), 3)
 
 
+def test_images_between_a_messages_words_stay_there(vlm: VisionLM,
+                                                     image: Image.Image) -> None:
+    """"Left: <image> right: <image> which is greener?" keeps its order."""
+    other = Image.new("RGB", (40, 40), (0, 200, 0))
+    question = "Left: right: which is greener?"
+    request = kinds.build("describe", image, question, more_images=[other],
+                          image_offset=[6, 13])
+    text = vlm.tokenizer.decode(vlm.prompt_inputs(image, request, [other])[
+        "input_ids"][0].tolist())
+    first, last = text.index("<image>"), text.rindex("<image>")
+    assert text.index("Left:") < first < text.index("right:") < last < text.index("which")
+    assert "Left: right:" not in text
+
+
 def test_its_tools_are_shown_and_its_calls_read_one_at_a_time(vlm: VisionLM,
                                                               image: Image.Image) -> None:
     """The tiny template shows tools as Qwen2-VL's does (Hermes' format, from its signs);

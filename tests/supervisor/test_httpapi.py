@@ -63,6 +63,7 @@ def test_chat_with_an_image_asks_a_vision_model_about_it() -> None:
     two = bodies.chat_call(body(bodies.ChatBody, messages=[*asked[:3], {
         "role": "user", "content": [second, {"type": "text", "text": "and this?"}]}]))
     assert len(two.kwargs["more_images"]) == 1 and two.kwargs["image_at"] == [1, 3]
+    assert two.kwargs["image_offset"] == [11, 0]  # after "what is it?"; before "and this?"
     with pytest.raises(PoolError, match="at most 16 images"):
         bodies.chat_call(body(bodies.ChatBody, messages=[
             {"role": "user", "content": [second] * 17}]))
