@@ -87,8 +87,9 @@ async def test_a_failed_jobs_followers_get_its_error_and_others_nothing(
     jobs = service(h)
     streams = JobStreams(jobs)
     key, worker, job_id = await started(h, streams, streamed())
-    assert (await streams.follow(OTHER, Follow(id=9, key=key), print))[0].code is \
-        ErrorCode.RESULT_NOT_FOUND
+    seen: list[Any] = []  # another user's: as if the key did not exist
+    (refused,) = await streams.follow(OTHER, Follow(id=9, key=key), seen.append)
+    assert refused.code is ErrorCode.RESULT_NOT_FOUND and seen == []
     got: list[Any] = []
     following = asyncio.ensure_future(streams.follow(ME, Follow(id=9, key=key), got.append))
     h.chunk(worker, job_id, 0, "Once")
