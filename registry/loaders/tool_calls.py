@@ -10,9 +10,8 @@ format; the ones read here, and how a model's is known:
   template naming `<|python_tag|>`, or Llama 3's header tokens with "parameters".
 - "mistral": `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (Mistral 7B
   v0.3, Nemo), or `[TOOL_CALLS]name[ARGS]{...}` a call (later Mistral templates). Known
-  by its template naming `[TOOL_CALLS]`. Its call ids are 9 letters and digits, which its
-  template insists on when the conversation goes on.
-
+  by its template naming `[TOOL_CALLS]`. Its call ids are 9 letters and digits (its
+  template insists on them).
 - "pythonic": the whole answer a Python list of calls with keyword arguments,
   `[get_weather(city="Paris"), get_time()]` (Llama 3.2 and Llama 4 with their pythonic
   templates, ToolACE), maybe between Llama 4's `<|python_start|>` and `<|python_end|>`.
@@ -20,11 +19,10 @@ format; the ones read here, and how a model's is known:
   literals as values, nothing evaluated (tool_calls_pythonic.py).
 - "granite": `<|tool_call|>` then a JSON list of `{"name", "arguments"}` at the answer's
   start (IBM Granite 3). Known by its template naming `<|tool_call|>`.
-- "deepseek": DeepSeek V3's and R1's calls between `<｜tool▁calls▁begin｜>` and
-  `<｜tool▁calls▁end｜>`, after any text, each `<｜tool▁call▁begin｜>function<｜tool▁sep｜>`
-  then its name and its arguments in a json code block, or (V3.1) the name, the separator
-  and the arguments; then `<｜tool▁call▁end｜>`. Known by its template naming
-  `<｜tool▁calls▁begin｜>`.
+- "deepseek": DeepSeek V3's and R1's calls in `<｜tool▁calls▁begin｜>`, after any text,
+  each `<｜tool▁call▁begin｜>function<｜tool▁sep｜>` its name and its arguments in a json
+  code block, or (V3.1) the name, the separator and the arguments, then
+  `<｜tool▁call▁end｜>`. Known by its template naming `<｜tool▁calls▁begin｜>`.
 - "qwen3_coder": Qwen3-Coder's XML, `<tool_call><function=name><parameter=key>value
   </parameter></function></tool_call>`, after any text (tool_calls_xml.py), each value
   given its type by the tool's schema; a bare `<function=...>` (no `<tool_call>`) is a
@@ -41,11 +39,11 @@ format; the ones read here, and how a model's is known:
 - "minimax_m2": MiniMax M2's `<minimax:tool_call>` block after any text, each `<invoke
   name="...">` a call with its `<parameter name="...">`s, typed as Qwen3-Coder's are
   (tool_calls_xml.py). Known by its template's `<minimax:tool_call>`.
-- "kimi_k2": Kimi K2's calls between `<|tool_calls_section_begin|>` and
-  `<|tool_calls_section_end|>`, after any text, each `<|tool_call_begin|>` its id
-  (`functions.name:index`, kept: its template writes it back), then
-  `<|tool_call_argument_begin|>`, its JSON arguments and `<|tool_call_end|>`. Known by
-  its template naming `<|tool_calls_section_begin|>`.
+- "kimi_k2": Kimi K2's calls between `<|tool_calls_section_begin|>` and its end, after
+  any text, each `<|tool_call_begin|>` its id (`functions.name:index`, kept: its template
+  writes it back), `<|tool_call_argument_begin|>`, its JSON arguments and
+  `<|tool_call_end|>`. Known by its template naming `<|tool_calls_section_begin|>`.
+- "step3": Step-3's steptml invokes (tool_calls_xml.py), typed as Qwen3-Coder's are.
 - "internlm": InternLM 2.5's `<|action_start|><|plugin|>{"name", "parameters"}
   <|action_end|>` after any text (also `internlm2`). Known by its template's `<|plugin|>`.
 - "phi4_mini_json": Phi-4-mini's `functools[{"name", "arguments"}, ...]`, after any text;
@@ -250,6 +248,8 @@ FORMATS = {f.name: f for f in (
                markers=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
                         "<arg_value>", "</arg_value>"), retype=tool_calls_xml.retype),
     ToolFormat("kimi_k2", KIMI_MARKERS[0], False, _kimi_k2, markers=KIMI_MARKERS),
+    ToolFormat("step3", tool_calls_xml.STEP3_MARKERS[0], False, tool_calls_xml.parse_step3,
+               markers=tool_calls_xml.STEP3_MARKERS, retype=tool_calls_xml.retype),
     ToolFormat("minimax", "<tool_calls>", False, _minimax_m1,
                markers=("<tool_calls>", "</tool_calls>")),
     ToolFormat("minimax_m2", tool_calls_xml.MINIMAX_OPENS, False, tool_calls_xml.parse_minimax,
@@ -265,6 +265,7 @@ TEMPLATE_SIGNS = (
     ((PYTHONIC_EXAMPLE,), "pythonic"), ((tool_calls_xml.SEED_OPENS,), "seed_oss"),
     (tool_calls_xml.TEMPLATE_SIGNS, "qwen3_coder"), ((tool_calls_xml.GLM_TEMPLATE_SIGN,), "glm45"),
     ((KIMI_MARKERS[0],), "kimi_k2"), ((tool_calls_xml.MINIMAX_OPENS,), "minimax_m2"),
+    (("<steptml:invoke",), "step3"),
     (("<tool_calls>",), "minimax"), ((GRANITE_CALL,), "granite"),
     ((INTERNLM_MARKERS[1],), "internlm"),
     ((DEEPSEEK_MARKERS[0],), "deepseek"), (("<tool_call>",), "hermes"),

@@ -11,6 +11,10 @@ vLLM's `seed_oss`), GLM's (GLM 4.5 and later; vLLM's `glm45`) and MiniMax M2's (
     </function>                                               </minimax:tool_call>
     </tool_call>
 
+Step-3's (vLLM's `step3`) are MiniMax M2's invokes in the `steptml:` namespace, each
+call between `<｜tool_call_begin｜>function<｜tool_sep｜>` and `<｜tool_call_end｜>`, all
+between `<｜tool_calls_begin｜>` and `<｜tool_calls_end｜>`.
+
 (In Qwen3-Coder's, a line break after a value's opening tag and before its closing one
 is the format's, not the value's.) The call's tool gives each value its type: the JSON
 schema's type of that parameter (`retype`), as vLLM does. A string-typed parameter,
@@ -45,6 +49,13 @@ MINIMAX_OPENS = "<minimax:tool_call>"  # its template shows the model this too
 MINIMAX_BLOCK = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
 INVOKE = re.compile(r"<invoke name=([^>\n]*)>(.*?)</invoke>", re.DOTALL)
 NAMED_PARAMETER = re.compile(r"<parameter name=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+STEP3_MARKERS = ("<｜tool_calls_begin｜>", "<｜tool_calls_end｜>", "<｜tool_call_begin｜>",
+                 "<｜tool_sep｜>", "<｜tool_call_end｜>")
+STEP3_CALL = re.compile(r"<｜tool_call_begin｜>\s*function\s*<｜tool_sep｜>(.*?)"
+                        r"(?:<｜tool_call_end｜>|$)", re.DOTALL)
+STEP3_INVOKE = re.compile(r"<steptml:invoke name=([^>\n]*)>(.*?)</steptml:invoke>", re.DOTALL)
+STEP3_PARAMETER = re.compile(r"<steptml:parameter name=([^>\n]*)>(.*?)</steptml:parameter>",
+                             re.DOTALL)
 TEMPLATE_SIGNS = ("<function=", "<parameter=")  # what its chat template shows the model
 BARE_OPENS = "<function="  # a Qwen3-Coder call without its <tool_call> around it
 STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
@@ -100,16 +111,28 @@ def parse_glm(text: str) -> list[ToolCall] | None:
 def parse_minimax(text: str) -> list[ToolCall] | None:
     """MiniMax M2's calls, each value as text; None if a block holds anything but whole
     invokes (one cut short, text beside them) or an invoke anything but parameters."""
+    return _invoked(MINIMAX_BLOCK.findall(text), INVOKE, NAMED_PARAMETER)
+
+
+def parse_step3(text: str) -> list[ToolCall] | None:
+    """Step-3's calls, read as MiniMax M2's (one invoke a call)."""
+    if len(found := STEP3_CALL.findall(text)) != text.count(STEP3_MARKERS[2]):
+        return None  # a call that is not `function` and its separator
+    calls = _invoked(found, STEP3_INVOKE, STEP3_PARAMETER)
+    return calls if calls is not None and len(calls) == len(found) else None
+
+
+def _invoked(blocks: list[str], invoke: re.Pattern[str],
+             parameter: re.Pattern[str]) -> list[ToolCall] | None:
     calls = []
-    for block in MINIMAX_BLOCK.findall(text):
-        invokes = INVOKE.findall(block)
-        if not invokes or INVOKE.sub("", block).strip():
+    for block in blocks:
+        invokes = invoke.findall(block)
+        if not invokes or invoke.sub("", block).strip():
             return None
         for name, body in invokes:
-            if not _unquoted(name) or NAMED_PARAMETER.sub("", body).strip():
+            if not _unquoted(name) or parameter.sub("", body).strip():
                 return None
-            arguments = {_unquoted(key): value.strip()
-                         for key, value in NAMED_PARAMETER.findall(body)}
+            arguments = {_unquoted(key): value.strip() for key, value in parameter.findall(body)}
             calls.append(ToolCall(name=_unquoted(name),
                                   arguments=msgspec.json.encode(arguments).decode()))
     return calls or None
@@ -160,6 +183,13 @@ SHAPES = {
         re.compile(r"\s*<parameter name" + _NAMED % ("key", 1) + r"(?P<value>.*?)</parameter>",
                    re.DOTALL),
         "</parameter>", re.compile(r"\s*</invoke>"), str.strip),
+    "step3": XmlShape(
+        re.compile(r"\s*(?:</steptml:invoke>\s*)?(?:<｜tool_call_end｜>\s*)?"
+                   r"(?:<｜tool_calls_begin｜>\s*)?<｜tool_call_begin｜>\s*function\s*"
+                   r"<｜tool_sep｜>\s*<steptml:invoke name" + _NAMED % ("name", 1)),
+        re.compile(r"\s*<steptml:parameter name" + _NAMED % ("key", 1)
+                   + r"(?P<value>.*?)</steptml:parameter>", re.DOTALL),
+        "</steptml:parameter>", re.compile(r"\s*</steptml:invoke>"), str.strip),
 }
 
 

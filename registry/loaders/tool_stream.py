@@ -3,7 +3,7 @@ stream them: a call's name (with its id) once its arguments begin, then their JS
 piece by piece: where the model writes JSON (hermes, llama3_json, mistral, granite,
 phi4_mini_json, xlam, internlm, deepseek, kimi_k2, minimax), its own text without the white space
 between JSON's tokens (what a JSON encoder writes); where it writes XML (qwen3_coder,
-seed_oss, glm45, minimax_m2: tool_calls_xml.py), a parameter at a time, typed as at the
+seed_oss, glm45, minimax_m2, step3: tool_calls_xml.py), a parameter at a time, typed as at the
 end; where it writes Python calls (pythonic: tool_calls_pythonic.py), a call at a time.
 
 Each head pattern is matched where the last call's arguments ended, so no call is ever

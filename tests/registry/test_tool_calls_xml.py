@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from modelpool.protocol.messages import ToolCall
-from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader, reader_for
-from modelpool.registry.loaders.tool_calls_xml import parameter_types
+from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader, format_of, reader_for
+from modelpool.registry.loaders.tool_calls_xml import parameter_types, parse_step3
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -149,6 +149,35 @@ def test_minimax_m2_invokes_with_each_value_of_its_schemas_type(piece: int) -> N
 def test_what_is_no_minimax_m2_call_comes_back_as_text(text: str) -> None:
     reader = reader_for(FORMATS["minimax_m2"], "m", TOOLS)
     assert (reader.feed(text), reader.finish()) == ("", (text, []))
+
+
+STEP3 = """I will check both.
+<｜tool_calls_begin｜>
+<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="get_weather">
+<steptml:parameter name="city">New York</steptml:parameter>
+<steptml:parameter name="days">3</steptml:parameter>
+<steptml:parameter name="hours">[9, 12]</steptml:parameter>
+</steptml:invoke><｜tool_call_end｜>
+<｜tool_call_begin｜>function<｜tool_sep｜><steptml:invoke name="get_time">
+</steptml:invoke><｜tool_call_end｜>
+<｜tool_calls_end｜>"""
+
+
+@pytest.mark.parametrize("piece", [1, 7, 10_000])
+def test_step3s_steptml_invokes_read_as_minimax_m2s(piece: int) -> None:
+    reader = reader_for(FORMATS["step3"], "m", TOOLS)
+    passed = "".join(reader.feed(STEP3[i:i + piece]) for i in range(0, len(STEP3), piece))
+    rest, calls = reader.finish()
+    assert passed + rest == "I will check both.\n"
+    assert [(c.name, msgspec.json.decode(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "New York", "days": 3, "hours": [9, 12]}), ("get_time", {})]
+    assert format_of("... <steptml:invoke name=...", None, "m") is FORMATS["step3"]
+    assert parse_step3(STEP3) is not None
+    for no_call in (  # (read whole) not `function` and its separator; two invokes in a call
+            STEP3.replace("function<｜tool_sep｜>", "", 1),
+            STEP3.replace("</steptml:invoke><｜tool_call_end｜>\n<｜tool_call_begin｜>"
+                          "function<｜tool_sep｜>", "</steptml:invoke>", 1)):
+        assert parse_step3(no_call) is None
 
 
 def test_a_call_cut_short_is_text_and_schemas_of_any_shape_are_read() -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tool_calls import DEEPSEEK_V3, DEEPSEEK_V31, JAMBA, KIMI, MINIMAX_M1, NAMES
-from test_tool_calls_xml import CALLS, GLM, MINIMAX_M2, SEED_OSS, TOOLS
+from test_tool_calls_xml import CALLS, GLM, MINIMAX_M2, SEED_OSS, STEP3, TOOLS
 
 from modelpool.protocol.messages import CallDelta, Sampling, ToolCall
 from modelpool.registry.loaders.tool_calls import FORMATS, ToolCallReader, reader_for
@@ -150,7 +150,7 @@ def test_calls_after_one_that_streams_no_more_come_whole_with_the_streamed() -> 
 @pytest.mark.parametrize("piece", [1, 5, 1000])
 @pytest.mark.parametrize(("tool_format", "text", "parameters"), [
     ("qwen3_coder", CALLS, 7), ("glm45", GLM, 2), ("minimax_m2", MINIMAX_M2, 3),
-    ("seed_oss", SEED_OSS, 7)])
+    ("seed_oss", SEED_OSS, 7), ("step3", STEP3, 3)])
 def test_xml_calls_stream_a_parameter_at_a_time_typed_by_the_schema(
         tool_format: str, text: str, parameters: int, piece: int) -> None:
     deltas, passed, calls, reader = _stream(tool_format + "_xml", text, piece)
@@ -160,7 +160,8 @@ def test_xml_calls_stream_a_parameter_at_a_time_typed_by_the_schema(
     if piece == 1:  # each parameter as its closing tag is written, then the closing brace
         first = [at for at, d in deltas if d.index == 0]
         assert len(first) == parameters + 1
-        closing = "</arg_value>" if tool_format == "glm45" else "</parameter>"
+        closing = {"glm45": "</arg_value>", "step3": "</steptml:parameter>"}.get(
+            tool_format, "</parameter>")
         assert first[0] == text.index(closing) + len(closing)
 
 
@@ -257,7 +258,7 @@ def test_any_output_reads_without_failing_and_its_pieces_join_to_its_calls(
 
 
 WRITTEN = [*CASES, ("qwen3_coder", CALLS), ("glm45", GLM), ("minimax_m2", MINIMAX_M2),
-           ("seed_oss", SEED_OSS)]
+           ("seed_oss", SEED_OSS), ("step3", STEP3)]
 
 
 @settings(max_examples=60, deadline=None)
