@@ -58,9 +58,6 @@ given back as text, as vLLM's parsers do, unless a call was streamed from it
 
 from __future__ import annotations
 
-import re
-import secrets
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,32 +66,14 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.messages import CallDelta, ToolCall, new_call_id
+from modelpool.registry.loaders import tool_calls_json as js
 from modelpool.registry.loaders import tool_calls_pythonic as pythonic
 from modelpool.registry.loaders import tool_calls_xml
 from modelpool.registry.loaders.marks import partial_mark
 from modelpool.registry.loaders.tool_calls_xml import ParameterTypes, parameter_types
 from modelpool.registry.loaders.tool_stream import CallStream, streams
 
-HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-MINIMAX_M1_BLOCK = re.compile(r"<tool_calls>(.*?)(?:</tool_calls>|$)", re.DOTALL)
-INTERNLM_MARKERS = ("<|action_start|>", "<|plugin|>", "<|action_end|>")
-INTERNLM_BLOCK = re.compile(r"<\|action_start\|>(.*?)(?:<\|action_end\|>|$)", re.DOTALL)
-PYTHON_TAG = "<|python_tag|>"
-TOOL_CALLS = "[TOOL_CALLS]"
 PYTHONIC_EXAMPLE = "[func_name1("  # what the pythonic templates show their models
-GRANITE_CALL = "<|tool_call|>"
-PHI4_CALLS = "functools"
-FENCE = "```"  # a Markdown code block's
-DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                    "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")
-DEEPSEEK_CALL = re.compile("<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)",
-                           re.DOTALL)
-KIMI_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-                "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
-KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(functions\.)?([^\s:<]+):(\d+)\s*"
-                       r"<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)",
-                       re.DOTALL)
-DEEPSEEK_V3_CALL = re.compile(r"([^\n]*)\n```json\n(.*)\n```", re.DOTALL)  # name, arguments
 
 
 @dataclass(frozen=True)
@@ -112,132 +91,20 @@ class ToolFormat:
     also_opens: tuple[str, ...] = ()  # other texts a call may begin with (not at_start)
 
 
-def _call(obj: Any, arguments_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    text = arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode()
-    return ToolCall(name=obj["name"], arguments=text)
-
-
-def _each(listed: Any, arguments_key: str) -> list[ToolCall | None]:
-    """A JSON list's calls (none: not a list)."""
-    return [_call(c, arguments_key) for c in listed] if isinstance(listed, list) else []
-
-
-def _all_or_none(calls: list[ToolCall | None]) -> list[ToolCall] | None:
-    return None if not calls or None in calls else calls  # type: ignore[return-value]
-
-
-def _decoded(text: str) -> Any:
-    try:
-        return msgspec.json.decode(text.strip())
-    except msgspec.DecodeError:
-        return None
-
-
-def _hermes(text: str) -> list[ToolCall] | None:
-    return _all_or_none([_call(_decoded(body), "arguments")
-                         for body in HERMES_BLOCK.findall(text)])
-
-
-def _minimax_m1(text: str) -> list[ToolCall] | None:
-    """MiniMax M1's: a JSON object a line, in each `<tool_calls>` block; Jamba's and
-    Hunyuan-A13B's: a JSON list in it."""
-    calls: list[ToolCall | None] = []
-    for block in MINIMAX_M1_BLOCK.findall(text):
-        listed = _decoded(block) if block.strip().startswith("[") else None
-        calls += (_each(listed, "arguments") if isinstance(listed, list) else
-                  [_call(_decoded(line), "arguments")
-                   for line in block.splitlines() if line.strip()])
-    return _all_or_none(calls)
-
-
-def _llama3_json(text: str) -> list[ToolCall] | None:
-    text = text.strip().removeprefix(PYTHON_TAG)
-    whole = _decoded(text)
-    objects = [whole] if whole is not None else [_decoded(p) for p in text.split(";")]
-    return _all_or_none([_call(obj, "parameters") for obj in objects])
-
-
-def _mistral(text: str) -> list[ToolCall] | None:
-    body = text.removeprefix(TOOL_CALLS).strip()
-    if body.startswith("["):  # [{"name": ..., "arguments": ...}, ...]
-        return _all_or_none(_each(_decoded(body), "arguments"))
-    calls = []  # name[ARGS]{...}, each after its own [TOOL_CALLS]
-    for part in body.split(TOOL_CALLS):
-        name, found, arguments = part.partition("[ARGS]")
-        decoded = _decoded(arguments) if found else None
-        calls.append(None if decoded is None else
-                     _call({"name": name.strip(), "arguments": decoded}, "arguments"))
-    return _all_or_none(calls)
-
-
-def _internlm(text: str) -> list[ToolCall] | None:
-    """Each action a call, if it is to a plugin (not the code interpreter's)."""
-    return _all_or_none([_call(_decoded(body.strip().removeprefix(INTERNLM_MARKERS[1])),
-                               "parameters") if body.strip().startswith(INTERNLM_MARKERS[1])
-                         else None for body in INTERNLM_BLOCK.findall(text)])
-
-
-def _phi4_mini(text: str) -> list[ToolCall] | None:
-    return _all_or_none(_each(_decoded(text.removeprefix(PHI4_CALLS)), "parameters"))
-
-
-def _xlam(text: str) -> list[ToolCall] | None:
-    body = text.strip().removeprefix(FENCE).removeprefix("json").removesuffix(FENCE)
-    return _all_or_none(_each(_decoded(body), "arguments"))
-
-
-def _granite(text: str) -> list[ToolCall] | None:
-    return _all_or_none(_each(_decoded(text.strip().removeprefix(GRANITE_CALL)), "arguments"))
-
-
-def _deepseek(text: str) -> list[ToolCall] | None:
-    found = DEEPSEEK_CALL.findall(text)
-    if len(found) != text.count(DEEPSEEK_MARKERS[2]):
-        return None  # a call without its separator
-    calls = []
-    for head, rest in found:
-        v3 = DEEPSEEK_V3_CALL.fullmatch(rest.strip())  # V3: head is the call's type
-        name, arguments = (v3[1], v3[2]) if v3 else (head, rest)
-        decoded = _decoded(arguments)
-        calls.append(None if decoded is None else
-                     _call({"name": name.strip(), "arguments": decoded}, "arguments"))
-    return _all_or_none(calls)
-
-
-def _kimi_k2(text: str) -> list[ToolCall] | None:
-    found = KIMI_CALL.findall(text)
-    if len(found) != text.count(KIMI_MARKERS[2]):
-        return None  # a call that is not an id and its arguments
-    calls = []
-    for prefix, name, index, arguments in found:
-        decoded = _decoded(arguments)
-        call = None if decoded is None else _call({"name": name, "arguments": decoded},
-                                                  "arguments")
-        calls.append(call and msgspec.structs.replace(call, id=f"{prefix}{name}:{index}"))
-    return _all_or_none(calls)
-
-
-def _mistral_id() -> str:
-    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
-
-
 FORMATS = {f.name: f for f in (
-    ToolFormat("hermes", "<tool_call>", False, _hermes,
+    ToolFormat("hermes", "<tool_call>", False, js.hermes,
                markers=("<tool_call>", "</tool_call>")),
-    ToolFormat("llama3_json", '{"name"', True, _llama3_json, leads=(PYTHON_TAG,),
-               markers=(PYTHON_TAG,)),
-    ToolFormat("mistral", TOOL_CALLS, False, _mistral, markers=(TOOL_CALLS, "[ARGS]"),
-               new_id=_mistral_id),
+    ToolFormat("llama3_json", '{"name"', True, js.llama3_json, leads=(js.PYTHON_TAG,),
+               markers=(js.PYTHON_TAG,)),
+    ToolFormat("mistral", js.TOOL_CALLS, False, js.mistral, markers=(js.TOOL_CALLS, "[ARGS]"),
+               new_id=js.mistral_id),
     ToolFormat("pythonic", "[", True, pythonic.parse, leads=(pythonic.PYTHON_START,),
                markers=(pythonic.PYTHON_START, pythonic.PYTHON_END)),
-    ToolFormat("granite", GRANITE_CALL, True, _granite, markers=(GRANITE_CALL,)),
-    ToolFormat("phi4_mini_json", PHI4_CALLS + "[", False, _phi4_mini),
-    ToolFormat("xlam", "[", True, _xlam, leads=(FENCE + "json", FENCE)),
-    ToolFormat("internlm", INTERNLM_MARKERS[0], False, _internlm, markers=INTERNLM_MARKERS),
-    ToolFormat("deepseek", DEEPSEEK_MARKERS[0], False, _deepseek, markers=DEEPSEEK_MARKERS),
+    ToolFormat("granite", js.GRANITE_CALL, True, js.granite, markers=(js.GRANITE_CALL,)),
+    ToolFormat("phi4_mini_json", js.PHI4_CALLS + "[", False, js.phi4_mini),
+    ToolFormat("xlam", "[", True, js.xlam, leads=(js.FENCE + "json", js.FENCE)),
+    ToolFormat("internlm", js.INTERNLM_MARKERS[0], False, js.internlm, markers=js.INTERNLM_MARKERS),
+    ToolFormat("deepseek", js.DEEPSEEK_MARKERS[0], False, js.deepseek, markers=js.DEEPSEEK_MARKERS),
     ToolFormat("qwen3_coder", "<tool_call>", False, tool_calls_xml.parse,
                markers=("<tool_call>", "</tool_call>"), retype=tool_calls_xml.retype,
                also_opens=(tool_calls_xml.BARE_OPENS,)),
@@ -247,10 +114,10 @@ FORMATS = {f.name: f for f in (
     ToolFormat("glm45", "<tool_call>", False, tool_calls_xml.parse_glm,
                markers=("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
                         "<arg_value>", "</arg_value>"), retype=tool_calls_xml.retype),
-    ToolFormat("kimi_k2", KIMI_MARKERS[0], False, _kimi_k2, markers=KIMI_MARKERS),
+    ToolFormat("kimi_k2", js.KIMI_MARKERS[0], False, js.kimi_k2, markers=js.KIMI_MARKERS),
     ToolFormat("step3", tool_calls_xml.STEP3_MARKERS[0], False, tool_calls_xml.parse_step3,
                markers=tool_calls_xml.STEP3_MARKERS, retype=tool_calls_xml.retype),
-    ToolFormat("minimax", "<tool_calls>", False, _minimax_m1,
+    ToolFormat("minimax", "<tool_calls>", False, js.minimax_m1,
                markers=("<tool_calls>", "</tool_calls>")),
     ToolFormat("minimax_m2", tool_calls_xml.MINIMAX_OPENS, False, tool_calls_xml.parse_minimax,
                markers=(tool_calls_xml.MINIMAX_OPENS, "</minimax:tool_call>"),
@@ -264,12 +131,12 @@ FORMATS |= {"jamba": FORMATS["minimax"], "hunyuan_a13b": FORMATS["minimax"],  # 
 TEMPLATE_SIGNS = (
     ((PYTHONIC_EXAMPLE,), "pythonic"), ((tool_calls_xml.SEED_OPENS,), "seed_oss"),
     (tool_calls_xml.TEMPLATE_SIGNS, "qwen3_coder"), ((tool_calls_xml.GLM_TEMPLATE_SIGN,), "glm45"),
-    ((KIMI_MARKERS[0],), "kimi_k2"), ((tool_calls_xml.MINIMAX_OPENS,), "minimax_m2"),
+    ((js.KIMI_MARKERS[0],), "kimi_k2"), ((tool_calls_xml.MINIMAX_OPENS,), "minimax_m2"),
     (("<steptml:invoke",), "step3"),
-    (("<tool_calls>",), "minimax"), ((GRANITE_CALL,), "granite"),
-    ((INTERNLM_MARKERS[1],), "internlm"),
-    ((DEEPSEEK_MARKERS[0],), "deepseek"), (("<tool_call>",), "hermes"),
-    ((TOOL_CALLS,), "mistral"), ((PYTHON_TAG,), "llama3_json"),
+    (("<tool_calls>",), "minimax"), ((js.GRANITE_CALL,), "granite"),
+    ((js.INTERNLM_MARKERS[1],), "internlm"),
+    ((js.DEEPSEEK_MARKERS[0],), "deepseek"), (("<tool_call>",), "hermes"),
+    ((js.TOOL_CALLS,), "mistral"), ((js.PYTHON_TAG,), "llama3_json"),
     (("<|start_header_id|>", "parameters"), "llama3_json"))
 
 
