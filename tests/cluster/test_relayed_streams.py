@@ -186,3 +186,26 @@ def test_a_streamed_job_is_followed_live_on_the_node_it_was_submitted_to(
     assert len([text for text in got if text]) >= 4 and arrived[-1] - arrived[0] > 0.3
     with alpha.client() as c:
         assert [part.text for part in c.follow(key)] == ["".join(got), ""]
+
+
+def test_a_background_response_streams_through_a_node_that_does_not_run_it(
+        two_nodes: tuple[Daemon, Daemon], beta_http: str) -> None:
+    """The OpenAI SDK asks beta's HTTP API for a streamed background response of a model
+    only alpha runs: its deltas come as alpha makes them, and beta streams it again after
+    an event the client had."""
+    sdk = openai.OpenAI(base_url=f"{beta_http}/v1", api_key="unused", max_retries=0,
+                        timeout=60)
+    wait_until(lambda: "gen" in {m.id for m in sdk.models.list()}, 30, "beta lists gen")
+    events, arrived = [], []
+    for event in sdk.responses.create(model="gen", input="x", max_output_tokens=8,
+                                      background=True, stream=True):
+        events.append(event)
+        arrived.append(time.monotonic())
+    deltas = [(at, e.delta) for at, e in zip(arrived, events, strict=True)
+              if e.type == "response.output_text.delta"]
+    assert "".join(d for _, d in deltas) == "".join(f"tok{i} " for i in range(8))
+    assert len(deltas) >= 4 and deltas[-1][0] - deltas[0][0] > 0.3  # as made, 0.1 s apart
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    again = list(sdk.responses.retrieve(events[0].response.id, stream=True, starting_after=2))
+    assert [(e.type, e.sequence_number) for e in again] == [
+        (e.type, e.sequence_number) for e in events[3:]]
