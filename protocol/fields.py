@@ -3,7 +3,7 @@ a request's numbers are checked against when it is decoded."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -41,3 +41,29 @@ StopTokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=64)]
 # reported beside each token's own log-probability (0: its own only)
 MAX_TOP_LOGPROBS = 20
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+# A chat request's function tools (OpenAI's shape) and its template's variables
+Tools = Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)]
+TemplateVariables = Annotated[dict[str, Any], msgspec.Meta(max_length=32)]
+# A vision chat's images beside its first, and where each goes: its message's index, and
+# how many characters into that message's text
+MAX_MORE_IMAGES = 15
+Place = Annotated[int, msgspec.Meta(ge=0)]
+Places = Annotated[list[Place], msgspec.Meta(max_length=MAX_MORE_IMAGES)]
+
+
+class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a request gets for a parameter its client left unset: the daemon's
+    [defaults] table. The only place these values are written."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 256
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    steps: Steps = 25
+    width: ImageSide = 512
+    height: ImageSide = 512
+    guidance: Guidance = 7.5

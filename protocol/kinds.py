@@ -28,6 +28,7 @@ from modelpool.protocol.builders import (
     generate_image,
     rerank,
 )
+from modelpool.protocol.fields import RequestDefaults
 from modelpool.protocol.messages import (
     Chunk,
     Describe,
@@ -41,7 +42,6 @@ from modelpool.protocol.messages import (
     Image,
     ImageInput,
     ImageProgress,
-    RequestDefaults,
     Rerank,
     Scores,
     Structured,

@@ -15,6 +15,7 @@ import msgspec
 
 from modelpool.protocol.errors import ErrorCode
 from modelpool.protocol.fields import (
+    MAX_MORE_IMAGES,
     MAX_TEXTS,
     MAX_TOKENS,
     Capability,
@@ -23,13 +24,17 @@ from modelpool.protocol.fields import (
     LogitBias,
     MinP,
     Penalty,
+    Place,
+    Places,
     PositiveSeconds,
     Priority,
     RepetitionPenalty,
     Steps,
     Stops,
     StopTokenIds,
+    TemplateVariables,
     TokenId,
+    Tools,
     TopK,
     TopLogprobs,
 )
@@ -151,13 +156,13 @@ class Generate(_Request, frozen=True, kw_only=True, tag="generate"):
     raw: bool = False  # True: send the prompt as-is, without the model's chat template
     # function tools in OpenAI's shape ({"type": "function", "function": {...}}), shown to
     # the model by its chat template
-    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] = []
+    tools: Tools = []
     # "auto": the model may call them, in its own format (its chat template's): the calls
     # are read out of its output and come in End.tool_calls, not as text
     tool_choice: Literal["none", "auto"] = "none"
     # more variables for the chat template (vLLM's chat_template_kwargs: a template's
     # switches, such as enable_thinking)
-    chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=32)] = {}
+    chat_template_kwargs: TemplateVariables = {}
     # OpenAI's reasoning_effort, for a template that reads that variable
     reasoning_effort: Effort | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
@@ -178,28 +183,23 @@ class EmbedImage(_Request, frozen=True, kw_only=True, tag="embed_image"):
     images: Annotated[list[ImageInput], msgspec.Meta(min_length=1, max_length=1024)]
 
 
-MAX_MORE_IMAGES = 15  # a vision chat's images beside its first
-
-
 class Describe(_Request, frozen=True, kw_only=True, tag="describe"):
     image: ImageInput
     prompt: str = ""  # the question; "" asks for a caption
     # or a chat (system, earlier turns, ...), the image in its message `image_at` (a
     # user's), `image_offset` characters into its text
     messages: list[ChatMessage] = []
-    image_at: Annotated[int, msgspec.Meta(ge=0)] = 0
-    image_offset: Annotated[int, msgspec.Meta(ge=0)] = 0
+    image_at: Place = 0
+    image_offset: Place = 0
     # a chat's other images, in order, each in its message (more_at[i]) at its offset
     more_images: Annotated[list[ImageInput], msgspec.Meta(max_length=MAX_MORE_IMAGES)] = []
-    more_at: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
-                       msgspec.Meta(max_length=MAX_MORE_IMAGES)] = []
-    more_offsets: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
-                            msgspec.Meta(max_length=MAX_MORE_IMAGES)] = []
-    # function tools and whether the model may call them, the template's variables and
+    more_at: Places = []
+    more_offsets: Places = []
+    # function tools, whether the model may call them, the template's variables and
     # reasoning_effort: as Generate's
-    tools: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=128)] = []
+    tools: Tools = []
     tool_choice: Literal["none", "auto"] = "none"
-    chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(max_length=32)] = {}
+    chat_template_kwargs: TemplateVariables = {}
     reasoning_effort: Effort | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
 
@@ -213,24 +213,6 @@ class GenerateImage(_Request, frozen=True, kw_only=True, tag="generate_image"):
     seed: int | None = None
     guidance: Guidance | None = None
     preview_every: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: no previews
-
-
-class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a request gets for a parameter its client left unset: the daemon's
-    [defaults] table. The only place these values are written."""
-
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 256
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    top_k: TopK = 0
-    min_p: MinP = 0.0
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
-    steps: Steps = 25
-    width: ImageSide = 512
-    height: ImageSide = 512
-    guidance: Guidance = 7.5
 
 
 class Rerank(_Request, frozen=True, kw_only=True, tag="rerank"):

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import RequestDefaults
+from modelpool.protocol.fields import RequestDefaults
 from modelpool.registry.spec import ModelSpec
 
 log = logging.getLogger("modelpool.registry")

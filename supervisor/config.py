@@ -14,9 +14,8 @@ from typing import Annotated
 
 import msgspec
 
-from modelpool.protocol.fields import Priority
+from modelpool.protocol.fields import Priority, RequestDefaults
 from modelpool.protocol.logs import LogFormat
-from modelpool.protocol.messages import RequestDefaults
 from modelpool.protocol.paths import default_socket_path
 from modelpool.protocol.peers import uid_of
 from modelpool.protocol.pipes import ImagePolicy

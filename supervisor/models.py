@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
+from modelpool.protocol.fields import RequestDefaults
 from modelpool.protocol.kinds import CAPABILITIES
-from modelpool.protocol.messages import RequestDefaults
 from modelpool.protocol.pipes import ImagePolicy, Ready, SharedWeights, WorkerSettings
 from modelpool.registry.model_files import recommended_sampling
 from modelpool.registry.spec import ModelSpec

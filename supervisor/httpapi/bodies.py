@@ -20,6 +20,7 @@ from modelpool.protocol.fields import (
     IMAGE_SIDE_MAX,
     IMAGE_SIDE_MIN,
     IMAGE_SIDE_STEP,
+    MAX_MORE_IMAGES,
     MAX_TOKENS,
     TOP_K_MAX,
     LogitBias,
@@ -32,7 +33,7 @@ from modelpool.protocol.fields import (
     TokenId,
     TopLogprobs,
 )
-from modelpool.protocol.messages import MAX_MORE_IMAGES, Effort, ImageInput
+from modelpool.protocol.messages import Effort, ImageInput
 from modelpool.supervisor.httpapi.structured import (
     GuidedChoice,
     ResponseFormat,

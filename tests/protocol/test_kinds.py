@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from modelpool.protocol import kinds
+from modelpool.protocol.fields import RequestDefaults
 from modelpool.protocol.kinds import BY_OP, CAPABILITIES, KIND_OF, KINDS, merge_rows, with_defaults
 from modelpool.protocol.messages import (
     ChatMessage,
@@ -18,7 +19,6 @@ from modelpool.protocol.messages import (
     Generate,
     GenerateImage,
     ImageInput,
-    RequestDefaults,
     Sampling,
     Structured,
     ToolCall,

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from modelpool.protocol.fields import RequestDefaults
 from modelpool.protocol.framing import HEADER
 from modelpool.protocol.messages import (
     Chunk,
@@ -30,7 +31,6 @@ from modelpool.protocol.messages import (
     End,
     Error,
     Generate,
-    RequestDefaults,
     Sampling,
 )
 from modelpool.protocol.pipes import (

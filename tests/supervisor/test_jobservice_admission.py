@@ -7,8 +7,9 @@ import pytest
 from test_jobservice import ME, OTHER, MakeHarness, embed, service
 
 from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.fields import RequestDefaults
 from modelpool.protocol.jobs import Submit
-from modelpool.protocol.messages import Embed, Generate, RequestDefaults, Sampling
+from modelpool.protocol.messages import Embed, Generate, Sampling
 from modelpool.supervisor.admission import RemoteModel
 from modelpool.supervisor.config import JobsConfig
 from modelpool.supervisor.mailbox import JobRecord

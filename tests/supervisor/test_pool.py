@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from modelpool.protocol.errors import ErrorCode
+from modelpool.protocol.fields import RequestDefaults
 from modelpool.protocol.messages import (
     ChatMessage,
     Chunk,
@@ -23,7 +24,6 @@ from modelpool.protocol.messages import (
     Embeddings,
     End,
     Generate,
-    RequestDefaults,
     Sampling,
 )
 from modelpool.registry.spec import ModelSpec

@@ -12,7 +12,8 @@ import msgspec
 from test_reload_plan import spec
 
 from modelpool.protocol.errors import ErrorCode
-from modelpool.protocol.messages import Embeddings, EmbedImage, ImageInput, RequestDefaults
+from modelpool.protocol.fields import RequestDefaults
+from modelpool.protocol.messages import Embeddings, EmbedImage, ImageInput
 from modelpool.protocol.pipes import ImagePolicy, Threads
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor import control
