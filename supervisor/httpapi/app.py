@@ -16,6 +16,7 @@ from modelpool.protocol.client import AsyncClient
 from modelpool.protocol.client_core import ImageChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.supervisor.httpapi import bodies, choices, replies
+from modelpool.supervisor.httpapi.chat import chat_call
 from modelpool.supervisor.httpapi.completions import completion_calls, echoed
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
 from modelpool.supervisor.httpapi.jobs_api import JobsApi
@@ -122,7 +123,7 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request, bodies.ChatBody)
-        return await self._text(request, body, [bodies.chat_call(body)], chat=True)
+        return await self._text(request, body, [chat_call(body)], chat=True)
 
     async def completions(self, request: Request) -> Response:
         body = await self.body(request, bodies.CompletionBody)

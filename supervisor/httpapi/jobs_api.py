@@ -18,6 +18,7 @@ from starlette.responses import Response
 from modelpool.protocol.client import AsyncClient
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.supervisor.httpapi import bodies, replies
+from modelpool.supervisor.httpapi.chat import chat_call
 from modelpool.supervisor.httpapi.completions import completion_call
 from modelpool.supervisor.httpapi.plumbing import unless_disconnected, with_header_options
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
@@ -31,7 +32,7 @@ MAX_WAIT_S = 600.0
 OPERATIONS: dict[str, tuple[type[Any], Callable[[Any], bodies.PoolCall]]] = {
     "embeddings": (bodies.EmbeddingsBody, bodies.embeddings_call),
     "image_embeddings": (bodies.ImageEmbeddingsBody, bodies.image_embeddings_call),
-    "chat.completions": (bodies.ChatBody, bodies.chat_call),
+    "chat.completions": (bodies.ChatBody, chat_call),
     "completions": (bodies.CompletionBody, completion_call),
     "images.generations": (bodies.ImagesBody, bodies.images_call),
     "rerank": (bodies.RerankBody, bodies.rerank_call),

@@ -35,10 +35,10 @@ from modelpool.supervisor.httpapi.bodies import (
     Seed,
     Tokens,
     bad,
-    chat_call,
     refuse_unsupported,
     refused_note,
 )
+from modelpool.supervisor.httpapi.chat import chat_call
 from modelpool.supervisor.httpapi.structured import JsonSchemaFormat, ResponseFormat
 from modelpool.supervisor.httpapi.tools import (
     CalledFunction,

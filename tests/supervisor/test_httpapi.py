@@ -4,7 +4,6 @@ chunks into events, the status into Prometheus text, and the start-up checks."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import socket
 import time
@@ -19,10 +18,10 @@ from starlette.requests import Request
 
 from modelpool.protocol.client_core import TextChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import ImageInput
 from modelpool.supervisor.config import Config, ConfigError, HttpConfig
 from modelpool.supervisor.http_front import listen_address, settings_of
 from modelpool.supervisor.httpapi import bodies, completions, guard, replies, routes
+from modelpool.supervisor.httpapi.chat import chat_call
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
 from modelpool.supervisor.httpapi.plumbing import with_header_options
 from modelpool.supervisor.httpapi.serve import Server
@@ -45,42 +44,6 @@ def test_embeddings_take_one_text_or_many_and_refuse_tokens() -> None:
     assert shortened.kwargs["dimensions"] == 8  # the worker knows whether its model can
     with pytest.raises(msgspec.ValidationError, match="dimensions"):
         body(bodies.EmbeddingsBody, input="a", dimensions=0)
-
-
-def test_chat_with_an_image_asks_a_vision_model_about_it() -> None:
-    image = base64.b64encode(b"\x89PNG...").decode()
-    asked = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
-        {"type": "text", "text": "what is it?"},
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]},
-        {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "its colour?"}]
-    call = bodies.chat_call(body(bodies.ChatBody, model="v", max_completion_tokens=5,
-                                 stop="END", messages=asked))
-    assert call.op == "describe" and call.args == (ImageInput(data=b"\x89PNG..."), [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "what is it?"},
-        {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "its colour?"}])
-    assert call.kwargs["image_at"] == [1]  # the whole chat, the image in its own message
-    second = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}
-    two = bodies.chat_call(body(bodies.ChatBody, messages=[*asked[:3], {
-        "role": "user", "content": [second, {"type": "text", "text": "and this?"}]}]))
-    assert len(two.kwargs["more_images"]) == 1 and two.kwargs["image_at"] == [1, 3]
-    assert two.kwargs["image_offset"] == [11, 0]  # after "what is it?"; before "and this?"
-    with pytest.raises(PoolError, match="at most 16 images"):
-        bodies.chat_call(body(bodies.ChatBody, messages=[
-            {"role": "user", "content": [second] * 17}]))
-    assert call.kwargs["max_tokens"] == 5 and call.kwargs["stop"] == ["END"]
-    with pytest.raises(PoolError, match="a user's message"):
-        bodies.chat_call(body(bodies.ChatBody, messages=[{"role": "assistant", "content": [
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]}]))
-    text = bodies.chat_call(body(bodies.ChatBody, messages=[
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))
-    assert text.op == "generate" and text.args[0][1] == {"role": "user", "content": "hi"}
-
-
-@pytest.mark.parametrize("url", ["/etc/passwd", "file:///etc/passwd", "data:image/png,raw"])
-def test_an_image_is_never_a_local_file(url: str) -> None:
-    with pytest.raises((PoolError, msgspec.ValidationError)):
-        bodies.chat_call(body(bodies.ChatBody, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}}]}]))
 
 
 def test_what_would_be_dropped_silently_is_refused_by_name() -> None:
@@ -112,7 +75,7 @@ ASKING = [  # a body, then each field with a value that asks for what no model h
         "background": "transparent"}),
     (bodies.EmbeddingsBody, {"input": "a"}, {}),
 ]
-CALLS = {bodies.ChatBody: bodies.chat_call, bodies.CompletionBody: completions.completion_call,
+CALLS = {bodies.ChatBody: chat_call, bodies.CompletionBody: completions.completion_call,
          bodies.ImagesBody: bodies.images_call, bodies.EmbeddingsBody: bodies.embeddings_call}
 
 
@@ -132,7 +95,7 @@ def test_every_field_a_body_refuses_is_tried_above() -> None:
 
 def test_what_asks_for_nothing_is_taken() -> None:
     """The values clients send as defaults are no request: they pass."""
-    chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, n=1, logprobs=False,
+    chat = chat_call(body(bodies.ChatBody, **CHAT, n=1, logprobs=False,
                                  presence_penalty=0, frequency_penalty=0.0,
                                  repetition_penalty=1.0, logit_bias={},
                                  tools=[], tool_choice="none", function_call="auto",
@@ -147,7 +110,7 @@ def test_what_asks_for_nothing_is_taken() -> None:
 
 
 def test_vllms_top_k_and_min_p_reach_the_sampler() -> None:
-    chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, top_k=5, min_p=0.1))
+    chat = chat_call(body(bodies.ChatBody, **CHAT, top_k=5, min_p=0.1))
     assert (chat.kwargs["top_k"], chat.kwargs["min_p"]) == (5, 0.1)
     for everything in (-1, 0):  # vLLM's -1: every token
         completion = completions.completion_call(body(bodies.CompletionBody, prompt="p",
@@ -163,9 +126,9 @@ def test_vllms_top_k_and_min_p_reach_the_sampler() -> None:
 
 
 def test_vllms_stop_token_ids_reach_the_sampler() -> None:
-    chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, stop_token_ids=[2, 128009]))
+    chat = chat_call(body(bodies.ChatBody, **CHAT, stop_token_ids=[2, 128009]))
     assert chat.kwargs["stop_token_ids"] == [2, 128009]
-    assert bodies.chat_call(body(bodies.ChatBody, **CHAT)).kwargs["stop_token_ids"] is None
+    assert chat_call(body(bodies.ChatBody, **CHAT)).kwargs["stop_token_ids"] is None
     for wrong in ([-1], list(range(65))):
         with pytest.raises(msgspec.ValidationError, match="stop_token_ids"):
             body(bodies.ChatBody, **CHAT, stop_token_ids=wrong)
@@ -173,7 +136,7 @@ def test_vllms_stop_token_ids_reach_the_sampler() -> None:
 
 def test_penalties_and_biases_reach_the_sampler_within_their_bounds() -> None:
     penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
-    chat = bodies.chat_call(body(bodies.ChatBody, **CHAT, presence_penalty=0.5,
+    chat = chat_call(body(bodies.ChatBody, **CHAT, presence_penalty=0.5,
                                  frequency_penalty=-1.0, repetition_penalty=1.1,
                                  logit_bias={"50256": -100, "7": 2.5}))
     assert [chat.kwargs[name] for name in penalties] == [0.5, -1.0, 1.1,
@@ -317,7 +280,7 @@ def test_each_api_keys_generations_keep_their_prompts_to_themselves() -> None:
     def salts(settings: HttpSettings, key: str, salt: str = "") -> str:
         request = Request({"type": "http", "headers": [(b"authorization",
                                                         f"Bearer {key}".encode())]})
-        chat = bodies.chat_call(body(bodies.ChatBody, cache_salt=salt,
+        chat = chat_call(body(bodies.ChatBody, cache_salt=salt,
                                      messages=[{"role": "user", "content": "hi"}]))
         return with_header_options(request, chat.kwargs, settings)["cache_salt"]
 

@@ -12,6 +12,7 @@ from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.messages import TokenLogprob, TopLogprob
 from modelpool.supervisor.httpapi import bodies, completions, replies
+from modelpool.supervisor.httpapi.chat import chat_call
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 
@@ -24,7 +25,7 @@ def test_logprobs_are_asked_as_each_api_asks_them() -> None:
     """Chat: logprobs true, with top_logprobs alternatives; completions: logprobs N. The
     pool takes the number of alternatives, None for no logprobs."""
     def chat(**fields: object) -> object:
-        return bodies.chat_call(body(bodies.ChatBody, **CHAT, **fields)).kwargs["logprobs"]
+        return chat_call(body(bodies.ChatBody, **CHAT, **fields)).kwargs["logprobs"]
 
     def completion(**fields: object) -> object:
         return completions.completion_call(body(bodies.CompletionBody, prompt="p",

@@ -11,6 +11,7 @@ import pytest
 
 from modelpool.protocol.errors import PoolError
 from modelpool.supervisor.httpapi import bodies, completions
+from modelpool.supervisor.httpapi.chat import chat_call
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -20,7 +21,7 @@ LANGUAGES = ("json_schema", "regex", "choice", "grammar")
 def _asked(kind: type = bodies.ChatBody, **fields: Any) -> dict[str, Any]:
     base = CHAT if kind is bodies.ChatBody else {"prompt": "p"}
     body = msgspec.convert({**base, **fields}, type=kind)  # as JSON gives it
-    call = (bodies.chat_call if kind is bodies.ChatBody else completions.completion_call)(body)
+    call = (chat_call if kind is bodies.ChatBody else completions.completion_call)(body)
     return {name: call.kwargs[name] for name in LANGUAGES if name in call.kwargs}
 
 

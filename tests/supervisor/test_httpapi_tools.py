@@ -15,6 +15,7 @@ from modelpool.protocol.client_core import TextChunk, TextResult
 from modelpool.protocol.errors import PoolError
 from modelpool.protocol.messages import CallDelta, TokenLogprob, ToolCall
 from modelpool.supervisor.httpapi import bodies, replies
+from modelpool.supervisor.httpapi.chat import chat_call
 from modelpool.supervisor.httpapi.tools import ToolCalls
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},
@@ -25,7 +26,7 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
 
 
 def _call(**fields: Any) -> bodies.PoolCall:
-    return bodies.chat_call(msgspec.convert({**CHAT, **fields}, type=bodies.ChatBody))
+    return chat_call(msgspec.convert({**CHAT, **fields}, type=bodies.ChatBody))
 
 
 def test_a_named_function_holds_the_output_to_its_arguments() -> None:
