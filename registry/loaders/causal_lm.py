@@ -46,10 +46,10 @@ from modelpool.registry.loaders.token_logprobs import (
 )
 from modelpool.registry.loaders.tool_calls import (
     ToolCallReader,
+    auto_reader,
     format_of,
     function_names,
     kept_tokens,
-    reader_for,
 )
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -164,9 +164,7 @@ class CausalLM:
 
     def tool_reader(self, request: Generate) -> ToolCallReader | None:
         """What reads the calls out of the output (tool_choice "auto"), else None."""
-        if request.tool_choice != "auto":
-            return None
-        return reader_for(self.tool_format, self.key, request.tools)
+        return auto_reader(self.tool_format, self.key, request)
 
     def reasoning_reader(self, request: Generate,
                          ids: list[int] | None = None) -> ReasoningReader | None:

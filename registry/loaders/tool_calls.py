@@ -65,7 +65,7 @@ from typing import Any
 import msgspec
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import CallDelta, ToolCall, new_call_id
+from modelpool.protocol.messages import CallDelta, Describe, Generate, ToolCall, new_call_id
 from modelpool.registry.loaders import tool_calls_json as js
 from modelpool.registry.loaders import tool_calls_pythonic as pythonic
 from modelpool.registry.loaders import tool_calls_xml
@@ -172,6 +172,15 @@ def reader_for(tool_format: ToolFormat | None, key: str,
                         f"format is not known (one of {sorted(FORMATS)}, from its chat "
                         "template or its tool_call_format option)")
     return ToolCallReader(tool_format, function_names(tools), parameter_types(tools))
+
+
+def auto_reader(tool_format: ToolFormat | None, key: str,
+                request: Generate | Describe) -> ToolCallReader | None:
+    """What reads a request's calls out of its output when it lets the model call
+    (tool_choice "auto"), else None."""
+    if request.tool_choice != "auto":
+        return None
+    return reader_for(tool_format, key, request.tools)
 
 
 def function_names(tools: list[dict[str, Any]]) -> set[Any]:

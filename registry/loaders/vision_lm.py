@@ -44,9 +44,9 @@ from modelpool.registry.loaders.token_logprobs import check_prompt_logprobs
 from modelpool.registry.loaders.tool_calls import (
     ToolCallReader,
     ToolFormat,
+    auto_reader,
     format_of,
     kept_tokens,
-    reader_for,
 )
 from modelpool.registry.spec import ModelSpec
 from modelpool.workers.capabilities.text_to_text import GenerationStats
@@ -94,9 +94,7 @@ class VisionLM:
 
     def tool_reader(self, request: Describe) -> ToolCallReader | None:
         """What reads the calls out of the output (tool_choice "auto"), else None."""
-        if request.tool_choice != "auto":
-            return None
-        return reader_for(self.tool_format, self.key, request.tools)
+        return auto_reader(self.tool_format, self.key, request)
 
     def _kept(self, request: Describe) -> dict[int, str] | None:
         """The special tokens its text keeps: the thinking's tags, and the tool-call
