@@ -17,6 +17,8 @@ from test_cli_ops import cli
 from modelpool.protocol.async_client import AsyncClient
 from modelpool.protocol.client import TextChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.jobs import Follow
+from modelpool.protocol.messages import Chunk, End, Error
 
 TOKENS = 20  # a token each 0.05 s: a second of a job, which a follower sees running
 
@@ -119,6 +121,22 @@ def test_what_cannot_be_followed(daemon: Daemon) -> None:
             list(c.follow("0" * 32))
         assert err.value.code is ErrorCode.RESULT_NOT_FOUND
         assert c.embed("after", model="slow")[0] == 5.0  # the connection goes on
+
+
+def test_a_follows_id_is_in_flight_until_its_end(daemon: Daemon) -> None:
+    """A second request with the id of a follow still streaming would read as its
+    replies: it is refused (with no id), and the follow goes on to its end."""
+    with daemon.client() as c:
+        key = c.submit("generate", "Twice", model="gen", max_tokens=TOKENS, stream=True)
+        c._send(Follow(id=77, key=key))
+        c._send(Follow(id=77, key=key))
+        replies = []
+        while not replies or type(replies[-1]) is Chunk or replies[-1].id is None:
+            replies.append(c._next(77))  # to the follow's final reply
+    refused = [r for r in replies if isinstance(r, Error)]
+    assert len(refused) == 1 and refused[0].id is None
+    assert "already in flight" in refused[0].message
+    assert type(replies[-1]) is End and replies[-1].completion_tokens == TOKENS
 
 
 def test_following_needs_no_open_submitter(daemon: Daemon, tmp_path: Path) -> None:

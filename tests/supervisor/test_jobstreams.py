@@ -118,3 +118,19 @@ async def test_ended_streams_go_past_the_results_retention_and_oldest_over_the_b
     h.clock.advance(61)
     await streams.submit(ME, streamed("d"), 100)  # past the retention
     assert [key in streams._kept for key in (*ended, running)] == [False, False, True]
+
+
+async def test_a_forgotten_jobs_stream_goes_and_its_bytes_with_it(
+        make_harness: MakeHarness) -> None:
+    h = make_harness(cold_start_workers=1)
+    streams = JobStreams(service(h))
+    key, worker, job_id = await started(h, streams, streamed())
+    h.chunk(worker, job_id, 0, "x" * 1000)
+    h.end(worker, job_id)
+    await h.settle()
+    assert streams._ended_bytes > 1000
+    streams.forget(key)
+    assert key not in streams._kept and streams._ended_bytes == 0
+    seen: list[Any] = []  # its result is still kept: followed whole, as one chunk
+    whole, _ = await streams.follow(ME, Follow(id=9, key=key), seen.append)
+    assert whole.text == "x" * 1000 and seen == []
