@@ -17,6 +17,11 @@ format; the ones read here, and how a model's is known:
   templates, ToolACE), maybe between Llama 4's `<|python_start|>` and `<|python_end|>`.
   Known by its template's `[func_name1(` example. Read by Python's own parser, only
   literals as values, nothing evaluated (tool_calls_pythonic.py).
+- "olmo3": Olmo 3's such calls, a line each (no list), in a `<function_calls>` block
+  after any text, their values maybe JSON's `true`, `false` and `null`. Known by its
+  template naming `<function_calls>`.
+- "longcat": LongCat-Flash's, Hermes' JSON in `<longcat_tool_call>` blocks. Known by its
+  template naming them.
 - "granite": `<|tool_call|>` then a JSON list of `{"name", "arguments"}` at the answer's
   start (IBM Granite 3). Known by its template naming `<|tool_call|>`.
 - "deepseek": DeepSeek V3's and R1's calls in `<｜tool▁calls▁begin｜>`, after any text,
@@ -100,6 +105,9 @@ FORMATS = {f.name: f for f in (
                new_id=js.mistral_id),
     ToolFormat("pythonic", "[", True, pythonic.parse, leads=(pythonic.PYTHON_START,),
                markers=(pythonic.PYTHON_START, pythonic.PYTHON_END)),
+    ToolFormat("olmo3", pythonic.FUNCTION_CALLS[0], False, pythonic.parse_lines,
+               markers=pythonic.FUNCTION_CALLS),
+    ToolFormat("longcat", js.LONGCAT_MARKERS[0], False, js.longcat, markers=js.LONGCAT_MARKERS),
     ToolFormat("granite", js.GRANITE_CALL, True, js.granite, markers=(js.GRANITE_CALL,)),
     ToolFormat("phi4_mini_json", js.PHI4_CALLS + "[", False, js.phi4_mini),
     ToolFormat("xlam", "[", True, js.xlam, leads=(js.FENCE + "json", js.FENCE)),
@@ -131,7 +139,8 @@ FORMATS |= {"jamba": FORMATS["minimax"], "hunyuan_a13b": FORMATS["minimax"],  # 
 TEMPLATE_SIGNS = (
     ((PYTHONIC_EXAMPLE,), "pythonic"), ((tool_calls_xml.SEED_OPENS,), "seed_oss"),
     (tool_calls_xml.TEMPLATE_SIGNS, "qwen3_coder"), ((tool_calls_xml.GLM_TEMPLATE_SIGN,), "glm45"),
-    ((js.KIMI_MARKERS[0],), "kimi_k2"), ((tool_calls_xml.MINIMAX_OPENS,), "minimax_m2"),
+    ((js.KIMI_MARKERS[0],), "kimi_k2"), ((js.LONGCAT_MARKERS[0],), "longcat"),
+    ((pythonic.FUNCTION_CALLS[0],), "olmo3"), ((tool_calls_xml.MINIMAX_OPENS,), "minimax_m2"),
     (("<steptml:invoke",), "step3"),
     (("<tool_calls>",), "minimax"), ((js.GRANITE_CALL,), "granite"),
     ((js.INTERNLM_MARKERS[1],), "internlm"),

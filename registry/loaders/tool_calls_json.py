@@ -13,7 +13,16 @@ import msgspec
 
 from modelpool.protocol.messages import ToolCall
 
-HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+LONGCAT_MARKERS = ("<longcat_tool_call>", "</longcat_tool_call>")
+
+
+def blocks(opens: str, closes: str) -> re.Pattern[str]:
+    """Each block's text between its tags, the last maybe not closed (cut short)."""
+    return re.compile(f"{re.escape(opens)}(.*?)(?:{re.escape(closes)}|$)", re.DOTALL)
+
+
+HERMES_BLOCK = blocks("<tool_call>", "</tool_call>")
+LONGCAT_BLOCK = blocks(*LONGCAT_MARKERS)
 MINIMAX_M1_BLOCK = re.compile(r"<tool_calls>(.*?)(?:</tool_calls>|$)", re.DOTALL)
 INTERNLM_MARKERS = ("<|action_start|>", "<|plugin|>", "<|action_end|>")
 INTERNLM_BLOCK = re.compile(r"<\|action_start\|>(.*?)(?:<\|action_end\|>|$)", re.DOTALL)
@@ -62,6 +71,12 @@ def _decoded(text: str) -> Any:
 def hermes(text: str) -> list[ToolCall] | None:
     return _all_or_none([_call(_decoded(body), "arguments")
                          for body in HERMES_BLOCK.findall(text)])
+
+
+def longcat(text: str) -> list[ToolCall] | None:
+    """LongCat-Flash's: Hermes' JSON in its own tags."""
+    return _all_or_none([_call(_decoded(body), "arguments")
+                         for body in LONGCAT_BLOCK.findall(text)])
 
 
 def minimax_m1(text: str) -> list[ToolCall] | None:

@@ -3,12 +3,16 @@ vLLM's `pythonic` and `llama4_pythonic`): the whole answer a Python list of call
 keyword arguments, `[get_weather(city="Paris"), get_time()]`, maybe between Llama 4's
 `<|python_start|>` and `<|python_end|>`. Read by Python's own parser with only literals
 as values (strings, numbers, True/False/None, lists and dicts of them): nothing is
-evaluated. Streamed (tool_stream.py) a call at a time, each once its parenthesis closes."""
+evaluated. Olmo 3's (vLLM's `olmo3`): such calls a line each (no list) in a
+`<function_calls>` block after any text. Both take JSON's `true`, `false` and `null` as
+values too (Olmo 3's template writes its calls' values as JSON). Streamed
+(tool_stream.py) a call at a time, each once its parenthesis closes."""
 
 from __future__ import annotations
 
 import ast
 import re
+import textwrap
 from typing import Any
 
 import msgspec
@@ -19,9 +23,17 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 # A call's start, from where the last one ended: the list's opening or a comma, its name
 HEAD = re.compile(r"\s*(?:<\|python_start\|>)?\s*[\[,]\s*(?P<name>[A-Za-z_]\w*)\s*\(")
 # What may still be a list of calls (else what is held is text): a name and "(" at most
-BEGUN = re.compile(r"\s*(?:<\|python_start\|>)?\s*\[[\s(]*(?:[A-Za-z_]\w*\s*(?:\(.*)?)?",
+LIST_BEGUN = re.compile(r"\s*(?:<\|python_start\|>)?\s*\[[\s(]*(?:[A-Za-z_]\w*\s*(?:\(.*)?)?",
                    re.DOTALL)
 CLOSES = {")": "(", "]": "[", "}": "{"}
+FUNCTION_CALLS = ("<function_calls>", "</function_calls>")  # Olmo 3's block
+CALLS_BLOCK = re.compile(r"<function_calls>(.*?)(?:</function_calls>|$)", re.DOTALL)
+# Olmo 3's call's start, from where the last one ended: its block's opening or a new line
+LINE_HEAD = re.compile(r"\s*(?:<function_calls>)?\s*(?P<name>[A-Za-z_]\w*)\s*\(")
+# What may still be calls, by format
+BEGUN = {"pythonic": LIST_BEGUN, "olmo3": re.compile(
+    r"\s*<function_calls>\s*(?:[A-Za-z_]\w*\s*(?:\(.*)?)?", re.DOTALL)}
+JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
 def parse(text: str) -> list[ToolCall] | None:
@@ -37,12 +49,30 @@ def parse(text: str) -> list[ToolCall] | None:
     return None if not calls or None in calls else calls  # type: ignore[return-value]
 
 
+def parse_lines(text: str) -> list[ToolCall] | None:
+    """Olmo 3's calls, a line each in each block; None unless every line is one."""
+    calls: list[ToolCall | None] = []
+    for block in CALLS_BLOCK.findall(text):
+        try:
+            lines = ast.parse(textwrap.dedent(block).strip(), mode="exec").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        calls += [_call(line.value) if isinstance(line, ast.Expr) else None for line in lines]
+    return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+class _JsonNames(ast.NodeTransformer):
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        return ast.Constant(JSON_NAMES[node.id]) if node.id in JSON_NAMES else node
+
+
 def _call(node: ast.expr) -> ToolCall | None:
     if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
             or any(k.arg is None for k in node.keywords)):  # no positional, no **spread
         return None
     try:
-        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        arguments = {k.arg: ast.literal_eval(_JsonNames().visit(k.value))
+                     for k in node.keywords}
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None  # a name or an expression
     if not _is_json(arguments):

@@ -1,10 +1,11 @@
 """Tool calls streamed as the model writes them (tool_choice "auto"), as vLLM's parsers
 stream them: a call's name (with its id) once its arguments begin, then their JSON text
 piece by piece: where the model writes JSON (hermes, llama3_json, mistral, granite,
-phi4_mini_json, xlam, internlm, deepseek, kimi_k2, minimax), its own text without the white space
-between JSON's tokens (what a JSON encoder writes); where it writes XML (qwen3_coder,
-seed_oss, glm45, minimax_m2, step3: tool_calls_xml.py), a parameter at a time, typed as at the
-end; where it writes Python calls (pythonic: tool_calls_pythonic.py), a call at a time.
+longcat, phi4_mini_json, xlam, internlm, deepseek, kimi_k2, minimax), its own text
+without the white space between JSON's tokens (what a JSON encoder writes); where it
+writes XML (qwen3_coder, seed_oss, glm45, minimax_m2, step3: tool_calls_xml.py), a
+parameter at a time, typed as at the end; where it writes Python calls (pythonic, olmo3:
+tool_calls_pythonic.py), a call at a time.
 
 Each head pattern is matched where the last call's arguments ended, so no call is ever
 skipped; what matches no head (another shape, arguments given as a string) is left to
@@ -34,10 +35,11 @@ WHITE = " \t\r\n"
 # closing brace, a separator, its block's end and the next one's opening), by format
 _JSON = r'\}?\s*[,;]?\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"%s"\s*:\s*'
 _LIST = r"(?:\s*%s\s*\[)?\s*" + _JSON % "arguments"  # a marker, then [{...}, {...}]
+_tagged = r"\s*\}?\s*(?:</%s>\s*)?<%s>\s*"  # a block's end, the next one's opening
 _DEEPSEEK = (r"(?:<｜tool▁calls▁begin｜>)?\s*(?:```)?\s*(?:<｜tool▁call▁end｜>)?\s*"
              r"<｜tool▁call▁begin｜>")
 HEADS = {name: tuple(re.compile(head) for head in heads) for name, heads in {
-    "hermes": (r"\s*\}?\s*(?:</tool_call>\s*)?<tool_call>\s*" + _JSON % "arguments",),
+    "hermes": (_tagged % ("tool_call", "tool_call") + _JSON % "arguments",),
     "minimax": (r"(?:<tool_calls>\s*\[?)?\s*" + _JSON % "arguments",),
     "llama3_json": (r"\s*(?:<\|python_tag\|>)?\s*" + _JSON % "(?:parameters|arguments)",),
     "mistral": (_LIST % re.escape("[TOOL_CALLS]"),
@@ -49,10 +51,11 @@ HEADS = {name: tuple(re.compile(head) for head in heads) for name, heads in {
                  + _JSON % "(?:parameters|arguments)",),
     "deepseek": (_DEEPSEEK + r"function<｜tool▁sep｜>(?P<name>[^\n<]+)\n```json\n",  # V3
                  _DEEPSEEK + r"(?P<name>[^\n<]+?)<｜tool▁sep｜>(?=\s*\{)"),  # V3.1
+    "longcat": (_tagged % ("longcat_tool_call", "longcat_tool_call") + _JSON % "arguments",),
     "kimi_k2": (r"(?:<\|tool_calls_section_begin\|>)?\s*(?:<\|tool_call_end\|>)?\s*"
                 r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^\s:<]+):\d+)"
                 r"\s*<\|tool_call_argument_begin\|>\s*",),
-}.items()} | {"pythonic": (pythonic.HEAD,)}
+}.items()} | {"pythonic": (pythonic.HEAD,), "olmo3": (pythonic.LINE_HEAD,)}
 # The HTTP API's own shape for tool_choice "required": a list of {"name", "parameters"}
 LISTED = "listed"
 HEADS[LISTED] = (re.compile(r"\s*\[?\s*" + _JSON % "parameters"),)
@@ -122,7 +125,8 @@ class CallStream:
                  types: ParameterTypes) -> None:
         self.xml = SHAPES.get(tool_format)
         self.heads = HEADS[tool_format] if self.xml is None else (self.xml.head,)
-        self.pythonic = tool_format == "pythonic"
+        self.begun = pythonic.BEGUN.get(tool_format)  # a Python format's: may still be calls
+        self.pythonic = self.begun is not None
         self.names = names
         self.new_id = new_id
         self.types = types  # an XML format's parameters' JSON types, by function
@@ -138,8 +142,8 @@ class CallStream:
         """Streams what the held text (all of it so far) adds."""
         while not self.stopped:
             if self.open is None and not self._head(held):
-                self.refused |= self.pythonic and not self.sent and \
-                    pythonic.BEGUN.fullmatch(held) is None
+                self.refused |= self.begun is not None and not self.sent and \
+                    self.begun.fullmatch(held) is None
                 return
             assert self.open is not None
             call, arguments = self.open

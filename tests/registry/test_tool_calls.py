@@ -127,6 +127,33 @@ def test_pythonic_calls_are_a_list_of_keyword_calls_read_without_evaluating(
     assert "".join(passed) == text and calls == []
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_olmo3s_calls_are_keyword_calls_a_line_each_after_any_text(piece: int) -> None:
+    text = ("Checking.\n<function_calls>\n  get_weather(city='Paris')\n"
+            "  f(a=true, b=false, c=null, d=[1, {\"k\": \"v\"}])\n</function_calls>")
+    passed, rest, calls = _read("olmo3", text, piece)
+    assert "".join(passed) == "Checking.\n" and rest == ""
+    assert calls == [WEATHER, ToolCall(name="f", arguments='{"a":true,"b":false,"c":null,'
+                                                           '"d":[1,{"k":"v"}]}')]
+    for no_call in ("<function_calls>get_weather(city=Paris)</function_calls>",  # a name
+                    "<function_calls>x = get_time()</function_calls>",
+                    "<function_calls>get_weather('Paris')</function_calls>",
+                    "<function_calls>Sure: get_time()</function_calls>",
+                    "<function_calls></function_calls>"):
+        passed, rest, calls = _read("olmo3", no_call, piece)
+        assert "".join(passed) + rest == no_call and calls == []
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_longcats_calls_are_hermes_json_in_its_own_tags(piece: int) -> None:
+    text = ('Sure. <longcat_tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '</longcat_tool_call>')
+    passed, rest, calls = _read("longcat", text, piece)
+    assert "".join(passed) == "Sure. " and rest == "" and calls == [WEATHER]
+    hermes = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert _read("longcat", hermes, piece)[2] == []  # another model's tags: text
+
+
 @pytest.mark.parametrize("text", [
     "[1, 2]", "[see the docs](https://example.com)", "[get_weather('Paris')]",
     "[get_weather(city=paris)]", "[get_weather(city=__import__('os').getcwd())]",
@@ -243,6 +270,11 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
     assert format_of(minimax_m2, None, "m") is FORMATS["minimax_m2"]
     minimax_m1 = 'respond with <tool_calls></tool_calls> XML tags ... {"name": <tool-name>'
     assert format_of(minimax_m1, None, "m") is FORMATS["minimax"]
+    olmo3 = ("Output any function calls within <function_calls></function_calls> XML tags."
+             "{{- '<functions>' -}}{{- tools | tojson -}}")
+    assert format_of(olmo3, None, "m") is FORMATS["olmo3"]
+    longcat = "{{- '<longcat_tool_call>' + tool_call | tojson + '</longcat_tool_call>' }}"
+    assert format_of(longcat, None, "m") is FORMATS["longcat"]
     llama31_custom = "<function=example_function_name>{...}</function> <|python_tag|>"
     assert format_of(llama31_custom, None, "m") is LLAMA3
     assert format_of("<|im_start|>{{ message.content }}", None, "m") is None

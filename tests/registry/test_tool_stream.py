@@ -33,7 +33,13 @@ STREAMED = {
     "deepseek": DEEPSEEK_V3, "kimi_k2": KIMI, "minimax": MINIMAX_M1,
     "xlam": ('```json\n[{"name": "get_weather", "arguments": {"city": "Paris", "days": '
              '[1, 2]}}, {"name": "get_time", "arguments": {}}]\n```'),
+    "longcat": ('Let me look.\n<longcat_tool_call>\n{"name": "get_weather", "arguments": '
+                '{"city": "Paris", "days": [1, 2]}}\n</longcat_tool_call>\n<longcat_tool_call>'
+                '\n{"name": "get_time", "arguments": {}}\n</longcat_tool_call>'),
 }
+# Olmo 3's: its template's values as JSON, a call a line
+OLMO3 = ('Let me look.<function_calls>get_weather(city="Paris (\\"FR\\")", days=[1, (2)], '
+         'metric=true, near=null)\nget_time()</function_calls>')
 XLAM = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", ' \
        '"arguments": {}}]'
 CASES = [*STREAMED.items(), ("deepseek", DEEPSEEK_V31), ("jamba", JAMBA),
@@ -196,11 +202,27 @@ def test_pythonic_calls_stream_a_call_at_a_time(piece: int) -> None:
         [], "[get_weather(city=x)]", [])  # a name, not a literal: text
 
 
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_olmo3s_calls_a_line_each_stream_a_call_at_a_time(piece: int) -> None:
+    deltas, passed, calls, reader = _stream("olmo3", OLMO3, piece)
+    assert passed == "Let me look." and _joined(deltas) == calls and not reader.cut
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'Paris ("FR")', "days": [1, 2], "metric": True,
+                         "near": None}), ("get_time", {})]
+    if piece == 1:  # each whole as its parenthesis closed, the first before the second began
+        assert [at for at, _ in deltas] == [OLMO3.index("null)") + 5, OLMO3.index("()<") + 2]
+    cut = OLMO3[:OLMO3.index("get_time") + 5]  # cut short in the second call's name
+    deltas, _, calls, reader = _stream("olmo3", cut, piece)
+    assert _joined(deltas) == calls and [c.name for c in calls] == ["get_weather"]
+
+
 @pytest.mark.parametrize(("tool_format", "text", "known"), [
     ("hermes", 'Hi <tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>'
      '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', '"rm_rf", "arguments":'),
     ("llama3_json", '{"name": "Bob", "parameters": {"age": 3}}', '"Bob", "parameters":'),
     ("pythonic", "[see the docs](https://example.com) for more", "[see t"),
+    ("olmo3", "See <function_calls> in the docs", "<function_calls> in t"),
+    ("olmo3", "<function_calls>rm_rf(path='/')</function_calls>", "<function_calls>rm_rf("),
     ("xlam", '```json\n[{"name": "rm_rf", "arguments": {}}]\n```', '"rm_rf", "arguments":'),
 ])
 def test_what_cannot_read_as_calls_is_text_as_soon_as_that_is_known(
@@ -244,7 +266,9 @@ FRAGMENTS = sorted({*"{}[](),:;\"' \n\\", "<tool_call>", "</tool_call>", '{"name
                     "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>",
                     "<|tool_call_end|>", "<tool_calls>", "</tool_calls>", "functools[",
                     "<arg_key>k</arg_key><arg_value>v</arg_value>", "get_time", "```json",
-                    '<invoke name="get_time">', "</invoke>", "<minimax:tool_call>", "text"})
+                    '<invoke name="get_time">', "</invoke>", "<minimax:tool_call>", "text",
+                    "<function_calls>", "</function_calls>", "get_time()", "true",
+                    "<longcat_tool_call>", "</longcat_tool_call>"})
 
 
 @settings(max_examples=60, deadline=None)
@@ -258,7 +282,7 @@ def test_any_output_reads_without_failing_and_its_pieces_join_to_its_calls(
 
 
 WRITTEN = [*CASES, ("qwen3_coder", CALLS), ("glm45", GLM), ("minimax_m2", MINIMAX_M2),
-           ("seed_oss", SEED_OSS), ("step3", STEP3)]
+           ("seed_oss", SEED_OSS), ("step3", STEP3), ("olmo3", OLMO3)]
 
 
 @settings(max_examples=60, deadline=None)
