@@ -34,7 +34,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -69,8 +69,11 @@ async def run_export(launcher: Launcher, spec: ModelSpec, model_dir: Path,
         await asyncio.shield(starting)
         result_end.close()
         output_end.close()
-        out, err = await asyncio.wait_for(
-            asyncio.gather(_read(result), _read(output)), onnx_cache.EXPORT_TIMEOUT_S)
+        reads = asyncio.gather(_read(result), _read(output))
+        # Cancelled from outside (the daemon stopping), wait_for leaves the gather's own
+        # CancelledError unread, which asyncio would log as an error.
+        reads.add_done_callback(_retrieved)
+        out, err = await asyncio.wait_for(reads, onnx_cache.EXPORT_TIMEOUT_S)
         await loop.run_in_executor(None, process.join)  # it has closed both: it ends
     except BaseException:  # a timeout, or the daemon stopping: the export goes too
         await _kill(process, starting)
@@ -92,6 +95,11 @@ async def _read(sock: socket.socket, keep: int = OUTPUT_KEPT) -> bytes:
         got += data
         del got[:-keep]
     return bytes(got)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _kill(process: BaseProcess, starting: asyncio.Future[None]) -> None:
