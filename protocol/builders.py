@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from modelpool.protocol.fields import Structured
 from modelpool.protocol.inputs import ImageLike, image_input
-from modelpool.protocol.messages import ChatMessage, Sampling, Structured, ToolCall
+from modelpool.protocol.messages import ChatMessage, Sampling, ToolCall
 
 Fields = dict[str, Any]
 

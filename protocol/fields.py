@@ -67,3 +67,42 @@ class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     width: ImageSide = 512
     height: ImageSide = 512
     guidance: Guidance = 7.5
+
+
+class Structured(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Output held to a language (vLLM's structured outputs): exactly one of these. The
+    output ends where the language does: end-of-sequence is allowed there, and nothing
+    else once the language is complete."""
+
+    json_schema: str | None = None  # a JSON Schema as JSON text; '{"type": "object"}': any
+    regex: str | None = None
+    choice: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF (llama.cpp's)
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How generate and describe pick their tokens. None: the model's recommendation
+    (its generation_config.json), else the daemon's configured default (RequestDefaults),
+    filled in when the request is admitted."""
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None  # 0: greedy
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: TopK | None = None  # the k likeliest tokens only; 0: all
+    min_p: MinP | None = None  # tokens below min_p x the likeliest's probability: out
+    presence_penalty: Penalty | None = None  # 0: none
+    frequency_penalty: Penalty | None = None  # 0: none
+    repetition_penalty: RepetitionPenalty | None = None  # 1: none
+    logit_bias: LogitBias | None = None  # added to those tokens' logits, first
+    seed: int | None = None  # None: a random seed per request
+    stop: Stops = []  # cut from the output
+    stop_token_ids: StopTokenIds = []  # end it as end-of-sequence does, ignore_eos or not
+    # nothing ends it before this many tokens: eos and stop tokens are not sampled, stop
+    # strings not looked for
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] = 0
+    ignore_eos: bool = False
+    # each output token's log-probability and this many likeliest alternatives, from the
+    # model's raw logits (before biases, penalties and temperature); None: none
+    logprobs: TopLogprobs | None = None
+    prompt_logprobs: TopLogprobs | None = None  # the same for each prompt token (End's)
+    structured: Structured | None = None  # None: free text

@@ -28,7 +28,7 @@ from modelpool.protocol.builders import (
     generate_image,
     rerank,
 )
-from modelpool.protocol.fields import RequestDefaults
+from modelpool.protocol.fields import RequestDefaults, Structured
 from modelpool.protocol.messages import (
     Chunk,
     Describe,
@@ -44,7 +44,6 @@ from modelpool.protocol.messages import (
     ImageProgress,
     Rerank,
     Scores,
-    Structured,
     WorkRequest,
 )
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Structured
+from modelpool.protocol.fields import Structured
 
 # JSON as json.dumps writes it: no free whitespace, which a model can otherwise emit
 # without end. A schema's own "x-guidance" options override these (llguidance's order).

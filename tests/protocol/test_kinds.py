@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from modelpool.protocol import kinds
-from modelpool.protocol.fields import RequestDefaults
+from modelpool.protocol.fields import RequestDefaults, Structured
 from modelpool.protocol.kinds import BY_OP, CAPABILITIES, KIND_OF, KINDS, merge_rows, with_defaults
 from modelpool.protocol.messages import (
     ChatMessage,
@@ -20,7 +20,6 @@ from modelpool.protocol.messages import (
     GenerateImage,
     ImageInput,
     Sampling,
-    Structured,
     ToolCall,
     WorkRequest,
 )

@@ -15,7 +15,8 @@ from PIL import Image
 
 from modelpool.protocol import kinds
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.protocol.messages import Describe, Generate, Structured
+from modelpool.protocol.fields import Structured
+from modelpool.protocol.messages import Describe, Generate
 from modelpool.registry.loaders import grammar as grammar_module
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.causal_lm import CausalLM

@@ -14,7 +14,8 @@ import torch
 from test_reasoning import Outbox
 
 from modelpool.protocol import kinds
-from modelpool.protocol.messages import Chunk, End, Structured
+from modelpool.protocol.fields import Structured
+from modelpool.protocol.messages import Chunk, End
 from modelpool.protocol.pipes import WorkItem
 from modelpool.registry.loaders import load_model
 from modelpool.registry.loaders.grammar import AfterThinking
