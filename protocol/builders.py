@@ -191,3 +191,24 @@ def rerank(query: str, documents: list[str], model: str | None = None) -> tuple[
 
 
 # ---- what the daemon checks and decides per kind ---------------------------------------
+
+
+def tokenize(prompt: str | list[dict[str, Any]], model: str | None = None, *,
+             raw: bool = False, tools: str | list[dict[str, Any]] | None = None,
+             chat_template_kwargs: str | dict[str, Any] | None = None,
+             reasoning_effort: str | None = None,
+             token_strs: bool = False) -> tuple[Fields, bool]:
+    """The token ids the model would read for generate's prompt (a prompt, or a chat as
+    generate's, through the chat template with its tools and variables), without running
+    it: .tokens, .max_model_len (its context), and with token_strs each token's text."""
+    fields: Fields = {"model": model or "", "raw": raw, "tools": _tools(tools),
+                      "chat_template_kwargs": _variables(chat_template_kwargs),
+                      "reasoning_effort": reasoning_effort, "token_strs": token_strs}
+    if isinstance(prompt, str):
+        return {**fields, "prompt": prompt}, False
+    return {**fields, "messages": [_chat_message(m) for m in prompt]}, False
+
+
+def detokenize(tokens: list[int], model: str | None = None) -> tuple[Fields, bool]:
+    """The text token ids stand for (.prompt), special tokens included."""
+    return {"model": model or "", "tokens": [int(t) for t in tokens]}, False

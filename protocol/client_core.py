@@ -131,6 +131,8 @@ class Call:
             return array[0] if self.single else array
         if self.kind.reply == "text":
             return text_chunk(msg)
+        if self.kind.reply == "message":
+            return msg
         return image_chunk(msg)
 
 

@@ -22,16 +22,20 @@ import msgspec
 from modelpool.protocol.builders import (
     Fields,
     describe,
+    detokenize,
     embed,
     embed_image,
     generate,
     generate_image,
     rerank,
+    tokenize,
 )
 from modelpool.protocol.fields import RequestDefaults, Structured
 from modelpool.protocol.messages import (
     Chunk,
     Describe,
+    Detokenize,
+    Detokenized,
     Embed,
     Embeddings,
     EmbedImage,
@@ -44,10 +48,13 @@ from modelpool.protocol.messages import (
     ImageProgress,
     Rerank,
     Scores,
+    Tokenize,
+    Tokenized,
     WorkRequest,
 )
 
-ReplyStyle = Literal["array", "text", "image"]  # float32 rows | text chunks | image steps
+# float32 rows | text chunks | image steps | the final reply itself
+ReplyStyle = Literal["array", "text", "image", "message"]
 # A client's friendly arguments -> the request's fields, and whether the caller gave one
 # input where a list is also accepted (the reply is then one row, not a matrix).
 Builder = Callable[..., tuple[Fields, bool]]
@@ -81,6 +88,7 @@ class Kind:
     check: Callable[[Any], str | None] = _no_check  # what the Struct's types cannot say
     # what requests that should go to the same worker share (its kept prompts), or None
     affinity: Callable[[Any], Hashable] | None = None
+    job: bool = True  # may be submitted as a job (False: answered at once, not kept)
 
     @property
     def batched(self) -> bool:
@@ -124,6 +132,14 @@ def _generate_problem(request: Generate) -> str | None:
     if request.tools and (request.raw or request.prompt_ids):
         return "tools are shown to the model by its chat template: not with raw or prompt_ids"
     return _no_tools_to_call(request) or _one_language(request)
+
+
+def _tokenize_problem(request: Tokenize) -> str | None:
+    if bool(request.prompt) == bool(request.messages):
+        return "tokenize needs a prompt or messages (one of them)"
+    if request.tools and request.raw:
+        return "tools are shown to the model by its chat template: not with raw"
+    return None
 
 
 def _no_tools_to_call(request: Generate | Describe) -> str | None:
@@ -208,6 +224,10 @@ KINDS: tuple[Kind, ...] = (
     Kind(GenerateImage, "generate_image", ("text_to_image",), generate_image, Image,
          ImageProgress, reply="image", deterministic=lambda r: r.seed is not None),
     Kind(Rerank, "rerank", ("rerank",), rerank, Scores, inputs="documents"),
+    Kind(Tokenize, "tokenize", ("text_to_text",), tokenize, Tokenized, reply="message",
+         check=_tokenize_problem, job=False),
+    Kind(Detokenize, "detokenize", ("text_to_text",), detokenize, Detokenized,
+         reply="message", job=False),
 )
 
 KIND_OF: dict[type, Kind] = {kind.request: kind for kind in KINDS}

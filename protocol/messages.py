@@ -176,6 +176,26 @@ class Rerank(_Request, frozen=True, kw_only=True, tag="rerank"):
     documents: Annotated[list[str], msgspec.Meta(min_length=1, max_length=MAX_TEXTS)]
 
 
+class Tokenize(_Request, frozen=True, kw_only=True, tag="tokenize"):
+    """A generate request's prompt as its model reads it, not run: its token ids (vLLM's
+    /tokenize). The fields that make a generate request's prompt, alike."""
+
+    prompt: str = ""
+    messages: list[ChatMessage] = []
+    raw: bool = False
+    tools: Tools = []
+    chat_template_kwargs: TemplateVariables = {}
+    reasoning_effort: Effort | None = None
+    token_strs: bool = False  # each token's text too, as the tokenizer writes it
+
+
+class Detokenize(_Request, frozen=True, kw_only=True, tag="detokenize"):
+    """Token ids into the text they stand for, special tokens included (vLLM's
+    /detokenize)."""
+
+    tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
+
+
 class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
     id: int  # the id of the request to cancel
 
@@ -209,7 +229,8 @@ class ReloadConfig(_Msg, frozen=True, kw_only=True, tag="reload"):
     id: int
 
 
-WorkRequest = Embed | Generate | EmbedImage | Describe | GenerateImage | Rerank
+WorkRequest = (Embed | Generate | EmbedImage | Describe | GenerateImage | Rerank | Tokenize
+               | Detokenize)
 # The control messages beside the work requests; every message a client may send is in
 # protocol/wire.py's ClientMessage.
 ControlRequest = (Cancel | GetStatus | ListModels | LoadModel | UnloadModel | StopDaemon
@@ -242,6 +263,22 @@ class Scores(_Msg, frozen=True, kw_only=True, tag="scores"):
     data: bytes  # raw little-endian float32
     shape: list[int]  # [number of documents]
     dtype: str = "float32"
+    model: str = ""
+
+
+class Tokenized(_Msg, frozen=True, kw_only=True, tag="tokenized"):
+    """The final reply of tokenize."""
+
+    id: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    max_model_len: int = 0  # the model's context: its prompt's and output's tokens together
+    model: str = ""
+
+
+class Detokenized(_Msg, frozen=True, kw_only=True, tag="detokenized"):
+    id: int
+    prompt: str
     model: str = ""
 
 
@@ -342,7 +379,8 @@ class Ack(_Msg, frozen=True, kw_only=True, tag="ack"):
 
 # What answers a WorkRequest: streamed chunks, then one final reply. Workers send these
 # up their pipes too, under the supervisor's job id.
-WorkReply = Embeddings | Scores | Chunk | End | ImageProgress | Image | Error
+WorkReply = (Embeddings | Scores | Chunk | End | ImageProgress | Image | Tokenized
+             | Detokenized | Error)
 ControlReply = StatusReply | ModelsReply | Ack
 
 encoder = msgspec.msgpack.Encoder()  # built once: cheap to call, costly to build

@@ -17,6 +17,8 @@ import types
 import typing
 from typing import Any
 
+import msgspec
+
 from modelpool.protocol.fields import PRIORITIES
 from modelpool.protocol.kinds import KINDS, Kind
 from modelpool.supervisor.cli_common import Stdin, from_stdin, on_terminal
@@ -32,7 +34,8 @@ def add_request_commands(sub: SubParsers) -> None:
 def add_submit_commands(sub: SubParsers) -> None:
     """`modelpool submit OP ARGS...`: the same commands, as jobs."""
     for kind in KINDS:
-        _add_command(sub, kind, job=True)
+        if kind.job:
+            _add_command(sub, kind, job=True)
 
 
 def _add_command(sub: SubParsers, kind: Kind, job: bool) -> None:
@@ -82,11 +85,12 @@ def _add_flag(cmd: argparse.ArgumentParser, param: inspect.Parameter, hint: Any)
 
 
 def _takes_many(hint: Any) -> bool:
-    """A list of texts, images, ...: several values on the command line. A list of chat
-    messages (dicts) is not something a command line gives."""
+    """A list of texts, images, token ids ...: several values on the command line. A
+    list of chat messages (dicts), or a prompt's token ids beside its text, is not
+    something a command line gives."""
     lists = [h for h in (typing.get_args(hint) if _is_union(hint) else (hint,))
              if typing.get_origin(h) is list]
-    return any(typing.get_args(h)[0] in (str, Any) for h in lists)
+    return hint == list[int] or any(typing.get_args(h)[0] in (str, Any) for h in lists)
 
 
 def _scalar(hint: Any) -> Any:
@@ -108,6 +112,9 @@ def run(args: argparse.Namespace, kind: Kind) -> None:
             print_rows(result)
         elif kind.reply == "text":
             print_text(result, args.json)
+        elif kind.reply == "message":
+            print(json.dumps({k: v for k, v in msgspec.to_builtins(result).items()
+                              if k not in ("id", "op")}))
         else:
             write_image(result, args.output, args.json)
 

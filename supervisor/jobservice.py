@@ -108,6 +108,9 @@ class JobService:
         request = msgspec.structs.replace(
             msg.request, id=0, timeout_s=msg.request.timeout_s or self.config.timeout_s)
         kind = KIND_OF[type(request)]
+        if not kind.job:
+            raise PoolError(ErrorCode.BAD_REQUEST, f"{kind.op} is answered at once: call it, "
+                            "not as a job")
         spec = admission.resolve(self.pool.registry, kind, request)
         remote = self.elsewhere(request.model) if spec is None and request.model else None
         refusal = self.pool.intake.refusal(request, self.runs_elsewhere, remote)

@@ -25,7 +25,7 @@ from modelpool.protocol.pipes import (
     WorkerSettings,
     WorkItem,
 )
-from modelpool.workers.capabilities.base import error_reply
+from modelpool.workers.capabilities.base import Answered, error_reply
 from modelpool.workers.capabilities.text_to_text import GenerationStats, TextOutput, end_reply
 
 IDLE_TRIM_S = 1.0  # idle this long after work: return freed memory to the OS
@@ -158,7 +158,9 @@ class StreamLoop:
             try:
                 prepared = self.prepare(item)
             except Exception as exc:
-                self.worker.send(error_reply(item.job_id, exc))
+                prepared = Answered(error_reply(item.job_id, exc))
+            if isinstance(prepared, Answered):  # no sequence: its reply now
+                self.worker.send(prepared.reply)
                 self.freed += 1
                 continue
             self.decoder.add(item.job_id, prepared)

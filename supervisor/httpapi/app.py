@@ -15,7 +15,7 @@ from starlette.responses import Response
 from modelpool.protocol.client import AsyncClient
 from modelpool.protocol.client_core import ImageChunk
 from modelpool.protocol.errors import ErrorCode, PoolError
-from modelpool.supervisor.httpapi import bodies, choices, replies
+from modelpool.supervisor.httpapi import bodies, choices, replies, tokenizing
 from modelpool.supervisor.httpapi.chat import chat_call
 from modelpool.supervisor.httpapi.completions import completion_calls, echoed
 from modelpool.supervisor.httpapi.exposition import HttpCounters, exposition
@@ -120,6 +120,16 @@ class Api:
         scores, model = await self.call(request, bodies.rerank_call(body))
         return json_response(replies.rerank(scores, body.documents, model, body.top_n,
                                             body.return_documents))
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.body(request, tokenizing.TokenizeBody)
+        reply, _ = await self.call(request, tokenizing.tokenize_call(body))
+        return json_response(tokenizing.tokenize_answer(reply))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.body(request, tokenizing.DetokenizeBody)
+        reply, _ = await self.call(request, tokenizing.detokenize_call(body))
+        return json_response(tokenizing.detokenize_answer(reply))
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request, bodies.ChatBody)
@@ -244,6 +254,8 @@ def build_app(api: Api) -> Routes:
         ("/v1/models/{model:path}", api.model, "GET", False),  # keys hold slashes
         ("/v1/image_embeddings", api.image_embeddings, "POST", False),
         ("/v1/rerank", api.rerank, "POST", False),
+        ("/tokenize", api.tokenize, "POST", False),  # vLLM's paths
+        ("/detokenize", api.detokenize, "POST", False),
         ("/v1/jobs", api.jobs.submit, "POST", False),
         ("/v1/jobs/{key}", api.jobs.show, "GET", False),
         ("/v1/jobs/{key}", api.jobs.cancel, "DELETE", False),

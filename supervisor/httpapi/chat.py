@@ -27,7 +27,7 @@ def chat_call(body: ChatBody) -> PoolCall:
                                  "another language (response_format, structured_outputs)")
     images = [(i, offset, part) for i, m in enumerate(body.messages)
               for offset, part in _images_in(m)]
-    messages = [_pool_message(i, m) for i, m in enumerate(body.messages)]
+    messages = [pool_message(i, m) for i, m in enumerate(body.messages)]
     chat = {**sampling, **for_tools, "chat_template_kwargs": body.chat_template_kwargs,
             "reasoning_effort": body.reasoning_effort}
     if not images:
@@ -71,7 +71,7 @@ def _chat_logprobs(body: ChatBody) -> int | None:
     return body.top_logprobs or 0
 
 
-def _pool_message(index: int, message: ChatMessage) -> dict[str, Any]:
+def pool_message(index: int, message: ChatMessage) -> dict[str, Any]:
     if message.content is None and not message.tool_calls:
         raise bad(f"messages[{index}].content", "needed, unless an assistant's message has "
                                                 "tool_calls")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from modelpool.supervisor.httpapi import bodies
+from modelpool.supervisor.httpapi import bodies, tokenizing
 from modelpool.supervisor.httpapi.responses_in import ResponsesBody
 from modelpool.supervisor.httpapi.responses_schema import (
     ResponseDeleted,
@@ -273,6 +273,10 @@ _OPERATIONS: list[tuple[str, str, str, type | None, type | None, type | None]] =
      bodies.ImageEmbeddingsBody, EmbeddingsResponse, None),
     ("/v1/rerank", "post", "Relevance of documents to a query (extension)",
      bodies.RerankBody, RerankResponse, None),
+    ("/tokenize", "post", "A prompt's or a chat's token ids, as the model reads them (vLLM's)",
+     tokenizing.TokenizeBody, tokenizing.TokenizeResponse, None),
+    ("/detokenize", "post", "Token ids into text (vLLM's)", tokenizing.DetokenizeBody,
+     tokenizing.DetokenizeResponse, None),
     ("/v1/jobs", "post", "Run a body of another endpoint as a job", bodies.JobBody,
      JobCreated, None),
     ("/v1/jobs/{key}", "get", "A job, with its result once done", None, Job, None),

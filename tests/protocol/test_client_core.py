@@ -71,7 +71,8 @@ def test_every_kind_is_a_client_method_and_a_cli_command(kind: Kind) -> None:
 def _cli_args(op: str) -> list[str]:
     """Enough positional arguments for each command to parse."""
     return {"embed": ["a", "b"], "generate": ["x"], "embed_image": ["a.png"],
-            "describe": ["a.png"], "generate_image": ["x", "-o", "x.png"]}.get(op, ["x", "y"])
+            "describe": ["a.png"], "generate_image": ["x", "-o", "x.png"],
+            "tokenize": ["x"], "detokenize": ["1", "2"]}.get(op, ["x", "y"])
 
 
 def test_cli_flags_come_from_the_builder_signature() -> None:

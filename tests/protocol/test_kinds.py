@@ -14,12 +14,14 @@ from modelpool.protocol.kinds import BY_OP, CAPABILITIES, KIND_OF, KINDS, merge_
 from modelpool.protocol.messages import (
     ChatMessage,
     Describe,
+    Detokenize,
     Embed,
     Embeddings,
     Generate,
     GenerateImage,
     ImageInput,
     Sampling,
+    Tokenize,
     ToolCall,
     WorkRequest,
 )
@@ -199,3 +201,19 @@ def test_auto_tool_choice_needs_tools_and_a_chat_carries_calls_and_answers() -> 
     assert messages[3] == ChatMessage(role="tool", content="done", tool_call_id="c1")
     with pytest.raises(msgspec.ValidationError, match="arguments"):  # the client's BAD_REQUEST
         kinds.build("generate", [{"role": "assistant", "tool_calls": [{"name": "f"}]}])
+
+
+def test_tokenize_reads_a_prompt_or_a_chat_as_generate_would_and_is_no_job() -> None:
+    check = BY_OP["tokenize"].check
+    tool = {"type": "function", "function": {"name": "f"}}
+    chat = kinds.build("tokenize", [{"role": "user", "content": "hi"}], tools=[tool],
+                       chat_template_kwargs='{"enable_thinking": false}', token_strs=True)
+    assert isinstance(chat, Tokenize) and check(chat) is None
+    assert chat.chat_template_kwargs == {"enable_thinking": False} and chat.tools == [tool]
+    assert check(kinds.build("tokenize", "hi", raw=True)) is None
+    assert "one of them" in (check(kinds.build("tokenize", "")) or "")
+    assert "not with raw" in (check(kinds.build("tokenize", "hi", raw=True, tools=[tool]))
+                              or "")
+    assert kinds.build("detokenize", ["1", 2]) == Detokenize(id=0, tokens=[1, 2])  # the CLI's
+    assert not BY_OP["tokenize"].job and not BY_OP["detokenize"].job and BY_OP["generate"].job
+    assert BY_OP["tokenize"].served_by == ("text_to_text",)

@@ -25,6 +25,7 @@ from modelpool.protocol.messages import (
     End,
     Generate,
     Sampling,
+    Tokenize,
 )
 from modelpool.registry.spec import ModelSpec
 from modelpool.supervisor.cli import _model_text
@@ -116,9 +117,12 @@ async def test_stream_chunks_forwarded_in_order_and_second_end_ignored(
     (Embed(id=1, model="gen", texts=["x"]), ErrorCode.WRONG_CAPABILITY),
     (Generate(id=1, model="emb", prompt="x"), ErrorCode.WRONG_CAPABILITY),
     (Generate(id=1, model="gen"), ErrorCode.BAD_REQUEST),
+    (Tokenize(id=1, model="emb", prompt="x"), ErrorCode.WRONG_CAPABILITY),
+    (Tokenize(id=1, model="gen"), ErrorCode.BAD_REQUEST),
 ])
 async def test_admission_errors_reply_at_once_and_start_nothing(
-        make_harness: MakeHarness, request_: Embed | Generate, code: ErrorCode) -> None:
+        make_harness: MakeHarness, request_: Embed | Generate | Tokenize,
+        code: ErrorCode) -> None:
     h = make_harness()
     sink = h.sink()
     h.pool.submit(sink, request_)

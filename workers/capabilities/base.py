@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
@@ -27,6 +28,14 @@ class Outbox(Protocol):
         """The item's images, fetched, with their headers read and checked under the
         image policy (each, and in all), to be decoded when used; raises PoolError
         (BAD_REQUEST, IMAGE_TOO_LARGE, URL_NOT_ALLOWED) for bad input."""
+
+
+@dataclass(frozen=True)
+class Answered:
+    """What a capability's prepare gives for a request that needs no sequence of the
+    model's decoder (tokenize): its final reply."""
+
+    reply: msgspec.Struct
 
 
 def error_reply(job_id: int, exc: BaseException) -> Error:

@@ -18,8 +18,8 @@ from modelpool.protocol.messages import (
     ToolCall,
 )
 from modelpool.protocol.pipes import WorkItem
-from modelpool.workers.capabilities import text_limits
-from modelpool.workers.capabilities.base import Outbox, error_reply
+from modelpool.workers.capabilities import text_limits, tokens
+from modelpool.workers.capabilities.base import Answered, Outbox, error_reply
 
 
 @dataclass
@@ -214,12 +214,20 @@ def _check(model: TextGenerationModel, item: WorkItem) -> Generate:
 
 
 def prepare(model: Any, item: WorkItem, out: Outbox) -> Any:
-    """The item as a sequence for the model's continuous decoder (workers/streams.py);
-    raises PoolError for a prompt too long."""
+    """The item as a sequence for the model's continuous decoder (workers/streams.py), or
+    its reply if it needs none (tokenize); raises PoolError for a prompt too long."""
+    if isinstance(item.request, tokens.REQUESTS):
+        return Answered(tokens.answer(model, item.job_id, item.request))
     return model.prepare(_check(model, item))
 
 
 def _run_one(model: TextGenerationModel, item: WorkItem, out: Outbox) -> None:
+    if isinstance(item.request, tokens.REQUESTS):
+        try:
+            out.send(tokens.answer(model, item.job_id, item.request))
+        except Exception as exc:  # the worker lives on
+            out.send(error_reply(item.job_id, exc))
+        return
     try:
         request = _check(model, item)
         output = TextOutput(request.sampling, *readers(model, request))
