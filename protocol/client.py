@@ -258,7 +258,8 @@ class Client:
 
     def retrieve(self, key: str, timeout_s: float = 30.0) -> Any:
         """What the direct call returns (an array; a TextResult for generate and
-        describe; the final ImageChunk for generate_image), or PoolError with the job's
+        describe; the final ImageChunk for generate_image; the reply itself for tokenize
+        and detokenize), or PoolError with the job's
         code: TIMEOUT if not done within timeout_s (the job goes on), RESULT_NOT_FOUND."""
         waiting = self._sock.gettimeout()
         if waiting is not None:  # the reply may take timeout_s to come

@@ -22,9 +22,11 @@ from modelpool.protocol.kinds import BY_OP, STREAMED, Kind, merge_rows
 from modelpool.protocol.messages import (
     CallDelta,
     Chunk,
+    Detokenized,
     End,
     Error,
     ImageProgress,
+    Tokenized,
     TokenLogprob,
     ToolCall,
     Welcome,
@@ -82,7 +84,7 @@ class TextResult:
 
 def job_result(reply: JobResult) -> Any:
     """What the direct call would have returned: an array (one row for one input), a
-    TextResult, or the final ImageChunk with .png."""
+    TextResult, the final ImageChunk with .png, or tokenize's and detokenize's reply."""
     result = reply.result
     if isinstance(result, Completion):
         return TextResult(result.text, result.finish_reason, result.prompt_tokens,
@@ -91,6 +93,8 @@ def job_result(reply: JobResult) -> Any:
                           result.reasoning, result.reasoning_tokens)
     if isinstance(result, ImageMsg):
         return image_chunk(result)
+    if isinstance(result, Tokenized | Detokenized):
+        return result
     array = np.frombuffer(result.data, dtype=_little_endian(result.dtype))
     array = array.reshape(result.shape)
     return array[0] if reply.single else array

@@ -22,9 +22,11 @@ from typing import Annotated, Literal
 import msgspec
 
 from modelpool.protocol.messages import (
+    Detokenized,
     Embeddings,
     Image,
     Scores,
+    Tokenized,
     TokenLogprob,
     ToolCall,
     WorkRequest,
@@ -86,7 +88,8 @@ class Completion(_Msg, frozen=True, kw_only=True, tag="completion"):
 class JobResult(_Msg, frozen=True, kw_only=True, tag="job_result"):
     id: int
     key: str
-    result: Embeddings | Scores | Completion | Image  # their own ids are not used
+    # their own ids are not used
+    result: Embeddings | Scores | Completion | Image | Tokenized | Detokenized
     single: bool = False
 
 

@@ -88,7 +88,6 @@ class Kind:
     check: Callable[[Any], str | None] = _no_check  # what the Struct's types cannot say
     # what requests that should go to the same worker share (its kept prompts), or None
     affinity: Callable[[Any], Hashable] | None = None
-    job: bool = True  # may be submitted as a job (False: answered at once, not kept)
 
     @property
     def batched(self) -> bool:
@@ -225,9 +224,9 @@ KINDS: tuple[Kind, ...] = (
          ImageProgress, reply="image", deterministic=lambda r: r.seed is not None),
     Kind(Rerank, "rerank", ("rerank",), rerank, Scores, inputs="documents"),
     Kind(Tokenize, "tokenize", ("text_to_text",), tokenize, Tokenized, reply="message",
-         check=_tokenize_problem, job=False),
+         check=_tokenize_problem),
     Kind(Detokenize, "detokenize", ("text_to_text",), detokenize, Detokenized,
-         reply="message", job=False),
+         reply="message"),
 )
 
 KIND_OF: dict[type, Kind] = {kind.request: kind for kind in KINDS}

@@ -34,8 +34,7 @@ def add_request_commands(sub: SubParsers) -> None:
 def add_submit_commands(sub: SubParsers) -> None:
     """`modelpool submit OP ARGS...`: the same commands, as jobs."""
     for kind in KINDS:
-        if kind.job:
-            _add_command(sub, kind, job=True)
+        _add_command(sub, kind, job=True)
 
 
 def _add_command(sub: SubParsers, kind: Kind, job: bool) -> None:

@@ -30,10 +30,12 @@ from modelpool.protocol.jobs import (
 )
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
+    Detokenized,
     Embeddings,
     Error,
     Image,
     Scores,
+    Tokenized,
     WorkRequest,
     encoder,
 )
@@ -61,7 +63,8 @@ def new_key() -> str:
 
 
 _request_decoder = msgspec.msgpack.Decoder(WorkRequest)
-_result_decoder = msgspec.msgpack.Decoder(Embeddings | Scores | Completion | Image)
+_result_decoder = msgspec.msgpack.Decoder(Embeddings | Scores | Completion | Image | Tokenized
+                                          | Detokenized)
 
 
 class JobService:
@@ -108,9 +111,6 @@ class JobService:
         request = msgspec.structs.replace(
             msg.request, id=0, timeout_s=msg.request.timeout_s or self.config.timeout_s)
         kind = KIND_OF[type(request)]
-        if not kind.job:
-            raise PoolError(ErrorCode.BAD_REQUEST, f"{kind.op} is answered at once: call it, "
-                            "not as a job")
         spec = admission.resolve(self.pool.registry, kind, request)
         remote = self.elsewhere(request.model) if spec is None and request.model else None
         refusal = self.pool.intake.refusal(request, self.runs_elsewhere, remote)

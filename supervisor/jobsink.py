@@ -11,11 +11,13 @@ from modelpool.protocol.jobs import Completion
 from modelpool.protocol.messages import (
     CallDelta,
     Chunk,
+    Detokenized,
     Embeddings,
     End,
     Error,
     Image,
     Scores,
+    Tokenized,
     TokenLogprob,
 )
 from modelpool.supervisor.mailbox import JobRecord
@@ -104,7 +106,7 @@ class MailboxSink:
                     reasoning_tokens=msg.reasoning_tokens))
             case Error() if not self.jobs.registered:
                 self.refusal = msg  # answered at once, never queued
-            case Error() | Embeddings() | Scores() | Image():
+            case Error() | Embeddings() | Scores() | Image() | Tokenized() | Detokenized():
                 self.service.ended(self, msg)
             case _:
                 pass  # image progress: the stored result is the finished image

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import msgspec
 import pytest
 from conftest import ROOT, Daemon, start_daemon
 from http_helpers import free_port, wait_for_http
@@ -92,13 +93,22 @@ def test_a_tokenize_is_answered_while_a_long_generation_runs(
     (lambda c: c.tokenize("hi", model="counter"), "gives no tokenizer"),
     (lambda c: c.tokenize("", model="tiny-llm"), "a prompt or messages"),
     (lambda c: c.tokenize("hi", model="tiny-llm", raw=True, tools=TOOLS), "not with raw"),
-    (lambda c: c.submit("tokenize", "hi", model="tiny-llm"), "answered at once"),
 ])
 def test_what_cannot_be_tokenized_is_refused_by_name(served: tuple[Daemon, str],
                                                      call: Any, message: str) -> None:
     with served[0].client() as c, pytest.raises(PoolError, match=message) as refused:
         call(c)
     assert refused.value.code is ErrorCode.BAD_REQUEST
+
+
+def test_as_jobs_too(served: tuple[Daemon, str]) -> None:
+    """As a job (and so, in a cluster, through a node that does not run the model)."""
+    with served[0].client() as c:
+        direct = c.tokenize(CHAT, model="tiny-llm-one")
+        key = c.submit("tokenize", CHAT, model="tiny-llm-one")
+        assert c.retrieve(key, timeout_s=60) == msgspec.structs.replace(direct, id=0)
+        key = c.submit("detokenize", direct.tokens, model="tiny-llm-one")
+        assert "Weather in Paris?" in c.retrieve(key, timeout_s=60).prompt
 
 
 def test_vllms_http_paths_answer_as_the_socket_does(served: tuple[Daemon, str]) -> None:

@@ -203,7 +203,7 @@ def test_auto_tool_choice_needs_tools_and_a_chat_carries_calls_and_answers() -> 
         kinds.build("generate", [{"role": "assistant", "tool_calls": [{"name": "f"}]}])
 
 
-def test_tokenize_reads_a_prompt_or_a_chat_as_generate_would_and_is_no_job() -> None:
+def test_tokenize_reads_a_prompt_or_a_chat_as_generate_would() -> None:
     check = BY_OP["tokenize"].check
     tool = {"type": "function", "function": {"name": "f"}}
     chat = kinds.build("tokenize", [{"role": "user", "content": "hi"}], tools=[tool],
@@ -215,5 +215,4 @@ def test_tokenize_reads_a_prompt_or_a_chat_as_generate_would_and_is_no_job() -> 
     assert "not with raw" in (check(kinds.build("tokenize", "hi", raw=True, tools=[tool]))
                               or "")
     assert kinds.build("detokenize", ["1", 2]) == Detokenize(id=0, tokens=[1, 2])  # the CLI's
-    assert not BY_OP["tokenize"].job and not BY_OP["detokenize"].job and BY_OP["generate"].job
     assert BY_OP["tokenize"].served_by == ("text_to_text",)
