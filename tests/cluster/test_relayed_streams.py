@@ -25,6 +25,7 @@ from cluster_helpers import (
 )
 from pgjobs_helpers import node, record, submit
 
+from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.supervisor.pgstreams import StreamPiece
 
 
@@ -111,6 +112,11 @@ def test_a_client_of_one_node_streams_a_model_another_node_runs_as_it_is_made(
              for part in thought]
     assert kinds.count("thinking") >= 1 and kinds.index("thinking") < kinds.index("answer")
     assert thought[-1].reasoning_tokens == 3  # "<think>tok0 ", "tok1 ", "</think>tok2 "
+    # A tokenize is relayed as any request is: alpha's worker answers it (its loader has
+    # no tokenizer, which it says by name)
+    with beta.client() as c, pytest.raises(PoolError, match="gives no tokenizer") as refused:
+        c.tokenize("hello", model="gen")
+    assert refused.value.code is ErrorCode.BAD_REQUEST
 
 
 def test_a_relayed_streams_tool_calls_arrive_as_they_are_written(
