@@ -101,9 +101,12 @@ def coherent(op: str, body: dict[str, Any], rng: random.Random, images: list[byt
     model's token ids: what validation refuses first, so that the rest reaches the
     model."""
     body.pop("reasoning_effort", None)  # the tiny templates read none
+    if op == "detokenize":
+        body["tokens"] = [rng.randrange(1024) for _ in range(rng.randint(0, 20))]
+        return
     if body.get("tool_choice") == "auto" or rng.random() < 0.3:
         body["tools"] = [TOOL]
-    sampling = body.setdefault("sampling", {})
+    sampling = body.setdefault("sampling", {}) if op in ("generate", "describe") else {}
     if isinstance(sampling.get("structured"), dict) and sampling["structured"]:
         language, value = rng.choice(list(sampling["structured"].items()))
         sampling["structured"] = {language: value or "x"}
@@ -111,16 +114,16 @@ def coherent(op: str, body: dict[str, Any], rng: random.Random, images: list[byt
         if sampling.get(key):
             sampling[key] = {rng.randrange(1024): v for v in sampling[key].values()} \
                 if key == "logit_bias" else [rng.randrange(1024) for _ in sampling[key]]
-    if op == "generate":
-        _generate(body, rng)
-    else:
+    if op == "describe":
         _describe(body, rng, images)
+    else:
+        _generate(body, rng, prompt_ids=op == "generate")
 
 
-def _generate(body: dict[str, Any], rng: random.Random) -> None:
+def _generate(body: dict[str, Any], rng: random.Random, prompt_ids: bool) -> None:
     for key in ("prompt", "messages", "prompt_ids"):
         body.pop(key, None)
-    shape = rng.choice(["prompt", "messages", "prompt_ids"])
+    shape = rng.choice(["prompt", "messages", "prompt_ids"][:3 if prompt_ids else 2])
     if shape == "prompt":
         body["prompt"] = rng.choice(SHORT) or "x"
     elif shape == "messages":
