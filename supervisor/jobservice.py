@@ -165,6 +165,10 @@ class JobService:
         return JobResult(id=rid, key=key, result=_result_decoder.decode(record.result),
                          single=record.single)
 
+    async def record(self, uid: int, key: str) -> JobRecord:
+        """The job as stored: its user's only (RESULT_NOT_FOUND otherwise)."""
+        return await self._own(uid, key)
+
     async def info(self, uid: int, key: str) -> JobInfo:
         record = await self._own(uid, key)
         info = record.info()

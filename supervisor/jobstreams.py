@@ -5,14 +5,17 @@ it had, carries on (the HTTP Responses API's `starting_after`).
 
 The node a streamed job was submitted to keeps its stream: the job's pieces come to it as
 a relayed stream's do (pgstreams.py; without a cluster, from its own pool), and the rest
-from the job's result. A job followed where no stream of it is kept (submitted without
-`stream`, through another node, or ended long ago) comes whole, as one chunk and its End,
-once it has ended.
+from the job's result. Another node of the cluster follows it by asking that node for the
+pieces it kept (on its channel), from the first, then live, under a key of its own: made
+into chunks as the keeper made them, they are the same chunks. A job followed where no
+stream of it is kept (submitted without `stream`, or ended long ago, or its keeper gone
+or silent) comes whole, as one chunk and its End, once it has ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +26,16 @@ from modelpool.protocol.jobs import ENDED, Follow, JobResult, Submit
 from modelpool.protocol.kinds import BY_OP, KIND_OF
 from modelpool.protocol.messages import Chunk, End, Error, encoder
 from modelpool.supervisor.jobservice import new_key
-from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece
+from modelpool.supervisor.pgstreams import (
+    BEGIN,
+    DONE,
+    FOLLOW_MARK,
+    NOT_KEPT,
+    StreamAssembly,
+    StreamPiece,
+    follow_ask,
+    follow_mark,
+)
 from modelpool.supervisor.relay import final_replies, follow_pieces, piece_chunk
 
 if TYPE_CHECKING:
@@ -31,6 +43,9 @@ if TYPE_CHECKING:
 
 KEPT_BYTES = 64 << 20  # ended streams kept, at most (the oldest go first)
 RESULT_WAIT_S = 3600.0  # one wait for a result; waited again while the job goes on
+# How long a follow waits for the node that keeps the stream to begin sending it, and
+# for the rest of it once the job has ended; then the result comes whole.
+KEEPER_WAIT_S = 2.0
 
 
 class KeptStream:
@@ -39,15 +54,31 @@ class KeptStream:
 
     def __init__(self) -> None:
         self.replies: list[Chunk | End | Error] = []
+        self.pieces: list[StreamPiece] = []  # what its chunks were made of, for other nodes
         self.nbytes = 0
         self.ended_at: float | None = None
         self._grew = asyncio.Event()
 
-    def add(self, msg: Chunk | End | Error) -> None:
+    def add(self, msg: Chunk | End | Error, piece: StreamPiece | None = None) -> None:
         self.replies.append(msg)
         self.nbytes += len(encoder.encode(msg))
+        if piece is not None:
+            self.pieces.append(piece)
+            self.nbytes += len(piece.text)
         self._grew.set()  # wakes those following it; the next reply sets a new one
         self._grew = asyncio.Event()
+
+    async def each_piece(self, send: Callable[[StreamPiece], None]) -> None:
+        """Every piece to `send`, live as they come, until the stream ends."""
+        sent = 0
+        while True:
+            grew = self._grew
+            for piece in self.pieces[sent:]:
+                send(piece)
+            sent = len(self.pieces)
+            if self.replies and type(self.replies[-1]) is not Chunk:
+                return
+            await grew.wait()
 
     async def replay(self, rid: int, send: Callable[[Any], None]) -> End | Error:
         """Every chunk to `send`, live as they come; the final reply returned."""
@@ -78,6 +109,7 @@ class JobStreams:
         if not msg.stream or KIND_OF[type(msg.request)].reply != "text":
             return await self.jobs.submit(uid, msg, nbytes)
         followers, channel = self.jobs.followed()
+        followers.asked = self._asked  # by other nodes' follows of the streams kept here
         key = new_key()
         pieces = followers.follow(key)  # before it can start: no piece is missed
         try:
@@ -95,13 +127,18 @@ class JobStreams:
     async def follow(self, uid: int, msg: Follow, send: Callable[[Any], None]) -> list[Any]:
         """A Follow's replies: its chunks go to `send`, the final reply is returned."""
         try:
-            info = await self.jobs.info(uid, msg.key)  # its user's only
-            if BY_OP[info.op].reply != "text":
-                raise PoolError(ErrorCode.BAD_REQUEST, f"job {msg.key} is {info.op}: only "
+            record = await self.jobs.record(uid, msg.key)  # its user's only
+            if BY_OP[record.op].reply != "text":
+                raise PoolError(ErrorCode.BAD_REQUEST, f"job {msg.key} is {record.op}: only "
                                 "a generate or describe job streams")
             kept = self._kept.get(msg.key)
             if kept is not None:
                 return [await kept.replay(msg.id, send)]
+            keeper = record.stream_to  # the channel of the node that keeps its stream
+            if keeper and self.jobs.streams and keeper != self.jobs.streams.channel:
+                replies = await self._from_keeper(uid, msg, keeper, send)
+                if replies is not None:
+                    return replies
             result = await self._result(uid, msg.key)
             return final_replies(msg.id, result, StreamAssembly())
         except PoolError as exc:
@@ -125,7 +162,8 @@ class JobStreams:
         try:
             result = await follow_pieces(
                 self._result(uid, key), pieces, assembly,
-                lambda piece: kept.add(piece_chunk(0, assembly.chunks - 1, piece)))
+                lambda piece: kept.add(piece_chunk(0, assembly.chunks - 1, piece),
+                                       piece if self.jobs.streams else None))  # for nodes
             replies = final_replies(0, result, assembly)
         except PoolError as exc:
             replies = [Error(id=0, code=exc.code, message=exc.message)]
@@ -137,6 +175,61 @@ class JobStreams:
         if self._kept.get(key) is kept:  # (not forgotten meanwhile)
             self._ended[key] = kept
             self._ended_bytes += kept.nbytes
+
+    def _asked(self, job_key: str, reply_key: str, channel: str) -> None:
+        """Another node follows a stream: what is kept of it is sent to its channel under
+        its key, then the rest live, between marks (none if nothing of it is kept)."""
+        assert self.jobs.streams is not None
+        kept = self._kept.get(job_key)
+        if kept is None:
+            self.jobs.streams.publisher.publish_text(channel, follow_mark(reply_key, NOT_KEPT))
+            return
+        task = asyncio.get_running_loop().create_task(self._send_kept(kept, reply_key, channel))
+        self._watching.add(task)
+        task.add_done_callback(self._watching.discard)
+
+    async def _send_kept(self, kept: KeptStream, reply_key: str, channel: str) -> None:
+        assert self.jobs.streams is not None
+        publisher = self.jobs.streams.publisher
+        publisher.publish_text(channel, follow_mark(reply_key, BEGIN))
+        await kept.each_piece(lambda piece: publisher.publish(
+            channel, dataclasses.replace(piece, key=reply_key)))
+        publisher.publish_text(channel, follow_mark(reply_key, DONE))
+
+    async def _from_keeper(self, uid: int, msg: Follow, keeper: str,
+                           send: Callable[[Any], None]) -> list[Any] | None:
+        """The replies, from the pieces the node that keeps the stream sends; None if it
+        keeps none of it, or does not answer."""
+        assert self.jobs.streams is not None
+        followers, publisher = self.jobs.streams.followers, self.jobs.streams.publisher
+        reply_key = f"{msg.key}.{new_key()[:12]}"
+        pieces = followers.follow(reply_key)
+        result: asyncio.Future[JobResult] | None = None
+        try:
+            publisher.publish_text(keeper, follow_ask(msg.key, reply_key,
+                                                      self.jobs.streams.channel))
+            try:
+                first = await asyncio.wait_for(pieces.get(), KEEPER_WAIT_S)
+            except TimeoutError:
+                return None
+            if (first.part, first.text) != (FOLLOW_MARK, BEGIN):
+                return None
+            result = asyncio.ensure_future(self._result(uid, msg.key))
+            assembly = StreamAssembly()
+            while (piece := await _next_piece(pieces, result)) is not None:
+                taken = assembly.take(piece)
+                if taken is None:
+                    raise PoolError(ErrorCode.WORKER_DIED, "the node running this stream "
+                                    "went away after sending part of it; it is being run again")
+                if taken:
+                    send(piece_chunk(msg.id, assembly.chunks - 1, piece))
+            return final_replies(msg.id, await result, assembly)
+        finally:
+            followers.forget(reply_key)
+            if result is not None:
+                result.cancel()  # (done: nothing)
+                if result.done() and not result.cancelled():
+                    result.exception()  # read: its failure is replied, not logged
 
     async def _result(self, uid: int, key: str) -> JobResult:
         """The job's result once it has ended; its failure raised."""
@@ -158,3 +251,19 @@ class JobStreams:
             if kept.ended_at >= since and self._ended_bytes <= KEPT_BYTES:
                 return
             self.forget(key)
+
+
+async def _next_piece(pieces: asyncio.Queue[StreamPiece],
+                      result: asyncio.Future[JobResult]) -> StreamPiece | None:
+    """The keeper's next piece; None at its end mark, or once the job has ended and no
+    more came within KEEPER_WAIT_S (the keeper gone)."""
+    got = asyncio.ensure_future(pieces.get())
+    await asyncio.wait({got, result}, return_when=asyncio.FIRST_COMPLETED)
+    if not got.done():
+        try:
+            await asyncio.wait_for(asyncio.shield(got), KEEPER_WAIT_S)
+        except TimeoutError:
+            got.cancel()
+            return None
+    piece = got.result()
+    return None if piece.part == FOLLOW_MARK else piece

@@ -33,6 +33,11 @@ from modelpool.protocol.messages import CallDelta, TokenLogprob
 log = logging.getLogger("modelpool.cluster")
 
 CHANNEL_PREFIX = "modelpool_stream_"
+# A node asking, on the channel of the node that keeps a streamed job's stream
+# (jobstreams.py), for its pieces under a key of the asker's: "? JOB REPLY_KEY CHANNEL";
+# the keeper's marks around them, on the asker's channel: "! REPLY_KEY WORD"
+FOLLOW_ASK, FOLLOW_MARK = "?", "!"
+BEGIN, NOT_KEPT, DONE = "begin", "none", "end"
 PAYLOAD_BYTES = 7900  # PostgreSQL refuses a notification of 8,000 bytes or more
 MAX_BATCH = 256
 # thinking, log-probabilities, call i's head, call i's arguments
@@ -95,6 +100,14 @@ def payloads(piece: StreamPiece) -> list[str]:
             return found
 
 
+def follow_ask(job_key: str, reply_key: str, channel: str) -> str:
+    return f"{FOLLOW_ASK} {job_key} {reply_key} {channel}"
+
+
+def follow_mark(reply_key: str, word: str) -> str:
+    return f"{FOLLOW_MARK} {reply_key} {word}"
+
+
 def parse(payload: str) -> StreamPiece | None:
     key, _, rest = payload.partition(" ")
     attempt, _, rest = rest.partition(" ")
@@ -117,7 +130,11 @@ class StreamPublisher:
         self._flushing: asyncio.Task[None] | None = None
 
     def publish(self, channel: str, piece: StreamPiece) -> None:
-        self._pending.extend((channel, payload) for payload in payloads(piece))
+        for payload in payloads(piece):
+            self.publish_text(channel, payload)
+
+    def publish_text(self, channel: str, payload: str) -> None:
+        self._pending.append((channel, payload))
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
@@ -138,10 +155,14 @@ class StreamPublisher:
 
 
 class StreamFollowers:
-    """The relayed streams this node's clients wait on, by job key."""
+    """The relayed streams this node's clients wait on, by job key (or the key a follow
+    asked another node to send a kept stream under: its marks come as pieces of part
+    FOLLOW_MARK)."""
 
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[StreamPiece]] = {}
+        # another node's follow of a stream kept here: (job key, its key, its channel)
+        self.asked: Callable[[str, str, str], None] | None = None
 
     def follow(self, key: str) -> asyncio.Queue[StreamPiece]:
         return self._queues.setdefault(key, asyncio.Queue())
@@ -150,8 +171,15 @@ class StreamFollowers:
         self._queues.pop(key, None)
 
     def notified(self, payload: str) -> None:
-        piece = parse(payload)
-        if piece is not None:
+        head, _, rest = payload.partition(" ")
+        if head == FOLLOW_ASK:
+            asked = rest.split(" ")
+            if len(asked) == 3 and self.asked is not None:
+                self.asked(*asked)
+        elif head == FOLLOW_MARK:
+            key, _, word = rest.partition(" ")
+            self.take(StreamPiece(key, 0, 0, word, FOLLOW_MARK))
+        elif (piece := parse(payload)) is not None:
             self.take(piece)
 
     def take(self, piece: StreamPiece) -> None:

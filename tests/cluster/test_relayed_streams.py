@@ -175,23 +175,33 @@ def test_an_openai_client_of_one_node_streams_another_nodes_model_and_can_leave(
     wait_until(lambda: not generating(alpha), 20, "alpha's generation stopped")
 
 
-def test_a_streamed_job_is_followed_live_on_the_node_it_was_submitted_to(
+def _followed(node: Daemon, key: str) -> tuple[list[str], list[float]]:
+    got, arrived = [], []
+    with node.client() as c:
+        for part in c.follow(key):
+            got.append(part.text)
+            arrived.append(time.monotonic())
+    return got, arrived
+
+
+def test_a_streamed_job_is_followed_live_through_either_node(
         two_nodes: tuple[Daemon, Daemon]) -> None:
     """beta keeps the stream of a job alpha runs (its pieces come to beta's channel);
-    alpha, which keeps none of it, sends it whole once it has ended."""
+    alpha, which keeps none of it, asks beta for them: the same chunks, live too."""
     alpha, beta = two_nodes
     with beta.client() as c:
         wait_until(lambda: any(m["key"] == "gen" for m in c.models()), 20, "beta knows gen")
         key = c.submit("generate", "hello", model="gen", max_tokens=8, stream=True)
-        got, arrived = [], []
-        for part in c.follow(key):
-            got.append(part.text)
-            arrived.append(time.monotonic())
-        again = [part.text for part in c.follow(key)]
-    assert "".join(got) == "".join(f"tok{i} " for i in range(8)) and again == got
+    got, arrived = _followed(beta, key)
+    assert "".join(got) == "".join(f"tok{i} " for i in range(8))
     assert len([text for text in got if text]) >= 4 and arrived[-1] - arrived[0] > 0.3
-    with alpha.client() as c:
-        assert [part.text for part in c.follow(key)] == ["".join(got), ""]
+    assert _followed(beta, key)[0] == got == _followed(alpha, key)[0]  # once it has ended
+    with beta.client() as c:
+        key = c.submit("generate", "hello", model="gen", max_tokens=8, stream=True)
+    through_alpha, arrived = _followed(alpha, key)  # while it runs
+    assert through_alpha == _followed(beta, key)[0]
+    assert len([text for text in through_alpha if text]) >= 4
+    assert arrived[-1] - arrived[0] > 0.3  # as made, 0.1 s apart
 
 
 def test_a_background_response_streams_through_a_node_that_does_not_run_it(
