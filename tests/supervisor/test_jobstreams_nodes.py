@@ -59,6 +59,16 @@ def clustered(h: Harness) -> tuple[JobService, Channels]:
     return jobs, channels
 
 
+async def run_here(h: Harness, text: str) -> None:
+    """The job runs on this node's worker: its text in one chunk, then its end."""
+    (worker,) = h.workers("gen")
+    h.ready(worker)
+    await h.settle()
+    (job_id,) = h.job_ids(worker)
+    h.chunk(worker, job_id, 0, text)
+    h.end(worker, job_id)
+
+
 async def test_the_keeper_sends_what_it_kept_then_the_rest_live_between_marks(
         make_harness: MakeHarness) -> None:
     h = make_harness(cold_start_workers=1)
@@ -98,12 +108,7 @@ async def test_a_follow_here_takes_the_keepers_pieces_as_the_chunks_it_made(
         jobs.streams.followers.notified(payload)  # type: ignore[union-attr]
         await h.settle()
     assert [(c.seq, c.text) for c in got] == [(0, "Once"), (1, " upon")]  # as they come
-    (worker,) = h.workers("gen")
-    h.ready(worker)
-    await h.settle()
-    (job_id,) = h.job_ids(worker)
-    h.chunk(worker, job_id, 0, "Once upon")
-    h.end(worker, job_id)
+    await run_here(h, "Once upon")
     jobs.streams.followers.notified(f"! {reply_key} end")  # type: ignore[union-attr]
     (end,) = await following
     assert isinstance(end, End) and end.id == 9 and all(isinstance(c, Chunk) for c in got)
@@ -123,11 +128,6 @@ async def test_without_the_keepers_pieces_the_job_comes_whole_once_ended(
         reply_key = channels.sent[THERE][0].split(" ")[2]
         jobs.streams.followers.notified(f"! {reply_key} {answer}")  # type: ignore[union-attr]
     await asyncio.sleep(0.1)
-    (worker,) = h.workers("gen")
-    h.ready(worker)
-    await h.settle()
-    (job_id,) = h.job_ids(worker)
-    h.chunk(worker, job_id, 0, "Once upon")
-    h.end(worker, job_id)
+    await run_here(h, "Once upon")
     chunk, end = await following
     assert (chunk.text, chunk.id, end.finish_reason) == ("Once upon", 9, "stop")
