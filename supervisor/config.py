@@ -154,6 +154,8 @@ class HttpConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     connections: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8  # to the daemon's socket
     max_clients: Annotated[int, msgspec.Meta(ge=1)] = 1024  # more are answered 503
     max_priority: Priority = "critical"  # the highest priority an HTTP request may ask
+    # Each client's (API key, else address) requests a minute, as OpenAI's limits; 0: none
+    requests_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Clients of different keys share no kept prompts (a side channel); false: they do.
     prefix_cache_per_key: bool = True
     # The Responses API's kept responses (previous_response_id), in the front door's memory

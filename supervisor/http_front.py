@@ -89,6 +89,7 @@ def settings_of(config: Config, socket_path: str,
         max_body_bytes=http.max_body_bytes or config.daemon.max_frame_bytes,
         body_timeout_s=http.body_timeout_s, connections=http.connections,
         max_priority=http.max_priority, prefix_cache_per_key=http.prefix_cache_per_key,
+        requests_per_minute=http.requests_per_minute,
         kept_responses_bytes=http.kept_responses_mib * 2**20,
         kept_responses_postgres=config.cluster.dsn, default_models=default_models or {})
 
@@ -160,14 +161,16 @@ class HttpFront:
     def settings_for(self, config: Config) -> HttpSettings:
         """What a reload's [http] makes of this front door's settings, when it keeps
         what it started with (STARTED_WITH): its keys (api_key_file read again, and
-        checked as at start) and the limits of a request."""
+        checked as at start), the limits of a request and its clients' requests a
+        minute."""
         http = config.http
         keys = api_keys(http)
         check_keys(http.listen, keys)
         return msgspec.structs.replace(
             self.settings, api_keys=keys, metrics_need_key=http.metrics_need_key,
             max_body_bytes=http.max_body_bytes or self.max_frame_bytes,
-            max_priority=http.max_priority, prefix_cache_per_key=http.prefix_cache_per_key)
+            max_priority=http.max_priority, prefix_cache_per_key=http.prefix_cache_per_key,
+            requests_per_minute=http.requests_per_minute)
 
     def apply(self, settings: HttpSettings) -> None:
         """At once, for the next request; a front door started again starts with them."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from modelpool.supervisor.httpapi.plumbing import (
     unless_disconnected,
     with_header_options,
 )
+from modelpool.supervisor.httpapi.ratelimits import RateLimits
 from modelpool.supervisor.httpapi.replies import HttpError, json_response
 from modelpool.supervisor.httpapi.responses_api import ResponsesApi
 from modelpool.supervisor.httpapi.routes import Handler, Route, Routes
@@ -47,6 +49,7 @@ class Api:
         self.settings = settings
         self.link = DaemonLink(settings.socket_path, settings.connections)
         self.counters = HttpCounters()
+        self.limits = RateLimits()
         self.jobs = JobsApi(self)
         self.responses = ResponsesApi(self)
         self.counters.watch(self.responses.kept)
@@ -55,9 +58,13 @@ class Api:
 
     def endpoint(self, handler: Handler, path: str, open_: bool = False) -> Handler:
         async def answer(request: Request) -> Response:
+            limited: dict[str, str] = {}
             try:
                 if not open_:
                     check_key(request, self.settings.api_keys)
+                    limited, refusal = self.rate_limited(request)
+                    if refusal:
+                        raise HttpError(429, refusal, "rate_limit_exceeded")
                 response = await handler(request)
             except HttpError as exc:
                 # A body cut short (too slow, too large): what is left of it is no next
@@ -76,10 +83,21 @@ class Api:
                 response = Response(replies.error_body(500, f"{type(exc).__name__}: {exc}",
                                                        "internal"), 500,
                                     media_type="application/json")
+            response.headers.update(limited)
             self.counters.requests.labels(path, str(response.status_code)).inc()
             return response
 
         return answer
+
+    def rate_limited(self, request: Request) -> tuple[dict[str, str], str]:
+        """The client's rate-limit headers, and why it is refused ("": it is not)."""
+        limit = self.settings.requests_per_minute
+        if not limit:
+            return {}, ""
+        taken = self.limits.take(client_identity(request), limit, time.monotonic())
+        refusal = "" if taken.allowed else (f"rate limit of {limit} requests a minute "
+                                            f"reached: try again in {taken.retry_after_s:.1f} s")
+        return taken.headers(limit), refusal
 
     async def close(self) -> None:
         await self.link.close()

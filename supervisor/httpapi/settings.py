@@ -19,6 +19,7 @@ class HttpSettings(msgspec.Struct, frozen=True, kw_only=True):
     body_timeout_s: float = 30.0
     connections: int = 8
     max_priority: Priority = "critical"
+    requests_per_minute: int = 0  # each client's (ratelimits.py); 0: no limit
     prefix_cache_per_key: bool = True
     kept_responses_bytes: int = 64 * 2**20  # the Responses API's kept responses, at most
     # The cluster's PostgreSQL, where they are kept when there is one ("": in memory)
