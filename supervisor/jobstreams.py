@@ -35,6 +35,7 @@ from modelpool.supervisor.pgstreams import (
     StreamPiece,
     follow_ask,
     follow_mark,
+    follow_stop,
 )
 from modelpool.supervisor.relay import final_replies, follow_pieces, piece_chunk
 
@@ -103,13 +104,15 @@ class JobStreams:
         self._ended: dict[str, KeptStream] = {}
         self._ended_bytes = 0
         self._watching: set[asyncio.Task[None]] = set()
+        self._sending: dict[str, asyncio.Task[None]] = {}  # to other nodes, by their key
 
     async def submit(self, uid: int, msg: Submit, nbytes: int) -> str:
         """The job submitted (its key); a streamed text job's stream kept here."""
         if not msg.stream or KIND_OF[type(msg.request)].reply != "text":
             return await self.jobs.submit(uid, msg, nbytes)
         followers, channel = self.jobs.followed()
-        followers.asked = self._asked  # by other nodes' follows of the streams kept here
+        # other nodes' follows of the streams kept here
+        followers.asked, followers.stopped = self._asked, self._stopped
         key = new_key()
         pieces = followers.follow(key)  # before it can start: no piece is missed
         try:
@@ -152,8 +155,8 @@ class JobStreams:
             self._ended_bytes -= kept.nbytes
 
     def close(self) -> None:
-        """The daemon stops: nothing more is watched."""
-        for task in self._watching:
+        """The daemon stops: nothing more is watched or sent."""
+        for task in (*self._watching, *self._sending.values()):
             task.cancel()
 
     async def _watch(self, uid: int, key: str, pieces: asyncio.Queue[StreamPiece],
@@ -185,8 +188,13 @@ class JobStreams:
             self.jobs.streams.publisher.publish_text(channel, follow_mark(reply_key, NOT_KEPT))
             return
         task = asyncio.get_running_loop().create_task(self._send_kept(kept, reply_key, channel))
-        self._watching.add(task)
-        task.add_done_callback(self._watching.discard)
+        self._sending[reply_key] = task
+        task.add_done_callback(lambda _: self._sending.pop(reply_key, None))
+
+    def _stopped(self, reply_key: str) -> None:
+        """The follower on another node left before the end: no more is sent to it."""
+        if (task := self._sending.get(reply_key)) is not None:
+            task.cancel()
 
     async def _send_kept(self, kept: KeptStream, reply_key: str, channel: str) -> None:
         assert self.jobs.streams is not None
@@ -205,6 +213,7 @@ class JobStreams:
         reply_key = f"{msg.key}.{new_key()[:12]}"
         pieces = followers.follow(reply_key)
         result: asyncio.Future[JobResult] | None = None
+        sending = False  # the keeper sends: told to stop if its follower leaves first
         try:
             publisher.publish_text(keeper, follow_ask(msg.key, reply_key,
                                                       self.jobs.streams.channel))
@@ -214,7 +223,7 @@ class JobStreams:
                 return None
             if (first.part, first.text) != (FOLLOW_MARK, BEGIN):
                 return None
-            result = asyncio.ensure_future(self._result(uid, msg.key))
+            sending, result = True, asyncio.ensure_future(self._result(uid, msg.key))
             assembly = StreamAssembly()
             while (piece := await _next_piece(pieces, result)) is not None:
                 taken = assembly.take(piece)
@@ -223,9 +232,12 @@ class JobStreams:
                                     "went away after sending part of it; it is being run again")
                 if taken:
                     send(piece_chunk(msg.id, assembly.chunks - 1, piece))
+            sending = False
             return final_replies(msg.id, await result, assembly)
         finally:
             followers.forget(reply_key)
+            if sending:
+                publisher.publish_text(keeper, follow_stop(reply_key))
             if result is not None:
                 result.cancel()  # (done: nothing)
                 if result.done() and not result.cancelled():

@@ -34,9 +34,10 @@ log = logging.getLogger("modelpool.cluster")
 
 CHANNEL_PREFIX = "modelpool_stream_"
 # A node asking, on the channel of the node that keeps a streamed job's stream
-# (jobstreams.py), for its pieces under a key of the asker's: "? JOB REPLY_KEY CHANNEL";
-# the keeper's marks around them, on the asker's channel: "! REPLY_KEY WORD"
-FOLLOW_ASK, FOLLOW_MARK = "?", "!"
+# (jobstreams.py), for its pieces under a key of the asker's: "? JOB REPLY_KEY CHANNEL",
+# and to stop sending them when its follower left first: "x REPLY_KEY"; the keeper's
+# marks around them, on the asker's channel: "! REPLY_KEY WORD"
+FOLLOW_ASK, FOLLOW_STOP, FOLLOW_MARK = "?", "x", "!"
 BEGIN, NOT_KEPT, DONE = "begin", "none", "end"
 PAYLOAD_BYTES = 7900  # PostgreSQL refuses a notification of 8,000 bytes or more
 MAX_BATCH = 256
@@ -104,6 +105,10 @@ def follow_ask(job_key: str, reply_key: str, channel: str) -> str:
     return f"{FOLLOW_ASK} {job_key} {reply_key} {channel}"
 
 
+def follow_stop(reply_key: str) -> str:
+    return f"{FOLLOW_STOP} {reply_key}"
+
+
 def follow_mark(reply_key: str, word: str) -> str:
     return f"{FOLLOW_MARK} {reply_key} {word}"
 
@@ -161,8 +166,10 @@ class StreamFollowers:
 
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[StreamPiece]] = {}
-        # another node's follow of a stream kept here: (job key, its key, its channel)
+        # another node's follow of a stream kept here: (job key, its key, its channel),
+        # and its end when its follower left first (its key)
         self.asked: Callable[[str, str, str], None] | None = None
+        self.stopped: Callable[[str], None] | None = None
 
     def follow(self, key: str) -> asyncio.Queue[StreamPiece]:
         return self._queues.setdefault(key, asyncio.Queue())
@@ -176,6 +183,9 @@ class StreamFollowers:
             asked = rest.split(" ")
             if len(asked) == 3 and self.asked is not None:
                 self.asked(*asked)
+        elif head == FOLLOW_STOP:
+            if self.stopped is not None:
+                self.stopped(rest)
         elif head == FOLLOW_MARK:
             key, _, word = rest.partition(" ")
             self.take(StreamPiece(key, 0, 0, word, FOLLOW_MARK))

@@ -131,3 +131,34 @@ async def test_without_the_keepers_pieces_the_job_comes_whole_once_ended(
     await run_here(h, "Once upon")
     chunk, end = await following
     assert (chunk.text, chunk.id, end.finish_reason) == ("Once upon", 9, "stop")
+
+
+async def test_a_follower_that_leaves_first_stops_the_keeper_sending(
+        make_harness: MakeHarness) -> None:
+    """Else a client that follows and leaves again and again through another node would
+    have the keeper send the whole stream once more each time, to the job's end."""
+    h = make_harness(cold_start_workers=1)
+    jobs, channels = clustered(h)
+    streams = JobStreams(jobs)
+    key, worker, job_id = await started(h, streams, streamed())
+    followers = jobs.streams.followers  # type: ignore[union-attr]
+    followers.notified(f"? {key} {key}.r1 {THERE}")
+    h.chunk(worker, job_id, 0, "Once")
+    await h.settle()
+    followers.notified(f"x {key}.r1")
+    await h.settle()
+    h.chunk(worker, job_id, 1, " upon")
+    h.end(worker, job_id)
+    await h.settle()
+    assert channels.sent[THERE] == [f"! {key}.r1 begin", f"{key}.r1 0 0 Once"]  # no more
+    # The follower's side: its client leaves while the keeper sends
+    key = await jobs.submit(ME, streamed(), 100, stream_to=THERE)
+    following = asyncio.ensure_future(streams.follow(ME, Follow(id=9, key=key),
+                                                     lambda chunk: None))
+    await h.settle()
+    reply_key = channels.sent[THERE][-1].split(" ")[2]
+    followers.notified(f"! {reply_key} begin")
+    await h.settle()
+    following.cancel()
+    await h.settle()
+    assert channels.sent[THERE][-1] == f"x {reply_key}"
