@@ -166,9 +166,14 @@ def fresh_database(server: pg.PgServer) -> Database:
     return Database(server, server.create_database(f"t{next(_databases)}"))
 
 
-@pytest.fixture
-def beta_http() -> str:
-    """The base URL of beta's HTTP API, on a free loopback port."""
+def free_http() -> str:
+    """The base URL of an HTTP API on a free loopback port."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.fixture
+def beta_http() -> str:
+    """The base URL of beta's HTTP API."""
+    return free_http()

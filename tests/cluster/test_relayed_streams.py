@@ -16,6 +16,7 @@ import pytest
 from cluster_helpers import (
     Daemon,
     Database,
+    free_http,
     model_entry,
     model_status,
     node_config,
@@ -60,15 +61,25 @@ GENERATOR = model_entry("gen", loader="counting_generator", capability="text_to_
     "caller", loader="calling_generator", capability="text_to_text", step_s=0.1)
 
 
+def http_on(url: str) -> str:
+    return f'\n[http]\nlisten = "{url.removeprefix("http://")}"\n'
+
+
 @pytest.fixture
-def two_nodes(tmp_path: Path, database: Database,
-              beta_http: str) -> Iterator[tuple[Daemon, Daemon]]:
-    """alpha runs gen; beta's config does not name it, so beta relays it to alpha. beta
-    also serves the HTTP API (open: loopback only)."""
-    http = f'\n[http]\nlisten = "{beta_http.removeprefix("http://")}"\n'
+def alpha_http() -> str:
+    return free_http()
+
+
+@pytest.fixture
+def two_nodes(tmp_path: Path, database: Database, beta_http: str,
+              alpha_http: str) -> Iterator[tuple[Daemon, Daemon]]:
+    """alpha runs gen; beta's config does not name it, so beta relays it to alpha. Both
+    serve the HTTP API (open: loopback only)."""
+    http = http_on(beta_http)
     with nodes_seeing_each_other(
             lambda: start_node(tmp_path / "alpha", node_config(database.dsn, "alpha",
-                                                               GENERATOR)),
+                                                               GENERATOR)
+                               + http_on(alpha_http)),
             lambda: start_node(tmp_path / "beta", node_config(database.dsn, "beta", "")
                                + http),
     ) as (alpha, beta):
@@ -205,7 +216,7 @@ def test_a_streamed_job_is_followed_live_through_either_node(
 
 
 def test_a_background_response_streams_through_a_node_that_does_not_run_it(
-        two_nodes: tuple[Daemon, Daemon], beta_http: str) -> None:
+        two_nodes: tuple[Daemon, Daemon], beta_http: str, alpha_http: str) -> None:
     """The OpenAI SDK asks beta's HTTP API for a streamed background response of a model
     only alpha runs: its deltas come as alpha makes them, and beta streams it again after
     an event the client had."""
@@ -225,3 +236,10 @@ def test_a_background_response_streams_through_a_node_that_does_not_run_it(
     again = list(sdk.responses.retrieve(events[0].response.id, stream=True, starting_after=2))
     assert [(e.type, e.sequence_number) for e in again] == [
         (e.type, e.sequence_number) for e in events[3:]]
+    # and through alpha's front door, which keeps none of it: the same events
+    through_alpha = openai.OpenAI(base_url=f"{alpha_http}/v1", api_key="unused",
+                                  max_retries=0, timeout=60)
+    again = list(through_alpha.responses.retrieve(events[0].response.id, stream=True,
+                                                  starting_after=2))
+    assert [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in again] == [
+        (e.type, e.sequence_number, getattr(e, "delta", None)) for e in events[3:]]
