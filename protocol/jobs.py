@@ -85,11 +85,14 @@ class Completion(_Msg, frozen=True, kw_only=True, tag="completion"):
     reasoning_tokens: int = 0  # of completion_tokens, the thinking's
 
 
+# What a job ends with: its kind's final reply (a text job's whole, as a Completion)
+JobOutcome = Embeddings | Scores | Completion | Image | Tokenized | Detokenized
+
+
 class JobResult(_Msg, frozen=True, kw_only=True, tag="job_result"):
     id: int
     key: str
-    # their own ids are not used
-    result: Embeddings | Scores | Completion | Image | Tokenized | Detokenized
+    result: JobOutcome  # its own id is not used
     single: bool = False
 
 

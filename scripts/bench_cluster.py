@@ -1,8 +1,9 @@
 """Benchmarks of daemons sharing a PostgreSQL job queue on this machine: MiniLM throughput
 of one node against two (each pinned to its own core), no-op job latency and rate
 through PostgreSQL against direct calls in the same run, how soon a killed node's
-jobs are claimed again after its last lease renewal, and a stream relayed by a node
-that does not run its model against the same stream asked of the node that does. Each
+jobs are claimed again after its last lease renewal, a stream relayed by a node that
+does not run its model against the same stream asked of the node that does, and a
+streamed job followed through either node. Each
 figure is printed beside issue 16's target for it ("target", and whether it was
 "met"), where it has one.
 
@@ -237,6 +238,36 @@ def relayed_stream(server: pg.PgServer, rounds: int, tokens: int = 20,
     return figures
 
 
+def followed_stream(server: pg.PgServer, rounds: int, tokens: int = 20,
+                    step_s: float = 0.005) -> dict[str, Any]:
+    """A streamed job submitted to one node and run by the other, followed as it runs
+    through the node it was submitted to (which keeps its chunks) or through the node
+    that runs it (which asks the keeper for them), in turns: as relayed_stream."""
+    nodes, _ = start_nodes(server, 2, [TICKER.format(step_s=step_s), ""])
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"first": [], "whole": [], "chunks": []} for name in ("keeper", "other")}
+    try:
+        with Client(socket_path=nodes[1].socket) as keeper, \
+                Client(socket_path=nodes[0].socket) as other:
+            for name, c in itertools.islice(itertools.cycle(
+                    (("keeper", keeper), ("other", other))), 2 * (rounds + 5)):
+                key = keeper.submit("generate", "go", model="ticker", max_tokens=tokens,
+                                    stream=True)
+                t0, parts = time.perf_counter(), []
+                for part in c.follow(key):
+                    parts.append((time.perf_counter() - t0, part.text))
+                for figure, value in (("first", parts[0][0]), ("whole", parts[-1][0]),
+                                      ("chunks", len([p for p in parts if p[1]]))):
+                    samples[name][figure].append(value)
+    finally:
+        stop_nodes(nodes)
+    return {"tokens": tokens, "step_ms": step_s * 1000, **{
+        name: {"first_token": percentiles(taken["first"][5:]),
+               "whole_stream": percentiles(taken["whole"][5:]),
+               "chunks_mean": round(sum(taken["chunks"][5:]) / rounds, 1)}
+        for name, taken in samples.items()}}
+
+
 def noop_rate(server: pg.PgServer, jobs: int, lanes: int, host: str | None) -> dict[str, Any]:
     """Two nodes, `lanes` clients each submitting and retrieving no-op jobs, half of them
     on each node: completed jobs per second (after a warm-up of a tenth as many), with
@@ -359,6 +390,7 @@ def figures(quick: bool) -> dict[str, Any]:
                           "unix": noop_rate(server, jobs, 64, None)},
             "reclaim_after_kill": reclaim_after_kill(server, 10.0),
             "relayed_stream": relayed_stream(server, 30 if quick else 200),
+            "followed_stream": followed_stream(server, 30 if quick else 200),
             "minilm_scaling": minilm_scaling(server, 40 if quick else 200, 32),
         }
     return {"load_average_before": load_before, "load_average_after": os.getloadavg(),

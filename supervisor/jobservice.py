@@ -22,20 +22,15 @@ import msgspec
 from modelpool.protocol.errors import ErrorCode, PoolError
 from modelpool.protocol.jobs import (
     ENDED,
-    Completion,
     JobInfo,
+    JobOutcome,
     JobResult,
     PoolStats,
     Submit,
 )
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import (
-    Detokenized,
-    Embeddings,
     Error,
-    Image,
-    Scores,
-    Tokenized,
     WorkRequest,
     encoder,
 )
@@ -63,8 +58,7 @@ def new_key() -> str:
 
 
 _request_decoder = msgspec.msgpack.Decoder(WorkRequest)
-_result_decoder = msgspec.msgpack.Decoder(Embeddings | Scores | Completion | Image | Tokenized
-                                          | Detokenized)
+_result_decoder = msgspec.msgpack.Decoder(JobOutcome)
 
 
 class JobService:

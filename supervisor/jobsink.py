@@ -8,16 +8,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from modelpool.protocol.jobs import Completion
+from modelpool.protocol.kinds import FINAL
 from modelpool.protocol.messages import (
     CallDelta,
     Chunk,
-    Detokenized,
-    Embeddings,
     End,
     Error,
-    Image,
-    Scores,
-    Tokenized,
     TokenLogprob,
 )
 from modelpool.supervisor.mailbox import JobRecord
@@ -106,7 +102,7 @@ class MailboxSink:
                     reasoning_tokens=msg.reasoning_tokens))
             case Error() if not self.jobs.registered:
                 self.refusal = msg  # answered at once, never queued
-            case Error() | Embeddings() | Scores() | Image() | Tokenized() | Detokenized():
+            case _ if isinstance(msg, FINAL):  # any other kind's final reply: its result
                 self.service.ended(self, msg)
             case _:
                 pass  # image progress: the stored result is the finished image
