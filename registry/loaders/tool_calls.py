@@ -130,8 +130,12 @@ FORMATS = {f.name: f for f in (
     ToolFormat("minimax_m2", tool_calls_xml.MINIMAX_OPENS, False, tool_calls_xml.parse_minimax,
                markers=(tool_calls_xml.MINIMAX_OPENS, "</minimax:tool_call>"),
                retype=tool_calls_xml.retype))}
-FORMATS |= {"jamba": FORMATS["minimax"], "hunyuan_a13b": FORMATS["minimax"],  # vLLM's names
-            "internlm2": FORMATS["internlm"]}
+# vLLM's names for these formats (its `--tool-call-parser`), read by the same readers
+FORMATS |= {"jamba": FORMATS["minimax"], "hunyuan_a13b": FORMATS["minimax"],
+            "internlm2": FORMATS["internlm"], "deepseek_v3": FORMATS["deepseek"],
+            "deepseek_v31": FORMATS["deepseek"], "llama4_json": FORMATS["llama3_json"],
+            "llama4_pythonic": FORMATS["pythonic"], "qwen3_xml": FORMATS["qwen3_coder"],
+            "ernie45": FORMATS["hermes"]}
 
 
 # What each format's template shows its model, looked for in this order (Seed-OSS's and

@@ -122,6 +122,7 @@ def test_a_template_that_writes_channels_is_harmony_unless_an_option_says_otherw
     template = "{{ '<|start|>assistant<|channel|>final<|message|>' }}"
     assert used(template, None, None) and not used("{{ messages }}", None, None)
     assert used("{{ messages }}", "harmony", None) and used(None, None, "harmony")
+    assert used("{{ messages }}", "openai", None)  # vLLM's name for its parser
     assert not used(template, "hermes", None)  # an option names another format
 
 

@@ -280,6 +280,11 @@ def test_the_format_comes_from_the_options_or_the_template() -> None:
     assert format_of("<|im_start|>{{ message.content }}", None, "m") is None
     assert format_of(None, None, "m") is None
     assert format_of(None, "llama3_json", "m") is LLAMA3
+    vllms = {"deepseek_v3": "deepseek", "deepseek_v31": "deepseek", "qwen3_xml": "qwen3_coder",
+             "llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "ernie45": "hermes",
+             "jamba": "minimax", "hunyuan_a13b": "minimax", "internlm2": "internlm"}
+    for name, same in vllms.items():  # vLLM's --tool-call-parser names for the same
+        assert format_of("<tool_call>", name, "m") is FORMATS[same]
     with pytest.raises(ValueError, match="tool_call_format 'qwen' is not one of"):
         format_of("<tool_call>", "qwen", "m")
 
