@@ -45,8 +45,9 @@ def used(template: str | None, tool_call_format: str | None,
          reasoning_format: str | None) -> bool:
     """Whether the model writes harmony: an option names it, or, where neither option is
     given, its template writes channels."""
-    if FORMAT in (tool_call_format, reasoning_format) or tool_call_format == "openai":
-        return True  # ("openai": vLLM's name for its tool-call parser)
+    if FORMAT in (tool_call_format, reasoning_format) or tool_call_format == "openai" \
+            or reasoning_format == "openai_gptoss":
+        return True  # (vLLM's names for its parsers)
     unset = tool_call_format is None and reasoning_format is None
     return unset and all(sign in (template or "") for sign in TEMPLATE_SIGNS)
 

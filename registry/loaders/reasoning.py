@@ -49,6 +49,8 @@ FORMATS = {t.name: t for t in (ThinkingTags("think", "<think>", "</think>"),
                                             "Here is my response:",
                                             ("Here's my thought process:",),
                                             ("Here's my response:",)))}
+# vLLM's --reasoning-parser names for the tags read here
+FORMATS |= {name: FORMATS["think"] for name in ("deepseek_r1", "qwen3", "glm45", "minimax_m2")}
 PROMPT_TAIL = 8  # tokens: a prompt's end, decoded, shows whether it opens the thinking
 
 

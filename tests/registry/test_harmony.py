@@ -122,7 +122,8 @@ def test_a_template_that_writes_channels_is_harmony_unless_an_option_says_otherw
     template = "{{ '<|start|>assistant<|channel|>final<|message|>' }}"
     assert used(template, None, None) and not used("{{ messages }}", None, None)
     assert used("{{ messages }}", "harmony", None) and used(None, None, "harmony")
-    assert used("{{ messages }}", "openai", None)  # vLLM's name for its parser
+    assert used("{{ messages }}", "openai", None)  # vLLM's names for its parsers
+    assert used("{{ messages }}", None, "openai_gptoss")
     assert not used(template, "hermes", None)  # an option names another format
 
 

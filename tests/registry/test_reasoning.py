@@ -60,6 +60,8 @@ def test_a_model_reasons_by_its_option_else_by_its_template() -> None:
     assert thinking_tags("{{ '[THINK]' + t + '[/THINK]' }}", None, "m") is FORMATS["mistral"]
     assert thinking_tags("<seed:think>{{ t }}</seed:think>", None, "m") is FORMATS["seed_oss"]
     assert thinking_tags("{{ messages }}", "think", "m") is FORMATS["think"]
+    for vllms in ("deepseek_r1", "qwen3", "glm45", "minimax_m2"):  # its parsers' names
+        assert thinking_tags("{{ messages }}", vllms, "m") is FORMATS["think"]
     assert thinking_tags(GRANITE_SYSTEM, None, "m") is FORMATS["granite"]
     assert thinking_tags(qwen3, "none", "m") is None
     with pytest.raises(ValueError, match="reasoning_format 'r1' is not one of"):
