@@ -243,3 +243,30 @@ def test_a_background_response_streams_through_a_node_that_does_not_run_it(
                                                   starting_after=2))
     assert [(e.type, e.sequence_number, getattr(e, "delta", None)) for e in again] == [
         (e.type, e.sequence_number, getattr(e, "delta", None)) for e in events[3:]]
+
+
+def test_a_follow_through_another_node_ends_whole_when_its_keeper_dies(
+        tmp_path: Path, database: Database) -> None:
+    """beta keeps the stream of a job alpha runs; a client of alpha follows it (from
+    beta's pieces) and beta is killed on the way: the rest comes with the end, from the
+    job's result, which alpha makes."""
+    alpha = start_node(tmp_path / "alpha", node_config(database.dsn, "alpha", GENERATOR))
+    beta = start_node(tmp_path / "beta", node_config(database.dsn, "beta", ""))
+    try:
+        with beta.client() as c:
+            wait_until(lambda: any(m["key"] == "gen" for m in c.models()), 30, "beta knows gen")
+            key = c.submit("generate", "hello", model="gen", max_tokens=30, stream=True)
+        got = []
+        with alpha.client() as a:
+            for part in a.follow(key):
+                got.append(part)
+                if len([p for p in got if p.text]) == 3:
+                    for child in beta.descendants():
+                        child.kill()
+                    beta.process.kill()
+        assert "".join(p.text for p in got) == "".join(f"tok{i} " for i in range(30))
+        assert got[-1].finish_reason == "length"
+        assert len([p for p in got if p.text]) == 4  # three as made, then the rest whole
+    finally:
+        assert alpha.stop() == 0, alpha.log()
+        beta.process.kill()
