@@ -31,6 +31,19 @@ from modelpool.protocol.messages import (
 )
 
 REQUESTS = 300
+CONFIG = """
+    [[models]]
+    key = "tiny-llm"
+    capability = "text_to_text"
+    path = "{models}/tiny-llm"
+    options = {{ context = 640 }}
+    max_workers = 1
+    [[models]]
+    key = "tiny-vision"
+    capability = "vision"
+    path = "{models}/tiny-vision"
+    max_workers = 1
+"""
 # what a request's own values may earn it; the others are the daemon's failures
 REFUSALS = {ErrorCode.BAD_REQUEST, ErrorCode.IMAGE_TOO_LARGE}
 
@@ -65,19 +78,7 @@ def _as_job(sock: socket.socket, rid: int, body: dict[str, Any], rng: random.Ran
 @pytest.mark.real_process
 def test_hostile_values_each_get_one_typed_reply_and_cost_no_worker(
         tmp_path: Path, tiny_models_dir: Path) -> None:
-    config = f"""
-        [[models]]
-        key = "tiny-llm"
-        capability = "text_to_text"
-        path = "{tiny_models_dir / 'tiny-llm'}"
-        options = {{ context = 640 }}
-        max_workers = 1
-        [[models]]
-        key = "tiny-vision"
-        capability = "vision"
-        path = "{tiny_models_dir / 'tiny-vision'}"
-        max_workers = 1
-    """
+    config = CONFIG.format(models=tiny_models_dir)
     rng = random.Random(20261204)
     kinds = {"generate": (HostileValues(Generate, rng), "tiny-llm"),
              "describe": (HostileValues(Describe, rng), "tiny-vision"),
