@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import psutil
@@ -207,35 +207,23 @@ options = {{ step_s = {step_s} }}
 """
 
 
+# A way to ask for a stream of the two nodes' clients (the one running the model first):
+# what is done before it is timed (a submission), then the stream itself
+Way = tuple[Callable[[Client, Client], Any], Callable[[Client, Client, Any], Iterable[Any]]]
+
+
 def relayed_stream(server: pg.PgServer, rounds: int, tokens: int = 20,
                    step_s: float = 0.005) -> dict[str, Any]:
     """A stream of `tokens` tokens, one each step_s, asked of the node that runs its
     model and of a node whose config does not name it (so that it relays it through
     PostgreSQL), in turns: the first token's time and the whole stream's, and how many
     chunks the relayed client got (1: the whole text at the end)."""
-    nodes, _ = start_nodes(server, 2, [TICKER.format(step_s=step_s), ""])
-    samples: dict[str, dict[str, list[float]]] = {
-        name: {"first": [], "whole": [], "chunks": []} for name in ("direct", "relayed")}
-    try:
-        with Client(socket_path=nodes[0].socket) as direct, \
-                Client(socket_path=nodes[1].socket) as relayed:
-            for name, c in itertools.islice(itertools.cycle(
-                    (("direct", direct), ("relayed", relayed))), 2 * (rounds + 5)):
-                t0 = time.perf_counter()
-                parts = []
-                for part in c.generate("go", model="ticker", max_tokens=tokens):
-                    parts.append((time.perf_counter() - t0, part.text))
-                for figure, value in (("first", parts[0][0]), ("whole", parts[-1][0]),
-                                      ("chunks", len([p for p in parts if p[1]]))):
-                    samples[name][figure].append(value)
-    finally:
-        stop_nodes(nodes)
-    figures: dict[str, Any] = {"tokens": tokens, "step_ms": step_s * 1000}
-    for name, taken in samples.items():
-        figures[name] = {"first_token": percentiles(taken["first"][5:]),
-                         "whole_stream": percentiles(taken["whole"][5:]),
-                         "chunks_mean": round(sum(taken["chunks"][5:]) / rounds, 1)}
-    return figures
+    def asked(which: int) -> Way:
+        return (lambda runner, other: None, lambda runner, other, _: (runner, other)[
+            which].generate("go", model="ticker", max_tokens=tokens))
+
+    return _streams_in_turns(server, rounds, tokens, step_s,
+                             {"direct": asked(0), "relayed": asked(1)})
 
 
 def followed_stream(server: pg.PgServer, rounds: int, tokens: int = 20,
@@ -243,18 +231,28 @@ def followed_stream(server: pg.PgServer, rounds: int, tokens: int = 20,
     """A streamed job submitted to one node and run by the other, followed as it runs
     through the node it was submitted to (which keeps its chunks) or through the node
     that runs it (which asks the keeper for them), in turns: as relayed_stream."""
+    def submitted(runner: Client, keeper: Client) -> str:
+        return keeper.submit("generate", "go", model="ticker", max_tokens=tokens, stream=True)
+
+    return _streams_in_turns(server, rounds, tokens, step_s, {
+        "keeper": (submitted, lambda runner, keeper, key: keeper.follow(key)),
+        "other": (submitted, lambda runner, keeper, key: runner.follow(key))})
+
+
+def _streams_in_turns(server: pg.PgServer, rounds: int, tokens: int, step_s: float,
+                      ways: dict[str, Way]) -> dict[str, Any]:
+    """Each way's stream `rounds` times, in turns after five each to warm up."""
     nodes, _ = start_nodes(server, 2, [TICKER.format(step_s=step_s), ""])
     samples: dict[str, dict[str, list[float]]] = {
-        name: {"first": [], "whole": [], "chunks": []} for name in ("keeper", "other")}
+        name: {"first": [], "whole": [], "chunks": []} for name in ways}
     try:
-        with Client(socket_path=nodes[1].socket) as keeper, \
-                Client(socket_path=nodes[0].socket) as other:
-            for name, c in itertools.islice(itertools.cycle(
-                    (("keeper", keeper), ("other", other))), 2 * (rounds + 5)):
-                key = keeper.submit("generate", "go", model="ticker", max_tokens=tokens,
-                                    stream=True)
+        with Client(socket_path=nodes[0].socket) as runner, \
+                Client(socket_path=nodes[1].socket) as other:
+            for name in itertools.islice(itertools.cycle(ways), len(ways) * (rounds + 5)):
+                before, stream = ways[name]
+                made = before(runner, other)
                 t0, parts = time.perf_counter(), []
-                for part in c.follow(key):
+                for part in stream(runner, other, made):
                     parts.append((time.perf_counter() - t0, part.text))
                 for figure, value in (("first", parts[0][0]), ("whole", parts[-1][0]),
                                       ("chunks", len([p for p in parts if p[1]]))):
