@@ -1,6 +1,8 @@
 """vLLM's /tokenize and /detokenize: a prompt's token ids as the model reads them (a
-completion's prompt, by the tokenizer with its special tokens; a chat's messages, through
-its chat template with the body's tools and variables), and token ids back into text."""
+completion's prompt alone, its special tokens added; a chat's messages, through its chat
+template with the body's tools and variables), and token ids back into text. The worker
+that runs the model makes them (workers/capabilities/tokens.py); this only shapes the
+bodies and answers."""
 
 from __future__ import annotations
 
@@ -54,14 +56,14 @@ class DetokenizeBody(Options, kw_only=True):
     tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
 
 
-class TokenizeResponse(msgspec.Struct, kw_only=True):
+class TokenIdsAnswer(msgspec.Struct, kw_only=True):
     count: int
     max_model_len: int  # the model's context: prompt and output tokens together
     tokens: list[int]
     token_strs: list[str] | None = None
 
 
-class DetokenizeResponse(msgspec.Struct, kw_only=True):
+class TextAnswer(msgspec.Struct, kw_only=True):
     prompt: str
 
 
@@ -74,8 +76,8 @@ def tokenize_call(body: TokenizeBody) -> PoolCall:
     if body.messages is None:
         if body.add_special_tokens is False or body.tools or body.chat_template_kwargs:
             raise bad("add_special_tokens" if body.add_special_tokens is False else "prompt",
-                      "a prompt is read by the tokenizer alone, its special tokens added; "
-                      "send messages for the chat template")
+                      "a prompt is read alone, its special tokens added; send messages for "
+                      "the chat template")
         return PoolCall("tokenize", (body.prompt,), {**common, "raw": True})
     if body.add_special_tokens:
         raise bad("add_special_tokens", "a chat's special tokens are its template's")
@@ -94,10 +96,10 @@ def detokenize_call(body: DetokenizeBody) -> PoolCall:
                                                    **options(body)})
 
 
-def tokenize_answer(reply: Tokenized) -> TokenizeResponse:
-    return TokenizeResponse(count=len(reply.tokens), max_model_len=reply.max_model_len,
+def tokenize_answer(reply: Tokenized) -> TokenIdsAnswer:
+    return TokenIdsAnswer(count=len(reply.tokens), max_model_len=reply.max_model_len,
                             tokens=reply.tokens, token_strs=reply.token_strs)
 
 
-def detokenize_answer(reply: Detokenized) -> DetokenizeResponse:
-    return DetokenizeResponse(prompt=reply.prompt)
+def detokenize_answer(reply: Detokenized) -> TextAnswer:
+    return TextAnswer(prompt=reply.prompt)

@@ -28,3 +28,13 @@ def test_the_supervisor_imports_no_ml_library() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=SUPERVISOR.parent, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_file_of_the_supervisor_or_its_front_doors_knows_a_tokenizer() -> None:
+    """The HTTP front door serves tokenize as an operation of the kinds table; the
+    tokenizer itself is the worker's (workers/capabilities/tokens.py)."""
+    hits = [f"{path.relative_to(SUPERVISOR)}:{n}"
+            for path in sorted(SUPERVISOR.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if re.search("tokenizer", line, re.IGNORECASE)]
+    assert hits == []
