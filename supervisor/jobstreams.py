@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -71,26 +71,27 @@ class KeptStream:
 
     async def each_piece(self, send: Callable[[StreamPiece], None]) -> None:
         """Every piece to `send`, live as they come, until the stream ends."""
-        sent = 0
-        while True:
-            grew = self._grew
-            for piece in self.pieces[sent:]:
-                send(piece)
-            sent = len(self.pieces)
-            if self.replies and type(self.replies[-1]) is not Chunk:
-                return
-            await grew.wait()
+        async for piece in self._live(self.pieces):
+            send(piece)
 
     async def replay(self, rid: int, send: Callable[[Any], None]) -> End | Error:
         """Every chunk to `send`, live as they come; the final reply returned."""
+        async for msg in self._live(self.replies):
+            if type(msg) is not Chunk:
+                return msgspec.structs.replace(msg, id=rid)
+            send(msgspec.structs.replace(msg, id=rid))
+        raise AssertionError("a stream ends with its final reply")
+
+    async def _live(self, items: list[Any]) -> AsyncIterator[Any]:
+        """Each of `items` (a list this stream grows) as it comes, until the stream ends."""
         sent = 0
         while True:
             grew = self._grew
-            for msg in self.replies[sent:]:
+            while sent < len(items):
                 sent += 1
-                if type(msg) is not Chunk:
-                    return msgspec.structs.replace(msg, id=rid)
-                send(msgspec.structs.replace(msg, id=rid))
+                yield items[sent - 1]
+            if self.replies and type(self.replies[-1]) is not Chunk:
+                return
             await grew.wait()
 
 
@@ -212,7 +213,6 @@ class JobStreams:
         followers, publisher = self.jobs.streams.followers, self.jobs.streams.publisher
         reply_key = f"{msg.key}.{new_key()[:12]}"
         pieces = followers.follow(reply_key)
-        result: asyncio.Future[JobResult] | None = None
         sending = False  # the keeper sends: told to stop if its follower leaves first
         try:
             publisher.publish_text(keeper, follow_ask(msg.key, reply_key,
@@ -223,25 +223,17 @@ class JobStreams:
                 return None
             if (first.part, first.text) != (FOLLOW_MARK, BEGIN):
                 return None
-            sending, result = True, asyncio.ensure_future(self._result(uid, msg.key))
-            assembly = StreamAssembly()
-            while (piece := await _next_piece(pieces, result)) is not None:
-                taken = assembly.take(piece)
-                if taken is None:
-                    raise PoolError(ErrorCode.WORKER_DIED, "the node running this stream "
-                                    "went away after sending part of it; it is being run again")
-                if taken:
-                    send(piece_chunk(msg.id, assembly.chunks - 1, piece))
+            sending, assembly = True, StreamAssembly()
+            result = await follow_pieces(
+                self._result(uid, msg.key), pieces, assembly,
+                lambda piece: send(piece_chunk(msg.id, assembly.chunks - 1, piece)),
+                KEEPER_WAIT_S)
             sending = False
-            return final_replies(msg.id, await result, assembly)
+            return final_replies(msg.id, result, assembly)
         finally:
             followers.forget(reply_key)
             if sending:
                 publisher.publish_text(keeper, follow_stop(reply_key))
-            if result is not None:
-                result.cancel()  # (done: nothing)
-                if result.done() and not result.cancelled():
-                    result.exception()  # read: its failure is replied, not logged
 
     async def _result(self, uid: int, key: str) -> JobResult:
         """The job's result once it has ended; its failure raised."""
@@ -264,18 +256,3 @@ class JobStreams:
                 return
             self.forget(key)
 
-
-async def _next_piece(pieces: asyncio.Queue[StreamPiece],
-                      result: asyncio.Future[JobResult]) -> StreamPiece | None:
-    """The keeper's next piece; None at its end mark, or once the job has ended and no
-    more came within KEEPER_WAIT_S (the keeper gone)."""
-    got = asyncio.ensure_future(pieces.get())
-    await asyncio.wait({got, result}, return_when=asyncio.FIRST_COMPLETED)
-    if not got.done():
-        try:
-            await asyncio.wait_for(asyncio.shield(got), KEEPER_WAIT_S)
-        except TimeoutError:
-            got.cancel()
-            return None
-    piece = got.result()
-    return None if piece.part == FOLLOW_MARK else piece

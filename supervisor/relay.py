@@ -17,7 +17,7 @@ from modelpool.protocol.jobs import Completion, JobResult, Submit
 from modelpool.protocol.kinds import KIND_OF
 from modelpool.protocol.messages import CallDelta, Chunk, End, Error, WorkRequest
 from modelpool.supervisor.jobservice import new_key
-from modelpool.supervisor.pgstreams import StreamAssembly, StreamPiece
+from modelpool.supervisor.pgstreams import FOLLOW_MARK, StreamAssembly, StreamPiece
 
 if TYPE_CHECKING:
     from modelpool.supervisor.jobservice import JobService
@@ -62,31 +62,48 @@ async def relay(jobs: JobService, uid: int, request: WorkRequest,
 
 
 async def follow_pieces(retrieve: Any, pieces: asyncio.Queue[StreamPiece] | None,
-                  assembly: StreamAssembly, send_piece: Callable[[StreamPiece], None]
-                  ) -> JobResult:
-    """The job's result; meanwhile its stream's pieces, sent on as they come in order."""
+                        assembly: StreamAssembly, send_piece: Callable[[StreamPiece], None],
+                        grace_s: float = 0.0) -> JobResult:
+    """The job's result; meanwhile its stream's pieces, sent on as they come in order,
+    and those that come within grace_s of the result (up to an end mark: pieces another
+    node sends on, jobstreams.py)."""
     if pieces is None:
         return await retrieve
     result = asyncio.ensure_future(retrieve)
     try:
-        while not result.done():
-            piece = asyncio.ensure_future(pieces.get())
-            await asyncio.wait({result, piece}, return_when=asyncio.FIRST_COMPLETED)
-            if not piece.done():
-                piece.cancel()
-                break
-            taken = assembly.take(piece.result())
+        while (piece := await _next_piece(pieces, result, grace_s)) is not None:
+            taken = assembly.take(piece)
             if taken is None:
                 raise PoolError(ErrorCode.WORKER_DIED, "the node running this stream went "
                                 "away after sending part of it; it is being run again")
             if taken:
-                send_piece(piece.result())
+                send_piece(piece)
         return await result
     finally:
         if not result.done():
             result.cancel()
             with contextlib.suppress(asyncio.CancelledError, PoolError):
                 await result
+        elif not result.cancelled():
+            result.exception()  # read: a failure is the caller's reply, not a log line
+
+
+async def _next_piece(pieces: asyncio.Queue[StreamPiece], result: asyncio.Future[JobResult],
+                      grace_s: float) -> StreamPiece | None:
+    """The next piece; None at an end mark, or once the job has ended and no more came
+    within grace_s."""
+    if result.done() and grace_s <= 0:
+        return None
+    got = asyncio.ensure_future(pieces.get())
+    await asyncio.wait({got, result}, return_when=asyncio.FIRST_COMPLETED)
+    if not got.done() and grace_s > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(got), grace_s)
+    if not got.done():
+        got.cancel()
+        return None
+    piece = got.result()
+    return None if piece.part == FOLLOW_MARK else piece
 
 
 def piece_chunk(rid: int, seq: int, piece: StreamPiece) -> Chunk:

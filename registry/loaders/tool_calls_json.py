@@ -68,15 +68,17 @@ def _decoded(text: str) -> Any:
         return None
 
 
+def _json_blocks(blocks: re.Pattern[str], text: str) -> list[ToolCall] | None:
+    return _all_or_none([_call(_decoded(body), "arguments") for body in blocks.findall(text)])
+
+
 def hermes(text: str) -> list[ToolCall] | None:
-    return _all_or_none([_call(_decoded(body), "arguments")
-                         for body in HERMES_BLOCK.findall(text)])
+    return _json_blocks(HERMES_BLOCK, text)
 
 
 def longcat(text: str) -> list[ToolCall] | None:
     """LongCat-Flash's: Hermes' JSON in its own tags."""
-    return _all_or_none([_call(_decoded(body), "arguments")
-                         for body in LONGCAT_BLOCK.findall(text)])
+    return _json_blocks(LONGCAT_BLOCK, text)
 
 
 def minimax_m1(text: str) -> list[ToolCall] | None:

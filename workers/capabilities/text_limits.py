@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from modelpool.protocol.errors import ErrorCode, PoolError
+from modelpool.protocol.messages import ChatMessage
 from modelpool.protocol.pipes import token_limit
 
 MAX_CHARS_PER_TOKEN = 64  # whitespace runs and [UNK] words aside, tokens are far shorter
@@ -29,6 +30,14 @@ def clip(texts: list[str], limit: int | None) -> list[str]:
     if limit is None:
         return texts
     return [text[:limit] if len(text) > limit else text for text in texts]
+
+
+def check_chat(model: Any, prompt: str, messages: list[ChatMessage]) -> None:
+    """Refuse a generate (or tokenize) request's prompt that cannot fit the model's
+    context: its text, its messages' and the arguments of their tool calls."""
+    chars = len(prompt) + sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
+                              for m in messages)
+    check_prompt(chars, char_limit(model))
 
 
 def check_prompt(chars: int, limit: int | None) -> None:

@@ -207,9 +207,7 @@ def run(model: TextGenerationModel, items: list[WorkItem], out: Outbox, max_batc
 def _check(model: TextGenerationModel, item: WorkItem) -> Generate:
     request = item.request
     assert isinstance(request, Generate)
-    chars = len(request.prompt) + sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
-                                      for m in request.messages)
-    text_limits.check_prompt(chars, text_limits.char_limit(model))
+    text_limits.check_chat(model, request.prompt, request.messages)
     return request
 
 

@@ -33,9 +33,7 @@ def answer(model: Any, job_id: int, request: Tokenize | Detokenize) -> Tokenized
             raise PoolError(ErrorCode.BAD_REQUEST, f"tokens: token {outside[0]} is not one of "
                             f"the model's {vocab}")
         return Detokenized(id=job_id, prompt=tokenizer.decode(request.tokens))
-    chars = len(request.prompt) + sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
-                                      for m in request.messages)
-    text_limits.check_prompt(chars, text_limits.char_limit(model))
+    text_limits.check_chat(model, request.prompt, request.messages)
     ids = model.prompt_ids(Generate(
         id=job_id, prompt=request.prompt, messages=request.messages, raw=request.raw,
         tools=request.tools, chat_template_kwargs=request.chat_template_kwargs,
